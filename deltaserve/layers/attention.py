@@ -1,0 +1,47 @@
+"""Gated full attention (Qwen3.5 / Qwen3-Next), over the paged KV cache.
+
+q_proj produces per head [query | gate] (interleaved per head, not split in halves); q and k get a
+zero-centred RMSNorm per head, then partial RoPE; the attention output is multiplied by sigmoid(gate)
+before o_proj. See the architecture reference, section 3.
+"""
+
+import torch
+from torch import nn
+
+from deltaserve.layers.batch import ForwardBatch
+from deltaserve.layers.norm import RMSNorm
+from deltaserve.layers.rotary import PartialRotary
+from deltaserve.ops.attention import paged_attention, write_kv_cache
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 rotary: PartialRotary, eps: float):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim * 2, bias=False)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        self.q_norm = RMSNorm(head_dim, eps)
+        self.k_norm = RMSNorm(head_dim, eps)
+        self.rotary = rotary
+        self.scale = head_dim ** -0.5
+        # Paged KV cache, bound by the runner: [num_blocks, block_size, num_kv_heads, head_dim] each.
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden]. Writes this step's K/V into the cache, then attends over it."""
+        T = x.shape[0]
+        qg = self.q_proj(x).view(T, self.num_heads, 2 * self.head_dim)
+        q, gate = qg[..., : self.head_dim], qg[..., self.head_dim:]  # [T, nH, hd] each
+        q = self.q_norm(q)
+        k = self.k_norm(self.k_proj(x).view(T, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(batch.positions, q, k)
+        write_kv_cache(k, v, self.k_cache, self.v_cache, batch.slot_mapping)
+        o = paged_attention(q, self.k_cache, self.v_cache, batch.block_tables, batch.cu_seqlens_q,
+                            batch.seq_lens, self.scale)  # [T, nH, hd]
+        o = o * torch.sigmoid(gate)
+        return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))

@@ -1,0 +1,90 @@
+"""Gated DeltaNet mixer (the linear-attention layer of Qwen3.5 / Qwen3-Next), over the GDN state pool.
+
+Per sequence the layer carries two states, held in pools indexed by the sequence's state slot:
+a conv state (the last W-1 pre-conv inputs, [slots, conv_dim, W-1]) and a recurrent state
+([slots, HV, K, V], float32 by default). See the architecture reference, section 2.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deltaserve.config import ModelConfig
+from deltaserve.layers.batch import ForwardBatch
+from deltaserve.layers.norm import GatedRMSNorm
+from deltaserve.ops.conv1d import causal_conv1d, causal_conv1d_update
+from deltaserve.ops.gdn import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        H = cfg.hidden_size
+        self.num_k_heads, self.num_v_heads = cfg.gdn_num_k_heads, cfg.gdn_num_v_heads
+        self.k_dim, self.v_dim = cfg.gdn_k_dim, cfg.gdn_v_dim
+        self.key_dim, self.value_dim = cfg.gdn_key_dim, cfg.gdn_value_dim
+        self.fused_inproj = cfg.gdn_fused_inproj
+        if self.fused_inproj:  # Qwen3-Next: [q|k|v|z] and [b|a], interleaved per key head
+            self.in_proj_qkvz = nn.Linear(H, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+            self.in_proj_ba = nn.Linear(H, 2 * self.num_v_heads, bias=False)
+        else:  # Qwen3.5: separate projections, [q|k|v] flat
+            self.in_proj_qkv = nn.Linear(H, cfg.conv_dim, bias=False)
+            self.in_proj_z = nn.Linear(H, self.value_dim, bias=False)
+            self.in_proj_b = nn.Linear(H, self.num_v_heads, bias=False)
+            self.in_proj_a = nn.Linear(H, self.num_v_heads, bias=False)
+        self.conv1d = nn.Conv1d(cfg.conv_dim, cfg.conv_dim, cfg.conv_kernel, groups=cfg.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.v_dim, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, H, bias=False)
+        # State pools, bound by the runner: [slots, conv_dim, W-1] and [slots, HV, K, V].
+        self.conv_state: torch.Tensor | None = None
+        self.ssm_state: torch.Tensor | None = None
+
+    def _project(self, x: torch.Tensor):
+        """x: [T, H] -> mixed_qkv [T, conv_dim], z [T, HV, dv], b [T, HV], a [T, HV]."""
+        T = x.shape[0]
+        if not self.fused_inproj:
+            z = self.in_proj_z(x).view(T, self.num_v_heads, self.v_dim)
+            return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+        r = self.num_v_heads // self.num_k_heads  # value heads per key head
+        qkvz = self.in_proj_qkvz(x).view(T, self.num_k_heads, 2 * self.k_dim + 2 * r * self.v_dim)
+        q, k, v, z = qkvz.split([self.k_dim, self.k_dim, r * self.v_dim, r * self.v_dim], dim=-1)
+        b, a = self.in_proj_ba(x).view(T, self.num_k_heads, 2 * r).split([r, r], dim=-1)
+        mixed = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
+        return (mixed, z.reshape(T, self.num_v_heads, self.v_dim),
+                b.reshape(T, self.num_v_heads), a.reshape(T, self.num_v_heads))
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """x: [T, H] -> [T, H]. Reads and writes this batch's slots of the conv and recurrent state pools."""
+        T = x.shape[0]
+        mixed, z, b, a = self._project(x)
+        conv_w = self.conv1d.weight.squeeze(1)  # [conv_dim, W]
+        slots = batch.state_slots
+        conv_state = self.conv_state[slots]  # [N, conv_dim, W-1] (a gathered copy)
+        ssm_state = self.ssm_state[slots].float()  # [N, HV, K, V]
+        if batch.is_decode:
+            mixed = causal_conv1d_update(mixed, conv_state, conv_w, activation="silu")
+        else:
+            fresh = ~batch.has_initial_state
+            if bool(fresh.any()):  # sequences that start now begin from zero state
+                conv_state = conv_state.masked_fill(fresh[:, None, None], 0)
+                ssm_state = ssm_state.masked_fill(fresh[:, None, None, None], 0)
+            mixed, conv_state = causal_conv1d(mixed, conv_w, conv_state, batch.cu_seqlens_q, activation="silu")
+        self.conv_state[slots] = conv_state.to(self.conv_state.dtype)
+
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.view(T, self.num_k_heads, self.k_dim)
+        k = k.view(T, self.num_k_heads, self.k_dim)
+        v = v.view(T, self.num_v_heads, self.v_dim)
+        beta = torch.sigmoid(b)
+        # log-space decay in float32: g = -exp(A_log) * softplus(a + dt_bias) <= 0
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        if batch.is_decode:
+            o, ssm_state = fused_recurrent_gated_delta_rule(q, k, v, g, beta, ssm_state)
+        else:
+            o, ssm_state = chunk_gated_delta_rule(q, k, v, g, beta, ssm_state, batch.cu_seqlens_q)
+        self.ssm_state[slots] = ssm_state.to(self.ssm_state.dtype)
+
+        o = self.norm(o, z)  # [T, HV, dv]
+        return self.out_proj(o.reshape(T, self.value_dim))

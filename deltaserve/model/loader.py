@@ -1,0 +1,173 @@
+"""Build the model and fill its weights: from safetensors checkpoints (single file or sharded) or dummy.
+
+Checkpoint names map onto ours by a few rules (`_map_name`): multimodal Qwen3.5 checkpoints put the text
+model under `model.language_model.`; `visual.*` and `mtp.*` tensors are skipped; per-expert MoE tensors
+(`mlp.experts.{e}.gate_proj.weight` ...) are stacked into our fused `experts.gate_up_proj` / `down_proj`.
+Any missing, unexpected or mis-shaped tensor is an error naming it: nothing partially loaded is served.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm import tqdm
+
+from deltaserve.config import ModelConfig
+from deltaserve.model.qwen3_5 import HybridForCausalLM
+
+logger = logging.getLogger(__name__)
+
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+_SKIPPED_PREFIXES = ("visual.", "model.visual.", "mtp.", "model.mtp.")
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+class WeightLoadError(RuntimeError):
+    """A checkpoint could not be loaded; the message names the file or tensor."""
+
+
+def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> HybridForCausalLM:
+    """Allocate the model on `device` in `dtype` without initialising it (weights must be loaded next)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = HybridForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(previous)
+    model = model.to_empty(device=device)
+    for gdn in model.gdn_layers:  # the decay parameter stays float32 (stored so in checkpoints)
+        gdn.A_log.data = gdn.A_log.data.float()
+    model.model.rotary.materialize(device)
+    if cfg.tie_word_embeddings:  # to_empty() keeps the tie only if it is re-established
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval().requires_grad_(False)
+
+
+def load_model(path: str | Path | None, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+               load_format: str = "auto", seed: int = 0) -> HybridForCausalLM:
+    """Build the model and load its weights (`load_format` "auto"/"safetensors" or "dummy")."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"--load-format {load_format!r} is not supported; choose one of {LOAD_FORMATS}")
+    model = build_model(cfg, dtype, device)
+    if load_format == "dummy":
+        init_dummy_weights(model, seed)
+    else:
+        load_safetensors(model, Path(path))
+    return model
+
+
+def _checkpoint_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise WeightLoadError(f"cannot read checkpoint index '{index}': {exc}") from exc
+        files = [path / name for name in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise WeightLoadError(f"no *.safetensors files in '{path}' (use --load-format dummy for random weights)")
+    for file in files:
+        if not file.is_file():
+            raise WeightLoadError(f"checkpoint file '{file}' is missing (listed in {index.name})")
+    return files
+
+
+def _map_name(name: str) -> str | None:
+    """Checkpoint tensor name -> our parameter name, or None for tensors we do not serve."""
+    if name.startswith("model.language_model."):
+        name = "model." + name[len("model.language_model."):]
+    if name.startswith(_SKIPPED_PREFIXES):
+        return None
+    return name
+
+
+def load_safetensors(model: HybridForCausalLM, path: Path) -> None:
+    """Fill every parameter of `model` from the checkpoint directory `path`."""
+    params = dict(model.named_parameters())
+    tied = model.config.tie_word_embeddings
+    pending = {name for name in params if not (tied and name == "lm_head.weight")}
+    expert_parts: dict[str, int] = {}  # fused expert param -> number of per-expert slices loaded
+    skipped = 0
+    for file in tqdm(_checkpoint_files(path), desc="Loading safetensors", unit="file", leave=False):
+        try:
+            handle = safe_open(str(file), framework="pt", device="cpu")
+        except Exception as exc:  # safetensors raises several types for corrupt files
+            raise WeightLoadError(f"cannot read checkpoint file '{file}': {exc}") from exc
+        with handle:
+            for raw_name in handle.keys():
+                name = _map_name(raw_name)
+                if name is None or (tied and name == "lm_head.weight"):
+                    skipped += 1
+                    continue
+                tensor = handle.get_tensor(raw_name)
+                expert = _EXPERT.match(name)
+                if expert:
+                    _load_expert_slice(params, expert, tensor, raw_name, expert_parts)
+                    continue
+                if name not in params:
+                    raise WeightLoadError(f"unexpected tensor '{raw_name}' in '{file.name}' (no such parameter)")
+                _copy(params[name], tensor, raw_name)
+                pending.discard(name)
+    for name, count in expert_parts.items():
+        experts = params[name].shape[0]
+        needed = experts * (2 if name.endswith("gate_up_proj") else 1)
+        if count == needed:
+            pending.discard(name)
+    if pending:
+        missing = sorted(pending)
+        raise WeightLoadError(f"checkpoint '{path}' lacks {len(missing)} tensors, e.g. {missing[:5]}")
+    if skipped:
+        logger.info("skipped %d checkpoint tensors (vision tower, MTP head or tied lm_head)", skipped)
+
+
+def _load_expert_slice(params, match, tensor, raw_name, parts) -> None:
+    prefix, expert, proj = match.group(1), int(match.group(2)), match.group(3)
+    fused = f"{prefix}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"
+    if fused not in params:
+        raise WeightLoadError(f"unexpected tensor '{raw_name}' (layer has no experts)")
+    target = params[fused]
+    if expert >= target.shape[0]:
+        raise WeightLoadError(f"tensor '{raw_name}': expert {expert} >= num_experts {target.shape[0]}")
+    inter = target.shape[1] // 2 if proj != "down_proj" else None
+    dest = {"gate_proj": lambda t: t[expert, :inter], "up_proj": lambda t: t[expert, inter:],
+            "down_proj": lambda t: t[expert]}[proj](target.data)
+    _copy_into(dest, tensor, raw_name)
+    parts[fused] = parts.get(fused, 0) + 1
+
+
+def _copy(param: nn.Parameter, tensor: torch.Tensor, raw_name: str) -> None:
+    if param.shape != tensor.shape and param.dim() == 3 and tensor.shape == param.shape[:1] + param.shape[1:][::-1]:
+        tensor = tensor.transpose(1, 2)  # fused experts saved as [E, H, 2I] / [E, I, H]
+    _copy_into(param.data, tensor, raw_name)
+
+
+def _copy_into(dest: torch.Tensor, tensor: torch.Tensor, raw_name: str) -> None:
+    if dest.shape != tensor.shape:
+        raise WeightLoadError(f"tensor '{raw_name}' has shape {list(tensor.shape)}, expected {list(dest.shape)}")
+    dest.copy_(tensor)
+
+
+@torch.no_grad()
+def init_dummy_weights(model: HybridForCausalLM, seed: int = 0) -> None:
+    """Seeded random weights from the config alone (for benchmarks and smoke tests; outputs are noise)."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("A_log"):  # decay rates as transformers initialises them: log U(1, 16)
+            param.uniform_(1.0, 16.0, generator=gen).log_()
+        elif name.endswith("dt_bias") or name.endswith("linear_attn.norm.weight"):
+            param.fill_(1.0)
+        elif "norm" in name:  # zero-centred norms: weight 0 means scale 1
+            param.zero_()
+        else:
+            fan_in = param.shape[-1]
+            param.normal_(0.0, 1.0 / math.sqrt(fan_in), generator=gen)

@@ -1,0 +1,93 @@
+"""The hybrid decoder of Qwen3.5 (dense and MoE) and Qwen3-Next, with transformers' parameter names.
+
+Reference: transformers' `Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM`, `Qwen3NextForCausalLM`. Layers are
+chosen by `layer_types`: "linear_attention" -> Gated DeltaNet, "full_attention" -> gated attention. Every
+layer is pre-norm: h = h + mixer(norm(h)); h = h + mlp(norm(h)). Activations are flat [T, hidden] over all
+sequences of the step; see `ForwardBatch`.
+"""
+
+import torch
+from torch import nn
+
+from deltaserve.config import ModelConfig
+from deltaserve.layers.attention import GatedAttention
+from deltaserve.layers.batch import ForwardBatch
+from deltaserve.layers.gdn import GatedDeltaNet
+from deltaserve.layers.mlp import SparseMoE, SwiGLU
+from deltaserve.layers.norm import RMSNorm
+from deltaserve.layers.rotary import PartialRotary
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: PartialRotary):
+        super().__init__()
+        self.is_linear = cfg.layer_types[layer_idx] == "linear_attention"
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(cfg)
+        else:
+            self.self_attn = GatedAttention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                            rotary, cfg.rms_norm_eps)
+        if cfg.moe_layers[layer_idx]:
+            self.mlp = SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
+                                 cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size, cfg.norm_topk_prob)
+        else:
+            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch):
+        """h: [T, H] output of the previous layer (residual not yet added). Returns (h, residual)."""
+        if residual is None:
+            residual = h
+            x = self.input_layernorm(h)
+        else:
+            x, residual = self.input_layernorm(h, residual)
+        x = self.linear_attn(x, batch) if self.is_linear else self.self_attn(x, batch)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class TextModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # One rotary cos/sin cache shared by every attention layer (non-persistent buffers: not in checkpoints).
+        rotary = PartialRotary(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, cfg.max_position_embeddings)
+        self.rotary = rotary
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """input_ids: [T] -> final hidden states [T, H] (after the final norm)."""
+        h, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            h, residual = layer(h, residual, batch)
+        h, _ = self.norm(h, residual)
+        return h
+
+
+class HybridForCausalLM(nn.Module):
+    """The causal LM: `forward` gives hidden states, `compute_logits` the logits of chosen rows."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = TextModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(input_ids, batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, H] -> logits [N, V] in float32."""
+        return self.lm_head(hidden).float()
+
+    @property
+    def attention_layers(self) -> list[GatedAttention]:
+        return [layer.self_attn for layer in self.model.layers if not layer.is_linear]
+
+    @property
+    def gdn_layers(self) -> list[GatedDeltaNet]:
+        return [layer.linear_attn for layer in self.model.layers if layer.is_linear]

@@ -1,0 +1,63 @@
+"""Shared helpers for model tests: load our model and transformers' on a tiny checkpoint, run with caches."""
+
+import torch
+import transformers
+
+from deltaserve.config import ModelConfig
+from deltaserve.layers.batch import ForwardBatch
+from deltaserve.model.loader import load_model
+from deltaserve.worker.kv_cache import CacheShape, bind_caches
+
+BLOCK_SIZE = 4  # small and odd-fitting on purpose: most sequences span several partial blocks
+
+
+def load_pair(path):
+    """(our model, transformers' model), both float32 on the CPU, with our pools bound."""
+    cfg = ModelConfig.from_pretrained(path)
+    ours = load_model(path, cfg, torch.float32, "cpu")
+    bind_caches(ours, CacheShape(num_blocks=128, block_size=BLOCK_SIZE, num_state_slots=8,
+                                 kv_dtype=torch.float32, ssm_dtype=torch.float32), "cpu")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return ours, ref
+
+
+def reference_logits(ref, ids: list[int]) -> torch.Tensor:
+    """transformers' full-prompt logits: [len(ids), V]."""
+    with torch.no_grad():
+        return ref(torch.tensor([ids])).logits[0].float()
+
+
+class SequenceRunner:
+    """Feeds sequences to our model step by step, each with its own blocks and state slot."""
+
+    def __init__(self, model):
+        self.model = model
+        self.next_block = 1  # block 0 is the null block
+        self.seqs: dict[int, dict] = {}
+
+    def add(self, slot: int) -> None:
+        self.seqs[slot] = {"computed": 0, "blocks": []}
+
+    def step(self, chunks: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+        """Run one forward with `chunks[slot]` new tokens per sequence; returns logits [len, V] per slot."""
+        computed, qlens, blocks, slots, ids = [], [], [], [], []
+        for slot, tokens in chunks.items():
+            seq = self.seqs[slot]
+            need = -(-(seq["computed"] + len(tokens)) // BLOCK_SIZE)
+            while len(seq["blocks"]) < need:
+                seq["blocks"].append(self.next_block)
+                self.next_block += 1
+            computed.append(seq["computed"])
+            qlens.append(len(tokens))
+            blocks.append(list(seq["blocks"]))
+            slots.append(slot)
+            ids.extend(tokens)
+        batch = ForwardBatch.build(computed, qlens, blocks, slots, BLOCK_SIZE)
+        with torch.no_grad():
+            logits = self.model.compute_logits(self.model(torch.tensor(ids), batch))
+        out, start = {}, 0
+        for slot, qlen in zip(slots, qlens):
+            out[slot] = logits[start:start + qlen]
+            start += qlen
+            self.seqs[slot]["computed"] += qlen
+        return out
