@@ -23,7 +23,7 @@ class ForwardBatch:
     has_initial_state: torch.Tensor  # [N] bool, False where the sequence starts from zero state
     logits_indices: torch.Tensor  # [N] int64, row of each sequence's last token (the one to sample from)
     query_lens: list[int]  # [N] new tokens per sequence, on the CPU
-    is_decode: bool  # every sequence has exactly one new token
+    is_decode: bool  # every sequence has one new token and continues from its cached state
 
     @property
     def num_seqs(self) -> int:
@@ -59,5 +59,6 @@ class ForwardBatch:
             has_initial_state=t([c > 0 for c in num_computed], torch.bool),
             logits_indices=t([c - 1 for c in cu[1:]]),
             query_lens=list(query_lens),
-            is_decode=all(q == 1 for q in query_lens),
+            # a sequence that starts now takes the prefill path, which zeroes its state first
+            is_decode=all(q == 1 and c > 0 for q, c in zip(query_lens, num_computed)),
         )

@@ -11,20 +11,29 @@ from deltaserve.worker.kv_cache import CacheShape, bind_caches
 BLOCK_SIZE = 4  # small and odd-fitting on purpose: most sequences span several partial blocks
 
 
+class Reference:
+    """transformers' model in float32 and in float64: the float64 logits are the truth, and the float32
+    ones tell how far float32 arithmetic alone strays on this checkpoint (the noise floor)."""
+
+    def __init__(self, path):
+        self.fp32 = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self.fp64 = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+        self.fp64.config._experts_implementation = "eager"  # the grouped-mm expert kernel has no float64
+
+    def logits(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(float64 logits, float32 logits), each [len(ids), V]."""
+        with torch.no_grad():
+            x = torch.tensor([ids])
+            return self.fp64(x).logits[0], self.fp32(x).logits[0].double()
+
+
 def load_pair(path):
-    """(our model, transformers' model), both float32 on the CPU, with our pools bound."""
+    """(our float32 model on the CPU with its pools bound, the transformers Reference)."""
     cfg = ModelConfig.from_pretrained(path)
     ours = load_model(path, cfg, torch.float32, "cpu")
     bind_caches(ours, CacheShape(num_blocks=128, block_size=BLOCK_SIZE, num_state_slots=8,
                                  kv_dtype=torch.float32, ssm_dtype=torch.float32), "cpu")
-    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return ours, ref
-
-
-def reference_logits(ref, ids: list[int]) -> torch.Tensor:
-    """transformers' full-prompt logits: [len(ids), V]."""
-    with torch.no_grad():
-        return ref(torch.tensor([ids])).logits[0].float()
+    return ours, Reference(path)
 
 
 class SequenceRunner:
