@@ -260,3 +260,65 @@ def _as_id_tuple(value: Any) -> tuple[int, ...]:
     if isinstance(value, int):
         return (value,)
     return tuple(int(v) for v in value)
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
+SSM_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine settings. Field names are vLLM's flag names in snake_case (`--max-num-seqs` -> max_num_seqs).
+
+    `model` None means the built-in tiny demo model. Sizes the user left unset stay None here and are
+    resolved by the engine once the model and device are known.
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    load_format: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+    kv_cache_dtype: str = "auto"
+    mamba_ssm_cache_dtype: str = "auto"
+    enforce_eager: bool = False
+    enable_prefix_caching: bool = False
+    skip_tokenizer_init: bool = False
+    generation_config: str = "auto"  # "auto" (from the checkpoint), "vllm" (ignore it) or a directory
+    override_generation_config: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        def positive(name: str, flag: str | None = None):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise ConfigError(f"--{(flag or name).replace('_', '-')} must be a positive integer, got {value!r}")
+
+        def choice(name: str, options):
+            value = getattr(self, name)
+            if value not in options:
+                raise ConfigError(f"--{name.replace('_', '-')} {value!r} is not supported; choose one of {options}")
+
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
+                     "kv_cache_memory_bytes", "num_gpu_blocks_override"):
+            positive(name)
+        choice("dtype", DTYPES)
+        choice("kv_cache_dtype", KV_CACHE_DTYPES)
+        choice("mamba_ssm_cache_dtype", SSM_CACHE_DTYPES)
+        choice("device", DEVICES)
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ConfigError(f"--seed must be an integer, got {self.seed!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise ConfigError(f"--num-gpu-blocks-override must be >= 2 (block 0 is reserved), "
+                              f"got {self.num_gpu_blocks_override}")

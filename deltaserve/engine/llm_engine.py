@@ -1,0 +1,191 @@
+"""LLMEngine: requests in, batched steps, outputs out. The step-level API the server and `LLM` use.
+
+    add_request(id, prompt, params) -> scheduler.waiting
+    step():  scheduler.schedule() -> runner.execute() -> scheduler.update_from_output() -> detokenize
+    abort_request(id) frees everything at any stage.
+
+A request with n > 1 runs as n child sequences ("{id}#{i}"), reported together as one RequestOutput.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from deltaserve.config import EngineConfig, ModelConfig
+from deltaserve.engine.detokenize import IncrementalDetokenizer
+from deltaserve.engine.scheduler import Scheduler
+from deltaserve.engine.setup import EngineSetup
+from deltaserve.outputs import CompletionOutput, Logprob, RequestOutput
+from deltaserve.request import Request, RequestStatus
+from deltaserve.sampling import SamplingParams, make_generator
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Child:
+    request: Request
+    detok: IncrementalDetokenizer | None
+    logprobs: list[dict[int, Logprob]] | None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[_Child] = field(default_factory=list)
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        setup = EngineSetup(config)
+        self.config = config
+        self.model_config: ModelConfig = setup.model_config
+        self.tokenizer = setup.tokenizer
+        self.max_model_len = setup.max_model_len
+        self.runner = setup.runner
+        self.cache_manager = setup.cache_manager
+        self.scheduler = Scheduler(setup.cache_manager, setup.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len)
+        self.eos_token_ids = setup.eos_token_ids
+        self._parents: dict[str, _Parent] = {}
+        self._child_parent: dict[str, str] = {}
+
+    # -- requests ------------------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request. Raises ValueError (naming the problem) for an id in use or an unusable prompt."""
+        params = params or SamplingParams()
+        if request_id in self._parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text = prompt if isinstance(prompt, str) else None
+        ids = self._encode(prompt)
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens, "
+                             f"you requested {len(ids)} tokens in the prompt")
+        max_tokens = self.max_model_len - len(ids) if params.max_tokens is None else params.max_tokens
+        parent = _Parent(request_id, text, ids, arrival_time=arrival_time or time.monotonic())
+        for i in range(params.n):
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            request = Request(child_id, ids, params, max(1, max_tokens), self.eos_token_ids, arrival_time)
+            if params.seed is not None:  # children of one seeded request draw different samples
+                request.generator = make_generator(params.seed + i, self.runner.device)
+            detok = None
+            if self.tokenizer is not None:
+                detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop,
+                                               params.include_stop_str_in_output)
+            parent.children.append(_Child(request, detok, [] if params.logprobs is not None else None))
+            self._child_parent[child_id] = request_id
+        for child in parent.children:
+            self.scheduler.add_request(child.request)
+        self._parents[request_id] = parent
+
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: pass token ids, not text")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        else:
+            ids = list(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]!r} is out of range [0, {vocab})")
+        return ids
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        """Abort requests at any stage, freeing their cache. Unknown or finished ids are ignored."""
+        for request_id in [request_ids] if isinstance(request_ids, str) else request_ids:
+            parent = self._parents.pop(request_id, None)
+            if parent is None:
+                continue
+            for child in parent.children:
+                self.scheduler.abort_request(child.request.request_id)
+                self._child_parent.pop(child.request.request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._parents)
+
+    def get_num_unfinished(self) -> int:
+        return len(self._parents)
+
+    # -- one step ------------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batched forward pass; return the outputs of requests that got new tokens."""
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return []
+        model_output = self.runner.execute(scheduled)
+        updated = self.scheduler.update_from_output(scheduled, model_output)
+        now = time.monotonic()
+        touched: dict[str, _Parent] = {}
+        for request in updated:
+            parent_id = self._child_parent.get(request.request_id)
+            parent = self._parents.get(parent_id)
+            if parent is None:
+                continue
+            child = next(c for c in parent.children if c.request is request)
+            self._record_token(child, request, model_output)
+            parent.first_token_time = parent.first_token_time or now
+            touched[parent.request_id] = parent
+        return [self._make_output(parent) for parent in touched.values()]
+
+    def _record_token(self, child: _Child, request: Request, model_output) -> None:
+        token = request.all_token_ids[-1]
+        logprob = model_output.logprobs.get(request.request_id)
+        if logprob is not None:
+            child.cumulative_logprob += logprob
+        if child.logprobs is not None:
+            entry = {token: Logprob(logprob)}
+            for rank, (tid, lp) in enumerate(model_output.top_logprobs.get(request.request_id, []), start=1):
+                entry.setdefault(tid, Logprob(lp, rank))
+                if tid == token:
+                    entry[tid].rank = rank
+            child.logprobs.append(entry)
+        if child.detok is not None:
+            child.detok.append(token)
+            if child.detok.stopped_by is not None and not request.status.finished:
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+                request.stop_reason = child.detok.stopped_by
+        if request.status.finished:
+            child.finish_reason = request.status.value
+            child.stop_reason = request.stop_reason
+            if child.detok is not None:
+                child.detok.finish()
+
+    def _make_output(self, parent: _Parent) -> RequestOutput:
+        outputs = []
+        for index, child in enumerate(parent.children):
+            request = child.request
+            outputs.append(CompletionOutput(
+                index=index,
+                text=child.detok.text if child.detok is not None else "",
+                token_ids=list(request.output_token_ids),
+                cumulative_logprob=child.cumulative_logprob,
+                logprobs=child.logprobs,
+                finish_reason=child.finish_reason,
+                stop_reason=child.stop_reason,
+            ))
+        finished = all(c.finish_reason is not None for c in parent.children)
+        if finished:
+            self._parents.pop(parent.request_id, None)
+            for child in parent.children:
+                self._child_parent.pop(child.request.request_id, None)
+        cached = max(c.request.num_cached_tokens for c in parent.children)
+        metrics = {"arrival_time": parent.arrival_time, "first_token_time": parent.first_token_time}
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs, finished,
+                             cached, metrics)

@@ -1,0 +1,152 @@
+"""The scheduler: one rule, no prefill/decode phases.
+
+Each step, every request's num_computed_tokens catches up with its num_tokens inside one token budget
+(max_num_batched_tokens): running requests first (in arrival order), then waiting ones (FCFS) while at
+most max_num_seqs run. A prompt longer than the remaining budget is cut into chunks (chunked prefill), and
+prefill chunks share the step with decode tokens. When KV blocks or state slots run out, the newest
+running request is preempted: its cache is freed and it is recomputed later from its tokens, so nothing
+is dropped and greedy output is unchanged.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from deltaserve.cache.kv_manager import CacheManager
+from deltaserve.request import Request, RequestStatus
+from deltaserve.sched_output import ModelOutput, ScheduledSequence, SchedulerOutput
+
+
+class Scheduler:
+    def __init__(self, cache: CacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
+        self.cache = cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+
+    # -- requests in and out -------------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Finish a request at any stage and free its cache. Unknown ids are ignored (it may have finished)."""
+        return self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """End a request from outside the step (abort, or a stop string seen by the detokenizer)."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self._finish(request, status)
+        return request
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.cache.free(request)
+        self.requests.pop(request.request_id, None)
+
+    def _preempt(self, request: Request) -> None:
+        """Free the request's cache and put it back at the head of the queue, to be recomputed."""
+        self.running.remove(request)
+        self.cache.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # -- one step ------------------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        chosen: list[tuple[Request, int]] = []
+        preempted = False
+
+        # 1. Running requests, oldest first; make room by preempting the newest ones.
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.cache.allocate(request, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            else:
+                chosen.append((request, num_new))
+                budget -= num_new
+                index += 1
+
+        # 2. Waiting requests in arrival order, unless this step had to preempt (no room to grow).
+        while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.cache.allocate(request, num_new):
+                break  # FCFS: a later request never overtakes one that does not fit
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            chosen.append((request, num_new))
+            budget -= num_new
+
+        return SchedulerOutput([self._row(request, num_new) for request, num_new in chosen])
+
+    @staticmethod
+    def _row(request: Request, num_new: int) -> ScheduledSequence:
+        start = request.num_computed_tokens
+        return ScheduledSequence(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start:start + num_new],
+            num_computed=start,
+            block_ids=request.block_ids,
+            state_slot=request.state_slot,
+            sample=start + num_new == request.num_tokens,
+            params=request.params,
+            generator=request.generator,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+            eos_token_ids=request.eos_token_ids,
+        )
+
+    def update_from_output(self, scheduled: SchedulerOutput, output: ModelOutput) -> list[Request]:
+        """Advance the scheduled requests by their computed tokens, append samples, finish the done ones.
+
+        Returns the requests that got a new token this step (finished ones have a finished status).
+        """
+        updated = []
+        for row in scheduled.sequences:
+            request = self.requests.get(row.request_id)
+            if request is None or request.status.finished:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += len(row.token_ids)
+            token = output.sampled.get(row.request_id)
+            if token is None:
+                continue  # a prefill chunk that did not reach the end
+            request.append_token(token)
+            updated.append(request)
+            status = request.check_stop(self.max_model_len)
+            if status is not None:
+                self._finish(request, status)
+        return updated

@@ -1,0 +1,54 @@
+"""LLM: the offline API, shaped like vLLM's `LLM(model=...).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from tqdm import tqdm
+
+from deltaserve.config import EngineConfig
+from deltaserve.engine.llm_engine import LLMEngine
+from deltaserve.outputs import RequestOutput
+from deltaserve.sampling import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args):
+        known = {f.name for f in fields(EngineConfig)}
+        unknown = sorted(set(engine_args) - known)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s) {unknown}; known: {sorted(known)}")
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self._counter = 0
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for a prompt or a list of prompts (text, token-id lists, or {"prompt_token_ids": [...]}).
+
+        Returns one RequestOutput per prompt, in the order given.
+        """
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
+        ids = []
+        for prompt, params in zip(prompts, sampling_params):
+            if isinstance(prompt, dict):
+                prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
+            request_id = str(self._counter)
+            self._counter += 1
+            self.engine.add_request(request_id, prompt, params)
+            ids.append(request_id)
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished():
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        return [finished[i] for i in ids]

@@ -1,0 +1,80 @@
+"""Request: one sequence being generated, as the scheduler and the cache managers see it."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from deltaserve.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+class Request:
+    """Token ids so far and how many of them are in the cache.
+
+    Invariant: 0 <= num_computed_tokens <= num_tokens. The request needs a forward pass over
+    all_token_ids[num_computed_tokens:]; when that pass reaches num_tokens a new token is sampled.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_tokens: int,
+                 eos_token_ids: set[int], arrival_time: float | None = None):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.max_tokens = max_tokens  # resolved: params.max_tokens capped by the context limit
+        self.eos_token_ids = eos_token_ids if not params.ignore_eos else set()
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.all_token_ids = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at the first schedule
+        self.block_ids: list[int] = []
+        self.state_slot: int | None = None
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        # per-request generator: seeded sampling is reproducible whatever else shares the batch
+        self.generator: torch.Generator | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    def append_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self, max_model_len: int) -> RequestStatus | None:
+        """The finishing status after the last appended token, or None to continue."""
+        last = self.all_token_ids[-1]
+        if self.num_output_tokens >= self.params.min_tokens:
+            if last in self.eos_token_ids or last in self.params.stop_token_ids:
+                self.stop_reason = None if last in self.eos_token_ids else last
+                return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

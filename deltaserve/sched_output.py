@@ -1,0 +1,51 @@
+"""The CPU -> GPU contract: what the scheduler asks the runner to compute, and what comes back.
+
+Below both the scheduler and the model runner, so neither imports the other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from deltaserve.sampling import SamplingParams
+
+
+@dataclass
+class ScheduledSequence:
+    """One row of a step: feed `token_ids` at positions num_computed.. and maybe sample after them."""
+
+    request_id: str
+    token_ids: list[int]  # the new tokens of this step
+    num_computed: int  # tokens already in the KV cache / state before this step
+    block_ids: list[int]  # every KV block of the request, in order
+    state_slot: int  # GDN working slot
+    sample: bool  # this chunk reaches the end of the known tokens: sample the next one
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_token_ids: list[int]  # for the repetition penalty (shared lists: read, never written)
+    output_token_ids: list[int]
+    eos_token_ids: set[int]
+
+
+@dataclass
+class SchedulerOutput:
+    sequences: list[ScheduledSequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.sequences)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.sequences
+
+
+@dataclass
+class ModelOutput:
+    """Sampled tokens for the rows of a step that asked to sample (others get nothing)."""
+
+    sampled: dict[str, int]  # request_id -> token id
+    logprobs: dict[str, float]  # request_id -> logprob of the sampled token
+    top_logprobs: dict[str, list[tuple[int, float]]]  # request_id -> top (token, logprob), when asked
