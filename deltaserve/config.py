@@ -142,6 +142,8 @@ class ModelConfig:
         family = _FAMILIES[model_type]
         cfg = raw
         if "text_config" in raw:
+            if not isinstance(raw["text_config"], dict):
+                raise ConfigError(f"{source}: field 'text_config' must be an object, got {raw['text_config']!r}")
             if "vision_config" in raw:
                 logger.info("%s: vision_config ignored; serving the language model only", source)
             cfg = dict(raw["text_config"])
@@ -180,7 +182,8 @@ class ModelConfig:
             )
         head_dim = cfg.get("head_dim") or hidden // num_heads
         rope = cfg.get("rope_parameters") or {}
-        rope_type = rope.get("rope_type", (cfg.get("rope_scaling") or {}).get("rope_type", "default"))
+        scaling = cfg.get("rope_scaling") or {}  # legacy configs spell its kind "type" (e.g. YaRN recipes)
+        rope_type = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
         if rope_type != "default":
             raise ConfigError(f"{source}: rope_type {rope_type!r} is not supported (only 'default')")
         theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))

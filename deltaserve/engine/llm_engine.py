@@ -156,7 +156,9 @@ class LLMEngine:
                 if tid == token:
                     entry[tid].rank = rank
             child.logprobs.append(entry)
-        if child.detok is not None:
+        # the EOS / stop token id that ended a request is not part of its text (as in vLLM)
+        stopped_by_token = request.status == RequestStatus.FINISHED_STOPPED
+        if child.detok is not None and not (stopped_by_token and not request.params.include_stop_str_in_output):
             child.detok.append(token)
             if child.detok.stopped_by is not None and not request.status.finished:
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)

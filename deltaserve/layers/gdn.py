@@ -12,8 +12,8 @@ from torch import nn
 from deltaserve.config import ModelConfig
 from deltaserve.layers.batch import ForwardBatch
 from deltaserve.layers.norm import GatedRMSNorm
-from deltaserve.ops.conv1d import causal_conv1d, causal_conv1d_update
-from deltaserve.ops.gdn import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+from deltaserve.ops.conv1d import conv_decode, conv_prefill
+from deltaserve.ops.gdn import gdn_decode, gdn_prefill
 
 
 class GatedDeltaNet(nn.Module):
@@ -61,17 +61,10 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = self._project(x)
         conv_w = self.conv1d.weight.squeeze(1)  # [conv_dim, W]
         slots = batch.state_slots
-        conv_state = self.conv_state[slots]  # [N, conv_dim, W-1] (a gathered copy)
-        ssm_state = self.ssm_state[slots].float()  # [N, HV, K, V]
         if batch.is_decode:
-            mixed = causal_conv1d_update(mixed, conv_state, conv_w, activation="silu")
+            mixed = conv_decode(mixed, conv_w, self.conv_state, slots)
         else:
-            fresh = ~batch.has_initial_state
-            if bool(fresh.any()):  # sequences that start now begin from zero state
-                conv_state = conv_state.masked_fill(fresh[:, None, None], 0)
-                ssm_state = ssm_state.masked_fill(fresh[:, None, None, None], 0)
-            mixed, conv_state = causal_conv1d(mixed, conv_w, conv_state, batch.cu_seqlens_q, activation="silu")
-        self.conv_state[slots] = conv_state.to(self.conv_state.dtype)
+            mixed = conv_prefill(mixed, conv_w, self.conv_state, slots, batch.has_initial_state, batch.cu_seqlens_q)
 
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.view(T, self.num_k_heads, self.k_dim)
@@ -81,10 +74,9 @@ class GatedDeltaNet(nn.Module):
         # log-space decay in float32: g = -exp(A_log) * softplus(a + dt_bias) <= 0
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         if batch.is_decode:
-            o, ssm_state = fused_recurrent_gated_delta_rule(q, k, v, g, beta, ssm_state)
+            o = gdn_decode(q, k, v, g, beta, self.ssm_state, slots)
         else:
-            o, ssm_state = chunk_gated_delta_rule(q, k, v, g, beta, ssm_state, batch.cu_seqlens_q)
-        self.ssm_state[slots] = ssm_state.to(self.ssm_state.dtype)
+            o = gdn_prefill(q, k, v, g, beta, self.ssm_state, slots, batch.has_initial_state, batch.cu_seqlens_q)
 
         o = self.norm(o, z)  # [T, HV, dv]
         return self.out_proj(o.reshape(T, self.value_dim))

@@ -1,6 +1,26 @@
-"""Paged KV-cache attention ops (cache write, causal attention over block tables). Plain-torch reference for
-now."""
+"""Paged KV-cache attention ops (cache write, causal attention over block tables).
 
-from deltaserve.ops.attention.reference import paged_attention, write_kv_cache
+On CUDA tensors they run the Triton kernels (`deltaserve.ops.attention.cuda`, imported only then); elsewhere
+the plain-torch reference, which is the oracle.
+"""
+
+from deltaserve.ops.attention import reference
 
 __all__ = ["paged_attention", "write_kv_cache"]
+
+
+def write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """See `reference.write_kv_cache` for shapes."""
+    if k.is_cuda:
+        from deltaserve.ops.attention.cuda import write_kv_cache as cuda_write
+        return cuda_write(k, v, k_cache, v_cache, slot_mapping)
+    return reference.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale: float, max_query_len=None):
+    """See `reference.paged_attention` for shapes. `max_query_len` (an int, optional) lets the GPU kernel size
+    its grid without reading cu_seqlens back to the CPU; 1 selects the decode kernel."""
+    if q.is_cuda:
+        from deltaserve.ops.attention.cuda import paged_attention as cuda_attention
+        return cuda_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_query_len)
+    return reference.paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)

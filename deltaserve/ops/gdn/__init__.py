@@ -1,5 +1,38 @@
-"""Gated delta rule ops (prefill: chunked, decode: one recurrent step). Plain-torch reference for now."""
+"""Gated delta rule ops over the GDN state pool (prefill: chunked over varlen prompts, decode: one step).
+
+The layer-facing entry points `gdn_prefill` / `gdn_decode` read each sequence's recurrent state from its slot
+of the pool and write the new state back in place. On CUDA tensors they run the GPU kernels
+(`deltaserve.ops.gdn.cuda`, imported only then); elsewhere the plain-torch reference, which is the oracle.
+"""
+
+import torch
 
 from deltaserve.ops.gdn.reference import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
-__all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"]
+__all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "gdn_prefill", "gdn_decode"]
+
+
+def gdn_prefill(q, k, v, g, beta, state_pool, state_slots, has_initial_state, cu_seqlens):
+    """Prefill. q, k: [T, HK, K]; v: [T, HV, V]; g: [T, HV] float32 (log decay); beta: [T, HV];
+    state_pool: [S, HV, K, V] (float32 or bf16), updated in place at `state_slots` [N] int64;
+    has_initial_state: [N] bool (False: the sequence starts from zero state); cu_seqlens: [N+1] int64.
+    Returns o: [T, HV, V] in v.dtype."""
+    if q.is_cuda:
+        from deltaserve.ops.gdn.cuda import gdn_prefill as cuda_prefill
+        return cuda_prefill(q, k, v, g, beta, state_pool, state_slots, has_initial_state, cu_seqlens)
+    initial = state_pool[state_slots].float()  # [N, HV, K, V]
+    initial.masked_fill_(~has_initial_state[:, None, None, None], 0.0)
+    o, final = chunk_gated_delta_rule(q, k, v, g, beta, initial, cu_seqlens)
+    state_pool[state_slots] = final.to(state_pool.dtype)
+    return o
+
+
+def gdn_decode(q, k, v, g, beta, state_pool, state_slots):
+    """Decode, one token per sequence. q, k: [N, HK, K]; v: [N, HV, V]; g, beta: [N, HV];
+    state_pool: [S, HV, K, V], updated in place at `state_slots` [N]. Returns o: [N, HV, V]."""
+    if q.is_cuda:
+        from deltaserve.ops.gdn.cuda import gdn_decode as cuda_decode
+        return cuda_decode(q, k, v, g, beta, state_pool, state_slots)
+    o, final = fused_recurrent_gated_delta_rule(q, k, v, g, beta, state_pool[state_slots].float())
+    state_pool[state_slots] = final.to(state_pool.dtype)
+    return o

@@ -1,0 +1,311 @@
+"""Sampling parameters and the batched sampler.
+
+`SamplingParams` mirrors vLLM's (same field names and defaults) and validates itself on construction.
+`Sampler` turns one step's last-position logits [N, V] into one token per row, applying, in order:
+
+  1. min_tokens: while a row has produced fewer than `min_tokens` tokens, its stop token ids and EOS
+     ids are set to -inf (EOS only when `ignore_eos` is off: an ignored EOS stops nothing, as in vLLM).
+  2. penalties: repetition (HF/vLLM: positive logits divided, negative multiplied, over prompt + output
+     tokens), then frequency and presence (OpenAI: subtract count * frequency + presence over output tokens).
+  3. greedy rows (temperature < 1e-5) take the argmax; other rows: temperature, top-k, top-p, min-p, then
+     one draw from the resulting distribution.
+
+Returned logprobs are log_softmax of the logits after steps 1 and 2 but before temperature and the
+top-k/top-p/min-p filters: the model's distribution as penalised for this request, not the truncated one
+we drew from, so temperature and the filters never change them. This sits between vLLM's two modes,
+"raw" (before any processing, its default) and "processed" (after temperature and the filters).
+
+Sampling uses the exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. picks token t with probability
+p_t / sum(p). Every row draws its own [V] noise vector, so a seeded row (own `torch.Generator`) yields
+the same tokens whatever else shares the batch and in whatever order.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+_GREEDY_TEMPERATURE = 1e-5  # below this a temperature is treated as 0, i.e. greedy (as vLLM does)
+_MAX_LOGPROBS = 20  # the OpenAI API's limit on top logprobs
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _require(ok: bool, name: str, value, requirement: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {requirement}, got {value!r}")
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's output; field names and defaults follow vLLM."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to the context limit (the engine fills it in)
+    min_tokens: int = 0
+    stop: str | list[str] | None = None  # normalised to a list by __post_init__
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs to return besides the sampled token's
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            value = getattr(self, name)
+            _require(_is_real(value), name, value, "a number")
+            setattr(self, name, float(value))
+        for name in ("n", "top_k", "min_tokens"):
+            _require(_is_int(getattr(self, name)), name, getattr(self, name), "an integer")
+        for name in ("seed", "max_tokens", "logprobs"):
+            value = getattr(self, name)
+            _require(value is None or _is_int(value), name, value, "an integer or None")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            _require(isinstance(getattr(self, name), bool), name, getattr(self, name), "a bool")
+
+        # Written as `not (x >= lo)` so that NaN fails too.
+        _require(self.n >= 1, "n", self.n, ">= 1")
+        _require(self.temperature >= 0, "temperature", self.temperature, ">= 0")
+        _require(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
+        _require(self.top_k in (-1, 0) or self.top_k >= 1, "top_k", self.top_k, "-1, 0 (disabled) or >= 1")
+        _require(0 <= self.min_p <= 1, "min_p", self.min_p, "in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            _require(-2 <= getattr(self, name) <= 2, name, getattr(self, name), "in [-2, 2]")
+        _require(self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty, "> 0")
+        _require(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", self.max_tokens,
+                 ">= 1 or None")
+        _require(self.min_tokens >= 0, "min_tokens", self.min_tokens, ">= 0")
+        if self.max_tokens is not None:
+            _require(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
+                     f"<= max_tokens ({self.max_tokens})")
+        if self.logprobs is not None:
+            _require(0 <= self.logprobs <= _MAX_LOGPROBS, "logprobs", self.logprobs,
+                     f"in [0, {_MAX_LOGPROBS}]")
+
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        _require(isinstance(self.stop, (list, tuple)), "stop", self.stop,
+                 "a string, a list of strings or None")
+        self.stop = list(self.stop)
+        for text in self.stop:
+            _require(isinstance(text, str) and text != "", "stop", self.stop, "a list of non-empty strings")
+
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        _require(isinstance(self.stop_token_ids, (list, tuple)), "stop_token_ids", self.stop_token_ids,
+                 "a list of token ids")
+        self.stop_token_ids = list(self.stop_token_ids)
+        for token in self.stop_token_ids:
+            _require(_is_int(token) and token >= 0, "stop_token_ids", self.stop_token_ids,
+                     "a list of integers >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the token is the argmax (temperature 0 or too small to divide by safely)."""
+        return self.temperature < _GREEDY_TEMPERATURE
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # [N] sampled token per row
+    logprobs: list[float]  # [N] logprob of each sampled token (penalised distribution, see module doc)
+    top_logprobs: list[list[tuple[int, float]] | None]  # per row: top `params.logprobs` (token, logprob)
+
+
+def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    """A generator on `device` seeded with `seed` (any Python int: folded into torch's 64-bit range)."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
+    return generator
+
+
+class Sampler:
+    """Samples one token per row of last-position logits; stateless, so one instance serves all steps."""
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
+                 generators: list[torch.Generator | None], prompt_token_ids: list[list[int]],
+                 output_token_ids: list[list[int]], eos_token_ids: list[set[int]]) -> SamplerOutput:
+        """Sample one token for each row of `logits` ([N, V], float32 or bf16; not modified).
+
+        Every list has one entry per row: its params, its generator (None: global RNG), its prompt and
+        output token ids (Python lists, or int64 numpy arrays, which skip a list -> array conversion
+        costing ~30 ns per token, only paid by rows with penalties), and the EOS ids min_tokens blocks.
+        """
+        num_rows = logits.shape[0]
+        for name, values in (("params", params), ("generators", generators),
+                             ("prompt_token_ids", prompt_token_ids), ("output_token_ids", output_token_ids),
+                             ("eos_token_ids", eos_token_ids)):
+            if len(values) != num_rows:
+                raise ValueError(f"{name} must have one entry per logits row ({num_rows}), got {len(values)}")
+        if num_rows == 0:
+            return SamplerOutput([], [], [])
+
+        # Work in float32 on a private copy: bf16 logits would quantise the penalties and the softmax.
+        logits = logits.to(torch.float32, copy=True)  # [N, V]
+        _mask_min_tokens(logits, params, output_token_ids, eos_token_ids)
+        _apply_penalties(logits, params, prompt_token_ids, output_token_ids)
+        log_normalizer = torch.logsumexp(logits, dim=-1)  # [N]
+
+        device = logits.device
+        token_ids = torch.empty(num_rows, dtype=torch.long, device=device)  # [N]
+        greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if greedy_rows:
+            index = torch.tensor(greedy_rows, device=device)
+            token_ids[index] = _select_rows(logits, greedy_rows).argmax(dim=-1)
+        if random_rows:
+            index = torch.tensor(random_rows, device=device)
+            token_ids[index] = _sample(_select_rows(logits, random_rows), [params[i] for i in random_rows],
+                                       [generators[i] for i in random_rows])
+
+        sampled_logprobs = logits.gather(1, token_ids[:, None]).squeeze(1) - log_normalizer  # [N]
+        top_logprobs: list[list[tuple[int, float]] | None] = [None] * num_rows
+        wanted_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if wanted_rows:
+            k = min(max(params[i].logprobs for i in wanted_rows), logits.shape[1])
+            top_values, top_ids = _select_rows(logits, wanted_rows).topk(k, dim=-1)  # [W, k], descending
+            top_values -= log_normalizer[torch.tensor(wanted_rows, device=device)][:, None]
+            for row, values, ids in zip(wanted_rows, top_values.tolist(), top_ids.tolist()):
+                count = params[row].logprobs
+                top_logprobs[row] = list(zip(ids[:count], values[:count]))
+        return SamplerOutput(token_ids.tolist(), sampled_logprobs.tolist(), top_logprobs)
+
+
+def _select_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """logits[rows] ([R, V]); the tensor itself (no copy) when `rows` is every row in order."""
+    if len(rows) == logits.shape[0]:
+        return logits
+    return logits[torch.tensor(rows, device=logits.device)]
+
+
+def _mask_min_tokens(logits: torch.Tensor, params: list[SamplingParams], output_token_ids: list[list[int]],
+                     eos_token_ids: list[set[int]]) -> None:
+    """In place: forbid the tokens that would end a row before it has `min_tokens` outputs."""
+    vocab = logits.shape[1]
+    rows, tokens = [], []
+    for row, (p, output, eos) in enumerate(zip(params, output_token_ids, eos_token_ids)):
+        if len(output) >= p.min_tokens:
+            continue
+        blocked = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos))
+        # An id outside the vocabulary can never be sampled, so there is nothing to block.
+        blocked = [t for t in blocked if 0 <= t < vocab]
+        rows += [row] * len(blocked)
+        tokens += blocked
+    if rows:
+        device = logits.device
+        logits[torch.tensor(rows, device=device), torch.tensor(tokens, device=device)] = float("-inf")
+
+
+def _unique_row_tokens(rows: list[int], token_lists: list, vocab: int, device: torch.device):
+    """Distinct (row, token) pairs over each row's token list, and how often each occurs.
+
+    Returns (row_index [P], token_index [P], counts [P]); work is O(tokens), never O(rows * vocab).
+    Token lists may be Python lists or int64 numpy arrays (no conversion cost).
+    """
+    # numpy turns a list of ints into an array several times faster than torch.tensor does.
+    keys = np.concatenate([np.asarray(tokens, dtype=np.int64) + row * vocab
+                           for row, tokens in zip(rows, token_lists)])  # [T]
+    keys, counts = torch.from_numpy(keys).to(device).unique(return_counts=True)  # [P], [P]
+    return keys // vocab, keys % vocab, counts
+
+
+def _apply_penalties(logits: torch.Tensor, params: list[SamplingParams], prompt_token_ids: list[list[int]],
+                     output_token_ids: list[list[int]]) -> None:
+    """In place: repetition penalty, then frequency and presence penalties (only rows that set them)."""
+    vocab, device = logits.shape[1], logits.device
+
+    rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    rows = [i for i in rows if len(prompt_token_ids[i]) + len(output_token_ids[i]) > 0]
+    if rows:
+        # Listing each row twice (prompt, then output) lets unique() merge the two histories.
+        seen = [prompt_token_ids[i] for i in rows] + [output_token_ids[i] for i in rows]
+        row_index, token_index, _ = _unique_row_tokens(rows + rows, seen, vocab, device)
+        penalty = torch.tensor([p.repetition_penalty for p in params], device=device)[row_index]  # [P]
+        values = logits[row_index, token_index]  # [P]
+        # Dividing a positive logit and multiplying a negative one both make the token less likely (r > 1).
+        logits[row_index, token_index] = torch.where(values > 0, values / penalty, values * penalty)
+
+    rows = [i for i, p in enumerate(params) if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0]
+    rows = [i for i in rows if len(output_token_ids[i]) > 0]
+    if rows:
+        row_index, token_index, counts = _unique_row_tokens(rows, [output_token_ids[i] for i in rows],
+                                                            vocab, device)
+        frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[row_index]  # [P]
+        presence = torch.tensor([p.presence_penalty for p in params], device=device)[row_index]  # [P]
+        logits[row_index, token_index] -= frequency * counts + presence
+
+
+def _sample(logits: torch.Tensor, params: list[SamplingParams],
+            generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Draw one token per row of `logits` ([S, V], left unchanged); returns [S] token ids."""
+    device, vocab = logits.device, logits.shape[1]
+    temperature = torch.tensor([p.temperature for p in params], device=device)  # [S]
+    logits = logits / temperature[:, None]  # [S, V], a new tensor: the filters below edit it in place
+
+    top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]  # vocab: no top-k
+    filtered = [i for i, p in enumerate(params) if top_k[i] < vocab or p.top_p < 1.0]
+    if filtered:
+        index = torch.tensor(filtered, device=device)
+        k = torch.tensor([top_k[i] for i in filtered], device=device)  # [F]
+        top_p = torch.tensor([params[i].top_p for i in filtered], device=device)  # [F]
+        logits[index] = _top_k_top_p(logits[index], k, top_p)
+
+    probs = logits.softmax(dim=-1)  # [S, V]
+    if any(p.min_p > 0 for p in params):
+        # min-p keeps tokens with p >= min_p * p_max. No renormalising needed: the race below is scale-free.
+        min_p = torch.tensor([p.min_p for p in params], device=device)  # [S]
+        threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]  # [S, 1]
+        probs.masked_fill_(probs < threshold, 0.0)
+
+    noise = torch.empty_like(probs)  # [S, V]
+    if any(g is None for g in generators):
+        noise.exponential_()  # global RNG; seeded rows are overwritten just below
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            noise[row].exponential_(generator=generator)
+    # exponential_ can return exactly 0 (seen on CUDA); that would turn p / E into inf or nan.
+    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+    return probs.div_(noise).argmax(dim=-1)
+
+
+def _top_k_top_p(logits: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-k, then top-p on the renormalised survivors; [F, V] -> [F, V] with the rest at -inf.
+
+    k[r] = V means no top-k, top_p[r] = 1 no top-p. Only the max(k) best candidates of each row are
+    ranked, with torch.topk: far cheaper than sorting a 250k vocabulary. A full sort happens only when
+    some row uses top-p without top-k.
+    """
+    num_candidates = int(k.max())
+    if num_candidates < logits.shape[1]:
+        values, ids = logits.topk(num_candidates, dim=-1)  # [F, C], descending
+    else:
+        values, ids = logits.sort(dim=-1, descending=True)  # [F, V]
+    rank = torch.arange(num_candidates, device=logits.device)  # [C]
+    values.masked_fill_(rank >= k[:, None], float("-inf"))
+    probs = values.softmax(dim=-1)  # [F, C], the distribution renormalised over the top-k survivors
+    # Keep the smallest prefix whose mass reaches top_p: a token survives if the mass before it is < top_p,
+    # so the first one always does. Rows with top_p = 1 skip this: float rounding can push the running
+    # mass to 1.0 before the tail and would cut it.
+    mass_before = probs.cumsum(dim=-1) - probs  # [F, C]
+    values.masked_fill_((mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0), float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter_(1, ids, values)
