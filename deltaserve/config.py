@@ -120,12 +120,13 @@ class ModelConfig:
             raise ConfigError(f"cannot read '{file}': {exc}") from exc
         cfg = cls.from_hf(raw, source=str(file))
         gen_file = file.parent / "generation_config.json"
-        if gen_file.is_file() and not cfg.eos_token_ids:
+        if gen_file.is_file():  # instruct releases list extra stop ids there (e.g. <|endoftext|>)
             try:
                 gen = json.loads(gen_file.read_text())
             except (OSError, json.JSONDecodeError) as exc:
                 raise ConfigError(f"cannot read '{gen_file}': {exc}") from exc
-            cfg = dataclasses.replace(cfg, eos_token_ids=_as_id_tuple(gen.get("eos_token_id")))
+            extra = [t for t in _as_id_tuple(gen.get("eos_token_id")) if t not in cfg.eos_token_ids]
+            cfg = dataclasses.replace(cfg, eos_token_ids=cfg.eos_token_ids + tuple(extra))
         return cfg
 
     @classmethod

@@ -96,7 +96,9 @@ def load_safetensors(model: HybridForCausalLM, path: Path) -> None:
     params = dict(model.named_parameters())
     tied = model.config.tie_word_embeddings
     pending = {name for name in params if not (tied and name == "lm_head.weight")}
-    expert_parts: dict[str, int] = {}  # fused expert param -> number of per-expert slices loaded
+    # fused expert param -> the (expert, projection) slices loaded so far. A set, not a count, so that a
+    # slice repeated in two files cannot stand in for a missing one.
+    expert_parts: dict[str, set[tuple[int, str]]] = {}
     skipped = 0
     for file in tqdm(_checkpoint_files(path), desc="Loading safetensors", unit="file", leave=False):
         try:
@@ -118,10 +120,10 @@ def load_safetensors(model: HybridForCausalLM, path: Path) -> None:
                     raise WeightLoadError(f"unexpected tensor '{raw_name}' in '{file.name}' (no such parameter)")
                 _copy(params[name], tensor, raw_name)
                 pending.discard(name)
-    for name, count in expert_parts.items():
+    for name, loaded in expert_parts.items():
         experts = params[name].shape[0]
         needed = experts * (2 if name.endswith("gate_up_proj") else 1)
-        if count == needed:
+        if len(loaded) == needed:
             pending.discard(name)
     if pending:
         missing = sorted(pending)
@@ -142,7 +144,7 @@ def _load_expert_slice(params, match, tensor, raw_name, parts) -> None:
     dest = {"gate_proj": lambda t: t[expert, :inter], "up_proj": lambda t: t[expert, inter:],
             "down_proj": lambda t: t[expert]}[proj](target.data)
     _copy_into(dest, tensor, raw_name)
-    parts[fused] = parts.get(fused, 0) + 1
+    parts.setdefault(fused, set()).add((expert, proj))
 
 
 def _copy(param: nn.Parameter, tensor: torch.Tensor, raw_name: str) -> None:
@@ -160,7 +162,10 @@ def _copy_into(dest: torch.Tensor, tensor: torch.Tensor, raw_name: str) -> None:
 @torch.no_grad()
 def init_dummy_weights(model: HybridForCausalLM, seed: int = 0) -> None:
     """Seeded random weights from the config alone (for benchmarks and smoke tests; outputs are noise)."""
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    device = next(model.parameters()).device
+    if device.type == "meta":  # a shape-only model (sizing, planning) holds no values to fill
+        return
+    gen = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
         if name.endswith("A_log"):  # decay rates as transformers initialises them: log U(1, 16)
             param.uniform_(1.0, 16.0, generator=gen).log_()
