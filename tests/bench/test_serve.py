@@ -1,0 +1,211 @@
+"""End to end: `bench serve` against the scripted fake server (timings, totals, JSON, failures, errors)."""
+
+import json
+import socket
+
+import numpy as np
+import pytest
+
+from deltaserve.bench.cli import build_parser, main
+from deltaserve.bench.serve import run_serve
+from deltaserve.bench.traffic import arrival_offsets
+
+
+def _run(server, tokenizer_dir, *flags):
+    argv = ["serve", "--base-url", server.base_url, "--tokenizer", tokenizer_dir, "--disable-tqdm",
+            "--request-id-prefix", "bench-", *flags]
+    return run_serve(build_parser().parse_args(argv))
+
+
+def _ids(tokenizer, text):
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def test_random_completions_metrics_and_json(fake_server, tokenizer_dir, tokenizer, tmp_path, capsys):
+    fake_server.first_delay, fake_server.gap = 0.1, 0.04
+    result = _run(
+        fake_server, tokenizer_dir, "--random-input-len", "32", "--random-output-len", "5", "--num-prompts", "6",
+        "--max-concurrency", "2", "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
+        "--metric-percentiles", "50,99", "--save-result", "--save-detailed", "--result-dir", str(tmp_path),
+        "--result-filename", "run.json", "--metadata", "run=unit",
+    )
+    headers = [h for h, _ in fake_server.received]
+    bodies = [b for _, b in fake_server.received]
+    assert sorted(h["x-request-id"] for h in headers) == [f"bench-{i}" for i in range(6)]
+    for body in bodies:
+        assert body["model"] == "fake-model"  # the first id of GET /v1/models
+        assert (body["max_tokens"], body["ignore_eos"], body["temperature"], body["stream"]) == (5, True, 0.0, True)
+        assert body["stream_options"] == {"include_usage": True}
+        assert len(_ids(tokenizer, body["prompt"])) == 32
+    assert fake_server.max_in_flight == 2
+
+    assert (result["completed"], result["failed"], result["num_prompts"]) == (6, 0, 6)
+    assert (result["model_id"], result["run"], result["max_concurrency"]) == ("fake-model", "unit", 2)
+    # totals come from the server's usage: prompt_tokens = prompt characters, completion_tokens = 5
+    assert result["total_input_tokens"] == sum(len(b["prompt"]) for b in bodies)
+    assert result["total_output_tokens"] == 30
+    assert result["input_lens"] and sorted(result["input_lens"]) == sorted(len(b["prompt"]) for b in bodies)
+    assert result["output_lens"] == [5] * 6 and result["errors"] == [""] * 6
+
+    # the scripted timing: first chunk after 100 ms, then one every 40 ms (slack for a busy 2-core box)
+    assert 100 <= result["mean_ttft_ms"] < 170
+    assert 35 <= result["median_itl_ms"] < 75
+    assert 38 <= result["mean_tpot_ms"] < 75
+    assert 260 <= result["mean_e2el_ms"] < 380
+    assert 0.78 <= result["duration"] < 1.5  # three waves of two requests
+    assert result["max_concurrent_requests"] == 2
+
+    # the summary is exactly the arithmetic of the per-request details
+    ttfts, latencies = np.array(result["ttfts"]), np.array(result["latencies"])
+    itls = [gap for gaps in result["itls"] for gap in gaps]
+    assert all(len(gaps) == 4 for gaps in result["itls"])
+    assert result["mean_tpot_ms"] == pytest.approx(1000 * np.mean((latencies - ttfts) / 4))
+    assert result["mean_itl_ms"] == pytest.approx(1000 * np.mean(itls))
+    assert result["p99_itl_ms"] == pytest.approx(1000 * np.percentile(itls, 99))
+    assert result["median_ttft_ms"] == pytest.approx(1000 * np.median(ttfts))
+    assert result["std_e2el_ms"] == pytest.approx(1000 * np.std(latencies))
+    assert result["p50_e2el_ms"] == pytest.approx(1000 * np.median(latencies))
+    duration = result["duration"]
+    assert result["request_throughput"] == pytest.approx(6 / duration)
+    assert result["output_throughput"] == pytest.approx(30 / duration)
+    assert result["total_token_throughput"] == pytest.approx((result["total_input_tokens"] + 30) / duration)
+    assert result["request_goodput"] is None
+
+    saved = json.loads((tmp_path / "run.json").read_text())
+    assert saved == json.loads(json.dumps(result))
+    printed = capsys.readouterr().out
+    for line in ("Serving Benchmark Result", "End-to-end Latency", "P50 TTFT (ms):", "P99 ITL (ms):"):
+        assert line in printed
+
+
+def test_failures_are_counted_and_reported(fake_server, tokenizer_dir, tokenizer, capsys):
+    fake_server.first_delay, fake_server.gap, fake_server.usage = 0.01, 0.005, False
+    fake_server.fail_http = {"bench-1"}
+    fake_server.fail_stream = {"bench-3"}
+    result = _run(fake_server, tokenizer_dir, "--random-input-len", "20", "--random-output-len", "3",
+                  "--num-prompts", "5", "--save-detailed", "--goodput", "ttft:10000")
+    assert (result["completed"], result["failed"]) == (3, 2)
+    assert "HTTP 500" in result["errors"][1] and "scripted failure for bench-1" in result["errors"][1]
+    assert "scripted stream error" in result["errors"][3]
+    assert [bool(e) for e in result["errors"]] == [False, True, False, True, False]
+    # no usage from the server: the dataset's prompt count and the re-tokenized text are used
+    assert result["total_input_tokens"] == 3 * 20
+    assert result["total_output_tokens"] == 3 * len(_ids(tokenizer, " w0 w1 w2"))
+    assert result["output_lens"][1] == result["output_lens"][3] == 0
+    assert result["request_goodput"] == pytest.approx(3 / result["duration"])
+    printed = capsys.readouterr().out
+    assert "2 failed requests, 2 distinct errors:" in printed
+    assert "scripted failure for bench-1" in printed and "scripted stream error" in printed
+
+
+@pytest.mark.parametrize("backend", ["openai", "openai-chat"])
+def test_multi_turn_grows_prompts_and_reports_ttft_by_turn(fake_server, tokenizer_dir, tokenizer, backend):
+    fake_server.first_delay, fake_server.gap, fake_server.delay_per_turn = 0.02, 0.005, 0.05
+    result = _run(fake_server, tokenizer_dir, "--backend", backend, "--dataset-name", "multi_turn",
+                  "--multi-turn-sessions", "2", "--multi-turn-num-turns", "3", "--multi-turn-new-tokens", "6",
+                  "--random-input-len", "10", "--random-output-len", "3", "--max-concurrency", "2")
+    assert (result["completed"], result["failed"], result["num_prompts"]) == (6, 0, 6)
+    by_id = {h["x-request-id"]: b for h, b in fake_server.received}
+    assert sorted(by_id) == [f"bench-s{s}-t{t}" for s in range(2) for t in range(3)]
+    answer = " w0 w1 w2"
+    for session in range(2):
+        turns = [by_id[f"bench-s{session}-t{t}"] for t in range(3)]
+        assert all(body["ignore_eos"] for body in turns)  # synthetic traffic runs to max_tokens, as in vLLM
+        if backend == "openai":
+            assert len(_ids(tokenizer, turns[0]["prompt"])) == 10
+            for before, after in zip(turns, turns[1:]):
+                grown = before["prompt"] + answer
+                assert after["prompt"].startswith(grown)
+                assert len(_ids(tokenizer, after["prompt"][len(grown):])) == 6
+        else:
+            for t, body in enumerate(turns):
+                roles = [m["role"] for m in body["messages"]]
+                assert roles == ["user", "assistant"] * t + ["user"]
+                assert all(m["content"] == answer for m in body["messages"] if m["role"] == "assistant")
+                assert len(_ids(tokenizer, body["messages"][-1]["content"])) == (10 if t == 0 else 6)
+            assert turns[2]["messages"][:3] == turns[1]["messages"]
+    # the server delays each turn's first chunk by 50 ms per earlier turn
+    ttft = result["ttft_by_turn_ms"]
+    assert len(ttft) == len(result["median_ttft_by_turn_ms"]) == 3
+    assert ttft[0] < ttft[1] < ttft[2] and ttft[2] - ttft[0] > 90
+    assert result["completed_by_turn"] == [2, 2, 2]
+    inputs = result["mean_input_len_by_turn"]
+    assert inputs[0] < inputs[1] < inputs[2]
+
+
+def test_warmups_rate_and_prefix_repetition(fake_server, tokenizer_dir, tokenizer):
+    fake_server.first_delay, fake_server.gap = 0.01, 0.01
+    result = _run(fake_server, tokenizer_dir, "--dataset-name", "prefix_repetition", "--num-prompts", "4",
+                  "--prefix-repetition-prefix-len", "16", "--prefix-repetition-suffix-len", "4",
+                  "--prefix-repetition-num-prefixes", "2", "--prefix-repetition-output-len", "2",
+                  "--request-rate", "10", "--num-warmups", "2", "--save-detailed", "--seed", "3")
+    ids = [h["x-request-id"] for h, _ in fake_server.received]
+    assert sorted(ids[:2]) == ["bench-warmup-0", "bench-warmup-1"]
+    assert sorted(ids[2:]) == [f"bench-{i}" for i in range(4)]
+    assert result["completed"] == 4 and result["request_rate"] == 10.0
+    prompts = [b["prompt"] for h, b in fake_server.received[2:]]
+    assert all("ignore_eos" not in b for _, b in fake_server.received)
+    prefixes = {tuple(_ids(tokenizer, p)[:16]) for p in prompts}
+    assert len(prefixes) == 2 and all(len(_ids(tokenizer, p)) == 20 for p in prompts)
+    starts = np.array(result["start_times"]) - result["start_times"][0]
+    expected = np.array(arrival_offsets(4, 10.0, 1.0, seed=3))
+    assert np.abs(starts - (expected - expected[0])).max() < 0.05
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err
+    return err
+
+
+def test_unreachable_server_exits_2(tokenizer_dir, capsys):
+    port = _closed_port()
+    assert main(["serve", "--port", str(port), "--tokenizer", tokenizer_dir]) == 2
+    assert f"cannot reach the server at http://127.0.0.1:{port}/v1/models" in _one_line_error(capsys)
+
+
+def test_model_and_tokenizer_errors_exit_2(fake_server, tokenizer_dir, capsys):
+    base = ["serve", "--base-url", fake_server.base_url]
+    assert main(base + ["--model", "other", "--tokenizer", tokenizer_dir]) == 2
+    assert "model 'other' is not served at" in (err := _one_line_error(capsys)) and "it serves: fake-model" in err
+    assert main(base) == 2
+    assert "tokenizer missing: --model 'fake-model' is not a local directory" in _one_line_error(capsys)
+    assert main(base + ["--tokenizer", "/nonexistent/tok"]) == 2
+    assert "--tokenizer '/nonexistent/tok'" in _one_line_error(capsys)
+    assert fake_server.received == []
+
+
+def test_api_key_from_flag_or_environment(fake_server, tokenizer_dir, monkeypatch, capsys):
+    fake_server.first_delay, fake_server.gap = 0.01, 0.01
+    fake_server.api_key = "sekret"
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    base = ["serve", "--base-url", fake_server.base_url, "--tokenizer", tokenizer_dir, "--disable-tqdm",
+            "--num-prompts", "2", "--random-input-len", "4", "--random-output-len", "2"]
+    assert main(base) == 2
+    assert "refused the request (HTTP 401); pass --api-key or set OPENAI_API_KEY" in _one_line_error(capsys)
+    assert main(base + ["--api-key", "sekret"]) == 0
+    monkeypatch.setenv("OPENAI_API_KEY", "sekret")
+    assert main(base) == 0
+    assert [h["authorization"] for h, _ in fake_server.received] == ["Bearer sekret"] * 4
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--random-range-ratio", "1.0"], "--random-range-ratio must be in [0, 1), got 1.0"),
+    (["--random-range-ratio", "-0.1"], "--random-range-ratio must be in [0, 1), got -0.1"),
+    (["--random-input-len", "-5"], "--random-input-len must be >= 0, got -5"),
+    (["--dataset-name", "prefix_repetition", "--num-prompts", "2", "--prefix-repetition-num-prefixes", "3"],
+     "--num-prompts 2 is smaller than --prefix-repetition-num-prefixes 3"),
+    (["--goodput", "ttft=5"], "--goodput 'ttft=5': expected KEY:VALUE"),
+    (["--percentile-metrics", "ttft,foo"], "--percentile-metrics: unknown metric 'foo'"),
+    (["--dataset-name", "sharegpt"], "--dataset-name sharegpt needs --dataset-path"),
+    (["--max-concurrency", "0"], "--max-concurrency must be >= 1, got 0"),
+])
+def test_bad_flags_exit_2_before_contacting_the_server(flags, message, capsys):
+    assert main(["serve", "--port", str(_closed_port()), *flags]) == 2
+    assert message in _one_line_error(capsys)
