@@ -50,7 +50,8 @@ class EngineSetup:
         shape = self._cache_shape(config, model)
         self.max_model_len = self._max_model_len(config, shape)
         self.cache_manager = CacheManager(BlockPool(shape.num_blocks, shape.block_size), StatePool(shape.num_state_slots))
-        self.runner = ModelRunner(model, shape, self.device)
+        self.runner = ModelRunner(model, shape, self.device, self.max_num_seqs, self.max_model_len,
+                                  config.enforce_eager)
         logger.info("KV cache: %d blocks of %d tokens (%d tokens); %d GDN state slots; max_model_len %d",
                     shape.num_blocks - 1, shape.block_size, (shape.num_blocks - 1) * shape.block_size,
                     shape.num_state_slots - 1, self.max_model_len)

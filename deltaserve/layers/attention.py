@@ -42,6 +42,6 @@ class GatedAttention(nn.Module):
         q, k = self.rotary(batch.positions, q, k)
         write_kv_cache(k, v, self.k_cache, self.v_cache, batch.slot_mapping)
         o = paged_attention(q, self.k_cache, self.v_cache, batch.block_tables, batch.cu_seqlens_q,
-                            batch.seq_lens, self.scale)  # [T, nH, hd]
+                            batch.seq_lens, self.scale, batch.max_query_len)  # [T, nH, hd]
         o = o * torch.sigmoid(gate)
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))

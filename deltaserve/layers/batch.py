@@ -1,14 +1,15 @@
 """ForwardBatch: the flattened tensors every layer reads for one forward pass.
 
 The tokens of N sequences are concatenated ("varlen"): sequence n owns rows
-cu_seqlens_q[n] : cu_seqlens_q[n+1] of every [T, ...] activation. The model runner builds one per step;
-tests build them with `ForwardBatch.build`.
+cu_seqlens_q[n] : cu_seqlens_q[n+1] of every [T, ...] activation. The model runner builds one per step
+(`ForwardBatch.build`), or points one at its static CUDA-graph buffers.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -22,43 +23,44 @@ class ForwardBatch:
     state_slots: torch.Tensor  # [N] int64, GDN state-pool slot of each sequence
     has_initial_state: torch.Tensor  # [N] bool, False where the sequence starts from zero state
     logits_indices: torch.Tensor  # [N] int64, row of each sequence's last token (the one to sample from)
-    query_lens: list[int]  # [N] new tokens per sequence, on the CPU
+    max_query_len: int  # the most new tokens of any sequence (1 in a decode batch)
     is_decode: bool  # every sequence has one new token and continues from its cached state
 
     @property
     def num_seqs(self) -> int:
-        return len(self.query_lens)
+        return self.seq_lens.shape[0]
 
     @classmethod
     def build(cls, num_computed: list[int], query_lens: list[int], block_ids: list[list[int]],
-              state_slots: list[int], block_size: int, device: torch.device | str = "cpu") -> "ForwardBatch":
+              state_slots: list[int], block_size: int, device: torch.device | str = "cpu",
+              block_table_width: int | None = None) -> "ForwardBatch":
         """Build from per-sequence lists: tokens already in the cache, new tokens, KV block ids, state slot."""
-        positions, slots = [], []
-        for computed, qlen, blocks in zip(num_computed, query_lens, block_ids):
-            for pos in range(computed, computed + qlen):
-                positions.append(pos)
-                slots.append(blocks[pos // block_size] * block_size + pos % block_size)
-        cu = [0]
-        for qlen in query_lens:
-            cu.append(cu[-1] + qlen)
-        width = max((len(b) for b in block_ids), default=1) or 1
-        table = torch.zeros(len(block_ids), width, dtype=torch.int32)
+        computed = np.asarray(num_computed, dtype=np.int64)
+        qlens = np.asarray(query_lens, dtype=np.int64)
+        cu = np.zeros(len(qlens) + 1, dtype=np.int64)
+        np.cumsum(qlens, out=cu[1:])
+        # position of every new token: computed[n] + 0 .. qlens[n]-1, without a Python loop over tokens
+        seq_of_token = np.repeat(np.arange(len(qlens)), qlens)  # [T]
+        positions = computed[seq_of_token] + np.arange(cu[-1]) - cu[:-1][seq_of_token]
+        width = block_table_width or max((len(b) for b in block_ids), default=1) or 1
+        table = np.zeros((len(block_ids), width), dtype=np.int32)
         for i, blocks in enumerate(block_ids):
-            table[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            table[i, : len(blocks)] = blocks
+        slots = table[seq_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
 
-        def t(values, dtype=torch.int64):
-            return torch.tensor(values, dtype=dtype, device=device)
+        def t(array):
+            return torch.from_numpy(array).to(device, non_blocking=True)
 
         return cls(
             positions=t(positions),
             cu_seqlens_q=t(cu),
-            seq_lens=t([c + q for c, q in zip(num_computed, query_lens)]),
-            block_tables=table.to(device),
+            seq_lens=t(computed + qlens),
+            block_tables=t(table),
             slot_mapping=t(slots),
-            state_slots=t(state_slots),
-            has_initial_state=t([c > 0 for c in num_computed], torch.bool),
-            logits_indices=t([c - 1 for c in cu[1:]]),
-            query_lens=list(query_lens),
+            state_slots=t(np.asarray(state_slots, dtype=np.int64)),
+            has_initial_state=t(computed > 0),
+            logits_indices=t(cu[1:] - 1),
+            max_query_len=int(qlens.max()) if len(qlens) else 0,
             # a sequence that starts now takes the prefill path, which zeroes its state first
-            is_decode=all(q == 1 and c > 0 for q, c in zip(query_lens, num_computed)),
+            is_decode=bool(np.all((qlens == 1) & (computed > 0))),
         )

@@ -10,6 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 
 
+# (S, K) x grouped (E, K, N) -> (S, N); torch >= 2.10 names it F.grouped_mm, older releases torch._grouped_mm
+grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
+
+
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)), with transformers' parameter names."""
 
@@ -34,26 +38,20 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         """x: [T, H]; topk_ids, topk_weights: [T, k]. Returns sum_j w_j * expert_{id_j}(x): [T, H].
 
-        Tokens are grouped by expert (one sort), and each expert with tokens runs one batched matmul.
+        The T*k (token, expert) pairs are sorted by expert and run as one grouped matmul per projection
+        (torch's grouped_mm): no host sync and no loop over experts, so it also runs inside CUDA graphs.
         """
-        T, k = topk_ids.shape
-        flat_ids = topk_ids.reshape(-1)  # [T*k]
-        order = torch.argsort(flat_ids, stable=True)
-        token_of = order // k  # [T*k] source token of each sorted assignment
-        counts = torch.bincount(flat_ids, minlength=self.gate_up_proj.shape[0]).tolist()
-        out = torch.zeros_like(x)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows = token_of[start:start + count]
-            h = x[rows] @ self.gate_up_proj[expert].t()  # [count, 2I]
-            gate, up = h.chunk(2, dim=-1)
-            y = (F.silu(gate) * up) @ self.down_proj[expert].t()  # [count, H]
-            w = topk_weights.reshape(-1)[order[start:start + count]].unsqueeze(1)
-            out.index_add_(0, rows, (y * w).to(out.dtype))
-            start += count
-        return out
+        k = topk_ids.shape[1]
+        sorted_ids, order = torch.sort(topk_ids.reshape(-1), stable=True)  # [T*k]
+        rows = order // k  # [T*k] source token of each sorted pair
+        experts = torch.arange(self.gate_up_proj.shape[0], device=x.device)
+        # [E] end of each expert's group (searchsorted, unlike bincount, needs no host sync)
+        offs = torch.searchsorted(sorted_ids, experts, right=True).to(torch.int32)
+        h = grouped_mm(x[rows], self.gate_up_proj.transpose(1, 2), offs=offs)  # [T*k, 2I]
+        gate, up = h.chunk(2, dim=-1)
+        y = grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)  # [T*k, H]
+        y = y * topk_weights.reshape(-1)[order].unsqueeze(1).to(y.dtype)
+        return torch.zeros_like(x).index_add_(0, rows, y)
 
 
 class SparseMoE(nn.Module):

@@ -1,4 +1,8 @@
-"""ModelRunner: SchedulerOutput -> flattened tensors -> forward -> sample -> ModelOutput."""
+"""ModelRunner: SchedulerOutput -> flattened tensors -> forward -> sample -> ModelOutput.
+
+Decode-only steps replay a captured CUDA graph when one fits (see cuda_graph.py); every other step, and
+every step on the CPU or with enforce_eager, runs the model eagerly.
+"""
 
 from __future__ import annotations
 
@@ -8,19 +12,25 @@ from deltaserve.layers.batch import ForwardBatch
 from deltaserve.model.qwen3_5 import HybridForCausalLM
 from deltaserve.sampling import Sampler
 from deltaserve.sched_output import ModelOutput, SchedulerOutput
+from deltaserve.worker.cuda_graph import DecodeGraphs
 from deltaserve.worker.kv_cache import CacheShape, bind_caches
 
 
 class ModelRunner:
-    def __init__(self, model: HybridForCausalLM, cache_shape: CacheShape, device: torch.device):
+    def __init__(self, model: HybridForCausalLM, cache_shape: CacheShape, device: torch.device,
+                 max_num_seqs: int = 256, max_model_len: int = 4096, enforce_eager: bool = True):
         self.model = model
         self.device = device
         self.block_size = cache_shape.block_size
         bind_caches(model, cache_shape, device)
         self.sampler = Sampler()
+        self.graphs: DecodeGraphs | None = None
+        if device.type == "cuda" and not enforce_eager:
+            # the graphs' block table is wide enough for the longest sequence; eager steps use their own width
+            self.graphs = DecodeGraphs(model, max_num_seqs, -(-max_model_len // self.block_size), device)
+            self.graphs.capture()
 
-    @torch.inference_mode()
-    def execute(self, scheduled: SchedulerOutput) -> ModelOutput:
+    def _prepare(self, scheduled: SchedulerOutput) -> tuple[torch.Tensor, ForwardBatch]:
         rows = scheduled.sequences
         batch = ForwardBatch.build(
             num_computed=[r.num_computed for r in rows],
@@ -30,13 +40,25 @@ class ModelRunner:
             block_size=self.block_size,
             device=self.device,
         )
-        input_ids = torch.tensor([t for r in rows for t in r.token_ids], dtype=torch.int64, device=self.device)
-        hidden = self.model(input_ids, batch)  # [T, H]
+        input_ids = torch.tensor([t for r in rows for t in r.token_ids], dtype=torch.int64).to(
+            self.device, non_blocking=True)
+        return input_ids, batch
+
+    @torch.inference_mode()
+    def execute(self, scheduled: SchedulerOutput) -> ModelOutput:
+        rows = scheduled.sequences
+        input_ids, batch = self._prepare(scheduled)
         sampling_rows = [i for i, r in enumerate(rows) if r.sample]
+        if self.graphs is not None and batch.is_decode and self.graphs.padded_size(len(rows)) is not None:
+            logits = self.graphs.run(batch, input_ids)  # [N, V]; in a decode batch every row samples
+        else:
+            hidden = self.model(input_ids, batch)  # [T, H]
+            if not sampling_rows:
+                return ModelOutput({}, {}, {})
+            last = batch.logits_indices[torch.tensor(sampling_rows)]
+            logits = self.model.compute_logits(hidden[last])  # [S, V] float32
         if not sampling_rows:
             return ModelOutput({}, {}, {})
-        last = batch.logits_indices[torch.tensor(sampling_rows, device=self.device)]
-        logits = self.model.compute_logits(hidden[last])  # [S, V] float32
         chosen = [rows[i] for i in sampling_rows]
         out = self.sampler(
             logits,

@@ -1,0 +1,89 @@
+"""CUDA graphs for decode-only steps.
+
+One graph per batch size in `capture_sizes(max_num_seqs)` (1, 2, 4, 8, then every 8), captured largest first
+into one shared memory pool. Each graph reads static input buffers sized for the largest batch; a step of n
+sequences is padded to the next captured size, and its padding rows point at the dummy state slot 0, the
+null KV block 0 (context length 1) and KV slot -1 (no cache write), so they change nothing a request owns.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from deltaserve.layers.batch import ForwardBatch
+from deltaserve.model.qwen3_5 import HybridForCausalLM
+
+logger = logging.getLogger(__name__)
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, 16, 24, ... up to max_num_seqs (always included)."""
+    sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs]
+    sizes += list(range(16, max_num_seqs, 8))
+    return sorted(set(sizes + [max_num_seqs]))
+
+
+class DecodeGraphs:
+    def __init__(self, model: HybridForCausalLM, max_num_seqs: int, block_table_width: int, device):
+        self.model = model
+        self.sizes = capture_sizes(max_num_seqs)
+        n = self.sizes[-1]
+        i64 = dict(dtype=torch.int64, device=device)
+        # static inputs, sized for the largest batch; rows beyond a step's batch hold padding values
+        self.input_ids = torch.zeros(n, **i64)
+        self.positions = torch.zeros(n, **i64)
+        self.slot_mapping = torch.full((n,), -1, **i64)
+        self.seq_lens = torch.ones(n, **i64)
+        self.state_slots = torch.zeros(n, **i64)
+        self.block_tables = torch.zeros(n, block_table_width, dtype=torch.int32, device=device)
+        self.cu_seqlens = torch.arange(n + 1, **i64)
+        self.has_initial_state = torch.ones(n, dtype=torch.bool, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}  # each graph's static output [size, V]
+
+    def _batch(self, size: int) -> ForwardBatch:
+        return ForwardBatch(
+            positions=self.positions[:size], cu_seqlens_q=self.cu_seqlens[: size + 1], seq_lens=self.seq_lens[:size],
+            block_tables=self.block_tables[:size], slot_mapping=self.slot_mapping[:size],
+            state_slots=self.state_slots[:size], has_initial_state=self.has_initial_state[:size],
+            logits_indices=self.cu_seqlens[:size], max_query_len=1, is_decode=True)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.sizes):  # largest first: smaller graphs reuse its pool memory
+            batch = self._batch(size)
+            for _ in range(2):  # warm up: Triton compiles, cuBLAS picks its kernels
+                self.model.compute_logits(self.model(self.input_ids[:size], batch))
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[size] = self.model.compute_logits(self.model(self.input_ids[:size], batch))
+            self.graphs[size] = graph
+        torch.cuda.synchronize()
+        logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
+
+    def padded_size(self, n: int) -> int | None:
+        """The captured size to run n sequences at, or None if n is larger than every graph."""
+        return next((s for s in self.sizes if s >= n), None)
+
+    def run(self, batch: ForwardBatch, input_ids: torch.Tensor) -> torch.Tensor:
+        """Replay the graph for this decode batch; returns logits [n, V] (a view of the static output)."""
+        n = batch.num_seqs
+        size = self.padded_size(n)
+        width = batch.block_tables.shape[1]
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(batch.positions)
+        self.slot_mapping[:n].copy_(batch.slot_mapping)
+        self.seq_lens[:n].copy_(batch.seq_lens)
+        self.state_slots[:n].copy_(batch.state_slots)
+        self.block_tables[:n, :width].copy_(batch.block_tables)
+        if size > n:  # padding rows: dummy slot, null block, no cache write
+            self.slot_mapping[n:size].fill_(-1)
+            self.seq_lens[n:size].fill_(1)
+            self.state_slots[n:size].fill_(0)
+            self.block_tables[n:size].fill_(0)
+        self.graphs[size].replay()
+        return self.logits[size][:n]
