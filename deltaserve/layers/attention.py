@@ -6,9 +6,11 @@ before o_proj. See the architecture reference, section 3.
 """
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.layers.batch import ForwardBatch
+from deltaserve.layers.linear import fuse_linears
 from deltaserve.layers.norm import RMSNorm
 from deltaserve.layers.rotary import PartialRotary
 from deltaserve.ops.attention import paged_attention, write_kv_cache
@@ -27,18 +29,25 @@ class GatedAttention(nn.Module):
         self.k_norm = RMSNorm(head_dim, eps)
         self.rotary = rotary
         self.scale = head_dim ** -0.5
+        self.qkv_weight: torch.Tensor | None = None  # [q | k | v] rows, set by fuse()
         # Paged KV cache, bound by the runner: [num_blocks, block_size, num_kv_heads, head_dim] each.
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
+    def fuse(self) -> None:
+        """After loading: q, k and v projections become one matmul."""
+        self.qkv_weight = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]. Writes this step's K/V into the cache, then attends over it."""
         T = x.shape[0]
-        qg = self.q_proj(x).view(T, self.num_heads, 2 * self.head_dim)
+        kv_dim = self.num_kv_heads * self.head_dim
+        qg, k, v = F.linear(x, self.qkv_weight).split([2 * self.num_heads * self.head_dim, kv_dim, kv_dim], -1)
+        qg = qg.view(T, self.num_heads, 2 * self.head_dim)
         q, gate = qg[..., : self.head_dim], qg[..., self.head_dim:]  # [T, nH, hd] each
         q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).view(T, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        k = self.k_norm(k.view(T, self.num_kv_heads, self.head_dim))
+        v = v.view(T, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(batch.positions, q, k)
         write_kv_cache(k, v, self.k_cache, self.v_cache, batch.slot_mapping)
         o = paged_attention(q, self.k_cache, self.v_cache, batch.block_tables, batch.cu_seqlens_q,

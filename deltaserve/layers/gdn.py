@@ -11,6 +11,7 @@ from torch import nn
 
 from deltaserve.config import ModelConfig
 from deltaserve.layers.batch import ForwardBatch
+from deltaserve.layers.linear import fuse_linears
 from deltaserve.layers.norm import GatedRMSNorm
 from deltaserve.ops.conv1d import conv_decode, conv_prefill
 from deltaserve.ops.gdn import gdn_decode, gdn_prefill
@@ -37,23 +38,33 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = GatedRMSNorm(self.v_dim, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, H, bias=False)
+        self.in_proj_weight: torch.Tensor | None = None  # all input projections' rows, set by fuse()
         # State pools, bound by the runner: [slots, conv_dim, W-1] and [slots, HV, K, V].
         self.conv_state: torch.Tensor | None = None
         self.ssm_state: torch.Tensor | None = None
 
+    def fuse(self) -> None:
+        """After loading: all input projections become one matmul."""
+        if self.fused_inproj:
+            self.in_proj_weight = fuse_linears(self.in_proj_qkvz, self.in_proj_ba)
+        else:
+            self.in_proj_weight = fuse_linears(self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+
     def _project(self, x: torch.Tensor):
         """x: [T, H] -> mixed_qkv [T, conv_dim], z [T, HV, dv], b [T, HV], a [T, HV]."""
-        T = x.shape[0]
-        if not self.fused_inproj:
-            z = self.in_proj_z(x).view(T, self.num_v_heads, self.v_dim)
-            return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
-        r = self.num_v_heads // self.num_k_heads  # value heads per key head
-        qkvz = self.in_proj_qkvz(x).view(T, self.num_k_heads, 2 * self.k_dim + 2 * r * self.v_dim)
+        T, HV = x.shape[0], self.num_v_heads
+        proj = F.linear(x, self.in_proj_weight)
+        if not self.fused_inproj:  # rows [q|k|v | z | b | a]
+            mixed, z, b, a = proj.split([2 * self.key_dim + self.value_dim, self.value_dim, HV, HV], dim=-1)
+            return mixed, z.view(T, HV, self.v_dim), b, a
+        # Qwen3-Next rows: [qkvz interleaved per key head | ba interleaved per key head]
+        r = HV // self.num_k_heads  # value heads per key head
+        qkvz, ba = proj.split([2 * self.key_dim + 2 * self.value_dim, 2 * HV], dim=-1)
+        qkvz = qkvz.view(T, self.num_k_heads, 2 * self.k_dim + 2 * r * self.v_dim)
         q, k, v, z = qkvz.split([self.k_dim, self.k_dim, r * self.v_dim, r * self.v_dim], dim=-1)
-        b, a = self.in_proj_ba(x).view(T, self.num_k_heads, 2 * r).split([r, r], dim=-1)
+        b, a = ba.reshape(T, self.num_k_heads, 2 * r).split([r, r], dim=-1)
         mixed = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
-        return (mixed, z.reshape(T, self.num_v_heads, self.v_dim),
-                b.reshape(T, self.num_v_heads), a.reshape(T, self.num_v_heads))
+        return mixed, z.reshape(T, HV, self.v_dim), b.reshape(T, HV), a.reshape(T, HV)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x: [T, H] -> [T, H]. Reads and writes this batch's slots of the conv and recurrent state pools."""

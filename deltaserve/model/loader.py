@@ -61,6 +61,8 @@ def load_model(path: str | Path | None, cfg: ModelConfig, dtype: torch.dtype, de
         init_dummy_weights(model, seed)
     else:
         load_safetensors(model, Path(path))
+    if torch.device(device).type != "meta":
+        model.fuse()
     return model
 
 

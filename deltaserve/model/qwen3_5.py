@@ -84,6 +84,12 @@ class HybridForCausalLM(nn.Module):
         """hidden: [N, H] -> logits [N, V] in float32."""
         return self.lm_head(hidden).float()
 
+    def fuse(self) -> None:
+        """After the weights are loaded: merge projections that share an input (see layers/linear.py)."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "fuse"):
+                module.fuse()
+
     @property
     def attention_layers(self) -> list[GatedAttention]:
         return [layer.self_attn for layer in self.model.layers if not layer.is_linear]

@@ -1,0 +1,173 @@
+"""Offline engine benchmarks (the W-workloads of WORKLOADS.md through the engine API, no HTTP).
+
+    python -m deltaserve.bench.offline MODEL_OR_CONFIG_DIR --workloads W1,W3 [--load-format dummy] [--out FILE]
+
+Each result is printed beside its physical limit: decode step time >= bytes read per step / HBM bandwidth;
+prefill time >= FLOPs / matmul rate. Bandwidth and matmul rate are measured on the device at start (or given).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from deltaserve.config import EngineConfig
+from deltaserve.engine.llm_engine import LLMEngine
+from deltaserve.sampling import SamplingParams
+
+# (input tokens, output tokens, number of prompts, concurrency)
+WORKLOADS = {
+    "W1": [(1024, 512, 3, 1)],
+    "W2": [(131072, 256, 1, 1)],
+    "W3": [(8192, 1, 5, 1), (32768, 1, 3, 1)],
+    "W6": [(1024, 512, 256, 64), (1024, 512, 256, 256)],
+    "W8": [(1024, 512, 3, 1)],
+}
+
+
+def measure_device() -> tuple[float, float]:
+    """(copy bandwidth in bytes/s counting read + write, bf16 matmul FLOP/s) measured on this GPU."""
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    for _ in range(3):
+        y.copy_(x)
+        a @ a
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    bandwidth = 2 * x.numel() * 10 / (time.perf_counter() - t)
+    t = time.perf_counter()
+    for _ in range(10):
+        a @ a
+    torch.cuda.synchronize()
+    flops = 2 * 8192 ** 3 * 10 / (time.perf_counter() - t)
+    del x, y, a
+    torch.cuda.empty_cache()
+    return bandwidth, flops
+
+
+class Limits:
+    """Physical limits of one model on one device, from the model's own parameter sizes."""
+
+    def __init__(self, engine: LLMEngine, bandwidth: float, flops: float):
+        model = engine.runner.model
+        cfg = engine.model_config
+        self.bandwidth, self.flops = bandwidth, flops
+        embed = model.model.embed_tokens.weight
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) - (
+            0 if cfg.tie_word_embeddings else embed.numel() * embed.element_size())
+        self.matmul_params = sum(p.numel() for n, p in model.named_parameters() if p.dim() >= 2
+                                 and "embed_tokens" not in n and "experts" not in n)
+        if cfg.num_experts:  # only the routed experts a token uses count towards its FLOPs
+            expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
+            self.matmul_params += sum(cfg.moe_layers) * cfg.num_experts_per_tok * expert
+        kv_dtype_bytes = model.attention_layers[0].k_cache.element_size()
+        self.kv_bytes_per_token = 2 * cfg.num_kv_heads * cfg.head_dim * kv_dtype_bytes * len(cfg.full_attention_layers)
+        gdn = model.gdn_layers[0]
+        self.state_bytes = len(model.gdn_layers) * (gdn.ssm_state[0].numel() * gdn.ssm_state.element_size()
+                                                    + gdn.conv_state[0].numel() * gdn.conv_state.element_size())
+        self.cfg = cfg
+
+    def decode_step(self, batch: int, context: int) -> float:
+        """Seconds: weights once, KV of every sequence, state read + written per sequence."""
+        moved = self.weight_bytes + batch * (context * self.kv_bytes_per_token + 2 * self.state_bytes)
+        return moved / self.bandwidth
+
+    def prefill(self, tokens: int) -> float:
+        """Seconds: 2 x params x tokens + causal attention (4 x T^2/2 x heads x head_dim per layer)."""
+        cfg = self.cfg
+        attention = 2 * tokens * tokens * cfg.num_heads * cfg.head_dim * len(cfg.full_attention_layers)
+        return (2 * self.matmul_params * tokens + attention) / self.flops
+
+
+def run_workload(engine: LLMEngine, input_len: int, output_len: int, num_prompts: int, concurrency: int,
+                 seed: int = 0) -> dict:
+    """Random token prompts, greedy, ignore_eos; at most `concurrency` in flight. Per-request TTFT and TPOT."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = engine.model_config.vocab_size
+    prompts = [torch.randint(0, vocab, (input_len,), generator=gen).tolist() for _ in range(num_prompts)]
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    pending = list(enumerate(prompts))
+    started, first, done = {}, {}, {}
+    t0 = time.perf_counter()
+    while pending or engine.has_unfinished():
+        while pending and engine.get_num_unfinished() < concurrency:
+            i, prompt = pending.pop(0)
+            engine.add_request(str(i), prompt, params)
+            started[str(i)] = time.perf_counter()
+        for out in engine.step():
+            now = time.perf_counter()
+            first.setdefault(out.request_id, now)
+            if out.finished:
+                done[out.request_id] = now
+    duration = time.perf_counter() - t0
+    ttft = [first[r] - started[r] for r in started]
+    tpot = [(done[r] - first[r]) / (output_len - 1) for r in started if output_len > 1]
+    return {
+        "input_len": input_len, "output_len": output_len, "num_prompts": num_prompts, "concurrency": concurrency,
+        "duration_s": duration, "output_throughput": num_prompts * output_len / duration,
+        "median_ttft_ms": 1e3 * statistics.median(ttft), "p99_ttft_ms": 1e3 * max(ttft),
+        "median_tpot_ms": 1e3 * statistics.median(tpot) if tpot else None,
+        "p99_tpot_ms": 1e3 * max(tpot) if tpot else None,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m deltaserve.bench.offline", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", help="checkpoint or config.json directory")
+    parser.add_argument("--workloads", default="W1", help="comma-separated ids: " + ",".join(WORKLOADS))
+    parser.add_argument("--load-format", default="dummy")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply prompt counts (quick runs: 0.34)")
+    parser.add_argument("--out", help="append JSON lines of results here")
+    args = parser.parse_args(argv)
+    names = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    unknown = [w for w in names if w not in WORKLOADS]
+    if unknown:
+        parser.error(f"--workloads: unknown {unknown}; known {sorted(WORKLOADS)}")
+    bandwidth, flops = measure_device()
+    print(f"device: {torch.cuda.get_device_name()}  copy bandwidth {bandwidth / 1e12:.2f} TB/s  "
+          f"bf16 matmul {flops / 1e12:.0f} TFLOP/s", flush=True)
+    t = time.perf_counter()
+    engine = LLMEngine(EngineConfig(
+        model=args.model, load_format=args.load_format, skip_tokenizer_init=True, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization))
+    print(f"engine ready in {time.perf_counter() - t:.1f} s", flush=True)
+    limits = Limits(engine, bandwidth, flops)
+    for name in names:
+        for input_len, output_len, num, conc in WORKLOADS[name]:
+            num = max(1, round(num * args.scale))
+            run_workload(engine, min(input_len, 256), 4, 1, 1)  # warm-up
+            r = run_workload(engine, input_len, output_len, num, conc)
+            r["workload"] = name
+            r["ttft_limit_ms"] = 1e3 * limits.prefill(input_len)
+            if r["median_tpot_ms"] is not None:
+                r["tpot_limit_ms"] = 1e3 * limits.decode_step(min(conc, num), input_len + output_len // 2)
+            line = (f"{name} in={input_len} out={output_len} n={num} c={conc}: "
+                    f"TTFT median {r['median_ttft_ms']:.1f} ms (limit {r['ttft_limit_ms']:.1f}, "
+                    f"{r['ttft_limit_ms'] / r['median_ttft_ms']:.0%} of it)")
+            if r["median_tpot_ms"] is not None:
+                line += (f"; TPOT median {r['median_tpot_ms']:.2f} ms (limit {r['tpot_limit_ms']:.2f}, "
+                         f"{r['tpot_limit_ms'] / r['median_tpot_ms']:.0%}); {r['output_throughput']:.0f} output tok/s")
+            print(line, flush=True)
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(json.dumps(r) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

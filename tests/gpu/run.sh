@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Everything GPU in one command, on an H200 machine: GPU tests, then the benchmarks.
+#   tests/gpu/run.sh OUTDIR [quick|full|tests|bench]
+# Wheels the machine lacks (fla-core, the server stack) are installed from .whl/ when present
+# (../shared/tools/gpu-wheels.sh .whl); the published configs are read from .gpu_configs/ (a copy of
+# ../shared/configs) or ../shared/configs.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${1:?usage: tests/gpu/run.sh OUTDIR [quick|full|tests|bench]}
+MODE=${2:-full}
+mkdir -p "$OUT"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+CONFIGS=.gpu_configs
+[ -d "$CONFIGS" ] || CONFIGS=../shared/configs
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/device.txt" 2>&1
+python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)' >> "$OUT/device.txt" 2>&1
+status=0
+if [ "$MODE" != bench ]; then
+  python3 -m pytest tests/gpu tests/ops -q -rs -x -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
+  status=${PIPESTATUS[0]}
+fi
+if [ "$MODE" = quick ]; then
+  python3 -m deltaserve.bench.offline "$CONFIGS/qwen3.5-27b" --workloads W1,W3 --scale 0.34 \
+    --max-model-len 40000 --out "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench.log"
+elif [ "$MODE" = full ] || [ "$MODE" = bench ]; then
+  python3 -m deltaserve.bench.offline "$CONFIGS/qwen3.5-27b" --workloads W1,W3,W2,W6 \
+    --max-model-len 140000 --out "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench.log"
+fi
+exit $status
