@@ -6,8 +6,14 @@
     tiny_checkpoint    parametrized over every arch in TINY_CONFIGS (the tied variant included)
 """
 
+import os
+
 import pytest
 import torch
+
+# Without a GPU, Triton kernels run in Triton's CPU interpreter; it must be chosen before triton is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from deltaserve.demo import TINY_CONFIGS, build_checkpoint, build_tokenizer
 

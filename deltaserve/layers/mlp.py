@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.layers.linear import fuse_linears
+from deltaserve.ops.activation import silu_and_mul
 
 
 # (S, K) x grouped (E, K, N) -> (S, N); torch >= 2.10 names it F.grouped_mm, older releases torch._grouped_mm
@@ -31,8 +32,7 @@ class SwiGLU(nn.Module):
         self.gate_up_weight = fuse_linears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(F.linear(x, self.gate_up_weight)))
 
 
 class Experts(nn.Module):
@@ -56,8 +56,7 @@ class Experts(nn.Module):
         # [E] end of each expert's group (searchsorted, unlike bincount, needs no host sync)
         offs = torch.searchsorted(sorted_ids, experts, right=True).to(torch.int32)
         h = grouped_mm(x[rows], self.gate_up_proj.transpose(1, 2), offs=offs)  # [T*k, 2I]
-        gate, up = h.chunk(2, dim=-1)
-        y = grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offs)  # [T*k, H]
+        y = grouped_mm(silu_and_mul(h), self.down_proj.transpose(1, 2), offs=offs)  # [T*k, H]
         y = y * topk_weights.reshape(-1)[order].unsqueeze(1).to(y.dtype)
         return torch.zeros_like(x).index_add_(0, rows, y)
 

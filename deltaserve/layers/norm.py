@@ -7,8 +7,9 @@ Both normalise in float32 and cast back, as transformers does.
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from deltaserve.ops.norm import gated_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -21,14 +22,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """x: [..., dim]. With `residual`, first adds it (x + residual) and returns (normed, new residual)."""
-        if residual is not None:
-            x = x + residual
-            residual = x
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        # the (1 + w) product is done in float32 before the cast, as transformers does
-        y = (y * (1.0 + self.weight.float())).to(x.dtype)
-        return y if residual is None else (y, residual)
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 class GatedRMSNorm(nn.Module):
@@ -41,9 +35,4 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """x, gate: [..., dim] -> [..., dim] in x's dtype."""
-        dtype = x.dtype
-        xf = x.float()
-        y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
-        # transformers casts back to the input dtype before the weight, then gates in float32
-        y = self.weight * y
-        return (y * F.silu(gate.float())).to(dtype)
+        return gated_rms_norm(x, gate, self.weight, self.eps)
