@@ -24,6 +24,9 @@ class ForwardBatch:
     has_initial_state: torch.Tensor  # [N] bool, False where the sequence starts from zero state
     logits_indices: torch.Tensor  # [N] int64, row of each sequence's last token (the one to sample from)
     max_query_len: int  # the most new tokens of any sequence (1 in a decode batch)
+    # cu_seqlens_q on the CPU (prefill only): lets fla's chunked kernels plan without a device sync; one
+    # object per step, since fla caches what it derives from it by identity
+    cu_seqlens_cpu: torch.Tensor | None
     is_decode: bool  # every sequence has one new token and continues from its cached state
 
     @property
@@ -61,6 +64,7 @@ class ForwardBatch:
             has_initial_state=t(computed > 0),
             logits_indices=t(cu[1:] - 1),
             max_query_len=int(qlens.max()) if len(qlens) else 0,
+            cu_seqlens_cpu=torch.from_numpy(cu),
             # a sequence that starts now takes the prefill path, which zeroes its state first
             is_decode=bool(np.all((qlens == 1) & (computed > 0))),
         )

@@ -87,7 +87,8 @@ class GatedDeltaNet(nn.Module):
         if batch.is_decode:
             o = gdn_decode(q, k, v, g, beta, self.ssm_state, slots)
         else:
-            o = gdn_prefill(q, k, v, g, beta, self.ssm_state, slots, batch.has_initial_state, batch.cu_seqlens_q)
+            o = gdn_prefill(q, k, v, g, beta, self.ssm_state, slots, batch.has_initial_state, batch.cu_seqlens_q,
+                            batch.cu_seqlens_cpu)
 
         o = self.norm(o, z)  # [T, HV, dv]
         return self.out_proj(o.reshape(T, self.value_dim))

@@ -48,7 +48,7 @@ class DecodeGraphs:
             positions=self.positions[:size], cu_seqlens_q=self.cu_seqlens[: size + 1], seq_lens=self.seq_lens[:size],
             block_tables=self.block_tables[:size], slot_mapping=self.slot_mapping[:size],
             state_slots=self.state_slots[:size], has_initial_state=self.has_initial_state[:size],
-            logits_indices=self.cu_seqlens[:size], max_query_len=1, is_decode=True)
+            logits_indices=self.cu_seqlens[:size], max_query_len=1, cu_seqlens_cpu=None, is_decode=True)
 
     @torch.inference_mode()
     def capture(self) -> None:

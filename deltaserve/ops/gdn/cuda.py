@@ -1,0 +1,170 @@
+"""GPU gated delta rule over the GDN state pool (GPU path of `ops.gdn`).
+
+Same contract as `deltaserve.ops.gdn.gdn_prefill` / `gdn_decode` (see `reference.py` for the math):
+
+- `gdn_decode` is our Triton kernel. One program per (sequence, value head, block of BV value columns) loads
+  the [K, BV] state tile straight from the sequence's pool slot, takes one gated-delta-rule step and writes
+  the tile back in place. Decode is memory-bound (27B: 48 heads x 128 x 128 x 4 B = 3 MiB of float32 state
+  per layer per sequence, read once and written once), so the kernel touches nothing else of size.
+- `gdn_prefill` calls fla-core 0.6's `chunk_gated_delta_rule` (varlen, B = 1). fla takes and returns dense
+  [N, HV, K, V] float32 states, so the slots are gathered before and scattered after.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+# Added under the square root of the L2 norm, as in fla's l2norm and the reference.
+_L2NORM_EPS = 1e-6
+# Value columns per decode program: 48 heads x 8 blocks = 384 programs at batch 1 for 27B (K = V = 128).
+_DECODE_BLOCK_V = 16
+
+
+@triton.jit
+def _gdn_decode_kernel(
+    q, k, v, g, beta, out, state_pool, state_slots,
+    stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+    scale, eps,
+    HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
+):
+    """One gated-delta-rule step for the [K, BV] tile of (sequence, value head, value block), in place."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    key_head = head // GROUP  # GVA: value head h reads key head h // (HV // HK)
+    keys = tl.arange(0, BK)  # [BK]
+    cols = tl.program_id(2) * BV + tl.arange(0, BV)  # [BV]
+    key_ok = keys < K
+    col_ok = cols < V
+
+    # L2-normalise q and k in float32; q also takes the 1/sqrt(K) attention scale.
+    q_vec = tl.load(q + seq * stride_q_tok + key_head * stride_q_head + keys, mask=key_ok, other=0.0).to(tl.float32)
+    k_vec = tl.load(k + seq * stride_k_tok + key_head * stride_k_head + keys, mask=key_ok, other=0.0).to(tl.float32)
+    q_vec = q_vec / tl.sqrt(tl.sum(q_vec * q_vec) + eps) * scale  # [BK]
+    k_vec = k_vec / tl.sqrt(tl.sum(k_vec * k_vec) + eps)  # [BK]
+    v_vec = tl.load(v + seq * stride_v_tok + head * stride_v_head + cols, mask=col_ok, other=0.0).to(tl.float32)
+    decay = tl.exp(tl.load(g + seq * HV + head).to(tl.float32))  # g <= 0, so decay is in (0, 1]
+    write = tl.load(beta + seq * HV + head).to(tl.float32)
+
+    slot = tl.load(state_slots + seq).to(tl.int64)
+    tile_ptr = state_pool + (slot * HV + head) * (K * V) + keys[:, None] * V + cols[None, :]  # [BK, BV]
+    tile_mask = key_ok[:, None] & col_ok[None, :]
+    state = tl.load(tile_ptr, mask=tile_mask, other=0.0).to(tl.float32) * decay  # [BK, BV], S = exp(g) S
+
+    predicted = tl.sum(state * k_vec[:, None], axis=0)  # [BV], S^T k against the decayed state
+    update = write * (v_vec - predicted)  # [BV], u = beta (v - S^T k)
+    state += k_vec[:, None] * update[None, :]  # rank-1 write S += k u^T
+    o_vec = tl.sum(state * q_vec[:, None], axis=0)  # [BV], o = S^T q
+
+    # Every thread's read of the tile completes before the first write: the update is in place, and a layout
+    # may hold one element in two threads.
+    tl.debug_barrier()
+    tl.store(tile_ptr, state.to(state_pool.dtype.element_ty), mask=tile_mask)
+    tl.store(out + (seq * HV + head) * V + cols, o_vec.to(out.dtype.element_ty), mask=col_ok)
+
+
+def gdn_decode(q, k, v, g, beta, state_pool, state_slots, block_v: int = _DECODE_BLOCK_V):
+    """One step per sequence, the state updated in place in its pool slot.
+
+    q, k: [N, HK, K]; v: [N, HV, V] (any float dtype, unit stride on the last dim: views of the conv output
+    are fine); g: [N, HV] float32 log decay; beta: [N, HV]; state_pool: [S, HV, K, V] float32 or bf16,
+    contiguous; state_slots: [N] int64, distinct. block_v: value columns per program (a power of two; a
+    tuning knob). Returns o: [N, HV, V] in v.dtype."""
+    num_seqs, key_heads, key_dim = _check_gdn_inputs(q, k, v, g, beta, state_pool, state_slots)
+    value_heads, value_dim = v.shape[1], v.shape[2]
+    if num_seqs != state_slots.shape[0]:
+        raise ValueError(f"decode takes one token per sequence: q has {num_seqs} rows but state_slots has "
+                         f"{state_slots.shape[0]}")
+    if block_v < 1 or block_v & (block_v - 1):
+        raise ValueError(f"block_v must be a power of two, got {block_v}")
+    g, beta = g.contiguous(), beta.contiguous()
+    out = torch.empty(num_seqs, value_heads, value_dim, dtype=v.dtype, device=v.device)
+    if num_seqs == 0:
+        return out
+    block_k = triton.next_power_of_2(key_dim)
+    block_v = min(block_v, triton.next_power_of_2(value_dim))
+    grid = (num_seqs, value_heads, triton.cdiv(value_dim, block_v))
+    _gdn_decode_kernel[grid](
+        q, k, v, g, beta, out, state_pool, state_slots,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        key_dim ** -0.5, _L2NORM_EPS,
+        HV=value_heads, GROUP=value_heads // key_heads, K=key_dim, V=value_dim, BK=block_k, BV=block_v,
+        # about 32 state values per thread (fla's fused_recurrent kernel runs [128, 8] tiles on one warp)
+        num_warps=max(1, min(4, block_k * block_v // 1024)),
+    )
+    return out
+
+
+def gdn_prefill(q, k, v, g, beta, state_pool, state_slots, has_initial_state, cu_seqlens, cu_seqlens_cpu=None):
+    """Chunked gated delta rule over varlen prompts through fla-core, states read from and written to the pool.
+
+    q, k: [T, HK, K]; v: [T, HV, V]; g: [T, HV] float32 log decay; beta: [T, HV]; state_pool: [S, HV, K, V]
+    (float32 or bf16), updated at state_slots [N] int64; has_initial_state: [N] bool; cu_seqlens: [N+1] int64
+    on the GPU. cu_seqlens_cpu: the same offsets on the CPU, optional: without it fla reads cu_seqlens back
+    to the host once (a device sync) to build its chunk index. Returns o: [T, HV, V] in v.dtype."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # optional dependency, GPU only
+
+    num_tokens, _, _ = _check_gdn_inputs(q, k, v, g, beta, state_pool, state_slots)
+    num_seqs = state_slots.shape[0]
+    if tuple(has_initial_state.shape) != (num_seqs,) or has_initial_state.dtype != torch.bool:
+        raise ValueError(f"has_initial_state must be a bool [N={num_seqs}] tensor, got {has_initial_state.dtype} "
+                         f"{tuple(has_initial_state.shape)}")
+    if tuple(cu_seqlens.shape) != (num_seqs + 1,) or cu_seqlens.dtype != torch.int64:
+        raise ValueError(f"cu_seqlens must be an int64 [N+1={num_seqs + 1}] tensor, got {cu_seqlens.dtype} "
+                         f"{tuple(cu_seqlens.shape)}")
+    if num_seqs == 0 or num_tokens == 0:
+        # nothing for fla to run: every sequence is empty, so its final state is its (masked) initial one
+        _zero_fresh_slots(state_pool, state_slots, has_initial_state)
+        return v.new_empty(v.shape)
+
+    # index_select copies, so the in-place masking never touches the pool; .float() is a no-op on float32.
+    initial = state_pool.index_select(0, state_slots).float()  # [N, HV, K, V]
+    # masked_fill, not a multiply: a fresh slot may hold NaN garbage, and NaN * 0 is NaN.
+    initial.masked_fill_(~has_initial_state[:, None, None, None], 0.0)
+    # fla wants time-major [B, T, H, D] with B = 1 for varlen input.
+    out, final = chunk_gated_delta_rule(
+        q[None], k[None], v[None], g[None], beta[None],
+        initial_state=initial,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,  # l2norm eps 1e-6, default scale K ** -0.5
+        cu_seqlens=cu_seqlens,
+        cu_seqlens_cpu=cu_seqlens_cpu,
+    )
+    state_pool.index_copy_(0, state_slots, final.to(state_pool.dtype))  # final: [N, HV, K, V] float32
+    return out[0].to(v.dtype)  # fla returns q.dtype
+
+
+def _zero_fresh_slots(state_pool, state_slots, has_initial_state):
+    """Zero the pool slots of sequences without an initial state (the final state of an empty sequence)."""
+    fresh = state_pool.index_select(0, state_slots)  # [N, HV, K, V]
+    fresh.masked_fill_(~has_initial_state[:, None, None, None], 0.0)
+    state_pool.index_copy_(0, state_slots, fresh)
+
+
+def _check_gdn_inputs(q, k, v, g, beta, state_pool, state_slots):
+    """Raise ValueError naming the first inconsistent argument; return (T, HK, K)."""
+    if q.dim() != 3 or q.stride(-1) != 1:
+        raise ValueError(f"q must be [T, HK, K] with unit stride on K, got shape {tuple(q.shape)} "
+                         f"strides {q.stride()}")
+    num_tokens, key_heads, key_dim = q.shape
+    if k.shape != q.shape or k.stride(-1) != 1:
+        raise ValueError(f"k must have q's shape {tuple(q.shape)} and unit stride on K, got {tuple(k.shape)} "
+                         f"strides {k.stride()}")
+    if v.dim() != 3 or v.shape[0] != num_tokens or v.stride(-1) != 1:
+        raise ValueError(f"v must be [T={num_tokens}, HV, V] with unit stride on V, got shape {tuple(v.shape)} "
+                         f"strides {v.stride()}")
+    value_heads, value_dim = v.shape[1], v.shape[2]
+    if value_heads % key_heads != 0:
+        raise ValueError(f"v heads ({value_heads}) must be a multiple of q/k heads ({key_heads})")
+    for name, tensor in (("g", g), ("beta", beta)):
+        if tuple(tensor.shape) != (num_tokens, value_heads):
+            raise ValueError(f"{name} must be [T, HV] = {(num_tokens, value_heads)}, got {tuple(tensor.shape)}")
+    if tuple(state_pool.shape[1:]) != (value_heads, key_dim, value_dim) or state_pool.dim() != 4:
+        raise ValueError(f"state_pool must be [S, HV, K, V] = [S, {value_heads}, {key_dim}, {value_dim}], "
+                         f"got {tuple(state_pool.shape)}")
+    if not state_pool.is_contiguous():
+        raise ValueError("state_pool must be contiguous: it is updated in place")
+    if state_slots.dim() != 1 or state_slots.is_floating_point():
+        raise ValueError(f"state_slots must be an integer [N] tensor, got {state_slots.dtype} "
+                         f"{tuple(state_slots.shape)}")
+    return num_tokens, key_heads, key_dim

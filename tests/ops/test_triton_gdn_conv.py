@@ -1,0 +1,187 @@
+"""Our Triton kernels (conv1d prefill/decode, gated-delta-rule decode) against the reference pool ops, on CPU.
+
+Triton's interpreter runs the kernels on CPU tensors with numpy, so CI checks the kernel logic (indexing,
+masks, in-place pool updates, GVA) on tiny odd shapes. It says nothing about races between GPU threads or
+speed: tests/gpu/test_gdn_conv_gpu.py runs the compiled kernels.
+
+The interpreter is chosen when a kernel is decorated, so TRITON_INTERPRET must be set before the kernel
+modules are imported. On a machine with CUDA this module is skipped rather than switching the whole test
+process to the interpreter (the GPU tests cover the compiled kernels there).
+"""
+
+import os
+
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    pytest.skip("compiled kernels are tested by tests/gpu/test_gdn_conv_gpu.py", allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from deltaserve.ops import conv1d, gdn  # the reference path on CPU tensors
+from deltaserve.ops.conv1d import cuda as conv_kernels
+from deltaserve.ops.gdn import cuda as gdn_kernels
+
+# Lengths include 0 (an empty sequence), lengths below W-1 (the state keeps old columns) and 40 (a sequence
+# spanning two 32-token blocks of the prefill kernel). Slots are out of order; slots 1, 4 and 9 belong to
+# nobody and must come back bit-identical.
+LENGTHS = [1, 2, 3, 5, 17, 0, 40]
+SLOTS = [5, 0, 8, 2, 7, 3, 6]
+HAS_INITIAL = [False, True, True, False, True, True, False]
+NUM_SLOTS = 10
+
+# float32: the kernel and the reference differ only in summation order (~1e-7 relative).
+# bf16: the same float32 result rounded to bf16 can land one ulp (2^-8 relative) apart. A wrong decay, beta
+# or tap is off by 10% or more.
+TOLERANCES = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 1e-2, "rtol": 2**-7}}
+
+
+def varlen_batch(lengths, slots, has_initial):
+    """cu_seqlens [N+1] int64, state_slots [N] int64, has_initial_state [N] bool."""
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    cu[1:] = torch.tensor(lengths).cumsum(0)
+    return cu, torch.tensor(slots), torch.tensor(has_initial)
+
+
+def random_pool(shape, dtype, slots, has_initial, gen):
+    """A random pool whose slots without an initial state hold NaN, as freshly allocated memory may: the ops
+    must never read them."""
+    pool = torch.randn(shape, generator=gen).to(dtype)
+    for slot, has in zip(slots, has_initial):
+        if not has:
+            pool[slot] = float("nan")
+    return pool
+
+
+def assert_pools_match(actual, expected, dtype):
+    """Whole-pool comparison (NaN == NaN, so untouched fresh slots compare too)."""
+    torch.testing.assert_close(actual, expected, equal_nan=True, **TOLERANCES[dtype])
+
+
+# ---------------------------------------------------------------- conv1d
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [2, 4])
+@pytest.mark.parametrize("activation", ["silu", None])
+def test_conv_prefill_then_decode_matches_reference(dtype, width, activation):
+    gen = torch.Generator().manual_seed(width)
+    channels = 300  # two channel blocks of the decode kernel, three of the prefill kernel, a ragged last one
+    cu, slots, has_initial = varlen_batch(LENGTHS, SLOTS, HAS_INITIAL)
+    x = torch.randn(int(cu[-1]), channels, generator=gen).to(dtype)
+    weight = torch.randn(channels, width, generator=gen).to(dtype)
+    pool = random_pool((NUM_SLOTS, channels, width - 1), dtype, SLOTS, HAS_INITIAL, gen)
+    expected_pool, actual_pool = pool.clone(), pool.clone()
+
+    expected = conv1d.conv_prefill(x, weight, expected_pool, slots, has_initial, cu, activation)
+    actual = conv_kernels.conv_prefill(x, weight, actual_pool, slots, has_initial, cu, activation)
+    torch.testing.assert_close(actual, expected, **TOLERANCES[dtype])
+    # The new state is a copy of inputs (no arithmetic): exact, NaN-free in every touched slot.
+    assert torch.equal(actual_pool[slots], expected_pool[slots])
+    assert not actual_pool[slots].isnan().any()
+    untouched = [s for s in range(NUM_SLOTS) if s not in SLOTS]
+    assert torch.equal(actual_pool[untouched], pool[untouched])
+
+    # Three decode steps continue from the prefilled states (one token per sequence, same slots).
+    for _ in range(3):
+        step = torch.randn(len(SLOTS), channels, generator=gen).to(dtype)
+        expected = conv1d.conv_decode(step, weight, expected_pool, slots, activation)
+        actual = conv_kernels.conv_decode(step, weight, actual_pool, slots, activation)
+        torch.testing.assert_close(actual, expected, **TOLERANCES[dtype])
+        assert torch.equal(actual_pool.nan_to_num(), expected_pool.nan_to_num())
+    assert torch.equal(actual_pool[untouched], pool[untouched])
+
+
+def test_conv_prefill_reads_the_state_it_was_given():
+    """A single-token prefill with an initial state equals a decode step from that state (both paths)."""
+    gen = torch.Generator().manual_seed(7)
+    weight = torch.randn(5, 4, generator=gen)
+    pool = torch.randn(3, 5, 3, generator=gen)
+    x = torch.randn(1, 5, generator=gen)
+    decoded_pool = pool.clone()
+    decoded = conv_kernels.conv_decode(x, weight, decoded_pool, torch.tensor([2]))
+    cu = torch.tensor([0, 1])
+    prefilled = conv_kernels.conv_prefill(x, weight, pool, torch.tensor([2]), torch.tensor([True]), cu)
+    torch.testing.assert_close(prefilled, decoded)
+    torch.testing.assert_close(pool, decoded_pool)
+
+
+def test_conv_kernels_reject_bad_input():
+    x, weight = torch.randn(2, 6), torch.randn(6, 4)
+    pool = torch.randn(4, 3, 6).transpose(1, 2)  # right shape [4, 6, 3], not contiguous
+    with pytest.raises(ValueError, match="state_pool must be contiguous"):
+        conv_kernels.conv_decode(x, weight, pool, torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="activation"):
+        conv_kernels.conv_decode(x, weight, pool.contiguous(), torch.tensor([0, 1]), activation="gelu")
+    with pytest.raises(ValueError, match="has_initial_state"):
+        conv_kernels.conv_prefill(x, weight, pool.contiguous(), torch.tensor([0]), torch.tensor([1]),
+                                  torch.tensor([0, 2]))
+
+
+# ---------------------------------------------------------------- gated delta rule decode
+
+
+def gdn_step_inputs(num_seqs, key_heads, value_heads, key_dim, value_dim, dtype, gen):
+    """One token per sequence: q, k [N, HK, K]; v [N, HV, V]; g [N, HV] float32 <= 0; beta [N, HV]."""
+    q = torch.randn(num_seqs, key_heads, key_dim, generator=gen).to(dtype)
+    k = torch.randn(num_seqs, key_heads, key_dim, generator=gen).to(dtype)
+    v = torch.randn(num_seqs, value_heads, value_dim, generator=gen).to(dtype)
+    g = torch.nn.functional.logsigmoid(torch.randn(num_seqs, value_heads, generator=gen) + 2)
+    beta = torch.rand(num_seqs, value_heads, generator=gen).to(dtype)
+    return q, k, v, g, beta
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "key_heads, value_heads, key_dim, value_dim, block_v",
+    [(2, 6, 16, 16, 16), (1, 4, 32, 32, 8), (3, 3, 16, 32, 16), (2, 4, 32, 16, 32)],
+)
+def test_gdn_decode_matches_reference(pool_dtype, key_heads, value_heads, key_dim, value_dim, block_v):
+    gen = torch.Generator().manual_seed(key_dim + value_dim + block_v)
+    slots = torch.tensor([4, 0, 8, 2, 6])
+    untouched = [1, 3, 5, 7]
+    # float32 inputs with a float32 pool for a tight check of the math; bf16 inputs with a bf16 pool.
+    dtype = pool_dtype
+    pool = torch.randn(9, value_heads, key_dim, value_dim, generator=gen).to(pool_dtype)
+    actual_pool = pool.clone()
+    for _ in range(3):  # three steps, so a state written to the wrong place shows up in the next outputs
+        # Each step starts the reference from the kernel's pool, so bf16 rounding differences don't compound.
+        expected_pool = actual_pool.clone()
+        q, k, v, g, beta = gdn_step_inputs(len(slots), key_heads, value_heads, key_dim, value_dim, dtype, gen)
+        expected = gdn.gdn_decode(q, k, v, g, beta, expected_pool, slots)
+        actual = gdn_kernels.gdn_decode(q, k, v, g, beta, actual_pool, slots, block_v=block_v)
+        assert actual.dtype == v.dtype and actual.shape == v.shape
+        torch.testing.assert_close(actual, expected, **TOLERANCES[dtype])
+        assert_pools_match(actual_pool, expected_pool, pool_dtype)
+    assert torch.equal(actual_pool[untouched], pool[untouched])
+
+
+def test_gdn_decode_reads_strided_views():
+    """q, k, v as column slices of one [N, 2*HK*K + HV*V] projection, as the layer passes them."""
+    gen = torch.Generator().manual_seed(3)
+    key_heads, value_heads, dim = 2, 4, 16
+    mixed = torch.randn(3, 2 * key_heads * dim + value_heads * dim, generator=gen)
+    q, k, v = mixed.split([key_heads * dim, key_heads * dim, value_heads * dim], dim=-1)
+    q, k, v = q.view(3, key_heads, dim), k.view(3, key_heads, dim), v.view(3, value_heads, dim)
+    g = -torch.rand(3, value_heads, generator=gen)
+    beta = torch.rand(3, value_heads, generator=gen)
+    pool = torch.randn(4, value_heads, dim, dim, generator=gen)
+    slots = torch.tensor([3, 1, 0])
+    expected_pool, actual_pool = pool.clone(), pool.clone()
+    expected = gdn.gdn_decode(q, k, v, g, beta, expected_pool, slots)
+    actual = gdn_kernels.gdn_decode(q, k, v, g, beta, actual_pool, slots)
+    torch.testing.assert_close(actual, expected, **TOLERANCES[torch.float32])
+    torch.testing.assert_close(actual_pool, expected_pool, **TOLERANCES[torch.float32])
+
+
+def test_gdn_decode_rejects_bad_input():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, g, beta = gdn_step_inputs(2, 1, 2, 16, 16, torch.float32, gen)
+    pool = torch.zeros(3, 2, 16, 16)
+    with pytest.raises(ValueError, match="state_pool must be contiguous"):
+        gdn_kernels.gdn_decode(q, k, v, g, beta, pool.transpose(2, 3), torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="one token per sequence"):
+        gdn_kernels.gdn_decode(q, k, v, g, beta, pool, torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match="block_v"):
+        gdn_kernels.gdn_decode(q, k, v, g, beta, pool, torch.tensor([0, 1]), block_v=12)
