@@ -14,6 +14,7 @@ from deltaserve.layers.linear import fuse_linears
 from deltaserve.layers.norm import RMSNorm
 from deltaserve.layers.rotary import PartialRotary
 from deltaserve.ops.attention import paged_attention, write_kv_cache
+from deltaserve.ops.rotary import qk_norm_rope
 
 
 class GatedAttention(nn.Module):
@@ -45,10 +46,11 @@ class GatedAttention(nn.Module):
         qg, k, v = F.linear(x, self.qkv_weight).split([2 * self.num_heads * self.head_dim, kv_dim, kv_dim], -1)
         qg = qg.view(T, self.num_heads, 2 * self.head_dim)
         q, gate = qg[..., : self.head_dim], qg[..., self.head_dim:]  # [T, nH, hd] each
-        q = self.q_norm(q)
-        k = self.k_norm(k.view(T, self.num_kv_heads, self.head_dim))
+        k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(batch.positions, q, k)
+        rot = self.rotary
+        q, k = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, rot.cos, rot.sin,
+                            batch.positions, rot.rotary_dim)
         write_kv_cache(k, v, self.k_cache, self.v_cache, batch.slot_mapping)
         o = paged_attention(q, self.k_cache, self.v_cache, batch.block_tables, batch.cu_seqlens_q,
                             batch.seq_lens, self.scale, batch.max_query_len)  # [T, nH, hd]
