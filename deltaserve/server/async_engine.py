@@ -1,0 +1,287 @@
+"""AsyncEngine: the engine on its own thread, and an asyncio face for the HTTP server.
+
+    HTTP handlers (event loop)                     engine thread (the only caller of the engine)
+      generate(): put _Add ---- commands queue ---->  drain commands: add_request / abort_request
+                  await stream.queue <-- call_soon_threadsafe -- step() -> RequestOutputs (cumulative)
+      abort():    put _Abort --------------------->
+
+The engine thread blocks on the command queue when it has no work (no busy wait) and otherwise alternates
+"drain commands, step". Outputs are cumulative, so a handler that falls behind simply skips to the newest
+one. An exception in step() fails every in-flight request (their handlers answer 500) and aborts them in the
+engine, freeing their cache; the thread keeps serving. `engine` is anything with LLMEngine's request API
+(add_request, abort_request, step, has_unfinished, scheduler.num_running/num_waiting,
+cache_manager.block_pool.usage), which lets tests drive the HTTP layer with a scripted fake.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from deltaserve.outputs import CompletionOutput, RequestOutput
+from deltaserve.sampling import SamplingParams
+from deltaserve.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+
+class EngineError(RuntimeError):
+    """The engine failed while running a request (the client gets a 500)."""
+
+
+class _Aborted:
+    """Queue item: the request was aborted (client gone or server shutting down); no more outputs."""
+
+
+_ABORTED = _Aborted()
+
+
+class _RequestStream:
+    """The event-loop end of one request: outputs arrive here from the engine thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, item) -> None:
+        """Called from the engine thread."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody is waiting any more
+            pass
+
+
+@dataclass
+class _Tracked:
+    """Engine-thread bookkeeping of one request: where its outputs go, and timing for the metrics."""
+
+    stream: _RequestStream
+    arrival: float
+    num_prompt_tokens: int
+    last_token_time: float = 0.0
+    num_tokens: int = 0  # output tokens seen, all choices together
+    num_tokens_sent: int = 0  # output tokens already handed to the stream
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream: _RequestStream
+    arrival: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class _AbortAll:
+    """Command: abort every request in flight (shutdown's grace period is over)."""
+
+
+class _Stop:
+    """Command: abort everything and end the thread."""
+
+
+class AsyncEngine:
+    def __init__(self, engine, metrics: ServerMetrics | None = None, stream_interval: int = 1):
+        self.engine = engine
+        self.metrics = metrics
+        self.stream_interval = stream_interval
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._tracked: dict[str, _Tracked] = {}  # engine thread only
+        self._thread = threading.Thread(target=self._run, name="deltaserve-engine", daemon=True)
+
+    # -- the event-loop side -----------------------------------------------------------------------------
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Abort whatever is still running and stop the thread (idempotent)."""
+        if self._thread.is_alive():
+            self._commands.put(_Stop())
+            self._thread.join(timeout)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    def abort_all(self) -> None:
+        """Abort every request in flight; each ends with finish_reason "abort". Thread-safe."""
+        self._commands.put(_AbortAll())
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Run one request; yields its cumulative outputs, the last with `finished` set.
+
+        If the request is aborted by the server (abort() or shutdown), the last output is what was generated
+        so far with finish_reason "abort". Raises ValueError if the engine refuses the request and EngineError
+        if the engine fails while running it. Leaving the loop early (a client disconnect cancels the
+        handler) aborts the request.
+        """
+        stream = _RequestStream(asyncio.get_running_loop())
+        self._commands.put(_Add(request_id, prompt_token_ids, params, stream))
+        done = False
+        last = None
+        try:
+            while True:
+                item = await stream.queue.get()
+                # Outputs are cumulative: if several are queued, only the newest matters.
+                while isinstance(item, RequestOutput) and not item.finished and not stream.queue.empty():
+                    item = stream.queue.get_nowait()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                if item is _ABORTED:  # already gone from the engine
+                    item = _aborted_output(request_id, prompt_token_ids, params, last)
+                done = item.finished
+                last = item
+                yield item
+                if done:
+                    return
+        finally:
+            if not done:
+                self.abort(request_id)
+
+    # -- the engine thread -------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            idle = not self.engine.has_unfinished()
+            try:
+                commands = [self._commands.get(block=idle)]
+            except queue.Empty:
+                commands = []
+            while True:
+                try:
+                    commands.append(self._commands.get_nowait())
+                except queue.Empty:
+                    break
+            for command in commands:
+                if isinstance(command, _Stop):
+                    self._abort_all(_ABORTED)
+                    return
+                if isinstance(command, _AbortAll):
+                    self._abort_all(_ABORTED)
+                else:
+                    self._handle(command)
+            if self.engine.has_unfinished():
+                self._step()
+            self._publish_stats()
+
+    def _handle(self, command) -> None:
+        if isinstance(command, _Abort):
+            tracked = self._tracked.pop(command.request_id, None)
+            self.engine.abort_request(command.request_id)
+            if tracked is not None:
+                tracked.stream.put(_ABORTED)
+                self._record_finish(tracked, ["abort"])
+            return
+        try:
+            self.engine.add_request(command.request_id, command.prompt_token_ids, command.params)
+        except ValueError as exc:
+            command.stream.put(exc)
+            return
+        except Exception as exc:  # any engine failure must reach the handler, not kill the thread
+            logger.exception("engine failed to add request %s", command.request_id)
+            command.stream.put(EngineError(f"the engine failed to add the request: {exc}"))
+            return
+        self._tracked[command.request_id] = _Tracked(command.stream, command.arrival,
+                                                     len(command.prompt_token_ids))
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # fail the requests, keep the server alive
+            logger.exception("engine step failed; failing %d in-flight request(s)", len(self._tracked))
+            self._abort_all(EngineError(f"the engine failed while running the request: {exc}"))
+            return
+        now = time.monotonic()
+        for output in outputs:
+            tracked = self._tracked.get(output.request_id)
+            if tracked is None:
+                continue
+            self._record_progress(tracked, output, now)
+            unsent = tracked.num_tokens - tracked.num_tokens_sent
+            first = tracked.num_tokens_sent == 0
+            if output.finished or first or unsent >= self.stream_interval:
+                tracked.num_tokens_sent = tracked.num_tokens
+                tracked.stream.put(output)
+            if output.finished:
+                del self._tracked[output.request_id]
+                self._record_finish(tracked, [c.finish_reason or "abort" for c in output.outputs], now)
+
+    def _abort_all(self, item) -> None:
+        """Abort every tracked request in the engine and hand `item` (a sentinel or an error) to each."""
+        request_ids = list(self._tracked)
+        for request_id in request_ids:
+            tracked = self._tracked.pop(request_id)
+            tracked.stream.put(item)
+            self._record_finish(tracked, ["abort"])
+        try:
+            self.engine.abort_request(request_ids)
+        except Exception:  # already failing; the log says why
+            logger.exception("engine failed to abort requests after an error")
+
+    # -- metrics -------------------------------------------------------------------------------------------
+
+    def _record_progress(self, tracked: _Tracked, output: RequestOutput, now: float) -> None:
+        num_tokens = sum(len(c.token_ids) for c in output.outputs)
+        new_tokens = num_tokens - tracked.num_tokens
+        if new_tokens <= 0:
+            return
+        if self.metrics is not None:
+            if tracked.num_tokens == 0:
+                self.metrics.on_first_token(now - tracked.arrival, tracked.num_prompt_tokens,
+                                            output.num_cached_tokens)
+            else:
+                self.metrics.on_next_tokens(now - tracked.last_token_time)
+            self.metrics.on_generated(new_tokens)
+        tracked.num_tokens = num_tokens
+        tracked.last_token_time = now
+
+    def _record_finish(self, tracked: _Tracked, reasons: list[str], now: float | None = None) -> None:
+        if self.metrics is not None:
+            self.metrics.on_finished((now or time.monotonic()) - tracked.arrival, reasons)
+
+    def _publish_stats(self) -> None:
+        if self.metrics is None:
+            return
+        try:
+            scheduler = self.engine.scheduler
+            usage = self.engine.cache_manager.block_pool.usage
+            self.metrics.set_engine_state(scheduler.num_running, scheduler.num_waiting, usage)
+        except Exception:  # stats must never take the engine down
+            logger.exception("could not read engine stats")
+
+
+def _aborted_output(request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    last: RequestOutput | None) -> RequestOutput:
+    """The final output of an aborted request: what it had generated, unfinished choices marked "abort"."""
+    if last is None:
+        logprobs = [] if params.logprobs is not None else None
+        outputs = [CompletionOutput(i, "", [], None, logprobs, "abort") for i in range(params.n)]
+        return RequestOutput(request_id, None, prompt_token_ids, outputs, finished=True)
+    outputs = [o if o.finish_reason is not None else dataclasses.replace(o, finish_reason="abort")
+               for o in last.outputs]
+    return dataclasses.replace(last, outputs=outputs, finished=True)

@@ -1,0 +1,97 @@
+"""Prometheus metrics under vLLM's names, so that existing dashboards and scrapers work unchanged.
+
+Each server owns its registry (several servers can live in one process, as in the tests). The engine
+thread updates the metrics (prometheus_client is thread-safe); GET /metrics renders them.
+
+    gauges      vllm:num_requests_running, vllm:num_requests_waiting, vllm:kv_cache_usage_perc (0..1)
+    counters    vllm:prompt_tokens_total, vllm:generation_tokens_total, vllm:request_success_total
+                {finished_reason}, vllm:prefix_cache_queries_total, vllm:prefix_cache_hits_total (tokens)
+    histograms  vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds,
+                vllm:e2e_request_latency_seconds
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+# Bucket edges as vLLM uses them (seconds).
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                480.0, 960.0, 1920.0, 7680.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+# No `*_created` timestamp series next to every counter and histogram (vLLM turns them off too).
+disable_created_metrics()
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, prefix_caching: bool = False):
+        self.registry = CollectorRegistry()
+        self.prefix_caching = prefix_caching
+        labels = ["model_name"]
+        self._label = {"model_name": model_name}
+
+        def gauge(name, doc):
+            return Gauge(name, doc, labels, registry=self.registry).labels(**self._label)
+
+        def counter(name, doc):
+            return Counter(name, doc, labels, registry=self.registry).labels(**self._label)
+
+        def histogram(name, doc, buckets):
+            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry).labels(**self._label)
+
+        self.num_running = gauge("vllm:num_requests_running", "Requests in the running batch.")
+        self.num_waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
+        self.prefix_cache_queries = counter("vllm:prefix_cache_queries",
+                                            "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self._success = Counter("vllm:request_success", "Finished requests, by finish reason.",
+                                labels + ["finished_reason"], registry=self.registry)
+        for reason in ("stop", "length", "abort"):  # present at 0 from the start, as vLLM does
+            self._success.labels(finished_reason=reason, **self._label)
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between output tokens.", _ITL_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.", _E2E_BUCKETS)
+
+    def set_engine_state(self, num_running: int, num_waiting: int, kv_cache_usage: float) -> None:
+        self.num_running.set(num_running)
+        self.num_waiting.set(num_waiting)
+        self.kv_cache_usage.set(kv_cache_usage)
+
+    def on_first_token(self, ttft: float, num_prompt_tokens: int, num_cached_tokens: int) -> None:
+        """The prompt is done and the first token is out."""
+        self.ttft.observe(ttft)
+        self.prompt_tokens.inc(num_prompt_tokens)
+        if self.prefix_caching:
+            self.prefix_cache_queries.inc(num_prompt_tokens)
+            self.prefix_cache_hits.inc(num_cached_tokens)
+
+    def on_next_tokens(self, interval: float) -> None:
+        """A step after the first produced tokens for a request, `interval` seconds after its previous one."""
+        self.itl.observe(interval)
+
+    def on_generated(self, num_tokens: int) -> None:
+        self.generation_tokens.inc(num_tokens)
+
+    def on_finished(self, e2e: float, finish_reasons: list[str]) -> None:
+        """A request ended; one finish reason per choice."""
+        self.e2e.observe(e2e)
+        for reason in finish_reasons:
+            self._success.labels(finished_reason=reason, **self._label).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

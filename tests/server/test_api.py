@@ -1,0 +1,331 @@
+"""The HTTP API on a real (tiny, random) model, through the official openai client and raw HTTP.
+
+One server for the module: the tiny qwen3_5 checkpoint served as "tiny" and "tiny-alias".
+"""
+
+import concurrent.futures
+import json
+
+import httpx
+import openai
+import pytest
+
+from deltaserve import LLM, SamplingParams
+from deltaserve.config import EngineConfig
+from deltaserve.engine.llm_engine import LLMEngine
+from deltaserve.server.api_server import make_state
+from deltaserve.server.settings import ServerSettings
+from tests.server.harness import ServerThread, wait_until
+
+ENGINE_ARGS = dict(max_model_len=2048, max_num_seqs=8)
+MAX_MODEL_LEN = ENGINE_ARGS["max_model_len"]
+PROMPT = "The traveller walked from the mountains to the sea"
+MESSAGES = [{"role": "user", "content": "Where are you going?"}]
+LONG_RUN = 2000  # output tokens of a request that is still running when the test interrupts it
+
+
+@pytest.fixture(scope="module")
+def checkpoint(make_checkpoint):
+    return make_checkpoint("qwen3_5")
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    config = EngineConfig(model=str(checkpoint), enable_prefix_caching=True, **ENGINE_ARGS)
+    settings = ServerSettings(served_model_names=("tiny", "tiny-alias"))
+    with ServerThread(make_state(LLMEngine(config), config, settings, model_root=str(checkpoint))) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.openai()
+
+
+@pytest.fixture(scope="module")
+def offline(checkpoint):
+    return LLM(str(checkpoint), **ENGINE_ARGS)
+
+
+def test_models_health_version(server, client, checkpoint):
+    models = client.models.list().data
+    assert [m.id for m in models] == ["tiny", "tiny-alias"]
+    assert models[0].model_extra["max_model_len"] == MAX_MODEL_LEN
+    assert models[0].model_extra["root"] == str(checkpoint)
+    assert httpx.get(f"{server.base_url}/health").status_code == 200
+    assert httpx.get(f"{server.base_url}/version").json()["version"]
+
+
+def test_greedy_completion_matches_offline_generate(client, offline):
+    expected = offline.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+    response = client.completions.create(model="tiny", prompt=PROMPT, temperature=0, max_tokens=24)
+    assert response.choices[0].text == expected.outputs[0].text
+    assert response.choices[0].finish_reason == expected.outputs[0].finish_reason
+    assert response.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert response.usage.completion_tokens == len(expected.outputs[0].token_ids)
+
+
+def test_greedy_chat_matches_offline_generate(client, offline):
+    prompt = offline.get_tokenizer().apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    expected = offline.generate(prompt, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0]
+    response = client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0, max_tokens=20)
+    assert response.choices[0].message.content == expected.outputs[0].text
+    assert response.choices[0].message.role == "assistant"
+    assert response.usage.completion_tokens == len(expected.outputs[0].token_ids)
+
+
+def test_streaming_equals_non_streaming_with_usage(client):
+    whole = client.completions.create(model="tiny", prompt=PROMPT, temperature=0, max_tokens=20)
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, temperature=0, max_tokens=20,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0, max_tokens=20)
+    stream = list(client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0, max_tokens=20,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == chat.choices[0].message.content
+    assert stream[-1].usage.total_tokens == chat.usage.total_tokens
+
+
+def test_streaming_without_include_usage_sends_no_usage(client):
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, stream=True))
+    assert all(c.usage is None for c in chunks) and all(c.choices for c in chunks)
+
+
+def test_alias_and_unknown_model(client):
+    assert client.completions.create(model="tiny-alias", prompt=PROMPT, max_tokens=2).model == "tiny"
+    with pytest.raises(openai.NotFoundError) as error:
+        client.completions.create(model="nope", prompt=PROMPT, max_tokens=2)
+    assert error.value.body["param"] == "model" and "nope" in error.value.body["message"]
+
+
+def test_n_seed_and_reproducibility(client):
+    def sample(seed, n=1):
+        return client.completions.create(model="tiny", prompt=PROMPT, temperature=1.0, max_tokens=12, seed=seed, n=n,
+                                         extra_body={"ignore_eos": True})
+
+    first, again, other = sample(1234), sample(1234), sample(99)
+    assert first.choices[0].text == again.choices[0].text
+    assert first.choices[0].text != other.choices[0].text
+    three = sample(7, n=3)
+    assert sorted(c.index for c in three.choices) == [0, 1, 2]
+    assert len({c.text for c in three.choices}) > 1  # each choice draws its own samples
+    assert three.usage.completion_tokens == 36
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES, n=2, max_tokens=4, seed=3)
+    assert [c.index for c in chat.choices] == [0, 1]
+
+
+def test_stop_string_cuts_the_output(client):
+    full = client.completions.create(model="tiny", prompt=PROMPT, temperature=0, max_tokens=24).choices[0].text
+    stop = full[8:11]
+    assert stop and stop in full
+    cut = client.completions.create(model="tiny", prompt=PROMPT, temperature=0, max_tokens=24, stop=[stop])
+    assert cut.choices[0].text == full[:full.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].model_extra["stop_reason"] == stop
+
+
+def test_logprobs(client):
+    response = client.completions.create(model="tiny", prompt=PROMPT, temperature=0, max_tokens=6, logprobs=2)
+    logprobs = response.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 6
+    assert "".join(logprobs.tokens) == response.choices[0].text
+    for lp, top in zip(logprobs.token_logprobs, logprobs.top_logprobs):
+        assert 2 <= len(top) <= 3 and lp <= 0
+        assert lp == pytest.approx(max(top.values()))  # greedy: the sampled token is the most likely
+    assert logprobs.text_offset[0] == 0
+
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0, max_tokens=5,
+                                          logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 5
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob >= entry.top_logprobs[2].logprob
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+        assert bytes(entry.bytes).decode("utf-8", errors="replace") == entry.token
+
+
+def test_batched_token_and_echo_prompts(server, client):
+    tokens = server.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    by_text = client.completions.create(model="tiny", prompt=PROMPT, temperature=0, max_tokens=8)
+    batch = client.completions.create(model="tiny", prompt=[tokens, tokens[:3]], temperature=0, max_tokens=8, n=2)
+    assert sorted(c.index for c in batch.choices) == [0, 1, 2, 3]
+    assert [c.text for c in batch.choices if c.index < 2] == [by_text.choices[0].text] * 2
+    texts = client.completions.create(model="tiny", prompt=["Hello", PROMPT], temperature=0, max_tokens=8)
+    assert [c.index for c in sorted(texts.choices, key=lambda c: c.index)] == [0, 1]
+    assert next(c.text for c in texts.choices if c.index == 1) == by_text.choices[0].text
+    echo = client.completions.create(model="tiny", prompt=PROMPT, temperature=0, max_tokens=8, echo=True)
+    assert echo.choices[0].text == PROMPT + by_text.choices[0].text
+
+
+def test_tokenize_detokenize(server):
+    tokenized = server.post("/tokenize", json={"prompt": PROMPT, "return_token_strs": True}).json()
+    assert tokenized["count"] == len(tokenized["tokens"]) == len(tokenized["token_strs"])
+    assert tokenized["max_model_len"] == MAX_MODEL_LEN
+    assert server.post("/detokenize", json={"tokens": tokenized["tokens"]}).json()["prompt"] == PROMPT
+    chat = server.post("/tokenize", json={"messages": MESSAGES}).json()
+    assert chat["count"] > tokenized["count"] - 10  # the template wraps the message
+    assert server.post("/detokenize", json={"tokens": [10**6]}).status_code == 400
+
+
+_LONG = "word " * 2100  # > MAX_MODEL_LEN tokens
+
+ERROR_CASES = [
+    # (path, raw body, status, param, message fragment)
+    ("/v1/completions", b'{"model": "tiny", "prompt": "hi",', 400, None, "not valid JSON"),
+    ("/v1/completions", b'{"prompt": "\xff\xfe"}', 400, None, "UTF-8"),
+    ("/v1/completions", b'["not", "an", "object"]', 400, None, "JSON object"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature", "valid number"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2.5}, 400, "max_tokens", "integer"),
+    ("/v1/completions", {"prompt": "hi", "n": 100000}, 400, "n", "128"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 10**9}, 400, "max_tokens",
+     f"maximum context length is {MAX_MODEL_LEN} tokens, you requested"),
+    ("/v1/completions", {"prompt": _LONG}, 400, "prompt", f"maximum context length is {MAX_MODEL_LEN}"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": _LONG}]}, 400, "messages",
+     f"maximum context length is {MAX_MODEL_LEN}"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p", "top_p must be in (0, 1]"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature", "temperature must be >= 0"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt", "must not be empty"),
+    ("/v1/completions", {"prompt": [5, 10**7]}, 400, "prompt", "out of range"),
+    ("/v1/completions", b'{"prompt": "\\ud800 lone surrogate"}', 400, "prompt", "tokenized"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 1}}, 400, "logit_bias", "not supported"),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options", ""),
+    ("/v1/completions", {}, 400, "prompt", "Field required"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages", "at least 1"),
+    ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, 400, "messages", "role"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages", "role"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": 10**6}, 400,
+     "max_completion_tokens", "maximum context length"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]},
+     400, "tool_choice", "--enable-auto-tool-choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "messages", "text only"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_object"}}, 400,
+     "response_format", "not supported yet"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 50, "logprobs": True}, 400,
+     "top_logprobs", ""),
+    ("/v1/nowhere", {}, 404, None, "Not Found"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, param, fragment", ERROR_CASES,
+                         ids=[f"{i}-{c[0].rsplit('/', 1)[-1]}" for i, c in enumerate(ERROR_CASES)])
+def test_errors_are_openai_shaped_and_the_server_keeps_serving(server, client, path, body, status, param,
+                                                               fragment):
+    if isinstance(body, bytes):
+        response = server.post(path, content=body, headers={"content-type": "application/json"})
+    else:
+        response = server.post(path, json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param
+    assert fragment in error["message"]
+    assert client.completions.create(model="tiny", prompt="Hi", max_tokens=2).choices[0].text is not None
+
+
+def test_stream_disconnect_aborts_and_frees_blocks(server):
+    aborted_before = server.metric("vllm:request_success_total", 'finished_reason="abort"')
+    body = {"prompt": PROMPT, "max_tokens": LONG_RUN, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        assert server.metric("vllm:num_requests_running") == 1
+        assert server.metric("vllm:kv_cache_usage_perc") > 0
+    # Leaving the block closed the connection mid-stream.
+    wait_until(lambda: server.metric("vllm:num_requests_running") == 0, 20, what="the request aborted")
+    wait_until(lambda: server.metric("vllm:kv_cache_usage_perc") == 0, 20, what="blocks freed")
+    assert server.metric("vllm:request_success_total", 'finished_reason="abort"') == aborted_before + 1
+
+
+def test_non_streaming_disconnect_aborts_and_frees_blocks(server):
+    aborted_before = server.metric("vllm:request_success_total", 'finished_reason="abort"')
+    body = {"prompt": PROMPT, "max_tokens": LONG_RUN, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.3))
+    wait_until(lambda: server.metric("vllm:request_success_total", 'finished_reason="abort"') == aborted_before + 1,
+               20, what="the request aborted")
+    assert server.metric("vllm:num_requests_running") == 0
+    assert server.metric("vllm:kv_cache_usage_perc") == 0
+
+
+def test_cached_tokens_are_reported(server, client):
+    """The engine caches prompt prefixes: a repeated prompt reports its cached tokens in usage and /metrics."""
+    prompt = "A prompt long enough to fill a few cache blocks, sent twice in a row. " * 3
+    hits_before = server.metric("vllm:prefix_cache_hits_total")
+    queries_before = server.metric("vllm:prefix_cache_queries_total")
+    first = client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+    second = client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < second.usage.prompt_tokens
+    assert server.metric("vllm:prefix_cache_hits_total") == \
+        hits_before + first.usage.prompt_tokens_details.cached_tokens + cached
+    assert server.metric("vllm:prefix_cache_queries_total") == queries_before + 2 * first.usage.prompt_tokens
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=2, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
+
+
+def test_server_side_abort_ends_requests_cleanly(server):
+    """What shutdown does once its grace period is over: every request ends with finish_reason "abort"."""
+    body = {"prompt": PROMPT, "max_tokens": LONG_RUN, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, timeout=30) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        server.state.engine.abort_all()
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]"
+    chunks = [json.loads(line[len("data: "):]) for line in rest[:-1]]
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "abort"
+    assert 0 < chunks[-1]["usage"]["completion_tokens"] < LONG_RUN
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(server.post, "/v1/completions",
+                              json={"prompt": PROMPT, "max_tokens": LONG_RUN, "ignore_eos": True})
+        wait_until(lambda: server.metric("vllm:num_requests_running") == 1, 20, what="the request running")
+        server.state.engine.abort_all()
+        response = pending.result(timeout=30)
+    assert response.status_code == 200 and response.json()["choices"][0]["finish_reason"] == "abort"
+
+
+def test_metrics_count_tokens_and_latency(server, client):
+    before = server.metric("vllm:generation_tokens_total")
+    prompt_before = server.metric("vllm:prompt_tokens_total")
+    response = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5,
+                                          extra_body={"ignore_eos": True})
+    assert server.metric("vllm:generation_tokens_total") == before + 5
+    assert server.metric("vllm:prompt_tokens_total") == prompt_before + response.usage.prompt_tokens
+    text = httpx.get(f"{server.base_url}/metrics").text
+    for name in ("vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
+                 "vllm:e2e_request_latency_seconds_count", "vllm:prefix_cache_queries_total",
+                 "vllm:prefix_cache_hits_total", "vllm:num_requests_waiting"):
+        assert name in text
+
+
+def test_api_key(checkpoint):
+    config = EngineConfig(model=str(checkpoint), max_model_len=128, max_num_seqs=2)
+    settings = ServerSettings(served_model_names=("tiny",), api_key="s3cret")
+    with ServerThread(make_state(LLMEngine(config), config, settings)) as server:
+        with pytest.raises(openai.AuthenticationError):
+            server.openai(api_key="wrong").models.list()
+        missing = httpx.post(f"{server.base_url}/v1/completions", json={"prompt": "hi"})
+        assert missing.status_code == 401 and missing.json()["error"]["code"] == "invalid_api_key"
+        assert server.post("/tokenize", json={"prompt": "hi"}).status_code == 401
+        assert httpx.get(f"{server.base_url}/health").status_code == 200  # probes need no key
+        assert server.openai(api_key="s3cret").completions.create(model="tiny", prompt="hi", max_tokens=2)
+
+
+def test_sse_framing(server):
+    body = {"prompt": PROMPT, "max_tokens": 3, "stream": True}
+    raw = server.post("/v1/completions", json=body)
+    assert raw.headers["content-type"].startswith("text/event-stream")
+    events = raw.text.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    for event in events[:-2]:
+        assert event.startswith("data: ") and json.loads(event[len("data: "):])["object"] == "text_completion"
