@@ -1,0 +1,166 @@
+"""Triton flash-decoding over a paged KV cache: one query token per sequence, the KV length split across programs.
+
+A single sequence at 128K context is 4 KV heads of work: far too little to fill an H200's 132 SMs unless the
+KV positions are split. The first kernel runs a grid (N, n_kv, num_splits); each program attends the G query
+heads of its KV head group (G = n_heads / n_kv; every K/V tile is loaded once for all G heads) to its share
+of the sequence and writes a partial result: the normalized output and its log2-sum-exp. The second kernel
+merges the splits of each (sequence, head).
+
+CUDA graphs: the launch depends only on shapes. num_splits comes from the batch size and the block_tables
+width (fixed for a captured graph); each program reads seq_lens on the device, takes a 1/num_splits share of
+the sequence (rounded up to whole KV tiles), and splits past the end write an empty partial (lse = -inf).
+"""
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from deltaserve.ops.attention.cuda_prefill import attend_kv_range
+
+__all__ = ["decode_num_splits", "launch_decode"]
+
+# Tile and split sizes: starting points for an H100/H200, to be tuned there. The query tile is G heads padded
+# to >= 16 rows (the minimum tl.dot size); decode is bound by reading K/V, so the padding costs nothing.
+DECODE_BLOCK_N = 64  # KV positions per loop step
+DECODE_BLOCK_N_FLOAT32 = 16  # float32 dots (CUDA cores, 4-byte tiles): a correctness path, kept small
+DECODE_NUM_WARPS = 8
+DECODE_NUM_STAGES = 2
+DECODE_PROGRAMS_PER_SM = 2  # split until about this many programs per SM are launched
+DECODE_MIN_TOKENS_PER_SPLIT = 256  # never plan splits shorter than this over the block_tables capacity
+DECODE_MAX_SPLITS = 128
+REDUCE_NUM_WARPS = 4
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; a stand-in of 4 for CPU tensors (the Triton interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, device: torch.device) -> int:
+    """How many programs share one sequence's KV, from static quantities only (graph-safe).
+
+    max_kv_len: the longest sequence block_tables can describe (its width times block_size).
+    """
+    programs_per_split = max(1, num_seqs * num_kv_heads)
+    wanted = triton.cdiv(DECODE_PROGRAMS_PER_SM * _sm_count(device), programs_per_split)
+    useful = triton.cdiv(max_kv_len, DECODE_MIN_TOKENS_PER_SPLIT)
+    return max(1, min(wanted, useful, DECODE_MAX_SPLITS))
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _decode_split_kernel(
+    q, k_cache, v_cache, partial_out, partial_lse, block_tables, cu_seqlens_q, seq_lens,
+    num_heads, num_splits, qk_scale, v_scale,
+    stride_q_tok, stride_q_head, stride_block, stride_slot, stride_kv_head, stride_table,
+    GROUP: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Grid (N, n_kv, num_splits). Writes partial_out[seq, head, split, :] and partial_lse[seq, head, split]."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q + seq)
+    if tl.load(cu_seqlens_q + seq + 1) == q_start:
+        return  # an empty query row: the reduce kernel skips it too
+    seq_len = tl.load(seq_lens + seq).to(tl.int32)  # int32: a 32-bit loop variable pipelines (see prefill)
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    kv_lo = split * tokens_per_split
+    kv_hi = tl.minimum(kv_lo + tokens_per_split, seq_len)  # <= kv_lo for splits past the end: no work
+
+    rows = tl.arange(0, HEADS_PAD)
+    heads = kv_head * GROUP + rows  # [HP] query heads of this KV head
+    row_ok = rows < GROUP
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_ok = dims < HEAD_DIM
+    q_rows = q_start.to(tl.int64) * stride_q_tok + heads * stride_q_head  # [HP]
+    q_mask = row_ok[:, None] & dim_ok[None, :]
+    q_tile = tl.load(q + q_rows[:, None] + dims[None, :], mask=q_mask, other=0.0).to(DOT_DTYPE)  # [HP, D]
+    # The one query sits at position seq_len - 1 and sees the whole sequence; kv_hi bounds the split.
+    row_pos = tl.zeros([HEADS_PAD], dtype=tl.int32) + seq_len - 1
+
+    acc = tl.zeros([HEADS_PAD, HEAD_DIM_PAD], dtype=tl.float32)
+    m_i = tl.full([HEADS_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([HEADS_PAD], dtype=tl.float32)
+    acc, m_i, l_i = attend_kv_range(
+        acc, m_i, l_i, q_tile, row_pos, kv_lo, kv_hi, block_tables + seq * stride_table,
+        k_cache + kv_head * stride_kv_head, v_cache + kv_head * stride_kv_head, stride_block, stride_slot,
+        qk_scale, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, PRECISION, MASKED=True,
+    )
+    has_keys = l_i > 0  # [HP] False for an empty split
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    result = acc * (v_scale / l_safe)[:, None]  # normalized partial output; 0 for an empty split
+    lse = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))  # log2-domain log-sum-exp of the scores
+    slot = (seq * num_heads + heads).to(tl.int64) * num_splits + split  # [HP] index into [N, H, splits]
+    tl.store(partial_lse + slot, lse, mask=row_ok)
+    tl.store(partial_out + slot[:, None] * HEAD_DIM + dims[None, :], result, mask=q_mask)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _decode_reduce_kernel(
+    out, partial_out, partial_lse, cu_seqlens_q, num_heads, num_splits, stride_o_tok, stride_o_head,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+):
+    """Grid (N, n_heads): out[token, head] = sum_s w_s * partial_s, w_s proportional to 2^lse_s."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    q_start = tl.load(cu_seqlens_q + seq)
+    if tl.load(cu_seqlens_q + seq + 1) == q_start:
+        return
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_ok = dims < HEAD_DIM
+    first = (seq * num_heads + head).to(tl.int64) * num_splits
+    acc = tl.zeros([HEAD_DIM_PAD], dtype=tl.float32)
+    lse_max = float("-inf")
+    weight_sum = 0.0
+    # The same online rescaling as the attention loop, one split at a time (the splits are few).
+    for split in range(num_splits):
+        lse = tl.load(partial_lse + first + split)
+        new_max = tl.maximum(lse_max, lse)
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        rescale = tl.exp2(lse_max - shift)
+        weight = tl.exp2(lse - shift)
+        part = tl.load(partial_out + (first + split) * HEAD_DIM + dims, mask=dim_ok, other=0.0)  # [D]
+        acc = acc * rescale + weight * part
+        weight_sum = weight_sum * rescale + weight
+        lse_max = new_max
+    # weight_sum is 0 only for a sequence with no keys at all (seq_len 0): write zeros, not NaN.
+    result = acc / tl.where(weight_sum > 0, weight_sum, 1.0)
+    o_row = q_start.to(tl.int64) * stride_o_tok + head * stride_o_head
+    tl.store(out + o_row + dims, result.to(out.dtype.element_ty), mask=dim_ok)
+
+
+def launch_decode(q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens, qk_scale: float,
+                  v_scale: float, dot_dtype, precision: str, num_splits: int | None = None) -> None:
+    """Fill out [T, n_heads, hd] for a batch whose sequences have at most one query token each.
+
+    Same preconditions as `launch_prefill`. num_splits: None plans it with `decode_num_splits`.
+    """
+    num_heads, head_dim = q.shape[1:]
+    block_size, num_kv_heads = k_cache.shape[1:3]
+    num_seqs = block_tables.shape[0]
+    group = num_heads // num_kv_heads
+    if num_splits is None:
+        max_kv_len = block_tables.shape[1] * block_size
+        num_splits = decode_num_splits(num_seqs, num_kv_heads, max_kv_len, q.device)
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs every dimension >= 16
+    block_n = DECODE_BLOCK_N_FLOAT32 if dot_dtype == tl.float32 else DECODE_BLOCK_N
+    # float32 partials: each split's output normalized by its own sum, and that sum's log2-sum-exp.
+    partial_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    partial_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, partial_out, partial_lse, block_tables, cu_seqlens_q, seq_lens,
+        num_heads, num_splits, qk_scale, v_scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        GROUP=group, HEADS_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n, DOT_DTYPE=dot_dtype,
+        PRECISION=precision, num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES,
+    )
+    _decode_reduce_kernel[(num_seqs, num_heads)](
+        out, partial_out, partial_lse, cu_seqlens_q, num_heads, num_splits, out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, num_warps=REDUCE_NUM_WARPS,
+    )

@@ -1,0 +1,246 @@
+"""Our Triton paged-attention kernels (`deltaserve.ops.attention.cuda`) against the reference ops, on CPU.
+
+Triton's interpreter runs the kernels on CPU tensors with numpy, so CI checks their logic (block-table
+gathers, causal offsets of cached prefixes, GQA grouping, split-KV merging, fp8 scales) on tiny odd shapes.
+Speed and GPU races are for tests/gpu/test_attention_gpu.py.
+
+The interpreter is chosen when a kernel is decorated, so TRITON_INTERPRET is set before the kernel modules
+are imported; on a machine with CUDA this module is skipped rather than switching the whole test process to
+the interpreter. The interpreter computes tl.dot on bf16 operands wrongly (numpy has no bf16) and truncates
+float32 -> bf16 casts, so bf16 appears here only as a cache read in float32 dots, with bf16-exact values.
+"""
+
+import os
+
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    pytest.skip("compiled kernels are tested by tests/gpu/test_attention_gpu.py", allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+import triton
+import triton.language as tl
+from triton.runtime import interpreter
+from triton.runtime.errors import InterpreterError
+
+from deltaserve.ops.attention import cuda as kernels
+from deltaserve.ops.attention import cuda_decode, cuda_prefill, reference
+
+
+def _patch_interpreter_index():
+    """Triton 3.6's interpreter turns scalars into loop bounds with int() on a 1-element array, which numpy
+    >= 2.4 rejects (triton-lang/triton#9171); apply the upstream fix (squeeze first) for this process."""
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patched
+
+
+_patch_interpreter_index()
+
+NUM_HEADS, NUM_KV_HEADS = 6, 2  # GQA: 3 query heads per KV head
+# (kv length, query length): full prefills, chunks over a cached prefix, decode rows, an empty query row.
+MIXED = [(37, 37), (23, 5), (1, 1), (50, 1), (16, 16), (33, 1), (70, 4), (5, 0)]
+DECODE = [(1, 1), (17, 1), (50, 1), (5, 0), (100, 1), (64, 1)]
+# Small tiles make the short test sequences span several query blocks, KV tiles and splits.
+SMALL_TILES = cuda_prefill.TileConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+
+# float32 kernels and reference differ only in summation order: ~1e-7 on outputs of unit scale. A wrong mask,
+# block or head shows up at 1e-2 or more.
+FP32_TOL = {"atol": 2e-5, "rtol": 2e-5}
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """16-row query tiles (5 tokens x 3 heads) and 16-position KV tiles, for every dot dtype."""
+    monkeypatch.setattr(cuda_prefill, "PREFILL_TILES", {64: SMALL_TILES})
+    monkeypatch.setattr(cuda_prefill, "PREFILL_TILES_FLOAT32", SMALL_TILES)
+    monkeypatch.setattr(cuda_decode, "DECODE_BLOCK_N", 16)
+    monkeypatch.setattr(cuda_decode, "DECODE_BLOCK_N_FLOAT32", 16)
+
+
+@triton.jit
+def _cast_kernel(src, dst):
+    offsets = tl.arange(0, 16)
+    tl.store(dst + offsets, tl.load(src + offsets).to(dst.dtype.element_ty))
+
+
+def interpreter_casts_to(dtype) -> bool:
+    """Whether this Triton's interpreter can store `dtype` (older ones lack float8 casts)."""
+    try:
+        _cast_kernel[(1,)](torch.ones(16), torch.empty(16, dtype=dtype))
+    except InterpreterError:
+        return False
+    return True
+
+
+def make_batch(sequences, block_size, head_dim, cache_dtype=torch.float32, q_dtype=torch.float32, seed=0):
+    """Random q and a paged cache holding each sequence's K/V in shuffled blocks; every slot outside the
+    sequences stays NaN, so a kernel that reads one poisons its output. Returns the paged_attention args."""
+    gen = torch.Generator().manual_seed(seed)
+    kv_lens = [kv for kv, _ in sequences]
+    q_lens = [ql for _, ql in sequences]
+    blocks_per_seq = [-(-kv // block_size) for kv in kv_lens]
+    num_blocks = sum(blocks_per_seq) + 2
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    block_tables = torch.zeros(len(sequences), max(blocks_per_seq) + 1, dtype=torch.int32)
+    k_cache = torch.full((num_blocks, block_size, NUM_KV_HEADS, head_dim), float("nan")).to(cache_dtype)
+    v_cache = k_cache.clone()
+    for seq, (kv_len, count) in enumerate(zip(kv_lens, blocks_per_seq)):
+        block_tables[seq, :count] = torch.tensor([free.pop() for _ in range(count)], dtype=torch.int32)
+        positions = torch.arange(kv_len)
+        slots = block_tables[seq, positions // block_size].long() * block_size + positions % block_size
+        keys, values = torch.randn(2, kv_len, NUM_KV_HEADS, head_dim, generator=gen)
+        reference.write_kv_cache(keys, values, k_cache, v_cache, slots)
+    q = torch.randn(sum(q_lens), NUM_HEADS, head_dim, generator=gen).to(q_dtype)
+    cu_seqlens_q = torch.zeros(len(sequences) + 1, dtype=torch.int64)
+    cu_seqlens_q[1:] = torch.tensor(q_lens).cumsum(0)
+    return {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables, "cu_seqlens_q": cu_seqlens_q,
+                "seq_lens": torch.tensor(kv_lens), "scale": head_dim**-0.5}
+
+
+@pytest.mark.parametrize("head_dim,block_size,tiles", [
+    (16, 16, "small"), (16, 1, "small"), (32, 32, "small"), (32, 16, "default"),
+])
+def test_prefill_kernel_matches_reference(request, head_dim, block_size, tiles):
+    if tiles == "small":
+        request.getfixturevalue("small_tiles")
+    batch = make_batch(MIXED, block_size, head_dim, seed=head_dim + block_size)
+    expected = reference.paged_attention(**batch)
+    actual = kernels.paged_attention(**batch, max_query_len=37)
+    torch.testing.assert_close(actual, expected, **FP32_TOL)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 8, None])
+def test_decode_kernel_matches_reference(small_tiles, num_splits):
+    """Splits of 16-position tiles: 8 splits leave most of them empty for short sequences."""
+    batch = make_batch(DECODE, block_size=16, head_dim=16, seed=num_splits or 0)
+    expected = reference.paged_attention(**batch)
+    actual = kernels.paged_attention(**batch, max_query_len=1, num_splits=num_splits)
+    torch.testing.assert_close(actual, expected, **FP32_TOL)
+
+
+def test_decode_rows_through_prefill_kernel(small_tiles):
+    """max_query_len unknown (None): decode rows take the prefill kernel and give the same result."""
+    batch = make_batch(DECODE, block_size=8, head_dim=16, seed=5)
+    torch.testing.assert_close(kernels.paged_attention(**batch), reference.paged_attention(**batch), **FP32_TOL)
+
+
+@pytest.mark.parametrize("cache_dtype,q_dtype,tol", [
+    # bf16 cache, float32 q: the dots run in float32 on bf16-exact values, as precise as all-float32.
+    (torch.bfloat16, torch.float32, FP32_TOL),
+    # float16 throughout: q, K and the probabilities enter the dots in float16 (2^-11 relative each).
+    (torch.float16, torch.float16, {"atol": 2e-3, "rtol": 2e-3}),
+])
+@pytest.mark.parametrize("max_query_len", [1, None])
+def test_half_precision_caches(small_tiles, cache_dtype, q_dtype, tol, max_query_len):
+    batch = make_batch(DECODE, block_size=16, head_dim=16, cache_dtype=cache_dtype, q_dtype=q_dtype, seed=9)
+    actual = kernels.paged_attention(**batch, max_query_len=max_query_len, num_splits=2)
+    assert actual.dtype == q_dtype
+    torch.testing.assert_close(actual, reference.paged_attention(**batch), **tol)
+
+
+def test_float16_with_default_tiles():
+    """The half-precision tile table (BLOCK_M 128: 42 tokens x 3 heads per program) on the mixed batch."""
+    batch = make_batch(MIXED, 16, 32, cache_dtype=torch.float16, q_dtype=torch.float16, seed=4)
+    actual = kernels.paged_attention(**batch)
+    torch.testing.assert_close(actual, reference.paged_attention(**batch), atol=2e-3, rtol=2e-3)
+
+
+def test_empty_batch_returns_empty_output():
+    batch = make_batch([(4, 0)], block_size=16, head_dim=16)
+    assert kernels.paged_attention(**batch).shape == (0, NUM_HEADS, 16)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_write_kv_cache_matches_reference(cache_dtype):
+    """Bit-identical caches; values are bf16-exact (the interpreter truncates where the GPU rounds). k is a
+    strided view, as in the layer where it is sliced from a wider projection."""
+    gen = torch.Generator().manual_seed(1)
+    num_tokens, head_dim = 9, 16
+    wide = torch.randn(num_tokens, NUM_KV_HEADS, 2 * head_dim, generator=gen).bfloat16().float()
+    k = wide[..., :head_dim]  # [T, n_kv, hd], token stride 2 * n_kv * hd
+    v = torch.randn(num_tokens, NUM_KV_HEADS, head_dim, generator=gen).bfloat16().float()
+    slot_mapping = torch.tensor([5, 0, -1, 17, 31, 2, -1, 20, 9])  # -1: padding, must write nothing
+    caches = [torch.full((4, 8, NUM_KV_HEADS, head_dim), float("nan")).to(cache_dtype) for _ in range(4)]
+    reference.write_kv_cache(k, v, caches[0], caches[1], slot_mapping)
+    kernels.write_kv_cache(k, v, caches[2], caches[3], slot_mapping)
+    torch.testing.assert_close(caches[2], caches[0], atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(caches[3], caches[1], atol=0, rtol=0, equal_nan=True)
+
+
+def test_fp8_cache_round_trip_with_scales():
+    """An fp8 cache stores x / scale (saturating at 448) and attention multiplies the scales back in."""
+    k_scale, v_scale = 0.5, 0.25  # powers of two: x / scale of an fp8-exact x is fp8-exact
+    gen = torch.Generator().manual_seed(3)
+    fp8 = torch.float8_e4m3fn
+    num_tokens, head_dim = 40, 16
+    k = torch.randn(num_tokens, NUM_KV_HEADS, head_dim, generator=gen).to(fp8).float() * k_scale
+    v = torch.randn(num_tokens, NUM_KV_HEADS, head_dim, generator=gen).to(fp8).float() * v_scale
+    k[0, 0, 0] = 1000.0  # 2000 after the scale: saturates to 448
+    k_cache = torch.zeros(3, 16, NUM_KV_HEADS, head_dim, dtype=fp8)
+    v_cache = torch.zeros_like(k_cache)
+    if not interpreter_casts_to(fp8):
+        pytest.skip("this Triton's interpreter has no float8 casts")
+    kernels.write_kv_cache(k, v, k_cache, v_cache, torch.arange(num_tokens), k_scale=k_scale, v_scale=v_scale)
+    assert k_cache[0, 0, 0, 0].float() == 448.0
+    k[0, 0, 0] = 448.0 * k_scale
+    assert torch.equal(k_cache.flatten(0, 1)[:num_tokens].float(), k / k_scale)
+    assert torch.equal(v_cache.flatten(0, 1)[:num_tokens].float(), v / v_scale)
+
+    q = torch.randn(2, NUM_HEADS, head_dim, generator=gen)
+    args = {"q": q, "block_tables": torch.tensor([[0, 1, 2]], dtype=torch.int32),
+                "cu_seqlens_q": torch.tensor([0, 2]), "seq_lens": torch.tensor([num_tokens]), "scale": 0.25}
+    expected = reference.paged_attention(k_cache=k_cache.float() * k_scale, v_cache=v_cache.float() * v_scale,
+                                         **args)
+    for max_query_len in (2, None):
+        actual = kernels.paged_attention(k_cache=k_cache, v_cache=v_cache, **args, max_query_len=max_query_len,
+                                         k_scale=k_scale, v_scale=v_scale)
+        torch.testing.assert_close(actual, expected, **FP32_TOL)
+    decode_args = dict(args, q=q[:1], cu_seqlens_q=torch.tensor([0, 1]))
+    expected = reference.paged_attention(k_cache=k_cache.float() * k_scale, v_cache=v_cache.float() * v_scale,
+                                         **decode_args)
+    actual = kernels.paged_attention(k_cache=k_cache, v_cache=v_cache, **decode_args, max_query_len=1,
+                                     num_splits=2, k_scale=k_scale, v_scale=v_scale)
+    torch.testing.assert_close(actual, expected, **FP32_TOL)
+
+
+def test_num_splits_fill_the_device_from_static_sizes(monkeypatch):
+    monkeypatch.setattr(cuda_decode, "_sm_count", lambda device: 132)
+    cpu = torch.device("cpu")
+    # One sequence, 4 KV heads, 256K capacity: 2 programs per SM over 4 heads.
+    assert cuda_decode.decode_num_splits(1, 4, 262144, cpu) == 66
+    # A short block table caps the splits at one per 256 positions; a full batch needs none.
+    assert cuda_decode.decode_num_splits(1, 4, 1024, cpu) == 4
+    assert cuda_decode.decode_num_splits(256, 4, 262144, cpu) == 1
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"k_cache": torch.zeros(3, 16, NUM_KV_HEADS, 16, dtype=torch.int8)}, "k_cache"),
+    ({"v_cache": torch.zeros(3, 16, NUM_KV_HEADS, 16, dtype=torch.float16)}, "v_cache"),
+    ({"k_cache": torch.zeros(3, 16, NUM_KV_HEADS, 32)[..., ::2]}, "strides"),
+    ({"cu_seqlens_q": torch.tensor([0, 2])}, "cu_seqlens_q"),
+    ({"max_query_len": -1}, "max_query_len"),
+    ({"num_splits": 0}, "num_splits"),
+    ({"k_scale": 0.0}, "k_scale"),
+    ({"q": torch.zeros(3, NUM_HEADS, 16, dtype=torch.float64)}, "q has dtype"),
+])
+def test_bad_arguments_raise_value_error(change, message):
+    batch = make_batch([(20, 2), (9, 1)], block_size=16, head_dim=16)
+    # Keep 3 blocks, the size of the replacement caches above.
+    batch["v_cache"] = batch["v_cache"][:3]
+    batch["k_cache"] = batch["k_cache"][:3]
+    with pytest.raises(ValueError, match=message):
+        kernels.paged_attention(**{**batch, **change})
+
+
+def test_write_kv_cache_rejects_float_slots():
+    k = torch.zeros(2, NUM_KV_HEADS, 16)
+    cache = torch.zeros(1, 16, NUM_KV_HEADS, 16)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        kernels.write_kv_cache(k, k, cache, cache.clone(), torch.tensor([0.0, 1.0]))
