@@ -20,7 +20,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/dev
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)' >> "$OUT/device.txt" 2>&1
 status=0
 if [ "$MODE" != bench ]; then
-  python3 -m pytest tests/gpu tests/ops -q -rs -x -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
+  python3 -m pytest tests/gpu tests/ops -q -rs --timeout=300 -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
   status=${PIPESTATUS[0]}
 fi
 if [ "$MODE" = quick ]; then
