@@ -119,6 +119,30 @@ def run_workload(engine: LLMEngine, input_len: int, output_len: int, num_prompts
     }
 
 
+def profile(engine: LLMEngine, input_len: int = 8192, decode_steps: int = 8) -> None:
+    """Print where the GPU time of one prefill step and of a few batch-1 decode steps goes (top kernels)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    prompt = torch.randint(0, engine.model_config.vocab_size, (input_len,)).tolist()
+    engine.add_request("profile", prompt, SamplingParams(temperature=0, max_tokens=decode_steps + 2,
+                                                         ignore_eos=True))
+    for title, steps in ((f"prefill {input_len} tokens", 1), (f"{decode_steps} decode steps, batch 1", decode_steps)):
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t
+        events = prof.key_averages()
+        gpu_total = sum(e.self_device_time_total for e in events) / 1e3
+        print(f"--- profile: {title}: wall {1e3 * wall / steps:.2f} ms/step, GPU busy "
+              f"{gpu_total / steps:.2f} ms/step", flush=True)
+        print(events.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70), flush=True)
+    while engine.has_unfinished():
+        engine.step()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m deltaserve.bench.offline", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -132,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--scale", type=float, default=1.0, help="multiply prompt counts (quick runs: 0.34)")
     parser.add_argument("--out", help="append JSON lines of results here")
+    parser.add_argument("--profile", action="store_true", help="print the top GPU kernels of a prefill and a decode")
     args = parser.parse_args(argv)
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]
     unknown = [w for w in names if w not in WORKLOADS]
@@ -147,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization))
     print(f"engine ready in {time.perf_counter() - t:.1f} s", flush=True)
     limits = Limits(engine, bandwidth, flops)
+    if args.profile:
+        profile(engine)
     for name in names:
         for input_len, output_len, num, conc in WORKLOADS[name]:
             num = max(1, round(num * args.scale))

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Everything GPU in one command, on an H200 machine: GPU tests, then the benchmarks.
-#   tests/gpu/run.sh OUTDIR [quick|full|tests|bench]
+#   tests/gpu/run.sh OUTDIR [full|quick|tests|bench]
+#   full: every GPU test, then all benchmarks; quick: every GPU test, a profile and a short benchmark;
+#   tests: the tests alone; bench: the benchmarks alone; TESTS=... narrows the test paths
 # Wheels the machine lacks (fla-core, the server stack) are installed from .whl/ when present
 # (../shared/tools/gpu-wheels.sh .whl); the published configs are read from .gpu_configs/ (a copy of
 # ../shared/configs) or ../shared/configs.
@@ -20,11 +22,11 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/dev
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)' >> "$OUT/device.txt" 2>&1
 status=0
 if [ "$MODE" != bench ]; then
-  python3 -m pytest tests/gpu tests/ops -q -rs --timeout=300 -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
+  python3 -m pytest ${TESTS:-tests/gpu tests/ops} -q -rs --timeout=300 -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
   status=${PIPESTATUS[0]}
 fi
 if [ "$MODE" = quick ]; then
-  python3 -m deltaserve.bench.offline "$CONFIGS/qwen3.5-27b" --workloads W1,W3 --scale 0.34 \
+  python3 -m deltaserve.bench.offline "$CONFIGS/qwen3.5-27b" --workloads W1,W3 --scale 0.34 --profile \
     --max-model-len 40000 --out "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench.log"
 elif [ "$MODE" = full ] || [ "$MODE" = bench ]; then
   python3 -m deltaserve.bench.offline "$CONFIGS/qwen3.5-27b" --workloads W1,W3,W2,W6 \

@@ -1,8 +1,10 @@
-"""The engine on the GPU (bf16) against the CPU float32 reference, and CUDA graphs against eager.
+"""The engine on the GPU against the CPU float32 reference, and CUDA graphs against eager.
 
-Run on an H200 by tests/gpu/run.sh. Tolerances, measured there and recorded in docs/performance.md:
-teacher-forced top-1 agreement of bf16 GPU logits with float32 CPU logits >= 0.95 and the mean |diff| of
-logits <= 5% of their scale (bf16 carries ~3 significant digits through 6 layers); graphs == eager exactly.
+Run on an H200 by tests/gpu/run.sh. The GPU kernels in float32 must match the CPU reference to 1e-3 of the
+logit scale (the same bound as the CPU parity tests against transformers). In bf16 the tiny random
+checkpoints amplify rounding strongly (they are chaotic on purpose, so that cache bugs show), so bf16 is
+measured and printed -- teacher-forced top-1 agreement and mean |diff| -- with only a loose sanity bound.
+Graphs == eager exactly: both run the same padded decode batch, one replayed, one eagerly.
 """
 
 import pytest
@@ -41,16 +43,22 @@ def chunked_logits(path, dtype, device, ids: list[int], chunks: list[int]) -> to
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_bf16_gpu_model_tracks_cpu_float32(arch, make_checkpoint):
+def test_gpu_model_matches_cpu_reference(arch, make_checkpoint, capsys):
     path = make_checkpoint(arch)
     ids = prompt(300, 1)
     chunks = [1, 100, 137, 40]  # crosses GDN chunks (64) and KV blocks (16); then 22 decode steps
     ref = chunked_logits(path, torch.float32, "cpu", ids, chunks)
-    gpu = chunked_logits(path, torch.bfloat16, "cuda", ids, chunks)
-    agreement = (ref.argmax(-1) == gpu.argmax(-1)).float().mean().item()
-    rel = ((ref - gpu).abs().mean() / ref.abs().mean()).item()
-    print(f"{arch}: top-1 agreement {agreement:.4f}, mean |diff| / mean |logit| {rel:.4f}")
-    assert agreement >= 0.95 and rel <= 0.05
+    fp32 = chunked_logits(path, torch.float32, "cuda", ids, chunks)
+    bf16 = chunked_logits(path, torch.bfloat16, "cuda", ids, chunks)
+    scale = ref.abs().max().item()
+    err32 = (fp32 - ref).abs().max().item() / scale
+    agreement = (ref.argmax(-1) == bf16.argmax(-1)).float().mean().item()
+    rel = ((ref - bf16).abs().mean() / ref.abs().mean()).item()
+    with capsys.disabled():
+        print(f"\n[gpu parity] {arch}: float32 max|diff| {err32:.2e} of logit scale; bf16 top-1 agreement "
+              f"{agreement:.4f}, mean|diff|/mean|logit| {rel:.4f}")
+    assert err32 <= 1e-3
+    assert agreement >= 0.5 and rel <= 0.5  # sanity only: a broken bf16 path gives noise (agreement ~0)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -60,7 +68,7 @@ def test_cuda_graphs_equal_eager_token_for_token(arch, make_checkpoint):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     graphs = LLM(path, dtype="bfloat16", max_num_seqs=16, enforce_eager=False)
     eager = LLM(path, dtype="bfloat16", max_num_seqs=16, enforce_eager=True)
-    assert graphs.engine.runner.graphs is not None and eager.engine.runner.graphs is None
+    assert graphs.engine.runner.graphs.graphs and not eager.engine.runner.graphs.graphs
     a = [o.outputs[0].token_ids for o in graphs.generate(prompts, params, use_tqdm=False)]
     b = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
     assert a == b
