@@ -120,25 +120,28 @@ def run_workload(engine: LLMEngine, input_len: int, output_len: int, num_prompts
 
 
 def profile(engine: LLMEngine, input_len: int = 8192, decode_steps: int = 8) -> None:
-    """Print where the GPU time of one prefill step and of a few batch-1 decode steps goes (top kernels)."""
+    """Print where the GPU time of a prompt's prefill and of a few batch-1 decode steps goes (top kernels)."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     prompt = torch.randint(0, engine.model_config.vocab_size, (input_len,)).tolist()
     engine.add_request("profile", prompt, SamplingParams(temperature=0, max_tokens=decode_steps + 2,
                                                          ignore_eos=True))
-    for title, steps in ((f"prefill {input_len} tokens", 1), (f"{decode_steps} decode steps, batch 1", decode_steps)):
+    for title in (f"prefill of {input_len} tokens (until the first token)", f"{decode_steps} decode steps, batch 1"):
         torch.cuda.synchronize()
         with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            t = time.perf_counter()
-            for _ in range(steps):
-                engine.step()
+            t, steps = time.perf_counter(), 0
+            while True:
+                outputs = engine.step()
+                steps += 1
+                if title.startswith("prefill") and outputs or steps == decode_steps:
+                    break
             torch.cuda.synchronize()
             wall = time.perf_counter() - t
         events = prof.key_averages()
         gpu_total = sum(e.self_device_time_total for e in events) / 1e3
-        print(f"--- profile: {title}: wall {1e3 * wall / steps:.2f} ms/step, GPU busy "
+        print(f"--- profile: {title}: {steps} steps, wall {1e3 * wall / steps:.2f} ms/step, GPU busy "
               f"{gpu_total / steps:.2f} ms/step", flush=True)
-        print(events.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70), flush=True)
+        print(events.table(sort_by="self_cuda_time_total", row_limit=22, max_name_column_width=60), flush=True)
     while engine.has_unfinished():
         engine.step()
 

@@ -14,7 +14,7 @@ from deltaserve.layers.batch import ForwardBatch
 from deltaserve.layers.linear import fuse_linears
 from deltaserve.layers.norm import GatedRMSNorm
 from deltaserve.ops.conv1d import conv_decode, conv_prefill
-from deltaserve.ops.gdn import gdn_decode, gdn_prefill
+from deltaserve.ops.gdn import gdn_decode, gdn_gates, gdn_prefill
 
 
 class GatedDeltaNet(nn.Module):
@@ -81,12 +81,10 @@ class GatedDeltaNet(nn.Module):
         q = q.view(T, self.num_k_heads, self.k_dim)
         k = k.view(T, self.num_k_heads, self.k_dim)
         v = v.view(T, self.num_v_heads, self.v_dim)
-        beta = torch.sigmoid(b)
-        # log-space decay in float32: g = -exp(A_log) * softplus(a + dt_bias) <= 0
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         if batch.is_decode:
-            o = gdn_decode(q, k, v, g, beta, self.ssm_state, slots)
+            o = gdn_decode(q, k, v, a, b, self.A_log, self.dt_bias, self.ssm_state, slots)
         else:
+            g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
             o = gdn_prefill(q, k, v, g, beta, self.ssm_state, slots, batch.has_initial_state, batch.cu_seqlens_q,
                             batch.cu_seqlens_cpu)
 

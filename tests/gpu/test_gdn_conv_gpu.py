@@ -37,6 +37,13 @@ KERNEL_TOL = {"rtol": 2**-7, "atol": 1e-4}
 FLA_RMS_RATIO = 1e-2
 
 
+
+def reference_decode(q, k, v, g, beta, pool, slots):
+    """The reference decode step on the pool slots, from precomputed gates g and beta."""
+    out, final = gdn.fused_recurrent_gated_delta_rule(q, k, v, g, beta, pool[slots].float())
+    pool[slots] = final.to(pool.dtype)
+    return out
+
 def rms_ratio(actual, expected):
     """RMS of the error over RMS of the expected tensor (NaN anywhere makes it NaN, failing any bound)."""
     actual, expected = actual.float().cpu(), expected.float().cpu()
@@ -110,7 +117,7 @@ def test_gdn_decode_matches_reference(pool_dtype, block_v):
         ref_pool = cpu32(pool)  # each step from the kernel's pool: bf16 rounding must not compound
         q, k, v, g, beta = gdn_inputs(len(SLOTS), gen)
         out = gdn_kernels.gdn_decode(q, k, v, g, beta, pool, slots, block_v=block_v)
-        expected = gdn.gdn_decode(*cpu32(q, k, v, g, beta), ref_pool, cpu32(slots))
+        expected = reference_decode(*cpu32(q, k, v, g, beta), ref_pool, cpu32(slots))
         assert out.dtype == torch.bfloat16
         torch.testing.assert_close(cpu32(out), expected, **KERNEL_TOL)
         torch.testing.assert_close(cpu32(pool), ref_pool, **KERNEL_TOL)
@@ -152,7 +159,10 @@ def test_layer_chain_prefill_then_decode(pool_dtype):
                          .to(pool_dtype))
     ref_conv_pool, ref_ssm_pool = cpu32(conv_pool), cpu32(ssm_pool).to(pool_dtype)
 
-    def layer(mixed, g, beta, conv_pool, ssm_pool, cu_seqlens, decode):
+    A_log = torch.rand(VALUE_HEADS, generator=gen, device=DEVICE).mul(15).add(1).log()
+    dt_bias = torch.randn(VALUE_HEADS, generator=gen, device=DEVICE)
+
+    def layer(mixed, a, b, conv_pool, ssm_pool, cu_seqlens, decode):
         """mixed [T, conv_dim] -> o [T, HV, V], as GatedDeltaNet.forward (no projections)."""
         if decode:
             mixed = conv1d.conv_decode(mixed, weight.to(mixed), conv_pool, slots.to(mixed.device))
@@ -163,19 +173,21 @@ def test_layer_chain_prefill_then_decode(pool_dtype):
         q, k, v = mixed.split([KEY_DIM, KEY_DIM, VALUE_DIM], dim=-1)
         q, k = q.view(tokens, KEY_HEADS, HEAD_DIM), k.view(tokens, KEY_HEADS, HEAD_DIM)
         v = v.view(tokens, VALUE_HEADS, HEAD_DIM)
-        if decode:
-            return gdn.gdn_decode(q, k, v, g, beta, ssm_pool, slots.to(mixed.device))
+        gates = A_log.to(mixed.device), dt_bias.to(mixed.device)
+        if decode:  # the raw gates: the GPU kernel computes g and beta itself
+            return gdn.gdn_decode(q, k, v, a, b, *gates, ssm_pool, slots.to(mixed.device))
+        g, beta = gdn.gdn_gates(a, b, *gates)
         return gdn.gdn_prefill(q, k, v, g, beta, ssm_pool, slots.to(mixed.device), has_initial.to(mixed.device),
                                cu_seqlens)
 
     for step, lengths in enumerate([LENGTHS] + [[1] * len(SLOTS)] * 4):
         num_tokens = sum(lengths)
         mixed = torch.randn(num_tokens, CONV_DIM, generator=gen, device=DEVICE).bfloat16()
-        g = F.logsigmoid(torch.randn(num_tokens, VALUE_HEADS, generator=gen, device=DEVICE) + 2.0)
-        beta = torch.sigmoid(torch.randn(num_tokens, VALUE_HEADS, generator=gen, device=DEVICE)).bfloat16()
+        a = torch.randn(num_tokens, VALUE_HEADS, generator=gen, device=DEVICE).bfloat16()
+        b = torch.randn(num_tokens, VALUE_HEADS, generator=gen, device=DEVICE).bfloat16()
         step_cu = F.pad(torch.tensor(lengths).cumsum(0), (1, 0))
-        out = layer(mixed, g, beta, conv_pool, ssm_pool, step_cu.to(DEVICE), decode=step > 0)
-        expected = layer(*cpu32(mixed, g, beta), ref_conv_pool, ref_ssm_pool, step_cu, decode=step > 0)
+        out = layer(mixed, a, b, conv_pool, ssm_pool, step_cu.to(DEVICE), decode=step > 0)
+        expected = layer(*cpu32(mixed, a, b), ref_conv_pool, ref_ssm_pool, step_cu, decode=step > 0)
         assert rms_ratio(out, expected) < FLA_RMS_RATIO, f"step {step}"
         assert rms_ratio(ssm_pool[SLOTS], ref_ssm_pool[SLOTS]) < FLA_RMS_RATIO, f"step {step}"
         assert torch.equal(cpu32(conv_pool[SLOTS]), ref_conv_pool[SLOTS]), f"step {step}"

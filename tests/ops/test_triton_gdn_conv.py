@@ -37,6 +37,13 @@ NUM_SLOTS = 10
 TOLERANCES = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 1e-2, "rtol": 2**-7}}
 
 
+
+def reference_decode(q, k, v, g, beta, pool, slots):
+    """The reference decode step on the pool slots, from precomputed gates g and beta."""
+    out, final = gdn.fused_recurrent_gated_delta_rule(q, k, v, g, beta, pool[slots].float())
+    pool[slots] = final.to(pool.dtype)
+    return out
+
 def varlen_batch(lengths, slots, has_initial):
     """cu_seqlens [N+1] int64, state_slots [N] int64, has_initial_state [N] bool."""
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int64)
@@ -149,7 +156,7 @@ def test_gdn_decode_matches_reference(pool_dtype, key_heads, value_heads, key_di
         # Each step starts the reference from the kernel's pool, so bf16 rounding differences don't compound.
         expected_pool = actual_pool.clone()
         q, k, v, g, beta = gdn_step_inputs(len(slots), key_heads, value_heads, key_dim, value_dim, dtype, gen)
-        expected = gdn.gdn_decode(q, k, v, g, beta, expected_pool, slots)
+        expected = reference_decode(q, k, v, g, beta, expected_pool, slots)
         actual = gdn_kernels.gdn_decode(q, k, v, g, beta, actual_pool, slots, block_v=block_v)
         assert actual.dtype == v.dtype and actual.shape == v.shape
         torch.testing.assert_close(actual, expected, **TOLERANCES[dtype])
@@ -169,7 +176,7 @@ def test_gdn_decode_reads_strided_views():
     pool = torch.randn(4, value_heads, dim, dim, generator=gen)
     slots = torch.tensor([3, 1, 0])
     expected_pool, actual_pool = pool.clone(), pool.clone()
-    expected = gdn.gdn_decode(q, k, v, g, beta, expected_pool, slots)
+    expected = reference_decode(q, k, v, g, beta, expected_pool, slots)
     actual = gdn_kernels.gdn_decode(q, k, v, g, beta, actual_pool, slots)
     torch.testing.assert_close(actual, expected, **TOLERANCES[torch.float32])
     torch.testing.assert_close(actual_pool, expected_pool, **TOLERANCES[torch.float32])
@@ -185,3 +192,23 @@ def test_gdn_decode_rejects_bad_input():
         gdn_kernels.gdn_decode(q, k, v, g, beta, pool, torch.tensor([0, 1, 2]))
     with pytest.raises(ValueError, match="block_v"):
         gdn_kernels.gdn_decode(q, k, v, g, beta, pool, torch.tensor([0, 1]), block_v=12)
+
+
+def test_gdn_decode_computes_raw_gates_like_the_reference():
+    """With A_log / dt_bias the kernel takes the raw projections a, b (strided views) and forms the gates."""
+    g = torch.Generator().manual_seed(11)
+    n, hk, hv, dk, dv = 3, 2, 4, 16, 16
+    q, k = torch.randn(2, n, hk, dk, generator=g)
+    v = torch.randn(n, hv, dv, generator=g)
+    ab = torch.randn(n, 3 * hv, generator=g) * 4  # a, b as strided column slices; some a + dt_bias > 20
+    a, b = ab[:, :hv], ab[:, hv:2 * hv]
+    a[0, 0] = 30.0
+    A_log = torch.rand(hv, generator=g).mul(15).add(1).log()
+    dt_bias = torch.randn(hv, generator=g)
+    pool = torch.randn(5, hv, dk, dv, generator=g)
+    slots = torch.tensor([4, 1, 2])
+    expected_pool, actual_pool = pool.clone(), pool.clone()
+    expected = gdn.gdn_decode(q, k, v, a, b, A_log, dt_bias, expected_pool, slots)  # CPU: reference path
+    actual = gdn_kernels.gdn_decode(q, k, v, a, b, actual_pool, slots, A_log=A_log, dt_bias=dt_bias)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(actual_pool, expected_pool, atol=1e-5, rtol=1e-5)

@@ -6,10 +6,18 @@ of the pool and write the new state back in place. On CUDA tensors they run the 
 """
 
 import torch
+import torch.nn.functional as F
 
 from deltaserve.ops.gdn.reference import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
-__all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "gdn_prefill", "gdn_decode"]
+__all__ = ["chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule", "gdn_gates", "gdn_prefill", "gdn_decode"]
+
+
+def gdn_gates(a, b, A_log, dt_bias):
+    """a, b: [T, HV] raw projections; A_log, dt_bias: [HV]. Returns (g [T, HV] float32 log decay, beta [T, HV]):
+    g = -exp(A_log) * softplus(a + dt_bias) <= 0 in float32, beta = sigmoid(b) in b's dtype."""
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return g, torch.sigmoid(b)
 
 
 def gdn_prefill(q, k, v, g, beta, state_pool, state_slots, has_initial_state, cu_seqlens, cu_seqlens_cpu=None):
@@ -29,12 +37,14 @@ def gdn_prefill(q, k, v, g, beta, state_pool, state_slots, has_initial_state, cu
     return o
 
 
-def gdn_decode(q, k, v, g, beta, state_pool, state_slots):
-    """Decode, one token per sequence. q, k: [N, HK, K]; v: [N, HV, V]; g, beta: [N, HV];
-    state_pool: [S, HV, K, V], updated in place at `state_slots` [N]. Returns o: [N, HV, V]."""
-    if q.is_cuda:
+def gdn_decode(q, k, v, a, b, A_log, dt_bias, state_pool, state_slots):
+    """Decode, one token per sequence. q, k: [N, HK, K]; v: [N, HV, V]; a, b: [N, HV] raw gate projections
+    (see `gdn_gates`); A_log, dt_bias: [HV]; state_pool: [S, HV, K, V], updated in place at `state_slots` [N].
+    Returns o: [N, HV, V]."""
+    if q.is_cuda:  # the kernel computes the gates itself
         from deltaserve.ops.gdn.cuda import gdn_decode as cuda_decode
-        return cuda_decode(q, k, v, g, beta, state_pool, state_slots)
+        return cuda_decode(q, k, v, a, b, state_pool, state_slots, A_log=A_log, dt_bias=dt_bias)
+    g, beta = gdn_gates(a, b, A_log, dt_bias)
     o, final = fused_recurrent_gated_delta_rule(q, k, v, g, beta, state_pool[state_slots].float())
     state_pool[state_slots] = final.to(state_pool.dtype)
     return o
