@@ -267,7 +267,8 @@ def _as_id_tuple(value: Any) -> tuple[int, ...]:
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
+# fp8 and fp8_e4m3 both store float8_e4m3fn with per-tensor scales (vLLM's names); e5m2 is not built
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3")
 SSM_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -286,7 +287,7 @@ class EngineConfig:
     seed: int = 0
     load_format: str = "auto"
     device: str = "auto"
-    max_model_len: int | None = None
+    max_model_len: int | None = None  # None (or "auto", stored as None): the longest the model and the cache allow
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     block_size: int = 16
@@ -296,12 +297,17 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     mamba_ssm_cache_dtype: str = "auto"
     enforce_eager: bool = False
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
+    # GDN state checkpoints the prefix cache may hold (each one working slot's size); None: sized by the engine
+    prefix_cache_state_slots: int | None = None
     skip_tokenizer_init: bool = False
     generation_config: str = "auto"  # "auto" (from the checkpoint), "vllm" (ignore it) or a directory
     override_generation_config: dict = field(default_factory=dict)
 
     def __post_init__(self):
+        if isinstance(self.max_model_len, str) and self.max_model_len.strip().lower() == "auto":
+            object.__setattr__(self, "max_model_len", None)  # frozen dataclass: normalise before validating
+
         def positive(name: str, flag: str | None = None):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
@@ -323,6 +329,9 @@ class EngineConfig:
             raise ConfigError(f"--seed must be an integer, got {self.seed!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        slots = self.prefix_cache_state_slots
+        if slots is not None and (not isinstance(slots, int) or isinstance(slots, bool) or slots < 0):
+            raise ConfigError(f"--prefix-cache-state-slots must be a non-negative integer, got {slots!r}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
             raise ConfigError(f"--num-gpu-blocks-override must be >= 2 (block 0 is reserved), "
                               f"got {self.num_gpu_blocks_override}")

@@ -43,6 +43,11 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at the first schedule
         self.block_ids: list[int] = []
         self.state_slot: int | None = None
+        # Prefix caching (cache/kv_manager.py); untouched when it is off.
+        self.block_hashes: list[bytes] = []  # chain hash of each full block of all_token_ids
+        self.num_indexed_blocks = 0  # block_ids[:n] are in the prefix index (or duplicate an indexed block)
+        self.checkpoint_targets: list[int] = []  # prefill lengths where a state checkpoint is to be saved
+        self.last_prompt_boundary = 0  # past this length, block boundaries get the request's decode checkpoint
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
@@ -71,10 +76,10 @@ class Request:
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
         """The finishing status after the last appended token, or None to continue."""
         last = self.all_token_ids[-1]
-        if self.num_output_tokens >= self.params.min_tokens:
-            if last in self.eos_token_ids or last in self.params.stop_token_ids:
-                self.stop_reason = None if last in self.eos_token_ids else last
-                return RequestStatus.FINISHED_STOPPED
+        stop_token = last in self.eos_token_ids or last in self.params.stop_token_ids
+        if stop_token and self.num_output_tokens >= self.params.min_tokens:
+            self.stop_reason = None if last in self.eos_token_ids else last
+            return RequestStatus.FINISHED_STOPPED
         if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

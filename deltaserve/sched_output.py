@@ -32,6 +32,9 @@ class ScheduledSequence:
 @dataclass
 class SchedulerOutput:
     sequences: list[ScheduledSequence] = field(default_factory=list)
+    # GDN state slot copies (src, dst), applied to every GDN layer's conv and recurrent pools:
+    state_restores: list[tuple[int, int]] = field(default_factory=list)  # checkpoint -> working, BEFORE the forward
+    state_saves: list[tuple[int, int]] = field(default_factory=list)  # working -> new checkpoint, AFTER the forward
 
     @property
     def num_tokens(self) -> int:

@@ -1,15 +1,41 @@
-"""Hands each request the KV blocks and the GDN state slot its next step needs, and takes them back."""
+"""CacheManager: gives each request the KV blocks and GDN state slot its next step needs and takes them back;
+with prefix caching on, it also finds hits, places checkpoints and indexes full blocks.
+
+The scheduler calls, per step:
+    find_hit(request)               a waiting request's longest reusable prefix (a PrefixHit; empty when off)
+    cut_chunk(request, start, n)    shortens a prefill chunk so that it ends at a checkpoint target
+    admit(request, n, hit)          starts a waiting request at its hit; allocate(request, n) grows a running one
+    plan_save(request, n)           (working slot, checkpoint slot) to copy after the forward, or None
+and after the step has run:
+    commit_checkpoints()            the step's saves are written: make them hittable
+    cache_full_blocks(request)      index the request's newly computed full blocks
+
+Where checkpoints go (each is a chunk end: invariant 3, "a prefill chunk must end at L to save at L"):
+    divergence   when a prompt matches a cached KV chain of length M past its longest checkpoint, at M (capped
+                 as below): the next prompt that branches off that chain hits there
+    prompt end   at floor((P-1)/bs)*bs, the longest hit a resend of the same P-token prompt can use
+    decode       at the latest block boundary a running request has passed past its prompt end: one per request,
+                 replaced as it passes the next, so that when it finishes the cache holds the state where the
+                 next turn of a conversation continues (prompt + output)
+"""
+
+from __future__ import annotations
 
 from deltaserve.cache.block_pool import BlockPool
+from deltaserve.cache.prefix_cache import PrefixCache, PrefixHit, extend_block_hashes
 from deltaserve.cache.state_pool import StatePool
 from deltaserve.request import Request
 
 
 class CacheManager:
-    def __init__(self, block_pool: BlockPool, state_pool: StatePool):
+    def __init__(self, block_pool: BlockPool, state_pool: StatePool, prefix_cache: PrefixCache | None = None):
+        """prefix_cache None turns prefix caching off: no hashing, no hits, no checkpoints."""
         self.block_pool = block_pool
         self.state_pool = state_pool
+        self.prefix_cache = prefix_cache
         self.block_size = block_pool.block_size
+
+    # -- blocks and slots ----------------------------------------------------------------------------------
 
     def blocks_needed(self, request: Request, num_new_tokens: int) -> int:
         """Blocks to add so that the cache can hold num_computed_tokens + num_new_tokens tokens."""
@@ -31,10 +57,110 @@ class CacheManager:
         request.block_ids.extend(self.block_pool.allocate(self.blocks_needed(request, num_new_tokens)))
         return True
 
+    def admit(self, request: Request, num_new_tokens: int, hit: PrefixHit) -> bool:
+        """Start a waiting request (new or preempted) at `hit`: share the hit's cached blocks, take a working
+        slot and blocks for `num_new_tokens` tokens past the hit. False (and nothing taken) if it does not fit.
+
+        The caller copies the hit's checkpoint into the working slot before the forward (state_restores).
+        """
+        if request.block_ids or request.state_slot is not None:
+            raise RuntimeError(f"request {request.request_id!r} still holds cache: it cannot be admitted again")
+        if self.state_pool.num_free_slots == 0:
+            return False
+        start = hit.num_tokens
+        num_new_blocks = -(-(start + num_new_tokens) // self.block_size) - len(hit.block_ids)
+        # hit blocks nobody holds sit in the free count: taking them leaves fewer for the new blocks
+        if num_new_blocks + self.block_pool.num_unheld(hit.block_ids) > self.block_pool.num_free_blocks:
+            return False
+        self.block_pool.touch(hit.block_ids)  # first, so that allocate's evictions cannot take them
+        request.block_ids = hit.block_ids + self.block_pool.allocate(num_new_blocks)
+        request.state_slot = self.state_pool.allocate()
+        request.num_computed_tokens = start
+        request.num_indexed_blocks = len(hit.block_ids)
+        if self.prefix_cache is not None:
+            first_start = request.num_preemptions == 0
+            if first_start:
+                request.num_cached_tokens = start
+            self.prefix_cache.use(hit, request.num_prompt_tokens if first_start else None)
+        return True
+
     def free(self, request: Request) -> None:
-        """Release the request's blocks and slot (it keeps no cache state afterwards)."""
+        """Release the request's blocks and slot; cached blocks and checkpoints stay in the cache (invariant 4)."""
         self.block_pool.free(request.block_ids)
         request.block_ids = []
+        request.num_indexed_blocks = 0
         if request.state_slot is not None:
             self.state_pool.free(request.state_slot)
             request.state_slot = None
+        if self.prefix_cache is not None:
+            self.prefix_cache.release_owner(request.request_id)
+
+    # -- prefix caching ------------------------------------------------------------------------------------
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        """Prompt tokens looked up, once per request (vllm:prefix_cache_queries); 0 with caching off."""
+        return self.prefix_cache.queries if self.prefix_cache is not None else 0
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Of those, tokens served from the cache (vllm:prefix_cache_hits)."""
+        return self.prefix_cache.hits if self.prefix_cache is not None else 0
+
+    def find_hit(self, request: Request) -> PrefixHit:
+        """The longest prefix a waiting request can reuse, capped at num_tokens - 1 (invariant 2). Also sets
+        the request's checkpoint targets for this run (divergence point and prompt end). Takes nothing."""
+        if self.prefix_cache is None:
+            return PrefixHit()
+        self._hash_blocks(request)
+        last_boundary = (request.num_tokens - 1) // self.block_size * self.block_size
+        hit = self.prefix_cache.find_hit(request.block_hashes, last_boundary // self.block_size)
+        request.last_prompt_boundary = last_boundary
+        request.checkpoint_targets = sorted({t for t in (hit.num_chain_tokens, last_boundary) if t > hit.num_tokens})
+        return hit
+
+    def cut_chunk(self, request: Request, start: int, num_new_tokens: int) -> int:
+        """`num_new_tokens`, or fewer so that the chunk from `start` ends at the request's next checkpoint
+        target that is not cached yet (invariant 3)."""
+        for target in request.checkpoint_targets:
+            if start < target < start + num_new_tokens and not self.prefix_cache.has_checkpoint(
+                    request.block_hashes[target // self.block_size - 1]):
+                return target - start
+        return num_new_tokens
+
+    def plan_save(self, request: Request, num_new_tokens: int) -> tuple[int, int] | None:
+        """(working slot, checkpoint slot) to copy after this step's forward, if the chunk of `num_new_tokens`
+        from num_computed_tokens ends where a checkpoint belongs; None otherwise or when no slot is left."""
+        if self.prefix_cache is None:
+            return None
+        end = request.num_computed_tokens + num_new_tokens
+        if end == 0 or end % self.block_size:
+            return None
+        if end in request.checkpoint_targets:
+            owner = None
+        elif end > request.last_prompt_boundary:
+            owner = request.request_id  # a decode checkpoint: replaces the request's previous one
+        else:
+            return None
+        self._hash_blocks(request)
+        slot = self.prefix_cache.reserve(request.block_hashes[end // self.block_size - 1], owner)
+        return None if slot is None else (request.state_slot, slot)
+
+    def commit_checkpoints(self) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.commit_pending()
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Index the request's full blocks whose tokens are all computed, so that other requests can share them."""
+        if self.prefix_cache is None:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        if num_full <= request.num_indexed_blocks:
+            return
+        self._hash_blocks(request)
+        for i in range(request.num_indexed_blocks, num_full):
+            self.block_pool.cache_block(request.block_ids[i], request.block_hashes[i])
+        request.num_indexed_blocks = num_full
+
+    def _hash_blocks(self, request: Request) -> None:
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, self.prefix_cache.seed)

@@ -6,6 +6,11 @@ most max_num_seqs run. A prompt longer than the remaining budget is cut into chu
 prefill chunks share the step with decode tokens. When KV blocks or state slots run out, the newest
 running request is preempted: its cache is freed and it is recomputed later from its tokens, so nothing
 is dropped and greedy output is unchanged.
+
+With prefix caching on, a waiting request starts at its prefix hit (cached KV blocks plus a GDN state
+checkpoint, copied into its working slot before the forward: `state_restores`), and prefill chunks are cut
+where a checkpoint belongs, so that the runner can copy the state out after the forward (`state_saves`).
+See cache/kv_manager.py for where checkpoints go.
 """
 
 from __future__ import annotations
@@ -81,13 +86,14 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         chosen: list[tuple[Request, int]] = []
+        restores: list[tuple[int, int]] = []
         preempted = False
 
         # 1. Running requests, oldest first; make room by preempting the newest ones.
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._chunk(request, request.num_computed_tokens, budget)
             while not self.cache.allocate(request, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -102,16 +108,26 @@ class Scheduler:
         # 2. Waiting requests in arrival order, unless this step had to preempt (no room to grow).
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.cache.allocate(request, num_new):
+            hit = self.cache.find_hit(request)
+            num_new = self._chunk(request, hit.num_tokens, budget)
+            if not self.cache.admit(request, num_new, hit):
                 break  # FCFS: a later request never overtakes one that does not fit
+            if hit.checkpoint_slot is not None:
+                restores.append((hit.checkpoint_slot, request.state_slot))
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             chosen.append((request, num_new))
             budget -= num_new
 
-        return SchedulerOutput([self._row(request, num_new) for request, num_new in chosen])
+        # 3. Checkpoint saves, once every request has its room (a save may evict an older checkpoint; that is
+        # safe even if this step restores from it: restores run before the forward, saves after it).
+        saves = [save for request, num_new in chosen if (save := self.cache.plan_save(request, num_new))]
+        return SchedulerOutput([self._row(request, num_new) for request, num_new in chosen], restores, saves)
+
+    def _chunk(self, request: Request, start: int, budget: int) -> int:
+        """Tokens to compute this step from `start`: the rest, within the budget, cut at a checkpoint target."""
+        return self.cache.cut_chunk(request, start, min(request.num_tokens - start, budget))
 
     @staticmethod
     def _row(request: Request, num_new: int) -> ScheduledSequence:
@@ -135,12 +151,14 @@ class Scheduler:
 
         Returns the requests that got a new token this step (finished ones have a finished status).
         """
+        self.cache.commit_checkpoints()  # the step's saves are written: later requests may hit them
         updated = []
         for row in scheduled.sequences:
             request = self.requests.get(row.request_id)
             if request is None or request.status.finished:
                 continue  # aborted while the step ran
             request.num_computed_tokens += len(row.token_ids)
+            self.cache.cache_full_blocks(request)
             token = output.sampled.get(row.request_id)
             if token is None:
                 continue  # a prefill chunk that did not reach the end

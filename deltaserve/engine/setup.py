@@ -1,29 +1,35 @@
 """EngineSetup: everything the engine resolves once at start-up.
 
-Device and dtypes, the model and its weights, the tokenizer and EOS ids, the context limit, and the size of
-the two cache pools (KV blocks and GDN state slots).
+Device and dtypes, the model and its weights, the tokenizer and EOS ids, then the memory plan
+(cache/planner.py), which sizes the two cache pools (KV blocks and GDN state slots), clamps max_num_seqs
+and picks max_model_len. On the GPU the plan gets measured figures: the activation peak of the largest
+step (a profile forward + sampling at startup) and the memory used outside torch's allocator.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import torch
 
 from deltaserve.cache.block_pool import BlockPool
+from deltaserve.cache.footprint import kv_cache_dtype, model_dtype, ssm_cache_dtype
 from deltaserve.cache.kv_manager import CacheManager
+from deltaserve.cache.plan_cli import describe_plan
+from deltaserve.cache.planner import MemoryPlan, plan
+from deltaserve.cache.prefix_cache import PrefixCache
 from deltaserve.cache.state_pool import StatePool
 from deltaserve.config import ConfigError, EngineConfig, ModelConfig
+from deltaserve.layers.batch import ForwardBatch
 from deltaserve.model.loader import load_model
-from deltaserve.worker.kv_cache import CacheShape, kv_bytes_per_block, state_bytes_per_slot
+from deltaserve.model.qwen3_5 import HybridForCausalLM
+from deltaserve.sampling import Sampler, SamplingParams
+from deltaserve.worker.kv_cache import TORCH_DTYPES, CacheShape, bind_caches, release_caches
 from deltaserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-CPU_KV_CACHE_BYTES = 1 << 30  # default KV budget on the CPU when no size flag is given
-GPU_ACTIVATION_RESERVE = 4 << 30  # held back for activations until the memory planner measures them
 
 
 class EngineSetup:
@@ -37,24 +43,31 @@ class EngineSetup:
         self.model_path = model_path
         self.model_config = ModelConfig.from_pretrained(model_path)
         self.device = self._device(config.device)
-        self.dtype = self._dtype(config.dtype, self.model_config, self.device)
+        self.dtype = TORCH_DTYPES[model_dtype(config.dtype, self.model_config, self.device.type == "cuda")]
         self.tokenizer = None if config.skip_tokenizer_init else self._tokenizer(config.tokenizer or model_path)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if not self.eos_token_ids and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids = {self.tokenizer.eos_token_id}
         if config.seed is not None:
             torch.manual_seed(config.seed)
+        reserved_before = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
         model = load_model(model_path, self.model_config, self.dtype, self.device, config.load_format, config.seed)
 
-        self.max_num_seqs = config.max_num_seqs
-        shape = self._cache_shape(config, model)
-        self.max_model_len = self._max_model_len(config, shape)
-        self.cache_manager = CacheManager(BlockPool(shape.num_blocks, shape.block_size), StatePool(shape.num_state_slots))
+        self.memory_plan = self._plan(config, model, reserved_before)
+        self.max_num_seqs = self.memory_plan.max_num_seqs
+        self.max_model_len = self.memory_plan.max_model_len
+        self.num_checkpoint_slots = self.memory_plan.num_checkpoint_slots
+        shape = CacheShape.from_plan(self.memory_plan)
+        block_pool = BlockPool(shape.num_blocks, shape.block_size)
+        state_pool = StatePool(self.memory_plan.num_working_slots, self.num_checkpoint_slots)
+        prefix_cache = None
+        if config.enable_prefix_caching:
+            # entries are only shared between requests of one model, cache layout and dtypes
+            identity = f"{model_path.resolve()}|{self.dtype}|{shape.kv_dtype}|{shape.ssm_dtype}|{shape.block_size}"
+            prefix_cache = PrefixCache(block_pool, state_pool, identity)
+        self.cache_manager = CacheManager(block_pool, state_pool, prefix_cache)
         self.runner = ModelRunner(model, shape, self.device, self.max_num_seqs, self.max_model_len,
                                   config.enforce_eager)
-        logger.info("KV cache: %d blocks of %d tokens (%d tokens); %d GDN state slots; max_model_len %d",
-                    shape.num_blocks - 1, shape.block_size, (shape.num_blocks - 1) * shape.block_size,
-                    shape.num_state_slots - 1, self.max_model_len)
 
     @staticmethod
     def _device(name: str) -> torch.device:
@@ -65,14 +78,6 @@ class EngineSetup:
         return torch.device(name)
 
     @staticmethod
-    def _dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
-        if name != "auto":
-            return _DTYPES[name]
-        if device.type == "cpu":
-            return torch.float32  # bf16 matmuls are slow on most CPUs and float32 is the reference
-        return _DTYPES.get(cfg.torch_dtype, torch.bfloat16) if cfg.torch_dtype != "float32" else torch.bfloat16
-
-    @staticmethod
     def _tokenizer(path):
         import transformers
         try:
@@ -81,44 +86,73 @@ class EngineSetup:
             logger.warning("no tokenizer at %s (%s): only token-id prompts are accepted", path, exc)
             return None
 
-    def _cache_shape(self, config: EngineConfig, model) -> CacheShape:
-        kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else _DTYPES[config.kv_cache_dtype]
-        ssm_name = config.mamba_ssm_cache_dtype
-        if ssm_name == "auto":
-            ssm_name = self.model_config.mamba_ssm_dtype or "float32"
-        ssm_dtype = _DTYPES[ssm_name]
-        slots = config.max_num_seqs + 1  # + the dummy slot
-        per_block = kv_bytes_per_block(model, config.block_size, kv_dtype)
-        if config.num_gpu_blocks_override is not None:
-            num_blocks = config.num_gpu_blocks_override
-        else:
-            if config.kv_cache_memory_bytes is not None:
-                budget = config.kv_cache_memory_bytes
-            elif self.device.type == "cuda":
-                free, total = torch.cuda.mem_get_info(self.device)
-                state = slots * state_bytes_per_slot(model, self.dtype, ssm_dtype)
-                budget = int(total * config.gpu_memory_utilization) - (total - free) - state - GPU_ACTIVATION_RESERVE
-            else:
-                wanted = config.max_num_seqs * (config.max_model_len or self.model_config.max_position_embeddings)
-                budget = min(CPU_KV_CACHE_BYTES, -(-wanted // config.block_size) * per_block)
-            num_blocks = budget // per_block + 1  # + the null block
-            if num_blocks < 2:
-                raise ConfigError(f"no memory left for the KV cache (budget {budget} bytes, one block needs "
-                                  f"{per_block}); lower --max-num-seqs or raise --gpu-memory-utilization")
-        return CacheShape(num_blocks, config.block_size, slots, kv_dtype, ssm_dtype)
+    def _plan(self, config: EngineConfig, model: HybridForCausalLM, reserved_before: int) -> MemoryPlan:
+        """The memory plan, logged as one block; raises PlanError (naming the numbers) if it does not fit.
+        reserved_before: what torch's allocator held before this engine loaded its weights (GPU)."""
+        on_gpu = self.device.type == "cuda"
+        device_memory = activation = overhead = device_name = None
+        if on_gpu:
+            activation = self._measure_activation(model, config)
+            torch.cuda.empty_cache()
+            free, device_memory = torch.cuda.mem_get_info(self.device)
+            # Device memory in use that is not this engine's torch memory (its weights): the CUDA context,
+            # library workspaces, other processes, and other engines in this process.
+            ours = torch.cuda.memory_reserved(self.device) - reserved_before
+            overhead = max(0, device_memory - free - ours)
+            device_name = torch.cuda.get_device_name(self.device)
+        memory_plan = plan(self.model_config, config, device_memory_bytes=device_memory, on_gpu=on_gpu,
+                           activation_bytes=activation, overhead_bytes=overhead, model_name=self.model_path.name,
+                           device_name=device_name or "CPU")
+        if memory_plan.error is not None:
+            logger.error("%s", describe_plan(memory_plan))
+            memory_plan.check()
+        logger.info("%s", describe_plan(memory_plan))
+        if memory_plan.kv_cache_dtype == "float8_e4m3fn":
+            # TODO(loader): read per-layer `self_attn.k_scale` / `v_scale` tensors (vLLM's names) when a
+            # checkpoint has them; today's checkpoints do not, and the loader would reject them.
+            logger.warning("fp8 KV cache with per-tensor scales k_scale = v_scale = 1.0 (the checkpoint provides "
+                           "none): keys and values are stored as float8_e4m3fn and saturate beyond +-448")
+        return memory_plan
 
-    def _max_model_len(self, config: EngineConfig, shape: CacheShape) -> int:
-        pool_tokens = (shape.num_blocks - 1) * shape.block_size
-        model_limit = self.model_config.max_position_embeddings
-        if config.max_model_len is not None:
-            if config.max_model_len > model_limit:
-                raise ConfigError(f"--max-model-len {config.max_model_len} exceeds the model's "
-                                  f"max_position_embeddings {model_limit}")
-            if config.max_model_len > pool_tokens:
-                raise ConfigError(f"--max-model-len {config.max_model_len} needs {config.max_model_len} tokens of KV "
-                                  f"cache; the pool holds {pool_tokens}. Lower --max-model-len to {pool_tokens} "
-                                  "or give the KV cache more memory")
-            return config.max_model_len
-        if model_limit > pool_tokens:
-            logger.info("max_model_len lowered from %d to %d to fit the KV cache", model_limit, pool_tokens)
-        return min(model_limit, pool_tokens)
+    def _profile_step(self, model: HybridForCausalLM, config: EngineConfig) -> int:
+        """Run the costliest step: a forward of max_num_batched_tokens prompt tokens (split into sequences
+        within the model's position limit), then top-p sampling of min(max_num_seqs, tokens) rows, the
+        sampler's most memory-hungry path. Scratch caches just large enough are bound meanwhile, then
+        released; returns their bytes."""
+        tokens, block_size = config.max_num_batched_tokens, config.block_size
+        limit = self.model_config.max_position_embeddings
+        lengths = [min(limit, tokens - start) for start in range(0, tokens, limit)]
+        block_ids, next_block = [], 1  # block 0 is the null block
+        for length in lengths:
+            count = math.ceil(length / block_size)
+            block_ids.append(list(range(next_block, next_block + count)))
+            next_block += count
+        dtype_name = model_dtype(config.dtype, self.model_config, self.device.type == "cuda")
+        kv_dtype = TORCH_DTYPES[kv_cache_dtype(config.kv_cache_dtype, dtype_name)]
+        ssm_dtype = TORCH_DTYPES[ssm_cache_dtype(config.mamba_ssm_cache_dtype, self.model_config, dtype_name)]
+        bind_caches(model, CacheShape(next_block, block_size, len(lengths) + 1, kv_dtype, ssm_dtype), self.device)
+        pools = [t for a in model.attention_layers for t in (a.k_cache, a.v_cache)]
+        pools += [t for g in model.gdn_layers for t in (g.conv_state, g.ssm_state)]
+        scratch = sum(t.numel() * t.element_size() for t in pools)
+        del pools
+        try:
+            slots = list(range(1, len(lengths) + 1))  # slot 0 is the dummy
+            batch = ForwardBatch.build([0] * len(lengths), lengths, block_ids, slots, block_size, self.device)
+            with torch.inference_mode():
+                hidden = model(torch.zeros(tokens, dtype=torch.int64, device=self.device), batch)  # [T, H]
+                rows = min(config.max_num_seqs, tokens)
+                logits = model.compute_logits(hidden[:rows])  # [rows, V] float32
+                Sampler()(logits, [SamplingParams(top_p=0.9)] * rows, [None] * rows, [[]] * rows, [[]] * rows,
+                          [set()] * rows)
+        finally:
+            release_caches(model)
+        return scratch
+
+    def _measure_activation(self, model: HybridForCausalLM, config: EngineConfig) -> int:
+        """Peak bytes the profile step allocates on the GPU beyond the weights and its scratch caches."""
+        torch.cuda.synchronize(self.device)
+        weights = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        scratch = self._profile_step(model, config)
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device) - weights - scratch

@@ -1,6 +1,6 @@
 """Decode steps on static, padded buffers; replayed as CUDA graphs unless --enforce-eager.
 
-One graph per batch size in `capture_sizes(max_num_seqs)` (1, 2, 4, 8, then every 8), captured largest first
+One graph per batch size in `graph_capture_sizes(max_num_seqs)` (1, 2, 4, 8, then every 8), captured largest first
 into one shared memory pool. Each graph reads static input buffers sized for the largest batch; a step of n
 sequences is padded to the next captured size, and its padding rows point at the dummy state slot 0, the
 null KV block 0 (context length 1) and KV slot -1 (no cache write), so they change nothing a request owns.
@@ -14,17 +14,11 @@ import logging
 
 import torch
 
+from deltaserve.cache.footprint import graph_capture_sizes
 from deltaserve.layers.batch import ForwardBatch
 from deltaserve.model.qwen3_5 import HybridForCausalLM
 
 logger = logging.getLogger(__name__)
-
-
-def capture_sizes(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, 8, 16, 24, ... up to max_num_seqs (always included)."""
-    sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs]
-    sizes += list(range(16, max_num_seqs, 8))
-    return sorted(set(sizes + [max_num_seqs]))
 
 
 class DecodeGraphs:
@@ -32,7 +26,7 @@ class DecodeGraphs:
                  use_graphs: bool = True):
         self.model = model
         self.use_graphs = use_graphs
-        self.sizes = capture_sizes(max_num_seqs)
+        self.sizes = graph_capture_sizes(max_num_seqs)
         n = self.sizes[-1]
         i64 = dict(dtype=torch.int64, device=device)
         # static inputs, sized for the largest batch; rows beyond a step's batch hold padding values
@@ -45,7 +39,8 @@ class DecodeGraphs:
         self.cu_seqlens = torch.arange(n + 1, **i64)
         self.has_initial_state = torch.ones(n, dtype=torch.bool, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}  # each graph's static output [size, V]
+        # one static output shared by every graph (a per-graph output would hold [size, V] float32 each)
+        self.logits = torch.empty(n, model.config.vocab_size, dtype=torch.float32, device=device)
 
     def _batch(self, size: int) -> ForwardBatch:
         return ForwardBatch(
@@ -66,7 +61,7 @@ class DecodeGraphs:
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[size] = self.model.compute_logits(self.model(self.input_ids[:size], batch))
+                self.logits[:size].copy_(self.model.compute_logits(self.model(self.input_ids[:size], batch)))
             self.graphs[size] = graph
         torch.cuda.synchronize()
         logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
@@ -94,4 +89,4 @@ class DecodeGraphs:
         if not self.use_graphs:
             return self.model.compute_logits(self.model(self.input_ids[:size], self._batch(size)))[:n]
         self.graphs[size].replay()
-        return self.logits[size][:n]
+        return self.logits[:n]

@@ -1,40 +1,39 @@
 """Allocates the two cache pools and binds them to the model's layers.
 
     attention layers (one pair each)      k, v: [num_blocks, block_size, n_kv, head_dim]   (kv dtype)
-    GDN layers (one pair each)            conv: [num_slots, conv_dim, W-1]                  (model dtype)
-                                          ssm:  [num_slots, HV, K, V]                       (ssm dtype)
+    GDN layers (one pair each)            conv: [num_state_slots, conv_dim, W-1]            (model dtype)
+                                          ssm:  [num_state_slots, HV, K, V]                 (ssm dtype)
 
 Block 0 and state slot 0 are the null block / dummy slot: padding rows of a batch point at them, and the
-pools never hand them to a request.
+pools never hand them to a request. State rows after the working slots are the prefix cache's checkpoint
+slots (cache/state_pool.py). An fp8 (float8_e4m3fn) KV cache holds K / k_scale and V / v_scale, with the
+per-tensor scales kept on each attention layer. The sizes come from the memory plan (cache/planner.py).
 """
 
 from dataclasses import dataclass
 
 import torch
 
+from deltaserve.cache.planner import MemoryPlan
 from deltaserve.model.qwen3_5 import HybridForCausalLM
+
+# The planner's dtype names -> torch dtypes.
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                "float8_e4m3fn": torch.float8_e4m3fn}
 
 
 @dataclass
 class CacheShape:
-    num_blocks: int
+    num_blocks: int  # KV blocks, the null block included
     block_size: int
-    num_state_slots: int
+    num_state_slots: int  # rows of the state tensors: the dummy, working and checkpoint slots
     kv_dtype: torch.dtype
     ssm_dtype: torch.dtype
 
-
-def kv_bytes_per_block(model: HybridForCausalLM, block_size: int, kv_dtype: torch.dtype) -> int:
-    cfg = model.config
-    per_token = 2 * cfg.num_kv_heads * cfg.head_dim * torch.empty((), dtype=kv_dtype).element_size()
-    return per_token * block_size * len(cfg.full_attention_layers)
-
-
-def state_bytes_per_slot(model: HybridForCausalLM, conv_dtype: torch.dtype, ssm_dtype: torch.dtype) -> int:
-    cfg = model.config
-    conv = cfg.conv_dim * (cfg.conv_kernel - 1) * torch.empty((), dtype=conv_dtype).element_size()
-    ssm = cfg.gdn_num_v_heads * cfg.gdn_k_dim * cfg.gdn_v_dim * torch.empty((), dtype=ssm_dtype).element_size()
-    return (conv + ssm) * len(cfg.linear_attention_layers)
+    @classmethod
+    def from_plan(cls, plan: MemoryPlan) -> "CacheShape":
+        return cls(plan.num_blocks, plan.block_size, plan.num_state_slots, TORCH_DTYPES[plan.kv_cache_dtype],
+                   TORCH_DTYPES[plan.ssm_state_dtype])
 
 
 def bind_caches(model: HybridForCausalLM, shape: CacheShape, device: torch.device | str) -> None:
@@ -50,3 +49,11 @@ def bind_caches(model: HybridForCausalLM, shape: CacheShape, device: torch.devic
                                      dtype=conv_dtype, device=device)
         gdn.ssm_state = torch.zeros(shape.num_state_slots, cfg.gdn_num_v_heads, cfg.gdn_k_dim, cfg.gdn_v_dim,
                                     dtype=shape.ssm_dtype, device=device)
+
+
+def release_caches(model: HybridForCausalLM) -> None:
+    """Drop every layer's pools (so that their memory can be freed before others are bound)."""
+    for attn in model.attention_layers:
+        attn.k_cache = attn.v_cache = None
+    for gdn in model.gdn_layers:
+        gdn.conv_state = gdn.ssm_state = None

@@ -1,7 +1,7 @@
 """ModelRunner: SchedulerOutput -> flattened tensors -> forward -> sample -> ModelOutput.
 
-Decode-only steps replay a captured CUDA graph when one fits (see cuda_graph.py); every other step, and
-every step on the CPU or with enforce_eager, runs the model eagerly.
+On CUDA, decode-only steps run on static padded buffers (see cuda_graph.py), replayed as CUDA graphs unless
+enforce_eager; every other step, and every step on the CPU, runs the model eagerly on its own tensors.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from deltaserve.sampling import Sampler
 from deltaserve.sched_output import ModelOutput, SchedulerOutput
 from deltaserve.worker.cuda_graph import DecodeGraphs
 from deltaserve.worker.kv_cache import CacheShape, bind_caches
+from deltaserve.worker.state_copy import restore_checkpoints, save_checkpoints
 
 
 class ModelRunner:
@@ -25,9 +26,10 @@ class ModelRunner:
         bind_caches(model, cache_shape, device)
         self.sampler = Sampler()
         self.graphs: DecodeGraphs | None = None
-        if device.type == "cuda" and not enforce_eager:
+        if device.type == "cuda":
             # the graphs' block table is wide enough for the longest sequence; eager steps use their own width
-            self.graphs = DecodeGraphs(model, max_num_seqs, -(-max_model_len // self.block_size), device)
+            self.graphs = DecodeGraphs(model, max_num_seqs, -(-max_model_len // self.block_size), device,
+                                       use_graphs=not enforce_eager)
             self.graphs.capture()
 
     def _prepare(self, scheduled: SchedulerOutput) -> tuple[torch.Tensor, ForwardBatch]:
@@ -49,14 +51,15 @@ class ModelRunner:
         rows = scheduled.sequences
         input_ids, batch = self._prepare(scheduled)
         sampling_rows = [i for i, r in enumerate(rows) if r.sample]
+        restore_checkpoints(self.model, scheduled)  # prefix hits: checkpoint -> working slot
         if self.graphs is not None and batch.is_decode and self.graphs.padded_size(len(rows)) is not None:
             logits = self.graphs.run(batch, input_ids)  # [N, V]; in a decode batch every row samples
         else:
             hidden = self.model(input_ids, batch)  # [T, H]
-            if not sampling_rows:
-                return ModelOutput({}, {}, {})
-            last = batch.logits_indices[torch.tensor(sampling_rows)]
-            logits = self.model.compute_logits(hidden[last])  # [S, V] float32
+            if sampling_rows:
+                last = batch.logits_indices[torch.tensor(sampling_rows)]
+                logits = self.model.compute_logits(hidden[last])  # [S, V] float32
+        save_checkpoints(self.model, scheduled)  # working slot -> new checkpoint (chunks cut at a boundary)
         if not sampling_rows:
             return ModelOutput({}, {}, {})
         chosen = [rows[i] for i in sampling_rows]

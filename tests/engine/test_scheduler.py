@@ -1,9 +1,14 @@
-"""The scheduler driven with hand-built model outputs: no model, no tensors."""
+"""The scheduler driven with hand-built model outputs: no model, no tensors.
+
+The prefix-caching tests at the end check where chunks are cut, which state copies a step asks for, and which
+prefix a request starts from; tests/engine/test_prefix_cache.py checks that the outputs are exact.
+"""
 
 import pytest
 
 from deltaserve.cache.block_pool import BlockPool
 from deltaserve.cache.kv_manager import CacheManager
+from deltaserve.cache.prefix_cache import PrefixCache
 from deltaserve.cache.state_pool import StatePool
 from deltaserve.engine.scheduler import Scheduler
 from deltaserve.request import Request, RequestStatus
@@ -13,13 +18,17 @@ from deltaserve.sched_output import ModelOutput
 EOS = 99
 
 
-def make_scheduler(num_blocks=64, block_size=4, slots=8, max_num_seqs=4, budget=16, max_model_len=1000):
-    cache = CacheManager(BlockPool(num_blocks, block_size), StatePool(slots))
-    return Scheduler(cache, max_num_seqs, budget, max_model_len)
+def make_scheduler(num_blocks=64, block_size=4, slots=8, max_num_seqs=4, budget=16, max_model_len=1000,
+                   checkpoints=None):
+    """checkpoints None: prefix caching off; else its checkpoint slot budget."""
+    blocks, states = BlockPool(num_blocks, block_size), StatePool(slots, checkpoints or 0)
+    prefix = None if checkpoints is None else PrefixCache(blocks, states, "test-model")
+    return Scheduler(CacheManager(blocks, states, prefix), max_num_seqs, budget, max_model_len)
 
 
-def make_request(rid, prompt_len, max_tokens=4):
-    return Request(rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), max_tokens, {EOS})
+def make_request(rid, prompt_len, max_tokens=4, prompt=None):
+    prompt = list(range(1, prompt_len + 1)) if prompt is None else prompt
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens), max_tokens, {EOS})
 
 
 def fake_step(sched, token=7):
@@ -66,7 +75,7 @@ def test_max_num_seqs_and_fcfs_order():
 def test_finishes_on_max_tokens_eos_stop_ids_and_max_model_len():
     sched = make_scheduler(budget=100, max_model_len=6)
     sched.add_request(make_request("len", 3, max_tokens=10))
-    out, updated = fake_step(sched)
+    fake_step(sched)
     fake_step(sched)
     _, updated = fake_step(sched)  # tokens: 3 prompt + 3 output = max_model_len 6
     assert updated[0].status == RequestStatus.FINISHED_LENGTH and updated[0].num_output_tokens == 3
@@ -142,3 +151,142 @@ def test_duplicate_request_id_is_refused():
     sched.add_request(make_request("x", 2))
     with pytest.raises(ValueError, match="'x' is already in use"):
         sched.add_request(make_request("x", 2))
+
+
+# -- prefix caching ----------------------------------------------------------------------------------------
+
+def run_to_end(sched):
+    steps = []
+    while sched.has_unfinished():
+        steps.append(fake_step(sched)[0])
+    return steps
+
+
+def assert_only_cache_entries_left(sched):
+    """No request holds anything; what the cache keeps can all be evicted."""
+    assert_pools_empty(sched)  # cached-free blocks count as free
+    states = sched.cache.state_pool
+    prefix = sched.cache.prefix_cache
+    assert prefix.num_checkpoints + states.num_free_checkpoint_slots == states.num_checkpoint_slots
+    for i in range(states.num_checkpoint_slots):  # every checkpoint slot can be taken back
+        assert prefix.reserve(bytes([i]) * 16) is not None
+    pool = sched.cache.block_pool
+    assert sorted(pool.allocate(pool.num_usable_blocks)) == list(range(1, pool.num_blocks))
+
+
+def test_prompt_is_cut_at_its_last_block_boundary_and_a_resend_starts_there():
+    sched = make_scheduler(checkpoints=8)
+    a = make_request("a", 10, max_tokens=1)
+    sched.add_request(a)
+    out, _ = fake_step(sched)
+    row = out.sequences[0]
+    a_blocks = list(a.block_ids)
+    # floor((10-1)/4)*4 = 8: the chunk stops there so that the state after 8 tokens can be copied out
+    assert (len(row.token_ids), row.sample) == (8, False)
+    assert out.state_saves == [(a.state_slot, 8)] and out.state_restores == []  # slots 1-7 work, 8-15 cache
+    out, _ = fake_step(sched)
+    assert len(out.sequences[0].token_ids) == 2 and out.sequences[0].sample and a.status.finished
+    b = make_request("b", 10, max_tokens=1)
+    sched.add_request(b)
+    out, _ = fake_step(sched)
+    row = out.sequences[0]
+    assert (row.num_computed, row.token_ids, b.num_cached_tokens) == (8, [9, 10], 8)
+    assert out.state_restores == [(8, row.state_slot)] and out.state_saves == []
+    assert row.block_ids[:2] == a_blocks[:2]  # shares a's two cached blocks
+    prefix = sched.cache.prefix_cache
+    assert (prefix.queries, prefix.hits) == (20, 8)
+    assert_only_cache_entries_left(sched)
+
+
+def test_divergence_point_gets_a_checkpoint_that_the_next_branch_hits():
+    sched = make_scheduler(checkpoints=8)
+    base = list(range(1, 21))
+    sched.add_request(make_request("a", 0, max_tokens=1, prompt=base))
+    run_to_end(sched)
+    # b shares 10 tokens with a: the cached KV chain covers 8, but a left no checkpoint there
+    b = make_request("b", 0, max_tokens=1, prompt=base[:10] + [50] * 10)
+    sched.add_request(b)
+    out, _ = fake_step(sched)
+    assert b.num_cached_tokens == 0 and len(out.sequences[0].token_ids) == 8
+    assert out.state_saves == [(b.state_slot, out.state_saves[0][1])]
+    out, _ = fake_step(sched)  # then on to b's own prompt end, 16
+    assert len(out.sequences[0].token_ids) == 8 and len(out.state_saves) == 1
+    run_to_end(sched)
+    c = make_request("c", 0, max_tokens=1, prompt=base[:11] + [60] * 3)
+    sched.add_request(c)
+    out, _ = fake_step(sched)
+    assert c.num_cached_tokens == 8 and out.sequences[0].token_ids == base[8:11] + [60]  # cut at 12
+
+
+def test_decode_keeps_one_checkpoint_at_its_latest_boundary_for_the_next_turn():
+    sched = make_scheduler(checkpoints=8)
+    a = make_request("a", 6, max_tokens=9)  # 6 + 9 tokens, 14 computed when it finishes
+    sched.add_request(a)
+    steps = run_to_end(sched)
+    saves = [(s.sequences[0].num_computed + len(s.sequences[0].token_ids), s.state_saves) for s in steps]
+    assert [end for end, copies in saves if copies] == [4, 8, 12]  # prompt end 4, then each decode boundary
+    prefix = sched.cache.prefix_cache
+    assert prefix.num_checkpoints == 2  # the prompt's at 4 and the latest decode one (12) that replaced 8's
+    turn2 = a.all_token_ids + [40, 41, 42]
+    b = make_request("b", 0, max_tokens=1, prompt=turn2)
+    sched.add_request(b)
+    out, _ = fake_step(sched)
+    assert b.num_cached_tokens == 12 and out.sequences[0].token_ids == turn2[12:16]  # cut at its prompt end
+
+
+def test_concurrent_requests_share_blocks_once_computed_and_state_once_saved():
+    sched = make_scheduler(checkpoints=8, budget=8)
+    prompt = list(range(1, 25))
+    a = make_request("a", 0, max_tokens=5, prompt=prompt)
+    sched.add_request(a)
+    fake_step(sched)
+    fake_step(sched)  # a: 16 of its 24 tokens computed
+    pool = sched.cache.block_pool
+    assert [pool.cached_block(h) for h in a.block_hashes[:5]] == a.block_ids[:4] + [None]  # block 5 not written
+    b = make_request("b", 0, max_tokens=1, prompt=list(prompt))
+    sched.add_request(b)
+    out, _ = fake_step(sched)  # a runs to its checkpoint target 20; b gets the 4 tokens left
+    assert [(r.request_id, len(r.token_ids)) for r in out.sequences] == [("a", 4), ("b", 4)]
+    # a's KV is cached up to 16 but no state is: b computes from zero (its own blocks), cutting at 16
+    assert b.num_cached_tokens == 0 and b.checkpoint_targets == [16, 20]
+    assert not set(b.block_ids) & set(a.block_ids)
+    c = make_request("c", 0, max_tokens=3, prompt=list(prompt))
+    sched.add_request(c)
+    while c.status == RequestStatus.WAITING:  # a's checkpoint at 20 is hittable once its step has run
+        fake_step(sched)
+    assert a.status == RequestStatus.RUNNING and c.num_cached_tokens == 20
+    assert c.block_ids[:5] == a.block_ids[:5] and pool.ref_counts[a.block_ids[0]] == 2
+    run_to_end(sched)
+    assert_only_cache_entries_left(sched)
+
+
+def test_preempted_request_resumes_from_its_own_checkpoint_and_checkpoints_survive():
+    sched = make_scheduler(num_blocks=7, block_size=4, budget=100, checkpoints=4)
+    a, b = make_request("a", 8, max_tokens=12), make_request("b", 8, max_tokens=12)
+    sched.add_request(a)
+    sched.add_request(b)
+    while b.status != RequestStatus.PREEMPTED:
+        fake_step(sched)
+    assert b.block_ids == [] and b.state_slot is None and sched.cache.prefix_cache.num_checkpoints >= 2
+    b_tokens = list(b.all_token_ids)
+    out, _ = fake_step(sched)
+    while b.status != RequestStatus.RUNNING:
+        out, _ = fake_step(sched)
+    row = next(r for r in out.sequences if r.request_id == "b")
+    # b's decode checkpoint lets it resume at its latest block boundary, not from zero
+    resumed_at = (len(b_tokens) - 1) // 4 * 4
+    assert row.num_computed == resumed_at > 0 and row.token_ids == b_tokens[resumed_at:]
+    assert [dst for _, dst in out.state_restores] == [b.state_slot]
+    assert b.num_cached_tokens == 0  # usage reports the first start (with a, in one step: nothing cached yet)
+    run_to_end(sched)
+    assert b.num_output_tokens == 12
+    assert_only_cache_entries_left(sched)
+
+
+def test_prefix_caching_off_makes_no_copies():
+    sched = make_scheduler()
+    for rid in "ab":
+        sched.add_request(make_request(rid, 10, max_tokens=6))
+    for out in run_to_end(sched):
+        assert out.state_restores == [] and out.state_saves == []
+    assert sched.requests == {} and sched.cache.block_pool.num_cached_blocks == 0

@@ -9,19 +9,31 @@ The KV cache of every attention layer is a pool of fixed-size blocks:
 `paged_attention` serves prefill with a cached prefix and decode alike: the new tokens' K/V are written first,
 then each query attends causally to every KV position up to its own. Names follow nano-vllm / vLLM
 (slot_mapping, block_tables, cu_seqlens_q, seq_lens).
+
+The cache may be bf16, fp16, fp32 or float8_e4m3fn. It stores K / k_scale and V / v_scale (per-tensor
+scales, Python floats, 1.0 unless the checkpoint provides them) and attention reads back cache * scale,
+upcast to float32: an fp8 cache is never dequantized into a full-size copy beyond the blocks being read.
 """
+
+import math
 
 import torch
 
+_FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
-def write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
+
+def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Scatter new keys/values into the paged cache, in place.
 
     Args:
         k, v: [T, n_kv, hd], any float dtype.
-        k_cache, v_cache: [num_blocks, block_size, n_kv, hd]; written cast to their dtype.
+        k_cache, v_cache: [num_blocks, block_size, n_kv, hd]; written as k / k_scale, v / v_scale cast to their
+            dtype (an fp8 store saturates at +-448).
         slot_mapping: [T] int64, slot = block_id * block_size + offset; rows with slot < 0 (padding) are skipped.
+        k_scale, v_scale: positive per-tensor scales.
     """
+    _check_scale("k_scale", k_scale)
+    _check_scale("v_scale", v_scale)
     if k.dim() != 3 or v.shape != k.shape:
         raise ValueError(f"k and v must both be [T, n_kv, hd], got {tuple(k.shape)} and {tuple(v.shape)}")
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape or tuple(k_cache.shape[2:]) != tuple(k.shape[1:]):
@@ -43,20 +55,37 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
         )
     # Index by (block, offset) rather than a flat view so that non-contiguous caches are written too.
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = k[valid].to(k_cache.dtype)
-    v_cache[blocks, offsets] = v[valid].to(v_cache.dtype)
+    k_cache[blocks, offsets] = _quantize(k[valid], k_scale, k_cache.dtype)
+    v_cache[blocks, offsets] = _quantize(v[valid], v_scale, v_cache.dtype)
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale: float):
+def _quantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """x / scale in `dtype`. float8_e4m3fn has no infinity and casts of out-of-range values are not
+    saturating on every device, so fp8 stores are clamped to the largest finite value first."""
+    x = x.float() / scale
+    if dtype == torch.float8_e4m3fn:
+        x = x.clamp(-_FP8_MAX, _FP8_MAX)
+    return x.to(dtype)
+
+
+def _check_scale(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale: float,
+                    *, k_scale: float = 1.0, v_scale: float = 1.0):
     """Causal attention of varlen queries over a paged KV cache (prefill with cached prefix, and decode).
 
     Args:
         q: [T, n_heads, hd], any float dtype; query head h uses kv head h // (n_heads // n_kv) (GQA).
-        k_cache, v_cache: [num_blocks, block_size, n_kv, hd], already holding the new tokens' K/V.
+        k_cache, v_cache: [num_blocks, block_size, n_kv, hd], already holding the new tokens' K/V (as K / k_scale
+            and V / v_scale, see `write_kv_cache`).
         block_tables: [N, max_blocks] int32, each sequence's block ids in order (unused entries 0).
         cu_seqlens_q: [N+1] int64, cumulative query lengths, cu_seqlens_q[0] == 0, cu_seqlens_q[-1] == T.
         seq_lens: [N] int64, total KV length of each sequence including its new tokens.
         scale: multiplier of q.k (usually hd ** -0.5).
+        k_scale, v_scale: the cache's per-tensor scales; keys and values are read back as cache * scale.
 
     Query i of sequence n (q_len = cu_seqlens_q[n+1] - cu_seqlens_q[n]) sits at position
     seq_lens[n] - q_len + i and attends to KV positions [0, that position]. Softmax in float32.
@@ -65,6 +94,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, s
         o: [T, n_heads, hd] in q.dtype.
     """
     num_tokens, num_heads, head_dim = _check_shapes(q, k_cache, v_cache, block_tables, seq_lens)
+    _check_scale("k_scale", k_scale)
+    _check_scale("v_scale", v_scale)
     num_seqs = block_tables.shape[0]
     bounds = _sequence_bounds(cu_seqlens_q, num_tokens, num_seqs)
     num_blocks, block_size, num_kv_heads = k_cache.shape[:3]
@@ -86,8 +117,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, s
         block_ids = block_tables[seq, :blocks_used].long()  # [B_n]
         if block_ids.min() < 0 or block_ids.max() >= num_blocks:
             raise ValueError(f"block_tables[{seq}] holds block ids outside [0, {num_blocks}): {block_ids.tolist()}")
-        keys = k_cache[block_ids].reshape(-1, num_kv_heads, head_dim)[:kv_len].float()  # [S, n_kv, hd]
-        values = v_cache[block_ids].reshape(-1, num_kv_heads, head_dim)[:kv_len].float()  # [S, n_kv, hd]
+        # upcast only this sequence's blocks: [S, n_kv, hd] float32 each
+        keys = k_cache[block_ids].reshape(-1, num_kv_heads, head_dim)[:kv_len].float() * k_scale
+        values = v_cache[block_ids].reshape(-1, num_kv_heads, head_dim)[:kv_len].float() * v_scale
         queries = q[start:end].float().reshape(q_len, num_kv_heads, group, head_dim)  # [Q, n_kv, G, hd]
 
         scores = torch.einsum("qkgd,skd->kgqs", queries, keys) * scale  # [n_kv, G, Q, S]

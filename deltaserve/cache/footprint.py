@@ -1,0 +1,149 @@
+"""What one token, one sequence and one model cost in memory, from the config alone.
+
+Exact sizes (KV bytes per token, GDN state bytes per slot, parameters as HybridForCausalLM builds them,
+weight bytes) and offline upper estimates of what the GPU measures at startup (activation peak, CUDA-graph
+memory). Pure arithmetic: no tensors, no CUDA. The memory plan (planner.py) adds them up.
+"""
+
+from __future__ import annotations
+
+import math
+
+from deltaserve.config import ConfigError, ModelConfig
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")  # both mean torch.float8_e4m3fn with per-tensor scales
+# Bytes per parameter of the decoder's projection matrices in quantized checkpoints, scales included:
+# fp8 with one float32 scale per 128 x 128 block; int4 (AWQ / GPTQ) with an fp16 scale and a 4-bit zero
+# point per group of 128. For planning only: the loader reads bf16 / fp16 / fp32 checkpoints.
+WEIGHT_FORMATS = {"fp8": 1 + 4 / (128 * 128), "int4": 0.5 + 2.5 / 128}
+# At the sampling peak a row of logits lives as: the lm_head output (model dtype), the float32 logits, the
+# sampler's float32 working copies (private copy, temperature-scaled, gathered, sorted, softmax, cumsum,
+# masked) and int64 sort indices when top-p runs without top-k: about 48 bytes per logit.
+_SAMPLER_BYTES_PER_LOGIT = 48
+_GDN_CHUNK = 64  # tokens per chunk of the chunked gated delta rule (fla-core's default)
+_GRAPH_FIXED_BYTES = 1 << 20  # per captured graph, besides its activations and output
+
+
+# ---------------------------------------------------------------------------------------------- dtypes
+
+def model_dtype(flag: str, cfg: ModelConfig, on_gpu: bool) -> str:
+    """--dtype: auto is the checkpoint's dtype on the GPU (bfloat16 for float32 checkpoints), float32 on CPU."""
+    if flag != "auto":
+        return flag
+    if not on_gpu:
+        return "float32"  # bf16 matmuls are slow on most CPUs and float32 is the reference
+    return cfg.torch_dtype if cfg.torch_dtype in ("bfloat16", "float16") else "bfloat16"
+
+
+def kv_cache_dtype(flag: str, model_dtype_name: str) -> str:
+    """--kv-cache-dtype: auto follows the model; fp8 / fp8_e4m3 store float8_e4m3fn."""
+    if flag == "auto":
+        return model_dtype_name
+    return "float8_e4m3fn" if flag in FP8_KV_CACHE_DTYPES else flag
+
+
+def ssm_cache_dtype(flag: str, cfg: ModelConfig, model_dtype_name: str) -> str:
+    """--mamba-ssm-cache-dtype: auto follows the config's mamba_ssm_dtype, else the model dtype (as vLLM)."""
+    if flag != "auto":
+        return flag
+    name = cfg.mamba_ssm_dtype or model_dtype_name
+    if name not in DTYPE_BYTES:
+        raise ConfigError(f"config field 'mamba_ssm_dtype' = {name!r} is not one of {sorted(DTYPE_BYTES)}")
+    return name
+
+
+# ------------------------------------------------------------------------------------ per-unit sizes
+
+def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str) -> int:
+    """K and V of one token in every full-attention layer."""
+    return len(cfg.full_attention_layers) * 2 * cfg.num_kv_heads * cfg.head_dim * DTYPE_BYTES[kv_dtype]
+
+
+def state_bytes_per_slot(cfg: ModelConfig, conv_dtype: str, ssm_dtype: str) -> tuple[int, int]:
+    """(conv, recurrent) bytes of one state slot over all GDN layers: [conv_dim, W-1] and [HV, K, V]."""
+    layers = len(cfg.linear_attention_layers)
+    conv = layers * cfg.conv_dim * (cfg.conv_kernel - 1) * DTYPE_BYTES[conv_dtype]
+    ssm = layers * cfg.gdn_num_v_heads * cfg.gdn_k_dim * cfg.gdn_v_dim * DTYPE_BYTES[ssm_dtype]
+    return conv, ssm
+
+
+def count_parameters(cfg: ModelConfig) -> dict[str, int]:
+    """Parameters by part, exactly as HybridForCausalLM builds them (the MTP head and vision tower are not
+    loaded). "linear": the decoder's projection matrices (what weight quantization compresses); "other":
+    norms, conv taps, dt_bias, MoE router gates; "A_log": the decay rates, kept in float32."""
+    H, HV = cfg.hidden_size, cfg.gdn_num_v_heads
+    q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    num_attention, num_gdn = len(cfg.full_attention_layers), len(cfg.linear_attention_layers)
+    attention = H * 2 * q_dim + 2 * H * kv_dim + q_dim * H  # q_proj (query + gate), k_proj, v_proj, o_proj
+    gdn = H * (cfg.conv_dim + cfg.gdn_value_dim + 2 * HV) + cfg.gdn_value_dim * H  # in_proj (qkv z b a), out
+    linear = num_attention * attention + num_gdn * gdn
+    other = H + 2 * H * cfg.num_layers + num_attention * 2 * cfg.head_dim  # final, layer, q/k norms
+    other += num_gdn * (cfg.conv_dim * cfg.conv_kernel + HV + cfg.gdn_v_dim)  # conv1d, dt_bias, gated norm
+    for is_moe in cfg.moe_layers:
+        if is_moe:
+            shared = cfg.shared_expert_intermediate_size
+            linear += 3 * H * (cfg.num_experts * cfg.moe_intermediate_size + shared)
+            other += cfg.num_experts * H + (H if shared else 0)  # router gate, shared-expert gate
+        else:
+            linear += 3 * H * cfg.intermediate_size
+    return {"embed_tokens": cfg.vocab_size * H, "lm_head": 0 if cfg.tie_word_embeddings else cfg.vocab_size * H,
+            "linear": linear, "other": other, "A_log": num_gdn * HV}
+
+
+def weight_bytes(cfg: ModelConfig, dtype: str, weight_format: str | None = None) -> dict[str, int]:
+    """Weight bytes by storage format: the model dtype, float32 (A_log), and `weight_format` if given."""
+    params = count_parameters(cfg)
+    by_format = {dtype: (params["embed_tokens"] + params["lm_head"] + params["other"]) * DTYPE_BYTES[dtype]}
+    if weight_format is None:
+        by_format[dtype] += params["linear"] * DTYPE_BYTES[dtype]
+    else:
+        by_format[weight_format] = math.ceil(params["linear"] * WEIGHT_FORMATS[weight_format])
+    by_format["float32"] = by_format.get("float32", 0) + params["A_log"] * 4
+    return by_format
+
+
+# --------------------------------------------------------------------------------------- estimates
+
+def _forward_bytes(cfg: ModelConfig, dtype: str, num_tokens: int, decode: bool) -> int:
+    """Upper estimate of one forward pass's transient memory: the hidden stream (h, residual) plus the
+    largest layer's intermediates, each tensor counted as if alive at once."""
+    b, T, H = DTYPE_BYTES[dtype], num_tokens, cfg.hidden_size
+    q_dim, kv_dim, HV = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.gdn_num_v_heads
+    # fused projection [q|gate|k|v], normed and rotated q and k, attention output, gate and gated output
+    attention = T * b * (7 * q_dim + 4 * kv_dim + H)
+    # fused in_proj, conv output, l2-normed q and k, the kernel's u / w / new v / output, norm output
+    gdn = T * b * (2 * cfg.conv_dim + 6 * cfg.gdn_value_dim + 2 * HV + 2 * cfg.gdn_key_dim + H)
+    if not decode:  # chunked rule: float32 gates and intra-chunk matrix, one [HV, K, V] state per chunk
+        gdn += T * HV * (3 + _GDN_CHUNK) * 4
+        gdn += math.ceil(T / _GDN_CHUNK) * HV * cfg.gdn_k_dim * cfg.gdn_v_dim * b
+    mlp = 0
+    if not all(cfg.moe_layers):  # [gate|up], silu(gate), product, output
+        mlp = T * b * (4 * cfg.intermediate_size + H)
+    if any(cfg.moe_layers):  # router logits (+ float32 softmax), per-assignment rows, shared expert
+        k, inter, shared = cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+        moe = T * cfg.num_experts * (b + 4) + T * k * b * (2 * H + 3 * inter) + T * b * (4 * shared + 2 * H)
+        mlp = max(mlp, moe)
+    return 2 * T * H * b + max(attention, gdn, mlp)
+
+
+def estimate_activation_bytes(cfg: ModelConfig, dtype: str, num_tokens: int, num_sampled_rows: int) -> int:
+    """Peak transient bytes of one step: the forward of `num_tokens` tokens, or the sampling of
+    `num_sampled_rows` rows (with the final hidden states still alive), whichever is larger."""
+    sampling = num_tokens * cfg.hidden_size * DTYPE_BYTES[dtype]
+    sampling += num_sampled_rows * cfg.vocab_size * _SAMPLER_BYTES_PER_LOGIT
+    return max(_forward_bytes(cfg, dtype, num_tokens, decode=False), sampling)
+
+
+def graph_capture_sizes(max_num_seqs: int) -> list[int]:
+    """The decode batch sizes that get a CUDA graph: 1, 2, 4, 8, then every 8 (worker/cuda_graph.py)."""
+    sizes = {s for s in (1, 2, 4, 8) if s < max_num_seqs} | set(range(16, max_num_seqs, 8))
+    return sorted(sizes | {max_num_seqs})
+
+
+def estimate_cuda_graph_bytes(cfg: ModelConfig, dtype: str, max_num_seqs: int) -> int:
+    """Memory of the decode graphs: the largest graph's intermediates (smaller ones reuse its pool), plus
+    the one static float32 logits output [max_num_seqs, V] that every graph writes."""
+    sizes = graph_capture_sizes(max_num_seqs)
+    largest = _forward_bytes(cfg, dtype, sizes[-1], decode=True) + sizes[-1] * cfg.vocab_size * DTYPE_BYTES[dtype]
+    return largest + sizes[-1] * cfg.vocab_size * 4 + len(sizes) * _GRAPH_FIXED_BYTES
