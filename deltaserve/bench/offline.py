@@ -27,6 +27,9 @@ WORKLOADS = {
     "W6": [(1024, 512, 256, 64), (1024, 512, 256, 256)],
     "W8": [(1024, 512, 3, 1)],
 }
+# prefix-cache workloads, run by their own functions
+PREFIX_WORKLOADS = {"W4": "shared 36,864-token prefix, 16-token suffixes, 5 prompts, out 1",
+                    "W5": "8-turn agent: each turn = previous prompt + answer + 2,000 new tokens, out 256"}
 
 
 def measure_device() -> tuple[float, float]:
@@ -119,6 +122,48 @@ def run_workload(engine: LLMEngine, input_len: int, output_len: int, num_prompts
     }
 
 
+def _run_one(engine: LLMEngine, request_id: str, prompt: list[int], output_len: int) -> tuple[float, list[int], int]:
+    """Run one request alone; returns (TTFT seconds, output token ids, cached prompt tokens)."""
+    engine.add_request(request_id, prompt, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
+    start, first, final = time.perf_counter(), None, None
+    while engine.has_unfinished():
+        for out in engine.step():
+            first = first or time.perf_counter()
+            if out.finished:
+                final = out
+    return first - start, final.outputs[0].token_ids, final.num_cached_tokens
+
+
+def run_shared_prefix(engine: LLMEngine, prefix_len: int = 36864, suffix_len: int = 16, num: int = 5) -> dict:
+    """W4: cold TTFT of the first prompt, then TTFT of prompts that share its prefix (prefix-cache hits)."""
+    gen = torch.Generator().manual_seed(4)
+    vocab = engine.model_config.vocab_size
+    prefix = torch.randint(0, vocab, (prefix_len,), generator=gen).tolist()
+    ttfts, cached = [], []
+    for i in range(num):
+        suffix = torch.randint(0, vocab, (suffix_len,), generator=gen).tolist()
+        ttft, _, hit = _run_one(engine, f"w4-{i}", prefix + suffix, 1)
+        ttfts.append(ttft)
+        cached.append(hit)
+    return {"cold_ttft_ms": 1e3 * ttfts[0], "cached_ttft_ms": 1e3 * statistics.median(ttfts[1:]),
+            "speedup": ttfts[0] / statistics.median(ttfts[1:]), "cached_tokens": cached}
+
+
+def run_multi_turn(engine: LLMEngine, turns: int = 8, first_len: int = 2000, new_len: int = 2000,
+                   output_len: int = 256) -> dict:
+    """W5: one agent session; TTFT of every turn (each resends the whole conversation)."""
+    gen = torch.Generator().manual_seed(5)
+    vocab = engine.model_config.vocab_size
+    prompt = torch.randint(0, vocab, (first_len,), generator=gen).tolist()
+    ttfts, cached = [], []
+    for turn in range(turns):
+        ttft, answer, hit = _run_one(engine, f"w5-{turn}", prompt, output_len)
+        ttfts.append(1e3 * ttft)
+        cached.append(hit)
+        prompt = prompt + answer + torch.randint(0, vocab, (new_len,), generator=gen).tolist()
+    return {"ttft_by_turn_ms": ttfts, "cached_tokens": cached, "turn8_over_turn2": ttfts[-1] / ttfts[1]}
+
+
 def profile(engine: LLMEngine, input_len: int = 8192, decode_steps: int = 8) -> None:
     """Print where the GPU time of a prompt's prefill and of a few batch-1 decode steps goes (top kernels)."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
@@ -150,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m deltaserve.bench.offline", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", help="checkpoint or config.json directory")
-    parser.add_argument("--workloads", default="W1", help="comma-separated ids: " + ",".join(WORKLOADS))
+    parser.add_argument("--workloads", default="W1",
+                        help="comma-separated ids: " + ",".join(list(WORKLOADS) + list(PREFIX_WORKLOADS)))
     parser.add_argument("--load-format", default="dummy")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -162,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true", help="print the top GPU kernels of a prefill and a decode")
     args = parser.parse_args(argv)
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]
-    unknown = [w for w in names if w not in WORKLOADS]
+    unknown = [w for w in names if w not in WORKLOADS and w not in PREFIX_WORKLOADS]
     if unknown:
         parser.error(f"--workloads: unknown {unknown}; known {sorted(WORKLOADS)}")
     bandwidth, flops = measure_device()
@@ -178,6 +224,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         profile(engine)
     for name in names:
+        if name in PREFIX_WORKLOADS:
+            r = run_shared_prefix(engine) if name == "W4" else run_multi_turn(engine)
+            r["workload"] = name
+            print(f"{name} ({PREFIX_WORKLOADS[name]}): {json.dumps(r)}", flush=True)
+            if args.out:
+                with open(args.out, "a") as f:
+                    f.write(json.dumps(r) + "\n")
+            continue
         for input_len, output_len, num, conc in WORKLOADS[name]:
             num = max(1, round(num * args.scale))
             run_workload(engine, min(input_len, 256), 4, 1, 1)  # warm-up
