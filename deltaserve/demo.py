@@ -320,7 +320,7 @@ _MATRIX_GAIN = 1.5  # std = gain / sqrt(fan_in), ~0.2 at fan_in 48: outputs a bi
 _NORM_STD = 0.1
 
 
-def _randomize_weights(model: torch.nn.Module, seed: int) -> None:
+def _randomize_weights(model: torch.nn.Module, seed: int, matrix_gain: float = _MATRIX_GAIN) -> None:
     """Replace transformers' init (std 0.02, norms at identity) with weights that give logits spread.
 
     With the default init every layer is nearly the identity and greedy decoding repeats one token, which
@@ -346,7 +346,7 @@ def _randomize_weights(model: torch.nn.Module, seed: int) -> None:
                 continue
             # Every matrix here is applied as x @ W^T (Linear, conv taps, stacked experts, router),
             # so the last dimension is the fan-in.
-            normal_(param, 0.0, _MATRIX_GAIN / param.shape[-1] ** 0.5)
+            normal_(param, 0.0, matrix_gain / param.shape[-1] ** 0.5)
 
 
 def build_checkpoint(
@@ -355,11 +355,15 @@ def build_checkpoint(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     max_shard_size: str | int | None = None,
+    matrix_gain: float = _MATRIX_GAIN,
 ) -> Path:
     """Write a tiny random `arch` checkpoint (config, safetensors, tokenizer, generation config) to `path`.
 
     `A_log` stays float32 whatever `dtype` is, as in the released Qwen3.5 checkpoints. A small
     `max_shard_size` (e.g. "20KB") gives a sharded checkpoint with model.safetensors.index.json.
+    `matrix_gain` sets the weight scale (std = gain / sqrt(fan_in)): the default makes the model chaotic
+    (small differences grow, so cache bugs show); about 0.5 makes it tame (rounding stays small), for
+    comparing precisions.
     """
     if arch not in TINY_CONFIGS:
         raise ValueError(f"arch={arch!r} is not one of {sorted(TINY_CONFIGS)}")
@@ -367,7 +371,7 @@ def build_checkpoint(
     config = getattr(transformers, config_name)(**TINY_CONFIGS[arch])
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config)
-    _randomize_weights(model, seed)
+    _randomize_weights(model, seed, matrix_gain)
     for name, param in model.named_parameters():
         if not name.endswith("A_log"):
             param.data = param.data.to(dtype)

@@ -134,8 +134,10 @@ def _run_one(engine: LLMEngine, request_id: str, prompt: list[int], output_len: 
     return first - start, final.outputs[0].token_ids, final.num_cached_tokens
 
 
-def run_shared_prefix(engine: LLMEngine, prefix_len: int = 36864, suffix_len: int = 16, num: int = 5) -> dict:
-    """W4: cold TTFT of the first prompt, then TTFT of prompts that share its prefix (prefix-cache hits)."""
+def run_shared_prefix(engine: LLMEngine, prefix_len: int = 36864, suffix_len: int = 16, num: int = 5,
+                      profile_hit: bool = False) -> dict:
+    """W4: cold TTFT of the first prompt, then TTFT of prompts that share its prefix (prefix-cache hits).
+    With profile_hit, one more hit runs under the profiler and its top kernels are printed."""
     gen = torch.Generator().manual_seed(4)
     vocab = engine.model_config.vocab_size
     prefix = torch.randint(0, vocab, (prefix_len,), generator=gen).tolist()
@@ -145,6 +147,17 @@ def run_shared_prefix(engine: LLMEngine, prefix_len: int = 36864, suffix_len: in
         ttft, _, hit = _run_one(engine, f"w4-{i}", prefix + suffix, 1)
         ttfts.append(ttft)
         cached.append(hit)
+    if profile_hit:
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+
+        suffix = torch.randint(0, vocab, (suffix_len,), generator=gen).tolist()
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            ttft, _, _ = _run_one(engine, "w4-profile", prefix + suffix, 1)
+        print(f"--- profile: prefix-cache hit, {suffix_len} new tokens after {prefix_len}: TTFT {1e3 * ttft:.1f} ms",
+              flush=True)
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60))
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60),
+              flush=True)
     return {"cold_ttft_ms": 1e3 * ttfts[0], "cached_ttft_ms": 1e3 * statistics.median(ttfts[1:]),
             "speedup": ttfts[0] / statistics.median(ttfts[1:]), "cached_tokens": cached}
 
@@ -225,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         profile(engine)
     for name in names:
         if name in PREFIX_WORKLOADS:
-            r = run_shared_prefix(engine) if name == "W4" else run_multi_turn(engine)
+            r = run_shared_prefix(engine, profile_hit=args.profile) if name == "W4" else run_multi_turn(engine)
             r["workload"] = name
             print(f"{name} ({PREFIX_WORKLOADS[name]}): {json.dumps(r)}", flush=True)
             if args.out:

@@ -29,7 +29,7 @@ if [ "$MODE" = quick ]; then
   python3 -m deltaserve.bench.offline "$CONFIGS/qwen3.5-27b" --workloads W1,W3,W4 --scale 0.34 --profile \
     --max-model-len 40000 --out "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench.log"
 elif [ "$MODE" = full ] || [ "$MODE" = bench ]; then
-  python3 -m deltaserve.bench.offline "$CONFIGS/qwen3.5-27b" --workloads W1,W3,W4,W5,W2,W6 \
+  python3 -m deltaserve.bench.offline "$CONFIGS/qwen3.5-27b" --workloads W4,W1,W3,W2,W6,W5 --profile \
     --max-model-len 140000 --out "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench.log"
 fi
 exit $status

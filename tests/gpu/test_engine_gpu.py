@@ -1,9 +1,10 @@
 """The engine on the GPU against the CPU float32 reference, and CUDA graphs against eager.
 
-Run on an H200 by tests/gpu/run.sh. The GPU kernels in float32 must match the CPU reference to 1e-3 of the
-logit scale (the same bound as the CPU parity tests against transformers). In bf16 the tiny random
-checkpoints amplify rounding strongly (they are chaotic on purpose, so that cache bugs show), so bf16 is
-measured and printed -- teacher-forced top-1 agreement and mean |diff| -- with only a loose sanity bound.
+Run on an H200 by tests/gpu/run.sh. The default tiny checkpoints are chaotic on purpose (small differences
+grow, so cache bugs show), which makes them useless for comparing precisions: on them even float32 GPU vs
+CPU drifts by 4e-2 of the logit scale, because fla's chunked kernels run float32 dots as TF32. So precision
+is compared on tame checkpoints (matrix_gain 0.5): GPU float32 within 1e-2 of the logit scale of the CPU
+float32 reference, and bf16 measured (teacher-forced top-1 agreement, mean |diff|) and bounded loosely.
 Graphs == eager exactly: both run the same padded decode batch, one replayed, one eagerly.
 """
 
@@ -12,6 +13,7 @@ import torch
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.config import ModelConfig
+from deltaserve.demo import build_checkpoint
 from deltaserve.layers.batch import ForwardBatch
 from deltaserve.model.loader import load_model
 from deltaserve.worker.kv_cache import CacheShape, bind_caches
@@ -43,8 +45,8 @@ def chunked_logits(path, dtype, device, ids: list[int], chunks: list[int]) -> to
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_gpu_model_matches_cpu_reference(arch, make_checkpoint, capsys):
-    path = make_checkpoint(arch)
+def test_gpu_model_matches_cpu_reference(arch, tmp_path, capsys):
+    path = build_checkpoint(tmp_path, arch, matrix_gain=0.5)
     ids = prompt(300, 1)
     chunks = [1, 100, 137, 40]  # crosses GDN chunks (64) and KV blocks (16); then 22 decode steps
     ref = chunked_logits(path, torch.float32, "cpu", ids, chunks)
@@ -57,8 +59,8 @@ def test_gpu_model_matches_cpu_reference(arch, make_checkpoint, capsys):
     with capsys.disabled():
         print(f"\n[gpu parity] {arch}: float32 max|diff| {err32:.2e} of logit scale; bf16 top-1 agreement "
               f"{agreement:.4f}, mean|diff|/mean|logit| {rel:.4f}")
-    assert err32 <= 1e-3
-    assert agreement >= 0.5 and rel <= 0.5  # sanity only: a broken bf16 path gives noise (agreement ~0)
+    assert err32 <= 1e-2
+    assert agreement >= 0.9 and rel <= 0.05
 
 
 @pytest.mark.parametrize("arch", ARCHS)
