@@ -47,7 +47,6 @@ class NotBuilt:
 
 # The one table of flags whose feature is not built yet. Delete a row when its feature lands.
 NOT_BUILT = (
-    NotBuilt("kv_cache_dtype", "--kv-cache-dtype", lambda v: v.startswith("fp8"), "fp8*", "fp8 KV cache"),
     NotBuilt("enable_chunked_prefill", "--no-enable-chunked-prefill", lambda v: v is False, "off",
              "turning chunked prefill off (it is always on)"),
     NotBuilt("async_scheduling", "--async-scheduling", lambda v: v is True, "on", "async scheduling"),
@@ -191,14 +190,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     cache.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                        help="fraction of GPU memory this server may use")
     cache.add_argument("--kv-cache-memory-bytes", type=human_int, default=None,
-                       help="KV cache size in bytes (e.g. 8G); overrides --gpu-memory-utilization for the cache")
+                       help="bytes for the KV cache and the GDN states (e.g. 8G); overrides "
+                            "--gpu-memory-utilization for them")
     cache.add_argument("--num-gpu-blocks-override", type=int, default=None, help="exact number of KV blocks")
     cache.add_argument("--kv-cache-dtype", default="auto",
-                       choices=KV_CACHE_DTYPES + ("fp8", "fp8_e4m3", "fp8_e5m2"),
-                       help=h("kv_cache_dtype", "KV cache dtype (auto: the model's)"))
+                       choices=KV_CACHE_DTYPES + ("fp8_e5m2",),
+                       help=h("kv_cache_dtype", "KV cache dtype (auto: the model's; fp8 = fp8_e4m3 with scale 1.0)"))
     cache.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=SSM_CACHE_DTYPES,
                        help="dtype of the GDN recurrent state (auto: the checkpoint's mamba_ssm_dtype, "
-                            "else float32)")
+                            "else the model dtype, as vLLM)")
     cache.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                        help="reuse the KV blocks and GDN states of shared prompt prefixes (default: on)")
     cache.add_argument("--mamba-cache-mode", default=None, choices=("none", "all", "align"),

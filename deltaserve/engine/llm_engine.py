@@ -53,6 +53,7 @@ class LLMEngine:
         self.model_config: ModelConfig = setup.model_config
         self.tokenizer = setup.tokenizer
         self.max_model_len = setup.max_model_len
+        self.memory_plan = setup.memory_plan  # the memory budget the caches were sized from
         self.runner = setup.runner
         self.cache_manager = setup.cache_manager
         self.scheduler = Scheduler(setup.cache_manager, setup.max_num_seqs, config.max_num_batched_tokens,

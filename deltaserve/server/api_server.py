@@ -162,7 +162,9 @@ def _add_error_handlers(app: FastAPI) -> None:
 def make_state(engine, engine_config: EngineConfig, settings: ServerSettings, defaults: dict | None = None,
                model_root: str = "") -> ServerState:
     """Wrap an engine (an LLMEngine or a stand-in with the same API) for the server; does not start it."""
-    metrics = ServerMetrics(settings.model_name, prefix_caching=engine_config.enable_prefix_caching)
+    plan = getattr(engine, "memory_plan", None)
+    metrics = ServerMetrics(settings.model_name, prefix_caching=engine_config.enable_prefix_caching,
+                            cache_info=plan.info_labels() if plan is not None else None)
     async_engine = AsyncEngine(engine, metrics, settings.stream_interval)
     renderer = ChatRenderer(engine.tokenizer, settings.chat_template, settings.default_chat_template_kwargs)
     return ServerState(async_engine, settings, renderer, metrics, dict(defaults or {}), model_root)

@@ -36,7 +36,7 @@ disable_created_metrics()
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, prefix_caching: bool = False):
+    def __init__(self, model_name: str, prefix_caching: bool = False, cache_info: dict[str, str] | None = None):
         self.registry = CollectorRegistry()
         self.prefix_caching = prefix_caching
         labels = ["model_name"]
@@ -63,6 +63,9 @@ class ServerMetrics:
                                 labels + ["finished_reason"], registry=self.registry)
         for reason in ("stop", "length", "abort"):  # present at 0 from the start, as vLLM does
             self._success.labels(finished_reason=reason, **self._label)
+        if cache_info:  # the memory plan's figures as labels of a constant 1, like vLLM's cache_config_info
+            Gauge("vllm:cache_config_info", "Information of the cache configuration (the memory plan).",
+                  list(cache_info), registry=self.registry).labels(**cache_info).set(1)
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.", _TTFT_BUCKETS)
         self.itl = histogram("vllm:inter_token_latency_seconds", "Time between output tokens.", _ITL_BUCKETS)
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.", _E2E_BUCKETS)

@@ -306,6 +306,9 @@ def test_metrics_count_tokens_and_latency(server, client):
                  "vllm:e2e_request_latency_seconds_count", "vllm:prefix_cache_queries_total",
                  "vllm:prefix_cache_hits_total", "vllm:num_requests_waiting"):
         assert name in text
+    # the memory plan, as vLLM's cache_config_info
+    info = next(line for line in text.splitlines() if line.startswith("vllm:cache_config_info{"))
+    assert 'block_size="16"' in info and 'max_model_len="' in info and info.endswith(" 1.0")
 
 
 def test_api_key(checkpoint):
