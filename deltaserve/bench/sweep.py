@@ -83,6 +83,9 @@ def run_sweep(args: argparse.Namespace) -> dict:
 def parse_sweep_values(args: argparse.Namespace) -> tuple[str, list]:
     """("max_concurrency", [ints >= 1]) or ("request_rate", [floats > 0, inf allowed])."""
     if args.max_concurrency_list is not None:
+        if args.max_concurrency is not None:
+            raise BenchInputError(f"--max-concurrency {args.max_concurrency} conflicts with --max-concurrency-list "
+                                  f"{args.max_concurrency_list!r}; give only the list")
         return "max_concurrency", [
             _parse_value(text, "--max-concurrency-list", int, lambda v: v >= 1, ">= 1")
             for text in _split(args.max_concurrency_list, "--max-concurrency-list")
@@ -139,6 +142,7 @@ def plot_sweep(points: list[dict], parameter: str, num_gpus: int, path: str, pyp
         axis.set_ylabel(f"output throughput per GPU (tok/s, {num_gpus} GPU{'s' if num_gpus > 1 else ''})")
         axis.set_title(f"throughput per GPU vs {title}")
         axis.grid(True, alpha=0.3)
+        axis.margins(0.12)  # room for the labels of the outermost points
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     pyplot.close(figure)

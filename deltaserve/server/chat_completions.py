@@ -169,11 +169,16 @@ async def _stream(state: ServerState, request: ChatCompletionRequest, request_id
             body.usage = usage(num_prompt_tokens, completion_tokens, cached_tokens)
         return sse(body)
 
+    def role_chunk() -> str:
+        return chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(n)])
+
     merged = merge_streams([generator])
+    role_sent = False
     try:
-        yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-                     for i in range(n)])
         async for _, output in merged:
+            if not role_sent:  # with the first token, not before: clients time TTFT from the first chunk
+                yield role_chunk()
+                role_sent = True
             completion_tokens = sum(len(o.token_ids) for o in output.outputs)
             cached_tokens = output.num_cached_tokens
             choices = []
@@ -204,6 +209,8 @@ async def _stream(state: ServerState, request: ChatCompletionRequest, request_id
                     stop_reason=o.stop_reason if finishing else None))
             if choices:
                 yield chunk(choices, continuous)
+        if not role_sent:
+            yield role_chunk()
         if include_usage:
             yield chunk([], with_usage=True)
     except Exception as exc:  # the stream has started (status 200): report in-band, then end it

@@ -71,15 +71,20 @@ def _check_consistent(result: dict, num_requests: int, output_len: int) -> None:
     assert result["output_lens"] == [output_len] * num_requests
     assert result["total_output_tokens"] == sum(result["output_lens"]) == num_requests * output_len
     assert result["total_input_tokens"] == sum(result["input_lens"])
-    assert all(len(itls) == output_len - 1 for itls in result["itls"])  # one token per chunk
+    # every chunk after the first adds one gap. At most one chunk per token: the server holds back a token
+    # that ends inside a UTF-8 character (the random model makes those), so there can be fewer. Chat streams
+    # open with a role-only chunk, sent just before the first token's chunk (as vLLM): one gap more.
+    most_gaps = output_len if result["backend"] == "openai-chat" else output_len - 1
+    assert all(1 <= len(itls) <= most_gaps for itls in result["itls"])
     assert all(0 < ttft <= latency for ttft, latency in zip(result["ttfts"], result["latencies"]))
     assert result["output_throughput"] == pytest.approx(result["total_output_tokens"] / result["duration"])
 
 
 def _chat_prompt_len(tokenizer, text: str) -> int:
     """Tokens the server sees for one user message: the chat template around `text`."""
-    return len(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                             tokenize=True))
+    templated = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                              tokenize=False)
+    return len(tokenizer(templated, add_special_tokens=False).input_ids)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

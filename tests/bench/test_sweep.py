@@ -63,6 +63,7 @@ def test_rate_sweep_records_inf_as_a_string(fake_server, tokenizer_dir, tmp_path
     (("--max-concurrency-list", "1,x"), "--max-concurrency-list: 'x' is not a valid int"),
     (("--max-concurrency-list", " , "), "lists no value"),
     (("--request-rate-list", "2,-1"), "--request-rate-list: every value must be > 0"),
+    (("--max-concurrency-list", "1,2", "--max-concurrency", "3"), "--max-concurrency 3 conflicts with"),
     (("--max-concurrency-list", "1", "--num-gpus", "0"), "--num-gpus must be >= 1, got 0"),
     (("--max-concurrency-list", "1", "--save-result", "--result-filename", "x.json"), "--result-filename 'x.json'"),
 ])
