@@ -19,6 +19,8 @@ import math
 
 import torch
 
+from deltaserve.ops.varlen import sequence_bounds
+
 _FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
 
@@ -97,7 +99,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, s
     _check_scale("k_scale", k_scale)
     _check_scale("v_scale", v_scale)
     num_seqs = block_tables.shape[0]
-    bounds = _sequence_bounds(cu_seqlens_q, num_tokens, num_seqs)
+    bounds = sequence_bounds(cu_seqlens_q, num_tokens, num_seqs, "cu_seqlens_q")
     num_blocks, block_size, num_kv_heads = k_cache.shape[:3]
     group = num_heads // num_kv_heads
 
@@ -155,18 +157,3 @@ def _check_shapes(q, k_cache, v_cache, block_tables, seq_lens):
             f"shape {tuple(seq_lens.shape)}"
         )
     return num_tokens, num_heads, head_dim
-
-
-def _sequence_bounds(cu_seqlens, num_tokens, num_seqs):
-    """[(start, end)] token range of each sequence; ValueError unless cu_seqlens is a valid [N+1] prefix sum."""
-    if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() or cu_seqlens.numel() != num_seqs + 1:
-        raise ValueError(
-            f"cu_seqlens_q must be an integer [N+1] tensor with N={num_seqs}, got dtype {cu_seqlens.dtype} "
-            f"shape {tuple(cu_seqlens.shape)}"
-        )
-    offsets = cu_seqlens.tolist()
-    if offsets[0] != 0 or offsets[-1] != num_tokens or any(b < a for a, b in zip(offsets, offsets[1:])):
-        raise ValueError(
-            f"cu_seqlens_q must start at 0, never decrease and end at T={num_tokens}, got {offsets}"
-        )
-    return list(zip(offsets[:-1], offsets[1:]))

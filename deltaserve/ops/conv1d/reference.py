@@ -10,6 +10,8 @@ Tokens are channel-last and time-major ([T, D]), varlen: N sequences concatenate
 
 import torch
 
+from deltaserve.ops.varlen import sequence_bounds
+
 _ACTIVATIONS = ("silu", None)
 
 
@@ -38,7 +40,7 @@ def causal_conv1d(x, weight, initial_state, cu_seqlens, activation: str | None =
         raise ValueError(
             f"initial_state must be [N, D, W-1] = [N, {channels}, {width - 1}], got {tuple(initial_state.shape)}"
         )
-    bounds = _sequence_bounds(cu_seqlens, num_tokens, initial_state.shape[0])
+    bounds = sequence_bounds(cu_seqlens, num_tokens, initial_state.shape[0])
 
     weight32 = weight.float()
     y = torch.empty(num_tokens, channels, dtype=torch.float32, device=x.device)
@@ -97,18 +99,3 @@ def _check_x_weight(x, weight):
     if weight.dim() != 2 or weight.shape[0] != x.shape[1] or weight.shape[1] < 1:
         raise ValueError(f"weight must be [D={x.shape[1]}, W >= 1], got shape {tuple(weight.shape)}")
     return x.shape[0], x.shape[1]
-
-
-def _sequence_bounds(cu_seqlens, num_tokens, num_seqs):
-    """[(start, end)] token range of each sequence; ValueError unless cu_seqlens is a valid [N+1] prefix sum."""
-    if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() or cu_seqlens.numel() != num_seqs + 1:
-        raise ValueError(
-            f"cu_seqlens must be an integer [N+1] tensor with N={num_seqs}, got dtype {cu_seqlens.dtype} "
-            f"shape {tuple(cu_seqlens.shape)}"
-        )
-    offsets = cu_seqlens.tolist()
-    if offsets[0] != 0 or offsets[-1] != num_tokens or any(b < a for a, b in zip(offsets, offsets[1:])):
-        raise ValueError(
-            f"cu_seqlens must start at 0, never decrease and end at T={num_tokens}, got {offsets}"
-        )
-    return list(zip(offsets[:-1], offsets[1:]))

@@ -21,6 +21,8 @@ use_qk_l2norm_in_kernel=True, default scale, output_final_state=True, state layo
 
 import torch
 
+from deltaserve.ops.varlen import sequence_bounds
+
 # Added under the square root of the L2 norm, as in FLA's l2norm and HF's torch fallback.
 _L2NORM_EPS = 1e-6
 
@@ -42,7 +44,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, chunk_si
         final_state: [N, HV, K, V] float32, the state after each sequence's last token.
     """
     num_tokens = _check_shapes(q, k, v, g, beta, initial_state)
-    bounds = _sequence_bounds(cu_seqlens, num_tokens, initial_state.shape[0])
+    bounds = sequence_bounds(cu_seqlens, num_tokens, initial_state.shape[0])
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
 
@@ -171,18 +173,3 @@ def _check_shapes(q, k, v, g, beta, initial_state):
             f"got {tuple(initial_state.shape)}"
         )
     return num_tokens
-
-
-def _sequence_bounds(cu_seqlens, num_tokens, num_seqs):
-    """[(start, end)] token range of each sequence; ValueError unless cu_seqlens is a valid [N+1] prefix sum."""
-    if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() or cu_seqlens.numel() != num_seqs + 1:
-        raise ValueError(
-            f"cu_seqlens must be an integer [N+1] tensor with N={num_seqs}, got dtype {cu_seqlens.dtype} "
-            f"shape {tuple(cu_seqlens.shape)}"
-        )
-    offsets = cu_seqlens.tolist()
-    if offsets[0] != 0 or offsets[-1] != num_tokens or any(b < a for a, b in zip(offsets, offsets[1:])):
-        raise ValueError(
-            f"cu_seqlens must start at 0, never decrease and end at T={num_tokens}, got {offsets}"
-        )
-    return list(zip(offsets[:-1], offsets[1:]))
