@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from deltaserve.server.reasoning import REASONING_PARSERS, Qwen3ReasoningParser
-from deltaserve.server.tool_calls import (TOOL_CALL_START, TOOL_PARSERS, ContentDelta, ToolCall,
-                                          ToolCallDelta)
+from deltaserve.server.tool_calls import TOOL_CALL_START, TOOL_PARSERS
+from deltaserve.server.tool_types import ContentDelta, ToolCall, ToolCallDelta
 
 __all__ = ["ChatOutputParser", "ParsedDelta", "ParsedMessage", "REASONING_PARSERS", "TOOL_PARSERS",
            "ToolCall", "ToolCallDelta", "get_reasoning_parser", "get_tool_parser"]

@@ -1,7 +1,7 @@
 """Tool-call parsers: model text with `<tool_call>` blocks -> OpenAI tool calls, streaming and not.
 
 Formats: `qwen3_xml` = `qwen3_coder` (Qwen3-Coder, Qwen3.5), whose VALUEs are raw text typed by the tool's
-JSON schema (`convert_parameter`):
+JSON schema (`convert_parameter`, in tool_types.py with the result types):
     <tool_call>\\n<function=NAME>\\n<parameter=P>\\nVALUE\\n</parameter>\\n...</function>\\n</tool_call>
 and `hermes` (Qwen2.5, Qwen3, Qwen3-Next): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
 
@@ -20,15 +20,13 @@ only decides on text that no later delta can change, so every chunking gives the
 
 from __future__ import annotations
 
-import ast
 import json
-import math
-import re
-import secrets
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 from deltaserve.server.reasoning import first_tag, tag_prefix_start
+from deltaserve.server.tool_types import (ContentDelta, ToolCall, ToolCallDelta, collect_deltas, convert_parameter,
+                                          json_fragment, new_tool_call_id, parameter_schemas, schema_types,
+                                          strict_json_loads)
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
@@ -41,158 +39,6 @@ _VALUE_ENDS = (_PARAM_END, _PARAM_PREFIX, _FUNCTION_END, TOOL_CALL_END)
 _BLOCK_TAGS = (_FUNCTION_PREFIX, TOOL_CALL_END, TOOL_CALL_START)
 _FUNCTION_TAGS = (_PARAM_PREFIX, _FUNCTION_END, TOOL_CALL_END, TOOL_CALL_START, _FUNCTION_PREFIX)
 _MAX_NAME_CHARS = 256
-_INTEGER = re.compile(r"-?[0-9]+")
-
-
-@dataclass
-class FunctionCall:
-    name: str
-    arguments: str  # a JSON object, as text
-
-
-@dataclass
-class ToolCall:
-    """One complete call, shaped like OpenAI's `message.tool_calls[i]`."""
-
-    id: str
-    function: FunctionCall
-    type: str = "function"
-
-    def to_dict(self) -> dict:
-        return {"id": self.id, "type": self.type,
-                "function": {"name": self.function.name, "arguments": self.function.arguments}}
-
-
-@dataclass
-class ToolCallDelta:
-    """One streamed piece of a call, shaped like OpenAI's `delta.tool_calls[i]` (None fields omitted)."""
-
-    index: int
-    arguments: str
-    id: str | None = None
-    type: str | None = None
-    name: str | None = None
-
-    def to_dict(self) -> dict:
-        function = {"arguments": self.arguments} if self.name is None else {
-            "name": self.name, "arguments": self.arguments}
-        head = {"index": self.index, "id": self.id, "type": self.type}
-        return {**{k: v for k, v in head.items() if v is not None}, "function": function}
-
-
-@dataclass
-class ContentDelta:
-    text: str
-
-
-def new_tool_call_id() -> str:
-    """'call_' + 24 random hex digits."""
-    return "call_" + secrets.token_hex(12)
-
-
-def parameter_schemas(tools: list[Mapping] | None) -> dict[str, dict[str, Any]]:
-    """Map function name -> {parameter name -> JSON schema} from an OpenAI `tools` list."""
-    schemas: dict[str, dict[str, Any]] = {}
-    for i, tool in enumerate(tools or []):
-        function = tool.get("function") if isinstance(tool, Mapping) else None
-        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
-            raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}, "
-                             f"got {tool!r}")
-        properties = (function.get("parameters") or {}).get("properties") or {}
-        schemas[function["name"]] = dict(properties)
-    return schemas
-
-
-def _schema_types(schema: Any) -> list[str]:
-    """JSON types a parameter schema allows: its "type" (string or list), else its anyOf/oneOf types."""
-    if not isinstance(schema, Mapping):
-        return []
-    declared = schema.get("type")
-    if isinstance(declared, str):
-        return [declared]
-    if isinstance(declared, list):
-        return [t for t in declared if isinstance(t, str)]
-    options = schema.get("anyOf") or schema.get("oneOf") or []
-    return [t for option in options for t in _schema_types(option)]
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _loads(text: str) -> Any:
-    """json.loads without Python's NaN/Infinity extension (they would make the arguments invalid JSON)."""
-    return json.loads(text, parse_constant=_reject_constant)
-
-
-def _json_or_string(value: str) -> Any:
-    try:
-        return _loads(value.strip())
-    except ValueError:
-        return value
-
-
-def _as_type(text: str, json_type: str) -> tuple[bool, Any]:
-    """(True, parsed) if `text` reads as `json_type`, else (False, None)."""
-    lowered = text.lower()
-    if json_type == "null" and lowered in ("null", "none"):
-        return True, None
-    if json_type == "boolean" and lowered in ("true", "false"):
-        return True, lowered == "true"
-    if json_type == "integer" and _INTEGER.fullmatch(text):
-        return True, int(text)
-    if json_type == "number":
-        try:
-            number = float(text)
-        except ValueError:
-            return False, None
-        if math.isfinite(number):  # keep "3" an int: same JSON value, and what the model wrote
-            return True, int(text) if _INTEGER.fullmatch(text) else number
-    if json_type in ("object", "array"):
-        wanted = dict if json_type == "object" else list
-        for parse in (_loads, ast.literal_eval):  # models sometimes write Python literals
-            try:  # the round trip turns tuples into lists and rejects sets, NaN and the like
-                value = _loads(json.dumps(parse(text), allow_nan=False))
-            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-                continue
-            if isinstance(value, wanted):
-                return True, value
-    return False, None
-
-
-def convert_parameter(value: str, schema: Any) -> Any:
-    """Type a raw parameter value (one edge newline already stripped) by its JSON schema.
-
-    string -> unchanged; null/boolean/integer/number -> parsed; object/array -> JSON, else a Python
-    literal; a type list tries its non-string types first. No schema, or nothing fits: JSON if the value
-    parses as JSON, else the string itself.
-    """
-    types = _schema_types(schema)
-    text = value.strip()
-    for json_type in sorted(set(types) - {"string"}):
-        ok, parsed = _as_type(text, json_type)
-        if ok:
-            return parsed
-    return value if "string" in types else _json_or_string(value)
-
-
-def _json_fragment(text: str) -> str:
-    """`text` escaped for the inside of a JSON string; fragments concatenate like the whole would."""
-    return json.dumps(text, ensure_ascii=False)[1:-1]
-
-
-def collect_deltas(deltas: list[ToolCallDelta | ContentDelta]) -> tuple[str | None, list[ToolCall]]:
-    """Merge streamed deltas into (content, tool_calls), as a client accumulating a stream would."""
-    content: list[str] = []
-    calls: list[ToolCall] = []
-    for delta in deltas:
-        if isinstance(delta, ContentDelta):
-            content.append(delta.text)
-        elif delta.id is not None:
-            calls.append(ToolCall(delta.id, FunctionCall(delta.name or "", delta.arguments)))
-        else:
-            calls[delta.index].function.arguments += delta.arguments
-    return "".join(content) or None, calls
 
 
 class _ToolCallStream:
@@ -402,7 +248,7 @@ class Qwen3XMLToolParser(_ToolCallStream):
             cut = tag_prefix_start(self._buffer, _VALUE_ENDS)
             if cut > 0 and self._buffer[cut - 1] == "\n":
                 cut -= 1  # may be the newline before </parameter>, which is stripped
-            self._emit_arguments(_json_fragment(self._buffer[:cut]))
+            self._emit_arguments(json_fragment(self._buffer[:cut]))
             self._buffer = self._buffer[cut:]
         return False
 
@@ -415,7 +261,7 @@ class Qwen3XMLToolParser(_ToolCallStream):
 
     def _open_parameter(self, name: str) -> None:
         self._param_schema = self._schemas.get(self._call_name, {}).get(name)
-        self._param_streams = _schema_types(self._param_schema) == ["string"]
+        self._param_streams = schema_types(self._param_schema) == ["string"]
         self._value_started = False
         separator = ", " if self._call_has_params else "{"
         self._call_has_params = True
@@ -427,7 +273,7 @@ class Qwen3XMLToolParser(_ToolCallStream):
         if value.endswith("\n"):
             value = value[:-1]
         if self._param_streams:
-            self._emit_arguments(_json_fragment(value) + '"')
+            self._emit_arguments(json_fragment(value) + '"')
         else:
             typed = convert_parameter(value, self._param_schema)
             self._emit_arguments(json.dumps(typed, ensure_ascii=False))
@@ -464,7 +310,7 @@ class HermesToolParser(_ToolCallStream):
 def _parse_hermes_body(body: str) -> tuple[str, str] | None:
     """(name, arguments JSON) from a hermes block body, or None if it is not a call."""
     try:
-        call = _loads(body.strip())
+        call = strict_json_loads(body.strip())
     except ValueError:
         return None
     if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
@@ -472,7 +318,7 @@ def _parse_hermes_body(body: str) -> tuple[str, str] | None:
     arguments = call.get("arguments", call.get("parameters", {}))
     if isinstance(arguments, str):  # some models double-encode the arguments
         try:
-            arguments = _loads(arguments)
+            arguments = strict_json_loads(arguments)
         except ValueError:
             return None
     if not isinstance(arguments, dict):

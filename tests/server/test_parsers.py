@@ -14,8 +14,8 @@ import pytest
 from deltaserve.server.parsers import (REASONING_PARSERS, TOOL_PARSERS, ChatOutputParser, ParsedDelta,
                                        get_reasoning_parser, get_tool_parser)
 from deltaserve.server.reasoning import Qwen3ReasoningParser
-from deltaserve.server.tool_calls import (ContentDelta, HermesToolParser, Qwen3XMLToolParser,
-                                          ToolCallDelta, convert_parameter)
+from deltaserve.server.tool_calls import HermesToolParser, Qwen3XMLToolParser
+from deltaserve.server.tool_types import ContentDelta, ToolCallDelta, convert_parameter
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
