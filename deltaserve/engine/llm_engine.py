@@ -13,8 +13,6 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from deltaserve.config import EngineConfig, ModelConfig
 from deltaserve.engine.detokenize import IncrementalDetokenizer
 from deltaserve.engine.scheduler import Scheduler
