@@ -8,6 +8,7 @@ from tqdm import tqdm
 
 from deltaserve.config import EngineConfig
 from deltaserve.engine.llm_engine import LLMEngine
+from deltaserve.generation_defaults import sampling_defaults
 from deltaserve.outputs import RequestOutput
 from deltaserve.sampling import SamplingParams
 
@@ -20,6 +21,13 @@ class LLM:
             raise TypeError(f"unknown engine argument(s) {unknown}; known: {sorted(known)}")
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
         self._counter = 0
+        config = self.engine.config
+        self._defaults = sampling_defaults(self.engine.model_path, config.generation_config,
+                                           config.override_generation_config)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams from the checkpoint's generation_config.json (as vLLM); used when none are given."""
+        return SamplingParams(**self._defaults)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -33,7 +41,7 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+            sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
         ids = []

@@ -52,6 +52,7 @@ class LLMEngine:
         self.tokenizer = setup.tokenizer
         self.max_model_len = setup.max_model_len
         self.memory_plan = setup.memory_plan  # the memory budget the caches were sized from
+        self.model_path = setup.model_path  # the checkpoint directory (the demo model's when none was given)
         self.runner = setup.runner
         self.cache_manager = setup.cache_manager
         self.scheduler = Scheduler(setup.cache_manager, setup.max_num_seqs, config.max_num_batched_tokens,

@@ -31,7 +31,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from deltaserve import __version__
 from deltaserve.config import EngineConfig
 from deltaserve.server.async_engine import AsyncEngine, EngineError
-from deltaserve.server.chat import ChatRenderer, sampling_defaults
+from deltaserve.generation_defaults import sampling_defaults
+from deltaserve.server.chat import ChatRenderer
 from deltaserve.server.chat_completions import create_chat_completion
 from deltaserve.server.completions import create_completion
 from deltaserve.server.errors import APIError, bad_request, from_value_error

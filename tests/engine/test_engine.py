@@ -145,3 +145,20 @@ def test_abort_frees_everything(make_checkpoint):
     pool = engine.cache_manager.block_pool
     assert pool.num_free_blocks == pool.num_usable_blocks
     assert engine.cache_manager.state_pool.num_free_slots == engine.cache_manager.state_pool.num_slots - 1
+
+
+def test_generate_without_params_uses_the_generation_config(make_checkpoint, tmp_path):
+    """As vLLM's LLM: no sampling params -> the checkpoint's generation_config.json defaults."""
+    import json
+    import shutil
+
+    path = shutil.copytree(make_checkpoint("qwen3_5"), tmp_path / "ckpt")
+    gen = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**gen, "temperature": 0.0, "max_new_tokens": 7}))
+    llm = LLM(str(path), max_num_seqs=4)
+    assert llm.get_default_sampling_params().temperature == 0.0
+    out = llm.generate([prompts(1024)[1]], use_tqdm=False)[0].outputs[0]
+    greedy = llm.generate([prompts(1024)[1]], SamplingParams(temperature=0, max_tokens=7), use_tqdm=False)
+    assert out.token_ids == greedy[0].outputs[0].token_ids and len(out.token_ids) <= 7
+    plain = LLM(str(path), max_num_seqs=4, generation_config="vllm")
+    assert plain.get_default_sampling_params() == SamplingParams()

@@ -15,7 +15,8 @@ from deltaserve.config import ConfigError, EngineConfig
 from deltaserve.sampling import SamplingParams
 from deltaserve.server.api_server import make_state
 from deltaserve.server.async_engine import AsyncEngine
-from deltaserve.server.chat import ChatRenderer, sampling_defaults
+from deltaserve.generation_defaults import sampling_defaults
+from deltaserve.server.chat import ChatRenderer
 from deltaserve.server.protocol import ChatMessageIn
 from deltaserve.server.settings import ServerSettings
 from tests.server.harness import ScriptedEngine, ServerThread
