@@ -1,4 +1,4 @@
-"""Shared checks for varlen ("tokens of N sequences concatenated") op inputs."""
+"""Shared checks of op inputs: varlen offsets ("tokens of N sequences concatenated") and state pools."""
 
 
 def sequence_bounds(cu_seqlens, num_tokens: int, num_seqs: int, name: str = "cu_seqlens") -> list[tuple[int, int]]:
@@ -11,3 +11,12 @@ def sequence_bounds(cu_seqlens, num_tokens: int, num_seqs: int, name: str = "cu_
     if offsets[0] != 0 or offsets[-1] != num_tokens or any(b < a for a, b in zip(offsets, offsets[1:])):
         raise ValueError(f"{name} must start at 0, never decrease and end at T={num_tokens}, got {offsets}")
     return list(zip(offsets[:-1], offsets[1:]))
+
+
+def check_state_pool(state_pool, state_slots) -> None:
+    """ValueError unless the pool can be updated in place (contiguous) and the slots are an integer [N] tensor."""
+    if not state_pool.is_contiguous():
+        raise ValueError("state_pool must be contiguous: it is updated in place")
+    if state_slots.dim() != 1 or state_slots.is_floating_point():
+        raise ValueError(f"state_slots must be an integer [N] tensor, got {state_slots.dtype} "
+                         f"{tuple(state_slots.shape)}")

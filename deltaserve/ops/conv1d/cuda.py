@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.ops.varlen import check_state_pool
+
 _ACTIVATIONS = ("silu", None)
 
 # Tile sizes (channels per program, tokens per program for the prefill output).
@@ -241,9 +243,5 @@ def _check_conv_inputs(x, weight, state_pool, state_slots, activation):
     if state_pool.dim() != 3 or tuple(state_pool.shape[1:]) != (channels, width - 1):
         raise ValueError(f"state_pool must be [S, D, W-1] = [S, {channels}, {width - 1}], "
                          f"got {tuple(state_pool.shape)}")
-    if not state_pool.is_contiguous():
-        raise ValueError("state_pool must be contiguous: it is updated in place")
-    if state_slots.dim() != 1 or state_slots.is_floating_point():
-        raise ValueError(f"state_slots must be an integer [N] tensor, got {state_slots.dtype} "
-                         f"{tuple(state_slots.shape)}")
+    check_state_pool(state_pool, state_slots)
     return width

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.ops.varlen import check_state_pool
+
 # Added under the square root of the L2 norm, as in fla's l2norm and the reference.
 _L2NORM_EPS = 1e-6
 # Value columns per decode program: 48 heads x 8 blocks = 384 programs at batch 1 for 27B (K = V = 128).
@@ -181,9 +183,5 @@ def _check_gdn_inputs(q, k, v, g, beta, state_pool, state_slots):
     if tuple(state_pool.shape[1:]) != (value_heads, key_dim, value_dim) or state_pool.dim() != 4:
         raise ValueError(f"state_pool must be [S, HV, K, V] = [S, {value_heads}, {key_dim}, {value_dim}], "
                          f"got {tuple(state_pool.shape)}")
-    if not state_pool.is_contiguous():
-        raise ValueError("state_pool must be contiguous: it is updated in place")
-    if state_slots.dim() != 1 or state_slots.is_floating_point():
-        raise ValueError(f"state_slots must be an integer [N] tensor, got {state_slots.dtype} "
-                         f"{tuple(state_slots.shape)}")
+    check_state_pool(state_pool, state_slots)
     return num_tokens, key_heads, key_dim
