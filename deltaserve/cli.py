@@ -49,7 +49,6 @@ class NotBuilt:
 NOT_BUILT = (
     NotBuilt("enable_chunked_prefill", "--no-enable-chunked-prefill", lambda v: v is False, "off",
              "turning chunked prefill off (it is always on)"),
-    NotBuilt("async_scheduling", "--async-scheduling", lambda v: v is True, "on", "async scheduling"),
     NotBuilt("performance_mode", "--performance-mode", lambda v: v != "balanced", "interactivity, throughput",
              "performance modes"),
     NotBuilt("tensor_parallel_size", "--tensor-parallel-size", lambda v: v > 1, "> 1", "tensor parallelism"),
@@ -213,8 +212,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     sched.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                        help=h("enable_chunked_prefill", "chunked prefill (always on here)"))
     sched.add_argument("--enforce-eager", action="store_true", help="never use CUDA graphs")
-    sched.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
-                       help=h("async_scheduling", "overlap scheduling with the GPU step"))
+    sched.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                       help="schedule and launch the next step before the current one's tokens are read back "
+                            "(on by default; output is identical either way)")
     sched.add_argument("--performance-mode", default="balanced",
                        choices=("balanced", "interactivity", "throughput"),
                        help=h("performance_mode", "tuning preset"))
@@ -258,6 +258,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerSet
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         num_gpu_blocks_override=args.num_gpu_blocks_override, kv_cache_dtype=args.kv_cache_dtype,
         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype, enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         generation_config=args.generation_config, override_generation_config=args.override_generation_config or {},
         # unset: the engine's default
         **({} if args.enable_prefix_caching is None else {"enable_prefix_caching": args.enable_prefix_caching}))

@@ -297,6 +297,8 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     mamba_ssm_cache_dtype: str = "auto"
     enforce_eager: bool = False
+    # launch step k+1 before reading back step k's samples (the device never waits on the host between steps)
+    async_scheduling: bool = True
     enable_prefix_caching: bool = True
     # GDN state checkpoints the prefix cache may hold (each one working slot's size); None: sized by the engine
     prefix_cache_state_slots: int | None = None

@@ -26,8 +26,11 @@ class RequestStatus(enum.Enum):
 class Request:
     """Token ids so far and how many of them are in the cache.
 
-    Invariant: 0 <= num_computed_tokens <= num_tokens. The request needs a forward pass over
-    all_token_ids[num_computed_tokens:]; when that pass reaches num_tokens a new token is sampled.
+    Invariant: 0 <= num_computed_tokens <= num_tokens. The request needs a forward pass over its tokens
+    from num_computed_tokens on; when that pass reaches num_tokens a new token is sampled. The scheduler
+    advances num_computed_tokens when it schedules a step. With async scheduling a sampled token may still
+    be on the device, known to the CPU only as a count (num_pending_tokens): such tokens are part of
+    num_tokens but not of all_token_ids until the step's output is processed.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_tokens: int,
@@ -40,6 +43,7 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.all_token_ids = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        self.num_pending_tokens = 0  # sampled by steps still in flight; not in all_token_ids yet
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at the first schedule
         self.block_ids: list[int] = []
         self.state_slot: int | None = None
@@ -56,7 +60,8 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.all_token_ids)
+        """Tokens so far, the pending ones included."""
+        return len(self.all_token_ids) + self.num_pending_tokens
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -73,6 +78,19 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
 
+    @property
+    def needs_host_history(self) -> bool:
+        """Sampling this request's next token reads its output tokens on the host (penalties, min_tokens), so
+        no sample of it may still be pending on the device."""
+        p = self.params
+        return (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+                or self.num_output_tokens < p.min_tokens)
+
+    def reached_limit(self, max_model_len: int) -> bool:
+        """Counting pending tokens, the request has all the tokens it may have: it needs no further step."""
+        num_outputs = self.num_tokens - len(self.prompt_token_ids)
+        return num_outputs >= self.max_tokens or self.num_tokens >= max_model_len
+
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
         """The finishing status after the last appended token, or None to continue."""
         last = self.all_token_ids[-1]
@@ -80,6 +98,6 @@ class Request:
         if stop_token and self.num_output_tokens >= self.params.min_tokens:
             self.stop_reason = None if last in self.eos_token_ids else last
             return RequestStatus.FINISHED_STOPPED
-        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+        if self.num_output_tokens >= self.max_tokens or len(self.all_token_ids) >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -132,6 +132,41 @@ class SamplerOutput:
     top_logprobs: list[list[tuple[int, float]] | None]  # per row: top `params.logprobs` (token, logprob)
 
 
+class PendingSample:
+    """One step's samples, still on the device; `result()` waits for their copy to the host.
+
+    On CUDA the copy is queued without blocking (pinned host memory, an event marks its end), so the host
+    can prepare the next step while the device works. token_ids stays on the device: async scheduling
+    feeds it to the next step as input without a round trip.
+    """
+
+    def __init__(self, token_ids: torch.Tensor, logprobs: torch.Tensor, top: tuple[torch.Tensor, torch.Tensor] | None,
+                 top_counts: dict[int, int]):
+        self.token_ids = token_ids  # [N] int64, on the device
+        self._top_counts = top_counts  # row -> how many top logprobs it asked for (the rows of `top`, in order)
+        tensors = [token_ids, logprobs, *(top or ())]  # top: values [W, k] and ids [W, k]
+        self._event = None
+        if token_ids.is_cuda:
+            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            for host, device_tensor in zip(self._host, tensors):
+                host.copy_(device_tensor, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = tensors
+
+    def result(self) -> SamplerOutput:
+        if self._event is not None:
+            self._event.synchronize()
+        token_ids, logprobs = self._host[0].tolist(), self._host[1].tolist()
+        top_logprobs: list[list[tuple[int, float]] | None] = [None] * len(token_ids)
+        if self._top_counts:
+            values, ids = self._host[2].tolist(), self._host[3].tolist()
+            for (row, count), row_values, row_ids in zip(self._top_counts.items(), values, ids):
+                top_logprobs[row] = list(zip(row_ids[:count], row_values[:count]))
+        return SamplerOutput(token_ids, logprobs, top_logprobs)
+
+
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     """A generator on `device` seeded with `seed` (any Python int: folded into torch's 64-bit range)."""
     generator = torch.Generator(device=device)
@@ -145,6 +180,12 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None], prompt_token_ids: list[list[int]],
                  output_token_ids: list[list[int]], eos_token_ids: list[set[int]]) -> SamplerOutput:
+        """`sample`, waiting for the result."""
+        return self.sample(logits, params, generators, prompt_token_ids, output_token_ids, eos_token_ids).result()
+
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams],
+               generators: list[torch.Generator | None], prompt_token_ids: list[list[int]],
+               output_token_ids: list[list[int]], eos_token_ids: list[set[int]]) -> PendingSample:
         """Sample one token for each row of `logits` ([N, V], float32 or bf16; not modified).
 
         Every list has one entry per row: its params, its generator (None: global RNG), its prompt and
@@ -158,7 +199,8 @@ class Sampler:
             if len(values) != num_rows:
                 raise ValueError(f"{name} must have one entry per logits row ({num_rows}), got {len(values)}")
         if num_rows == 0:
-            return SamplerOutput([], [], [])
+            empty = torch.empty(0, dtype=torch.long, device=logits.device)
+            return PendingSample(empty, empty.float(), None, {})
 
         # Work in float32 on a private copy: bf16 logits would quantise the penalties and the softmax.
         logits = logits.to(torch.float32, copy=True)  # [N, V]
@@ -170,7 +212,9 @@ class Sampler:
         token_ids = torch.empty(num_rows, dtype=torch.long, device=device)  # [N]
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
-        if greedy_rows:
+        if len(greedy_rows) == num_rows:  # the common case: no index tensors to build and copy
+            token_ids = logits.argmax(dim=-1)
+        elif greedy_rows:
             index = torch.tensor(greedy_rows, device=device)
             token_ids[index] = _select_rows(logits, greedy_rows).argmax(dim=-1)
         if random_rows:
@@ -179,16 +223,14 @@ class Sampler:
                                        [generators[i] for i in random_rows])
 
         sampled_logprobs = logits.gather(1, token_ids[:, None]).squeeze(1) - log_normalizer  # [N]
-        top_logprobs: list[list[tuple[int, float]] | None] = [None] * num_rows
         wanted_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        top = None
         if wanted_rows:
             k = min(max(params[i].logprobs for i in wanted_rows), logits.shape[1])
             top_values, top_ids = _select_rows(logits, wanted_rows).topk(k, dim=-1)  # [W, k], descending
             top_values -= log_normalizer[torch.tensor(wanted_rows, device=device)][:, None]
-            for row, values, ids in zip(wanted_rows, top_values.tolist(), top_ids.tolist()):
-                count = params[row].logprobs
-                top_logprobs[row] = list(zip(ids[:count], values[:count]))
-        return SamplerOutput(token_ids.tolist(), sampled_logprobs.tolist(), top_logprobs)
+            top = (top_values, top_ids)
+        return PendingSample(token_ids, sampled_logprobs, top, {row: params[row].logprobs for row in wanted_rows})
 
 
 def _select_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:

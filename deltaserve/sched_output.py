@@ -17,7 +17,9 @@ class ScheduledSequence:
     """One row of a step: feed `token_ids` at positions num_computed.. and maybe sample after them."""
 
     request_id: str
-    token_ids: list[int]  # the new tokens of this step
+    token_ids: list[int]  # the new tokens of this step (-1 for a pending one, see pending_input)
+    # async scheduling: the last new token is the sample of the step still in flight, only on the device yet
+    pending_input: bool
     num_computed: int  # tokens already in the KV cache / state before this step
     block_ids: list[int]  # every KV block of the request, in order
     state_slot: int  # GDN working slot

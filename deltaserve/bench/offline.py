@@ -215,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                        help="overlap the host work of a step with the previous step on the GPU")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--scale", type=float, default=1.0, help="multiply prompt counts (quick runs: 0.34)")
     parser.add_argument("--out", help="append JSON lines of results here")
@@ -231,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = LLMEngine(EngineConfig(
         model=args.model, load_format=args.load_format, skip_tokenizer_init=True, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization))
+        enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
+        async_scheduling=args.async_scheduling))
     print(f"engine ready in {time.perf_counter() - t:.1f} s", flush=True)
     limits = Limits(engine, bandwidth, flops)
     if args.profile:

@@ -142,8 +142,15 @@ class CacheManager:
             owner = request.request_id  # a decode checkpoint: replaces the request's previous one
         else:
             return None
+        block = end // self.block_size - 1
         self._hash_blocks(request)
-        slot = self.prefix_cache.reserve(request.block_hashes[end // self.block_size - 1], owner)
+        if block < len(request.block_hashes):
+            key = request.block_hashes[block]
+        else:  # the block ends with a token still being sampled (async scheduling): key it at commit time
+            def key():
+                self._hash_blocks(request)
+                return request.block_hashes[block] if block < len(request.block_hashes) else None
+        slot = self.prefix_cache.reserve(key, owner)
         return None if slot is None else (request.state_slot, slot)
 
     def commit_checkpoints(self) -> None:

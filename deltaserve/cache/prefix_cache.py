@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from deltaserve.cache.block_pool import BlockPool
@@ -82,6 +83,8 @@ class PrefixCache:
         # Invariant 2: indexed checkpoints are never written; least recently used first.
         self._checkpoints: OrderedDict[bytes, _Checkpoint] = OrderedDict()
         self._pending: dict[bytes, _Checkpoint] = {}  # saves scheduled this step, not run yet: not hittable
+        # saves whose key is not known yet (a token of the block is a pending sample): key computed at commit
+        self._pending_deferred: list[tuple[Callable[[], bytes | None], _Checkpoint]] = []
         self._decode_owners: dict[str, bytes | None] = {}  # request id -> its committed decode checkpoint
         self.max_decode_owners = state_pool.num_checkpoint_slots // 2
         self.queries = 0  # prompt tokens looked up, counted once per request (vllm:prefix_cache_queries)
@@ -120,11 +123,13 @@ class PrefixCache:
             self.queries += num_prompt_tokens
             self.hits += hit.num_tokens
 
-    def reserve(self, key: bytes, owner: str | None = None) -> int | None:
+    def reserve(self, key: bytes | Callable[[], bytes | None], owner: str | None = None) -> int | None:
         """A checkpoint slot for a save under `key` (evicting the least recently used checkpoint if none is
         free), or None: `key` is saved already, no slot is left, or `owner` would exceed the decode-checkpoint
-        share of the budget."""
-        if self.has_checkpoint(key):
+        share of the budget. `key` may be a function giving it at commit time (None: drop the save), for a
+        block whose last token is still being sampled."""
+        deferred = callable(key)
+        if not deferred and self.has_checkpoint(key):
             return None
         new_owner = owner is not None and owner not in self._decode_owners
         if new_owner and len(self._decode_owners) >= self.max_decode_owners:
@@ -136,14 +141,25 @@ class PrefixCache:
             self.state_pool.free_checkpoint(evicted.slot)
             self.num_evictions += 1
         slot = self.state_pool.allocate_checkpoint()
-        self._pending[key] = _Checkpoint(slot, owner)
+        if deferred:
+            self._pending_deferred.append((key, _Checkpoint(slot, owner)))
+        else:
+            self._pending[key] = _Checkpoint(slot, owner)
         if new_owner:
             self._decode_owners[owner] = None
         return slot
 
     def commit_pending(self) -> None:
         """The scheduled saves have run: index them (most recently used). A request's new decode checkpoint
-        replaces its previous one."""
+        replaces its previous one. A deferred save whose key turns out to be saved already (or unknowable:
+        its request was aborted before the sample came back) frees its slot."""
+        for key_of, checkpoint in self._pending_deferred:
+            key = key_of()
+            if key is None or key in self._pending or key in self._checkpoints:
+                self.state_pool.free_checkpoint(checkpoint.slot)
+            else:
+                self._pending[key] = checkpoint
+        self._pending_deferred.clear()
         for key, checkpoint in self._pending.items():
             self._checkpoints[key] = checkpoint
             owner = checkpoint.owner  # set only while its request runs (see release_owner)
@@ -160,7 +176,7 @@ class PrefixCache:
         key = self._decode_owners.pop(request_id, None)
         if key is not None and self._owned_by(key, request_id):
             self._checkpoints[key].owner = None
-        for checkpoint in self._pending.values():
+        for checkpoint in [*self._pending.values(), *(c for _, c in self._pending_deferred)]:
             if checkpoint.owner == request_id:
                 checkpoint.owner = None
 

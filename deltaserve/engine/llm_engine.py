@@ -1,7 +1,9 @@
 """LLMEngine: requests in, batched steps, outputs out. The step-level API the server and `LLM` use.
 
     add_request(id, prompt, params) -> scheduler.waiting
-    step():  scheduler.schedule() -> runner.execute() -> scheduler.update_from_output() -> detokenize
+    step():  scheduler.schedule() -> runner.launch() -> runner.collect() -> scheduler.update_from_output()
+             -> detokenize; with async scheduling (the default) step k+1 is launched before step k's
+             samples are collected, and a request's new token is reported one call later
     abort_request(id) frees everything at any stage.
 
 A request with n > 1 runs as n child sequences ("{id}#{i}"), reported together as one RequestOutput.
@@ -20,6 +22,8 @@ from deltaserve.engine.setup import EngineSetup
 from deltaserve.outputs import CompletionOutput, Logprob, RequestOutput
 from deltaserve.request import Request, RequestStatus
 from deltaserve.sampling import SamplingParams, make_generator
+from deltaserve.sched_output import SchedulerOutput
+from deltaserve.worker.model_runner import LaunchedStep
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +63,7 @@ class LLMEngine:
                                    self.max_model_len)
         self.eos_token_ids = setup.eos_token_ids
         self._parents: dict[str, _Parent] = {}
+        self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None  # launched, samples not read yet
         self._child_parent: dict[str, str] = {}
 
     # -- requests ------------------------------------------------------------------------------------------
@@ -125,14 +130,35 @@ class LLMEngine:
     # -- one step ------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one batched forward pass; return the outputs of requests that got new tokens."""
+        """Run one batched forward pass; return the outputs of requests that got new tokens.
+
+        With async scheduling the step is launched before the previous one's samples are read back, so the
+        device never waits for the host between steps; its own outputs are returned by the next call.
+        """
+        touched: dict[str, _Parent] = {}
+        if self._in_flight is not None and self._must_wait():
+            self._process(*self._in_flight, touched)
+            self._in_flight = None
         scheduled = self.scheduler.schedule()
-        if scheduled.is_empty:
-            return []
-        model_output = self.runner.execute(scheduled)
+        launched = None if scheduled.is_empty else (scheduled, self.runner.launch(scheduled))
+        if self._in_flight is not None:
+            self._process(*self._in_flight, touched)
+        self._in_flight = launched
+        if launched is not None and not self.config.async_scheduling:
+            self._process(*launched, touched)
+            self._in_flight = None
+        return [self._make_output(parent) for parent in touched.values()]
+
+    def _must_wait(self) -> bool:
+        """The step in flight must be read back before the next is scheduled: async scheduling is off, or a
+        running request's sampling needs its latest token on the host (penalties, min_tokens)."""
+        return not self.config.async_scheduling or any(r.needs_host_history for r in self.scheduler.running)
+
+    def _process(self, scheduled: SchedulerOutput, launched: LaunchedStep, touched: dict[str, _Parent]) -> None:
+        """Read back a launched step's samples and record them (parents that got tokens go into `touched`)."""
+        model_output = self.runner.collect(launched)
         updated = self.scheduler.update_from_output(scheduled, model_output)
         now = time.monotonic()
-        touched: dict[str, _Parent] = {}
         for request in updated:
             parent_id = self._child_parent.get(request.request_id)
             parent = self._parents.get(parent_id)
@@ -142,7 +168,6 @@ class LLMEngine:
             self._record_token(child, request, model_output)
             parent.first_token_time = parent.first_token_time or now
             touched[parent.request_id] = parent
-        return [self._make_output(parent) for parent in touched.values()]
 
     def _record_token(self, child: _Child, request: Request, model_output) -> None:
         token = request.all_token_ids[-1]

@@ -93,6 +93,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if request.reached_limit(self.max_model_len):
+                index += 1  # its last token is pending: it finishes when that step's output is processed
+                continue
             num_new = self._chunk(request, request.num_computed_tokens, budget)
             while not self.cache.allocate(request, num_new):
                 victim = self.running[-1]
@@ -123,7 +126,13 @@ class Scheduler:
         # 3. Checkpoint saves, once every request has its room (a save may evict an older checkpoint; that is
         # safe even if this step restores from it: restores run before the forward, saves after it).
         saves = [save for request, num_new in chosen if (save := self.cache.plan_save(request, num_new))]
-        return SchedulerOutput([self._row(request, num_new) for request, num_new in chosen], restores, saves)
+        rows = [self._row(request, num_new) for request, num_new in chosen]
+        # 4. The step is as good as done for the scheduler: the next one continues after it (async scheduling
+        # schedules it before this one's output is back; a sample still on the device counts as pending).
+        for (request, num_new), row in zip(chosen, rows):
+            request.num_computed_tokens += num_new
+            request.num_pending_tokens += row.sample
+        return SchedulerOutput(rows, restores, saves)
 
     def _chunk(self, request: Request, start: int, budget: int) -> int:
         """Tokens to compute this step from `start`: the rest, within the budget, cut at a checkpoint target."""
@@ -132,9 +141,12 @@ class Scheduler:
     @staticmethod
     def _row(request: Request, num_new: int) -> ScheduledSequence:
         start = request.num_computed_tokens
+        token_ids = request.all_token_ids[start:start + num_new]
+        pending_input = len(token_ids) < num_new  # the last token is a sample of the step in flight
         return ScheduledSequence(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start:start + num_new],
+            token_ids=token_ids + [-1] if pending_input else token_ids,
+            pending_input=pending_input,
             num_computed=start,
             block_ids=request.block_ids,
             state_slot=request.state_slot,
@@ -147,24 +159,27 @@ class Scheduler:
         )
 
     def update_from_output(self, scheduled: SchedulerOutput, output: ModelOutput) -> list[Request]:
-        """Advance the scheduled requests by their computed tokens, append samples, finish the done ones.
+        """Take in a step's samples (resolving pending tokens), index the newly computed blocks and
+        checkpoints, finish the requests that are done.
 
         Returns the requests that got a new token this step (finished ones have a finished status).
         """
-        self.cache.commit_checkpoints()  # the step's saves are written: later requests may hit them
         updated = []
         for row in scheduled.sequences:
             request = self.requests.get(row.request_id)
-            if request is None or request.status.finished:
-                continue  # aborted while the step ran
-            request.num_computed_tokens += len(row.token_ids)
-            self.cache.cache_full_blocks(request)
-            token = output.sampled.get(row.request_id)
-            if token is None:
-                continue  # a prefill chunk that did not reach the end
-            request.append_token(token)
+            if request is None or request.status.finished or not row.sample:
+                continue  # aborted or finished while the step ran, or a prefill chunk short of the end
+            request.num_pending_tokens -= 1
+            request.append_token(output.sampled[row.request_id])
             updated.append(request)
+        self.cache.commit_checkpoints()  # the step's saves are written (or ordered before any reader)
+        for request in updated:
+            self.cache.cache_full_blocks(request)
             status = request.check_stop(self.max_model_len)
             if status is not None:
                 self._finish(request, status)
+        for row in scheduled.sequences:
+            request = self.requests.get(row.request_id)
+            if request is not None and not row.sample:
+                self.cache.cache_full_blocks(request)
         return updated

@@ -1,20 +1,34 @@
 """ModelRunner: SchedulerOutput -> flattened tensors -> forward -> sample -> ModelOutput.
 
+`launch` queues a step on the device and returns at once; `collect` waits for its samples (`execute` does
+both). Between the two the engine may schedule and launch the next step (async scheduling): a row whose last
+input is a sample still on the device (`pending_input`) takes it from the previous launch's token ids.
+
 On CUDA, decode-only steps run on static padded buffers (see cuda_graph.py), replayed as CUDA graphs unless
 enforce_eager; every other step, and every step on the CPU, runs the model eagerly on its own tensors.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from deltaserve.layers.batch import ForwardBatch
 from deltaserve.model.qwen3_5 import HybridForCausalLM
-from deltaserve.sampling import Sampler
+from deltaserve.sampling import PendingSample, Sampler
 from deltaserve.sched_output import ModelOutput, SchedulerOutput
 from deltaserve.worker.cuda_graph import DecodeGraphs
 from deltaserve.worker.kv_cache import CacheShape, bind_caches
 from deltaserve.worker.state_copy import restore_checkpoints, save_checkpoints
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device: the requests that sample, in the order of the sample's rows."""
+
+    request_ids: list[str]
+    sample: PendingSample | None
 
 
 class ModelRunner:
@@ -25,6 +39,8 @@ class ModelRunner:
         self.block_size = cache_shape.block_size
         bind_caches(model, cache_shape, device)
         self.sampler = Sampler()
+        # the last launched step's samples: request id -> row, and the [S] token ids on the device
+        self._last_samples: tuple[dict[str, int], torch.Tensor] = ({}, torch.empty(0, dtype=torch.int64))
         self.graphs: DecodeGraphs | None = None
         if device.type == "cuda":
             # the graphs' block table is wide enough for the longest sequence; eager steps use their own width
@@ -44,10 +60,27 @@ class ModelRunner:
         )
         input_ids = torch.tensor([t for r in rows for t in r.token_ids], dtype=torch.int64).to(
             self.device, non_blocking=True)
+        pending = [i for i, r in enumerate(rows) if r.pending_input]
+        if pending:  # async scheduling: those inputs are the previous step's samples, still on the device
+            previous_rows, previous_tokens = self._last_samples
+            try:
+                sources = [previous_rows[rows[i].request_id] for i in pending]
+            except KeyError as exc:
+                raise RuntimeError(f"request {exc.args[0]!r} waits for a sample the previous step did not "
+                                   "draw") from None
+            last_token = batch.cu_seqlens_cpu[1:] - 1  # [N] row of each sequence's last new token
+            destinations = last_token[pending].to(self.device, non_blocking=True)
+            input_ids[destinations] = previous_tokens[torch.tensor(sources).to(self.device, non_blocking=True)]
         return input_ids, batch
 
     @torch.inference_mode()
     def execute(self, scheduled: SchedulerOutput) -> ModelOutput:
+        """Run one step and wait for its samples."""
+        return self.collect(self.launch(scheduled))
+
+    @torch.inference_mode()
+    def launch(self, scheduled: SchedulerOutput) -> LaunchedStep:
+        """Queue one step's forward pass and sampling on the device; `collect` waits for its samples."""
         rows = scheduled.sequences
         input_ids, batch = self._prepare(scheduled)
         sampling_rows = [i for i, r in enumerate(rows) if r.sample]
@@ -61,9 +94,9 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden[last])  # [S, V] float32
         save_checkpoints(self.model, scheduled)  # working slot -> new checkpoint (chunks cut at a boundary)
         if not sampling_rows:
-            return ModelOutput({}, {}, {})
+            return LaunchedStep([], None)
         chosen = [rows[i] for i in sampling_rows]
-        out = self.sampler(
+        sample = self.sampler.sample(
             logits,
             params=[r.params for r in chosen],
             generators=[r.generator for r in chosen],
@@ -72,5 +105,15 @@ class ModelRunner:
             eos_token_ids=[r.eos_token_ids for r in chosen],
         )
         ids = [r.request_id for r in chosen]
+        self._last_samples = ({rid: i for i, rid in enumerate(ids)}, sample.token_ids)
+        return LaunchedStep(ids, sample)
+
+    @staticmethod
+    def collect(step: LaunchedStep) -> ModelOutput:
+        """Wait for a launched step's samples."""
+        if step.sample is None:
+            return ModelOutput({}, {}, {})
+        out = step.sample.result()
+        ids = step.request_ids
         top = {rid: t for rid, t in zip(ids, out.top_logprobs) if t is not None}
         return ModelOutput(dict(zip(ids, out.token_ids)), dict(zip(ids, out.logprobs)), top)

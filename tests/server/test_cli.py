@@ -29,8 +29,8 @@ ISSUE_LINES = [
           tool_call_parser="qwen3_xml", reasoning_parser="qwen3", chat_template="{{ messages }}")),
     (("--async-scheduling --mamba-ssm-cache-dtype bfloat16 --language-model-only --max-num-batched-tokens "
       "16384 --stream-interval 100 --api-server-count 1"),
-     {"--async-scheduling"},
-     dict(mamba_ssm_cache_dtype="bfloat16", max_num_batched_tokens=16384),
+     set(),
+     dict(mamba_ssm_cache_dtype="bfloat16", max_num_batched_tokens=16384, async_scheduling=True),
      dict(stream_interval=100)),
     (("--max-model-len 225000 --max-num-batched-tokens 8192 --kv-cache-dtype fp8_e4m3 --max-num-seqs 2 "
       "--tool-call-parser qwen3_coder --reasoning-parser qwen3 --enable-auto-tool-choice --optimization-level 3 "
@@ -38,7 +38,7 @@ ISSUE_LINES = [
       "--mamba-cache-mode align --mamba-block-size 8 --enable-chunked-prefill --async-scheduling "
       "--override-generation-config '{\"temperature\": 0.6, \"top_p\": 0.95, \"top_k\": 20, \"min_p\": 0.0, "
       "\"presence_penalty\": 0.0, \"repetition_penalty\": 1.0, \"max_tokens\": 16384}'"),
-     {"--performance-mode", "--async-scheduling"},
+     {"--performance-mode"},
      dict(max_model_len=225000, kv_cache_dtype="fp8_e4m3", max_num_batched_tokens=8192, max_num_seqs=2, enable_prefix_caching=True,
           override_generation_config={"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0,
                                       "presence_penalty": 0.0, "repetition_penalty": 1.0, "max_tokens": 16384}),
@@ -93,6 +93,8 @@ def test_defaults_without_model():
     engine, settings = cli.configs_from_args(parse([]))
     assert engine.model is None and settings.served_model_names == ("demo",)
     assert engine.enable_prefix_caching == cli.EngineConfig().enable_prefix_caching  # the engine's default
+    assert engine.async_scheduling is True
+    assert cli.configs_from_args(parse(["--no-async-scheduling"]))[0].async_scheduling is False
     assert cli.configs_from_args(parse(["--no-enable-prefix-caching"]))[0].enable_prefix_caching is False
     assert (settings.host, settings.port) == ("127.0.0.1", 8000)
     assert (engine.max_num_seqs, engine.block_size, engine.kv_cache_dtype) == (256, 16, "auto")
@@ -111,10 +113,10 @@ def test_help_documents_every_issue_flag(capsys):
 
 
 def test_not_built_flag_exits_2_with_one_line(capsys):
-    assert cli.main(["serve", "--async-scheduling", "-tp", "2"]) == 2
+    assert cli.main(["serve", "--performance-mode", "throughput", "-tp", "2"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
-    assert "--async-scheduling is not supported yet (async scheduling)" in err
+    assert "--performance-mode throughput is not supported yet (performance modes)" in err
     assert "--tensor-parallel-size 2 is not supported yet (tensor parallelism)" in err
 
 
