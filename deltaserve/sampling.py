@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from deltaserve.device import to_device
+
 _GREEDY_TEMPERATURE = 1e-5  # below this a temperature is treated as 0, i.e. greedy (as vLLM does)
 _MAX_LOGPROBS = 20  # the OpenAI API's limit on top logprobs
 
@@ -215,10 +217,10 @@ class Sampler:
         if len(greedy_rows) == num_rows:  # the common case: no index tensors to build and copy
             token_ids = logits.argmax(dim=-1)
         elif greedy_rows:
-            index = torch.tensor(greedy_rows, device=device)
+            index = to_device(greedy_rows, device)
             token_ids[index] = _select_rows(logits, greedy_rows).argmax(dim=-1)
         if random_rows:
-            index = torch.tensor(random_rows, device=device)
+            index = to_device(random_rows, device)
             token_ids[index] = _sample(_select_rows(logits, random_rows), [params[i] for i in random_rows],
                                        [generators[i] for i in random_rows])
 
@@ -228,7 +230,7 @@ class Sampler:
         if wanted_rows:
             k = min(max(params[i].logprobs for i in wanted_rows), logits.shape[1])
             top_values, top_ids = _select_rows(logits, wanted_rows).topk(k, dim=-1)  # [W, k], descending
-            top_values -= log_normalizer[torch.tensor(wanted_rows, device=device)][:, None]
+            top_values -= log_normalizer[to_device(wanted_rows, device)][:, None]
             top = (top_values, top_ids)
         return PendingSample(token_ids, sampled_logprobs, top, {row: params[row].logprobs for row in wanted_rows})
 
@@ -237,7 +239,7 @@ def _select_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """logits[rows] ([R, V]); the tensor itself (no copy) when `rows` is every row in order."""
     if len(rows) == logits.shape[0]:
         return logits
-    return logits[torch.tensor(rows, device=logits.device)]
+    return logits[to_device(rows, logits.device)]
 
 
 def _mask_min_tokens(logits: torch.Tensor, params: list[SamplingParams], output_token_ids: list[list[int]],
@@ -255,7 +257,7 @@ def _mask_min_tokens(logits: torch.Tensor, params: list[SamplingParams], output_
         tokens += blocked
     if rows:
         device = logits.device
-        logits[torch.tensor(rows, device=device), torch.tensor(tokens, device=device)] = float("-inf")
+        logits[to_device(rows, device), to_device(tokens, device)] = float("-inf")
 
 
 def _unique_row_tokens(rows: list[int], token_lists: list, vocab: int, device: torch.device):
@@ -267,7 +269,7 @@ def _unique_row_tokens(rows: list[int], token_lists: list, vocab: int, device: t
     # numpy turns a list of ints into an array several times faster than torch.tensor does.
     keys = np.concatenate([np.asarray(tokens, dtype=np.int64) + row * vocab
                            for row, tokens in zip(rows, token_lists)])  # [T]
-    keys, counts = torch.from_numpy(keys).to(device).unique(return_counts=True)  # [P], [P]
+    keys, counts = to_device(keys, device).unique(return_counts=True)  # [P], [P]
     return keys // vocab, keys % vocab, counts
 
 
@@ -282,7 +284,7 @@ def _apply_penalties(logits: torch.Tensor, params: list[SamplingParams], prompt_
         # Listing each row twice (prompt, then output) lets unique() merge the two histories.
         seen = [prompt_token_ids[i] for i in rows] + [output_token_ids[i] for i in rows]
         row_index, token_index, _ = _unique_row_tokens(rows + rows, seen, vocab, device)
-        penalty = torch.tensor([p.repetition_penalty for p in params], device=device)[row_index]  # [P]
+        penalty = to_device([p.repetition_penalty for p in params], device)[row_index]  # [P]
         values = logits[row_index, token_index]  # [P]
         # Dividing a positive logit and multiplying a negative one both make the token less likely (r > 1).
         logits[row_index, token_index] = torch.where(values > 0, values / penalty, values * penalty)
@@ -292,8 +294,8 @@ def _apply_penalties(logits: torch.Tensor, params: list[SamplingParams], prompt_
     if rows:
         row_index, token_index, counts = _unique_row_tokens(rows, [output_token_ids[i] for i in rows],
                                                             vocab, device)
-        frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[row_index]  # [P]
-        presence = torch.tensor([p.presence_penalty for p in params], device=device)[row_index]  # [P]
+        frequency = to_device([p.frequency_penalty for p in params], device)[row_index]  # [P]
+        presence = to_device([p.presence_penalty for p in params], device)[row_index]  # [P]
         logits[row_index, token_index] -= frequency * counts + presence
 
 
@@ -301,21 +303,21 @@ def _sample(logits: torch.Tensor, params: list[SamplingParams],
             generators: list[torch.Generator | None]) -> torch.Tensor:
     """Draw one token per row of `logits` ([S, V], left unchanged); returns [S] token ids."""
     device, vocab = logits.device, logits.shape[1]
-    temperature = torch.tensor([p.temperature for p in params], device=device)  # [S]
+    temperature = to_device([p.temperature for p in params], device)  # [S]
     logits = logits / temperature[:, None]  # [S, V], a new tensor: the filters below edit it in place
 
     top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]  # vocab: no top-k
     filtered = [i for i, p in enumerate(params) if top_k[i] < vocab or p.top_p < 1.0]
     if filtered:
-        index = torch.tensor(filtered, device=device)
-        k = torch.tensor([top_k[i] for i in filtered], device=device)  # [F]
-        top_p = torch.tensor([params[i].top_p for i in filtered], device=device)  # [F]
+        index = to_device(filtered, device)
+        k = to_device([top_k[i] for i in filtered], device)  # [F]
+        top_p = to_device([params[i].top_p for i in filtered], device)  # [F]
         logits[index] = _top_k_top_p(logits[index], k, top_p)
 
     probs = logits.softmax(dim=-1)  # [S, V]
     if any(p.min_p > 0 for p in params):
         # min-p keeps tokens with p >= min_p * p_max. No renormalising needed: the race below is scale-free.
-        min_p = torch.tensor([p.min_p for p in params], device=device)  # [S]
+        min_p = to_device([p.min_p for p in params], device)  # [S]
         threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]  # [S, 1]
         probs.masked_fill_(probs < threshold, 0.0)
 

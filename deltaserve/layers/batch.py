@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from deltaserve.device import to_device
+
 
 @dataclass
 class ForwardBatch:
@@ -52,7 +54,7 @@ class ForwardBatch:
         slots = table[seq_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
 
         def t(array):
-            return torch.from_numpy(array).to(device, non_blocking=True)
+            return to_device(array, device)
 
         return cls(
             positions=t(positions),

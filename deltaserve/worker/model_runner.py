@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deltaserve.device import to_device
 from deltaserve.layers.batch import ForwardBatch
 from deltaserve.model.qwen3_5 import HybridForCausalLM
 from deltaserve.sampling import PendingSample, Sampler
@@ -58,8 +59,7 @@ class ModelRunner:
             block_size=self.block_size,
             device=self.device,
         )
-        input_ids = torch.tensor([t for r in rows for t in r.token_ids], dtype=torch.int64).to(
-            self.device, non_blocking=True)
+        input_ids = to_device([t for r in rows for t in r.token_ids], self.device, torch.int64)
         pending = [i for i, r in enumerate(rows) if r.pending_input]
         if pending:  # async scheduling: those inputs are the previous step's samples, still on the device
             previous_rows, previous_tokens = self._last_samples
@@ -69,8 +69,7 @@ class ModelRunner:
                 raise RuntimeError(f"request {exc.args[0]!r} waits for a sample the previous step did not "
                                    "draw") from None
             last_token = batch.cu_seqlens_cpu[1:] - 1  # [N] row of each sequence's last new token
-            destinations = last_token[pending].to(self.device, non_blocking=True)
-            input_ids[destinations] = previous_tokens[torch.tensor(sources).to(self.device, non_blocking=True)]
+            input_ids[to_device(last_token[pending], self.device)] = previous_tokens[to_device(sources, self.device)]
         return input_ids, batch
 
     @torch.inference_mode()
@@ -90,7 +89,7 @@ class ModelRunner:
         else:
             hidden = self.model(input_ids, batch)  # [T, H]
             if sampling_rows:
-                last = batch.logits_indices[torch.tensor(sampling_rows)]
+                last = to_device(batch.cu_seqlens_cpu[1:][sampling_rows] - 1, self.device)  # [S] last rows
                 logits = self.model.compute_logits(hidden[last])  # [S, V] float32
         save_checkpoints(self.model, scheduled)  # working slot -> new checkpoint (chunks cut at a boundary)
         if not sampling_rows:

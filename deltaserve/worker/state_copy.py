@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from deltaserve.device import to_device
 from deltaserve.model.qwen3_5 import HybridForCausalLM
 from deltaserve.sched_output import SchedulerOutput
 
@@ -20,8 +21,8 @@ def copy_state_slots(pools: list[torch.Tensor], pairs: list[tuple[int, int]]) ->
     if not pairs or not pools:
         return
     device = pools[0].device
-    src = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=device)  # [P]
-    dst = torch.tensor([d for _, d in pairs], dtype=torch.int64, device=device)  # [P]
+    src = to_device([s for s, _ in pairs], device, torch.int64)  # [P]
+    dst = to_device([d for _, d in pairs], device, torch.int64)  # [P]
     for pool in pools:
         pool.index_copy_(0, dst, pool.index_select(0, src))  # the gather is a copy: safe for any overlap
 
