@@ -119,6 +119,7 @@ def run_workload(engine: LLMEngine, input_len: int, output_len: int, num_prompts
         "median_ttft_ms": 1e3 * statistics.median(ttft), "p99_ttft_ms": 1e3 * max(ttft),
         "median_tpot_ms": 1e3 * statistics.median(tpot) if tpot else None,
         "p99_tpot_ms": 1e3 * max(tpot) if tpot else None,
+        **({"ttft_ms": [round(1e3 * t, 1) for t in ttft]} if num_prompts <= 8 else {}),
     }
 
 
@@ -262,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
             if r["median_tpot_ms"] is not None:
                 line += (f"; TPOT median {r['median_tpot_ms']:.2f} ms (limit {r['tpot_limit_ms']:.2f}, "
                          f"{r['tpot_limit_ms'] / r['median_tpot_ms']:.0%}); {r['output_throughput']:.0f} output tok/s")
+            if "ttft_ms" in r:
+                line += f"; TTFT each {r['ttft_ms']} ms"
             print(line, flush=True)
             if args.out:
                 with open(args.out, "a") as f:
