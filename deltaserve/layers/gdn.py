@@ -86,7 +86,7 @@ class GatedDeltaNet(nn.Module):
         else:
             g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
             o = gdn_prefill(q, k, v, g, beta, self.ssm_state, slots, batch.has_initial_state, batch.cu_seqlens_q,
-                            batch.cu_seqlens_cpu)
+                            batch.cu_seqlens_cpu, batch.max_query_len)
 
         o = self.norm(o, z)  # [T, HV, dv]
         return self.out_proj(o.reshape(T, self.value_dim))

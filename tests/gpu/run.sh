@@ -11,6 +11,7 @@ cd "$(dirname "$0")/../.."
 OUT=${1:?usage: tests/gpu/run.sh OUTDIR [quick|full|tests|bench]}
 MODE=${2:-full}
 mkdir -p "$OUT"
+export DELTASERVE_GPU_OUT="$(cd "$OUT" && pwd)"  # where GPU tests write their figures (memory_plan.json)
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site

@@ -1,7 +1,8 @@
 """Paged attention on the GPU (our Triton kernels) against the reference run on the CPU in float32.
 
 Shapes are Qwen3.5-27B's attention layer: 24 query heads over 4 KV heads (GQA 6), head_dim 256, 16-token
-blocks, contexts up to 32K for decode and an 8192-token prefill chunk over a cached prefix. Caches start as
+blocks, contexts up to 32K for decode, an 8192-token prefill chunk over a cached prefix and short chunks over
+36K-token prefixes (split KV). Caches start as
 NaN, so a kernel that reads a slot outside its sequences poisons its output; blocks are shuffled and block 0
 (the engine's null block) belongs to nobody. The last tests print timings (not asserted) straight to the
 terminal, also under pytest's output capture; DELTASERVE_TUNE_ATTENTION=1 adds a sweep over tile sizes.
@@ -187,6 +188,61 @@ def test_prefill_chunk_over_cached_prefix(num_heads, num_kv_heads, head_dim):
         assert_rows_match(batch, out, seq, 0, q_lens[seq])
 
 
+@pytest.mark.parametrize("kv_lens,q_lens,cache_dtype,block_size", [
+    ([36880], [16], torch.bfloat16, 16),  # W4: 16 new tokens after 36,864 cached
+    # beside a fresh prompt, a decode row and another short chunk: 19 query blocks x 4 KV heads, 4 splits
+    ([36880, 300, 5000, 20001], [16, 300, 1, 5], torch.bfloat16, 16),
+    ([9000, 40], [16, 40], torch.float8_e4m3fn, 16),
+    ([9000], [7], torch.bfloat16, 1),
+])
+def test_split_kv_prefill_over_long_prefix(kv_lens, q_lens, cache_dtype, block_size):
+    """Short chunks over long cached prefixes take the prefill kernel's split-KV path (planned splits)."""
+    scales = (0.5, 0.25) if cache_dtype == torch.float8_e4m3fn else (1.0, 1.0)
+    batch = paged_batch(kv_lens, q_lens, cache_dtype=cache_dtype, block_size=block_size, scales=scales, seed=7)
+    group = NUM_HEADS // NUM_KV_HEADS
+    tokens_per_block = cuda_prefill.prefill_tiles(HEAD_DIM, group).block_m // group
+    programs = (sum(q_lens) // tokens_per_block + len(q_lens)) * NUM_KV_HEADS  # the unsplit grid
+    max_kv_len = batch.block_tables.shape[1] * block_size
+    assert cuda_prefill.prefill_num_splits(programs, max_kv_len, batch.q.device) > 1
+    out = batch.run()
+    for seq, q_len in enumerate(q_lens):
+        if q_len:
+            assert_rows_match(batch, out, seq, 0, q_len)
+
+
+def test_split_kv_prefill_replays_in_cuda_graph():
+    """The split prefill reads no host values either: one capture (20 tokens, 2 sequences, a 256K-wide
+    block table) replays over other chunk lengths, prefixes and blocks."""
+    kv_lens, q_lens = [20016, 5004, 36880, 708], [16, 4, 12, 8]  # two batches of 2 sequences, 20 tokens each
+    batch = paged_batch(kv_lens, q_lens, table_width=MAX_MODEL_LEN // BLOCK_SIZE, seed=5)
+    q, tables, lens = batch.q[:20].clone(), batch.block_tables[:2].clone(), batch.seq_lens[:2].clone()
+    cu = batch.cu_seqlens_q[:3].clone()
+
+    def step():
+        return paged_attention(q, batch.k_cache, batch.v_cache, tables, cu, lens, HEAD_DIM**-0.5)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compile and warm up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for seqs, rows in ((slice(2, 4), slice(20, 40)), (slice(0, 2), slice(0, 20))):
+        q.copy_(batch.q[rows])
+        tables.copy_(batch.block_tables[seqs])
+        lens.copy_(batch.seq_lens[seqs])
+        cu.copy_(batch.cu_seqlens_q[seqs.start:seqs.stop + 1] - batch.cu_seqlens_q[seqs.start])
+        graph.replay()
+        first = 0
+        for seq in range(seqs.start, seqs.stop):
+            q_len = batch.q_lens[seq]
+            expected = batch.reference_rows(seq, 0, q_len)
+            torch.testing.assert_close(out[first:first + q_len].cpu().float(), expected, **TOLERANCES[torch.bfloat16])
+            first += q_len
+
+
 def test_decode_replays_in_cuda_graph():
     """One capture serves batches of other lengths and block tables: the launch reads no host values."""
     kv_lens = [100, 5000, 17, 1, 3000, 2, 777, 12000]  # two batches of 4 in one pool
@@ -253,6 +309,22 @@ def test_print_prefill_throughput(prefix, capsys):
     report(capsys, f"prefill {q_len} tokens after {prefix} cached, {NUM_HEADS}/{NUM_KV_HEADS} heads hd={HEAD_DIM} "
                    f"{tiles}: {ms:.2f} ms, {flops / ms / 1e9:.0f} TFLOP/s "
                    f"({flops / ms * 1e3 / BF16_FLOPS_PER_S:.0%} of {BF16_FLOPS_PER_S / 1e12:.0f})")
+
+
+def test_print_split_kv_prefill_bandwidth(capsys):
+    """W4's attention: 16 new tokens after 36,864 cached (a prefix-cache hit), eager block table (2,306 blocks).
+    Unsplit, the kernel runs 4 programs (one query block per KV head); bound by reading the KV once."""
+    prefix, q_len = 36864, 16
+    batch = paged_batch([prefix + q_len], [q_len])
+    kv_bytes = 2 * (prefix + q_len) * NUM_KV_HEADS * HEAD_DIM * batch.k_cache.element_size()
+    max_kv_len = batch.block_tables.shape[1] * BLOCK_SIZE
+    planned = cuda_prefill.prefill_num_splits(NUM_KV_HEADS, max_kv_len, batch.q.device)
+    for num_splits in dict.fromkeys((1, planned, 16, 32, 128)):  # 1: the unsplit kernel
+        ms = time_ms(lambda: batch.run(num_splits=num_splits))
+        label = "planned" if num_splits == planned else "forced"
+        report(capsys, f"prefill {q_len} tokens after {prefix} cached, splits={num_splits} ({label}): "
+                       f"{ms * 1e3:.1f} us, {kv_bytes / ms / 1e6:.0f} GB/s of KV "
+                       f"({kv_bytes / ms * 1e3 / HBM_BYTES_PER_S:.0%} of {HBM_BYTES_PER_S / 1e12:.1f} TB/s)")
 
 
 @pytest.mark.skipif(os.environ.get("DELTASERVE_TUNE_ATTENTION") != "1", reason="set DELTASERVE_TUNE_ATTENTION=1")

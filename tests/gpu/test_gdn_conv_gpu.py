@@ -1,10 +1,13 @@
-"""GDN ops on the GPU (our Triton conv1d and decode kernels, fla's chunked prefill) against the CPU reference.
+"""GDN ops on the GPU (our Triton conv1d, decode and recurrent prefill kernels, fla's chunked prefill) against
+the CPU reference.
 
 Shapes are Qwen3.5-27B's GDN layer: 16 key heads, 48 value heads, K = V = 128, conv_dim 10240, W = 4, over
 varlen batches straddling fla's 64-token chunks. Inputs are bf16 on the GPU; the reference runs on the CPU in
 float32 from the same (bf16-representable) values. The last tests print decode timings and bandwidth (not
 asserted) straight to the terminal, also under pytest's output capture.
 """
+
+import time
 
 import pytest
 import torch
@@ -146,6 +149,40 @@ def test_gdn_prefill_matches_reference(pool_dtype, pass_cpu_offsets):
     assert torch.equal(pool[UNTOUCHED], original[UNTOUCHED])
 
 
+# Short chunks (a prefix-cache hit's 16 tokens, up to the recurrent threshold) and an empty sequence.
+RECURRENT_LENGTHS = [16, 1, 0, 64, 5, 33]
+
+
+@pytest.mark.parametrize("dtype,pool_dtype", [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                              (torch.float32, torch.float32)])
+def test_gdn_recurrent_prefill_matches_reference(dtype, pool_dtype):
+    """Short chunks take our recurrent kernel (no fla): it accumulates in float32 like the reference, so the
+    kernel tolerance applies, to outputs and to every touched slot (fresh ones hold NaN)."""
+    assert max(RECURRENT_LENGTHS) <= gdn_kernels.RECURRENT_PREFILL_MAX_LEN
+    gen = torch.Generator(DEVICE).manual_seed(6)
+    cu, slots, has_initial = varlen_batch(RECURRENT_LENGTHS)
+
+    def chunk_inputs():
+        q, k, v, g, beta = gdn_inputs(int(cu[-1]), gen)
+        return q.to(dtype), k.to(dtype), v.to(dtype), g, beta.to(dtype)
+
+    q, k, v, g, beta = chunk_inputs()
+    pool = fresh_nan(torch.randn(NUM_SLOTS, VALUE_HEADS, HEAD_DIM, HEAD_DIM, generator=gen, device=DEVICE)
+                     .to(pool_dtype))
+    original = pool.clone()
+    for step in range(2):  # a second chunk continues from the first's states
+        ref_pool = cpu32(pool)
+        out = gdn.gdn_prefill(q, k, v, g, beta, pool, slots, has_initial, cu, max_query_len=max(RECURRENT_LENGTHS))
+        expected = gdn.gdn_prefill(*cpu32(q, k, v, g, beta), ref_pool, *cpu32(slots, has_initial, cu))
+        assert out.dtype == dtype and out.shape == v.shape
+        torch.testing.assert_close(cpu32(out), expected, **KERNEL_TOL, msg=lambda m: f"step {step}: {m}")
+        torch.testing.assert_close(cpu32(pool)[SLOTS], ref_pool[SLOTS], **KERNEL_TOL,
+                                   msg=lambda m: f"step {step}: {m}")
+        assert torch.equal(pool[UNTOUCHED], original[UNTOUCHED])
+        has_initial = torch.ones_like(has_initial)
+        q, k, v, g, beta = chunk_inputs()
+
+
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
 def test_layer_chain_prefill_then_decode(pool_dtype):
     """The layer's sequence of ops: conv prefill, q/k/v as strided views of its output, gdn prefill, then
@@ -242,3 +279,34 @@ def test_print_conv_prefill_bandwidth(capsys):
     min_bytes = 2 * num_tokens * CONV_DIM * 2
     report(capsys, f"conv_prefill T={num_tokens} D={CONV_DIM}: {ms * 1e3:.1f} us, "
                    f"{min_bytes / ms / 1e6:.0f} GB/s of the x-once/y-once minimum")
+
+
+@pytest.mark.parametrize("num_seqs,q_len", [(1, 16), (1, 64), (1, 128), (8, 16), (8, 64)])
+def test_print_recurrent_prefill_against_fla(num_seqs, q_len, monkeypatch, capsys):
+    """W4's GDN call (1 sequence of 16 tokens after a cached prefix, 27B heads, float32 state) and its
+    neighbours, through the recurrent kernel and through fla's chunked path: GPU time per call (do_bench,
+    which also counts the GPU idling on a slow host) and host time per call. Where fla wins marks
+    RECURRENT_PREFILL_MAX_LEN."""
+    pytest.importorskip("fla")
+    monkeypatch.setattr(gdn_kernels, "RECURRENT_PREFILL_MAX_LEN", max(q_len, gdn_kernels.RECURRENT_PREFILL_MAX_LEN))
+    gen = torch.Generator(DEVICE).manual_seed(7)
+    q, k, v, g, beta = gdn_inputs(num_seqs * q_len, gen)
+    pool = torch.randn(num_seqs + 1, VALUE_HEADS, HEAD_DIM, HEAD_DIM, generator=gen, device=DEVICE) * 0.1
+    slots = torch.arange(1, num_seqs + 1, device=DEVICE)
+    has_initial = torch.ones(num_seqs, dtype=torch.bool, device=DEVICE)
+    cu_cpu = torch.arange(num_seqs + 1) * q_len
+    cu = cu_cpu.to(DEVICE)
+    for name, max_query_len in (("recurrent", q_len), ("fla chunk", None)):
+        def call(max_query_len=max_query_len):
+            gdn_kernels.gdn_prefill(q, k, v, g, beta, pool, slots, has_initial, cu, cu_seqlens_cpu=cu_cpu,
+                                    max_query_len=max_query_len)
+
+        gpu_ms = triton.testing.do_bench(call)
+        torch.cuda.synchronize()
+        start, calls = time.perf_counter(), 100
+        for _ in range(calls):
+            call()
+        host_ms = (time.perf_counter() - start) / calls * 1e3  # the loop only enqueues: the host's cost
+        torch.cuda.synchronize()
+        report(capsys, f"gdn_prefill {num_seqs} x {q_len} tokens, {name}: {gpu_ms * 1e3:.1f} us GPU, "
+                       f"{host_ms * 1e3:.1f} us host per call")

@@ -1,7 +1,8 @@
 """Our Triton paged-attention kernels (`deltaserve.ops.attention.cuda`) against the reference ops, on CPU.
 
 Triton's interpreter runs the kernels on CPU tensors with numpy, so CI checks their logic (block-table
-gathers, causal offsets of cached prefixes, GQA grouping, split-KV merging, fp8 scales) on tiny odd shapes.
+gathers, causal offsets of cached prefixes, GQA grouping, split-KV merging in decode and prefill, fp8
+scales) on tiny odd shapes.
 Speed and GPU races are for tests/gpu/test_attention_gpu.py.
 
 The interpreter is chosen when a kernel is decorated, so TRITON_INTERPRET is set before the kernel modules
@@ -22,31 +23,21 @@ pytest.importorskip("triton")
 
 import triton
 import triton.language as tl
-from triton.runtime import interpreter
 from triton.runtime.errors import InterpreterError
 
 from deltaserve.ops.attention import cuda as kernels
 from deltaserve.ops.attention import cuda_decode, cuda_prefill, reference
+from tests.ops.interpreter import patch_interpreter_index
 
-
-def _patch_interpreter_index():
-    """Triton 3.6's interpreter turns scalars into loop bounds with int() on a 1-element array, which numpy
-    >= 2.4 rejects (triton-lang/triton#9171); apply the upstream fix (squeeze first) for this process."""
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    interpreter._patch_lang_tensor = patched
-
-
-_patch_interpreter_index()
+patch_interpreter_index()
 
 NUM_HEADS, NUM_KV_HEADS = 6, 2  # GQA: 3 query heads per KV head
 # (kv length, query length): full prefills, chunks over a cached prefix, decode rows, an empty query row.
 MIXED = [(37, 37), (23, 5), (1, 1), (50, 1), (16, 16), (33, 1), (70, 4), (5, 0)]
 DECODE = [(1, 1), (17, 1), (50, 1), (5, 0), (100, 1), (64, 1)]
+# Short chunks over long cached prefixes (the split-KV prefill's target) beside a fresh prompt, a decode row
+# and an empty query row.
+LONG_PREFIX = [(300, 4), (9, 9), (170, 13), (77, 1), (5, 0), (260, 16)]
 # Small tiles make the short test sequences span several query blocks, KV tiles and splits.
 SMALL_TILES = cuda_prefill.TileConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
 
@@ -79,7 +70,8 @@ def interpreter_casts_to(dtype) -> bool:
     return True
 
 
-def make_batch(sequences, block_size, head_dim, cache_dtype=torch.float32, q_dtype=torch.float32, seed=0):
+def make_batch(sequences, block_size, head_dim, cache_dtype=torch.float32, q_dtype=torch.float32, seed=0,
+               num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS):
     """Random q and a paged cache holding each sequence's K/V in shuffled blocks; every slot outside the
     sequences stays NaN, so a kernel that reads one poisons its output. Returns the paged_attention args."""
     gen = torch.Generator().manual_seed(seed)
@@ -89,15 +81,15 @@ def make_batch(sequences, block_size, head_dim, cache_dtype=torch.float32, q_dty
     num_blocks = sum(blocks_per_seq) + 2
     free = torch.randperm(num_blocks, generator=gen).tolist()
     block_tables = torch.zeros(len(sequences), max(blocks_per_seq) + 1, dtype=torch.int32)
-    k_cache = torch.full((num_blocks, block_size, NUM_KV_HEADS, head_dim), float("nan")).to(cache_dtype)
+    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan")).to(cache_dtype)
     v_cache = k_cache.clone()
     for seq, (kv_len, count) in enumerate(zip(kv_lens, blocks_per_seq)):
         block_tables[seq, :count] = torch.tensor([free.pop() for _ in range(count)], dtype=torch.int32)
         positions = torch.arange(kv_len)
         slots = block_tables[seq, positions // block_size].long() * block_size + positions % block_size
-        keys, values = torch.randn(2, kv_len, NUM_KV_HEADS, head_dim, generator=gen)
+        keys, values = torch.randn(2, kv_len, num_kv_heads, head_dim, generator=gen)
         reference.write_kv_cache(keys, values, k_cache, v_cache, slots)
-    q = torch.randn(sum(q_lens), NUM_HEADS, head_dim, generator=gen).to(q_dtype)
+    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(q_dtype)
     cu_seqlens_q = torch.zeros(len(sequences) + 1, dtype=torch.int64)
     cu_seqlens_q[1:] = torch.tensor(q_lens).cumsum(0)
     return {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_tables": block_tables, "cu_seqlens_q": cu_seqlens_q,
@@ -123,6 +115,43 @@ def test_decode_kernel_matches_reference(small_tiles, num_splits):
     expected = reference.paged_attention(**batch)
     actual = kernels.paged_attention(**batch, max_query_len=1, num_splits=num_splits)
     torch.testing.assert_close(actual, expected, **FP32_TOL)
+
+
+@pytest.mark.parametrize("block_size", [16, 5])
+@pytest.mark.parametrize("num_splits", [2, 3, 16])
+def test_split_kv_prefill_matches_reference(small_tiles, block_size, num_splits):
+    """Each query block's visible positions cut into num_splits shares of whole 16-position tiles: shares
+    that end inside the causal tail, lie wholly above a row's position, or past the end (16 splits of a
+    9-token prompt), merged per (token, head)."""
+    batch = make_batch(LONG_PREFIX, block_size, head_dim=16, seed=num_splits + block_size)
+    actual = kernels.paged_attention(**batch, max_query_len=16, num_splits=num_splits)
+    torch.testing.assert_close(actual, reference.paged_attention(**batch), **FP32_TOL)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,block_size", [(4, 4, 7), (8, 1, 16), (6, 2, 1)])
+def test_split_kv_prefill_gqa_groups(small_tiles, num_heads, num_kv_heads, block_size):
+    """Groups of 1, 8 and 3 query heads per KV head: 16, 2 and 5 tokens per 16-row query tile."""
+    batch = make_batch([(130, 7), (40, 40), (66, 2)], block_size, head_dim=32, seed=num_heads,
+                       num_heads=num_heads, num_kv_heads=num_kv_heads)
+    actual = kernels.paged_attention(**batch, num_splits=4)
+    torch.testing.assert_close(actual, reference.paged_attention(**batch), **FP32_TOL)
+
+
+def test_short_chunk_over_long_prefix_splits_by_default(monkeypatch):
+    """A 3-token chunk after 597 cached tokens is one query block per KV head (2 programs, the CPU stand-in
+    counts 4 SMs): the planner splits it over the 624-position block table, and the result is unchanged."""
+    planned = []
+    plan = cuda_prefill.prefill_num_splits
+
+    def recording_plan(*args):
+        planned.append(plan(*args))
+        return planned[-1]
+
+    monkeypatch.setattr(cuda_prefill, "prefill_num_splits", recording_plan)
+    batch = make_batch([(600, 3)], block_size=16, head_dim=16, seed=2)
+    actual = kernels.paged_attention(**batch, max_query_len=3)
+    assert planned == [3]  # 2 programs per SM want 4 splits; 624 positions hold 3 of 256
+    torch.testing.assert_close(actual, reference.paged_attention(**batch), **FP32_TOL)
 
 
 def test_decode_rows_through_prefill_kernel(small_tiles):
@@ -198,9 +227,9 @@ def test_fp8_cache_round_trip_with_scales():
                 "cu_seqlens_q": torch.tensor([0, 2]), "seq_lens": torch.tensor([num_tokens]), "scale": 0.25}
     expected = reference.paged_attention(k_cache=k_cache.float() * k_scale, v_cache=v_cache.float() * v_scale,
                                          **args)
-    for max_query_len in (2, None):
+    for max_query_len, num_splits in ((2, None), (2, 3), (None, None)):
         actual = kernels.paged_attention(k_cache=k_cache, v_cache=v_cache, **args, max_query_len=max_query_len,
-                                         k_scale=k_scale, v_scale=v_scale)
+                                         k_scale=k_scale, v_scale=v_scale, num_splits=num_splits)
         torch.testing.assert_close(actual, expected, **FP32_TOL)
     decode_args = dict(args, q=q[:1], cu_seqlens_q=torch.tensor([0, 1]))
     expected = reference.paged_attention(k_cache=k_cache.float() * k_scale, v_cache=v_cache.float() * v_scale,
@@ -218,6 +247,18 @@ def test_num_splits_fill_the_device_from_static_sizes(monkeypatch):
     # A short block table caps the splits at one per 256 positions; a full batch needs none.
     assert cuda_decode.decode_num_splits(1, 4, 1024, cpu) == 4
     assert cuda_decode.decode_num_splits(256, 4, 262144, cpu) == 1
+
+
+def test_prefill_splits_only_small_grids_over_wide_tables(monkeypatch):
+    monkeypatch.setattr(cuda_prefill, "_sm_count", lambda device: 132)
+    cpu = torch.device("cpu")
+    # 16 tokens after 36,864 cached at 27B shapes: 1 query block x 4 KV heads, 2 programs per SM wanted.
+    assert cuda_prefill.prefill_num_splits(4, 36880, cpu) == 66
+    assert cuda_prefill.prefill_num_splits(100, 36880, cpu) == 3
+    # A narrow table (a fresh short prompt) or a grid of a full wave is not split.
+    assert cuda_prefill.prefill_num_splits(4, 256, cpu) == 1
+    assert cuda_prefill.prefill_num_splits(132, 262144, cpu) == 1
+    assert cuda_prefill.prefill_num_splits(1, 1 << 20, cpu) == cuda_prefill.PREFILL_MAX_SPLITS
 
 
 @pytest.mark.parametrize("change,message", [

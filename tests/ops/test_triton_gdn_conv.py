@@ -10,6 +10,8 @@ process to the interpreter (the GPU tests cover the compiled kernels there).
 """
 
 import os
+import sys
+import types
 
 import pytest
 import torch
@@ -22,6 +24,9 @@ pytest.importorskip("triton")
 from deltaserve.ops import conv1d, gdn  # the reference path on CPU tensors
 from deltaserve.ops.conv1d import cuda as conv_kernels
 from deltaserve.ops.gdn import cuda as gdn_kernels
+from tests.ops.interpreter import patch_interpreter_index
+
+patch_interpreter_index()  # the recurrent prefill loops over tokens cu_seqlens[n] .. cu_seqlens[n+1]
 
 # Lengths include 0 (an empty sequence), lengths below W-1 (the state keeps old columns) and 40 (a sequence
 # spanning two 32-token blocks of the prefill kernel). Slots are out of order; slots 1, 4 and 9 belong to
@@ -212,3 +217,119 @@ def test_gdn_decode_computes_raw_gates_like_the_reference():
     actual = gdn_kernels.gdn_decode(q, k, v, a, b, actual_pool, slots, A_log=A_log, dt_bias=dt_bias)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(actual_pool, expected_pool, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- gated delta rule prefill (recurrent kernel)
+
+# Short chunks of a prefix-cache hit and fresh prompts: lengths 0 to 70 (past the default threshold of 64 too,
+# which the tests raise: the kernel itself has no limit), out-of-order slots, some without initial state.
+RECURRENT_LENGTHS = [16, 1, 0, 70, 5, 64, 2, 0, 33]
+RECURRENT_SLOTS = [3, 10, 0, 7, 12, 5, 1, 9, 4]
+RECURRENT_HAS_INITIAL = [True, False, True, True, False, True, True, False, False]
+RECURRENT_NUM_SLOTS = 14  # 2, 6, 8, 11 and 13 belong to nobody
+
+
+def prefill_inputs(lengths, key_heads, value_heads, key_dim, value_dim, dtype, gen):
+    """q, k, v as strided column views of one [T, 2*HK*K + HV*V] tensor (as the layer slices the conv
+    output), g [T, HV] float32 <= 0, beta [T, HV]."""
+    num_tokens = sum(lengths)
+    mixed = torch.randn(num_tokens, 2 * key_heads * key_dim + value_heads * value_dim, generator=gen).to(dtype)
+    q, k, v = mixed.split([key_heads * key_dim, key_heads * key_dim, value_heads * value_dim], dim=-1)
+    q, k = q.view(num_tokens, key_heads, key_dim), k.view(num_tokens, key_heads, key_dim)
+    v = v.view(num_tokens, value_heads, value_dim)
+    g = torch.nn.functional.logsigmoid(torch.randn(num_tokens, value_heads, generator=gen) + 2)
+    beta = torch.rand(num_tokens, value_heads, generator=gen).to(dtype)
+    return q, k, v, g, beta
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "key_heads, value_heads, key_dim, value_dim",
+    [(2, 6, 16, 16), (1, 4, 32, 32), (3, 3, 16, 32)],  # GVA 3, GVA 4 over two value blocks, no GVA
+)
+def test_gdn_recurrent_prefill_matches_reference(monkeypatch, pool_dtype, key_heads, value_heads, key_dim,
+                                                 value_dim):
+    """The recurrent kernel against the chunked reference: outputs, every touched slot's final state (fresh
+    slots hold NaN, which must not leak), untouched slots bit-identical; then a second chunk continues."""
+    monkeypatch.setattr(gdn_kernels, "RECURRENT_PREFILL_MAX_LEN", max(RECURRENT_LENGTHS))
+    gen = torch.Generator().manual_seed(key_heads + value_heads + key_dim + value_dim)
+    cu, slots, has_initial = varlen_batch(RECURRENT_LENGTHS, RECURRENT_SLOTS, RECURRENT_HAS_INITIAL)
+    shape = (RECURRENT_NUM_SLOTS, value_heads, key_dim, value_dim)
+    pool = random_pool(shape, pool_dtype, RECURRENT_SLOTS, RECURRENT_HAS_INITIAL, gen)
+    expected_pool, actual_pool = pool.clone(), pool.clone()
+    dtype = pool_dtype  # float32 inputs for a tight check of the math; bf16 inputs with a bf16 pool
+
+    inputs = prefill_inputs(RECURRENT_LENGTHS, key_heads, value_heads, key_dim, value_dim, dtype, gen)
+    expected = gdn.gdn_prefill(*inputs, expected_pool, slots, has_initial, cu)
+    actual = gdn_kernels.gdn_prefill(*inputs, actual_pool, slots, has_initial, cu,
+                                     max_query_len=max(RECURRENT_LENGTHS))
+    assert actual.dtype == dtype and actual.shape == inputs[2].shape
+    torch.testing.assert_close(actual, expected, **TOLERANCES[dtype])
+    assert_pools_match(actual_pool, expected_pool, pool_dtype)
+    assert not actual_pool[slots].isnan().any()
+    untouched = [s for s in range(RECURRENT_NUM_SLOTS) if s not in RECURRENT_SLOTS]
+    assert torch.equal(actual_pool[untouched].nan_to_num(), pool[untouched].nan_to_num())
+
+    # The next chunk continues every sequence from the kernel's states (the reference from the same ones, so
+    # bf16 rounding differences do not compound).
+    lengths = [3, 0, 1, 9, 2, 1, 0, 4, 1]
+    cu, _, has_initial = varlen_batch(lengths, RECURRENT_SLOTS, [True] * len(lengths))
+    expected_pool = actual_pool.clone()
+    inputs = prefill_inputs(lengths, key_heads, value_heads, key_dim, value_dim, dtype, gen)
+    expected = gdn.gdn_prefill(*inputs, expected_pool, slots, has_initial, cu)
+    actual = gdn_kernels.gdn_prefill(*inputs, actual_pool, slots, has_initial, cu, max_query_len=max(lengths))
+    torch.testing.assert_close(actual, expected, **TOLERANCES[dtype])
+    assert_pools_match(actual_pool, expected_pool, pool_dtype)
+
+
+def test_gdn_recurrent_prefill_of_single_tokens_equals_decode():
+    """One token per sequence with an initial state: the varlen loop and the decode step are the same math."""
+    gen = torch.Generator().manual_seed(5)
+    slots = torch.tensor([2, 0, 3])
+    q, k, v, g, beta = gdn_step_inputs(3, 2, 4, 16, 32, torch.float32, gen)
+    pool = torch.randn(4, 4, 16, 32, generator=gen)
+    decoded_pool, prefilled_pool = pool.clone(), pool.clone()
+    decoded = gdn_kernels.gdn_decode(q, k, v, g, beta, decoded_pool, slots)
+    cu, _, has_initial = varlen_batch([1, 1, 1], [2, 0, 3], [True] * 3)
+    prefilled = gdn_kernels.gdn_prefill(q, k, v, g, beta, prefilled_pool, slots, has_initial, cu, max_query_len=1)
+    torch.testing.assert_close(prefilled, decoded, atol=0, rtol=0)
+    torch.testing.assert_close(prefilled_pool, decoded_pool, atol=0, rtol=0)
+
+
+def test_gdn_recurrent_prefill_without_tokens_zeroes_fresh_slots():
+    """A batch of empty sequences: fresh slots (NaN garbage) become zeros, the others keep their state."""
+    gen = torch.Generator().manual_seed(6)
+    slots, has_initial = torch.tensor([1, 2]), torch.tensor([False, True])
+    pool = random_pool((3, 2, 16, 16), torch.float32, [1, 2], [False, True], gen)
+    expected_pool = pool.clone()
+    expected_pool[1] = 0.0
+    q, k, v, g, beta = gdn_step_inputs(0, 1, 2, 16, 16, torch.float32, gen)
+    out = gdn_kernels.gdn_prefill(q, k, v, g, beta, pool, slots, has_initial, torch.tensor([0, 0, 0]),
+                                  max_query_len=0)
+    assert out.shape == (0, 2, 16)
+    assert torch.equal(pool, expected_pool)
+
+
+def test_gdn_prefill_takes_fla_for_long_or_unknown_lengths(monkeypatch):
+    """max_query_len above RECURRENT_PREFILL_MAX_LEN, or unknown, runs fla's chunked path (a stand-in here)."""
+    calls = []
+
+    def chunk_gated_delta_rule(q, k, v, g, beta, initial_state, **kwargs):
+        calls.append(q.shape[1])  # tokens of the [1, T, H, D] varlen input
+        return v.clone(), initial_state
+
+    fake_fla = types.ModuleType("fla.ops.gated_delta_rule")
+    fake_fla.chunk_gated_delta_rule = chunk_gated_delta_rule
+    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", fake_fla)
+    gen = torch.Generator().manual_seed(7)
+    longest = gdn_kernels.RECURRENT_PREFILL_MAX_LEN
+    lengths = [longest + 1, 3]
+    inputs = prefill_inputs(lengths, 1, 2, 16, 16, torch.float32, gen)
+    cu, slots, has_initial = varlen_batch(lengths, [0, 1], [True, True])
+    pool = torch.randn(2, 2, 16, 16, generator=gen)
+    for max_query_len in (longest + 1, None):
+        gdn_kernels.gdn_prefill(*inputs, pool, slots, has_initial, cu, max_query_len=max_query_len)
+    assert calls == [sum(lengths)] * 2
+    # At the threshold the recurrent kernel runs (it would run this batch correctly whatever its lengths).
+    gdn_kernels.gdn_prefill(*inputs, pool, slots, has_initial, cu, max_query_len=longest)
+    assert len(calls) == 2

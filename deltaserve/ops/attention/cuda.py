@@ -2,7 +2,9 @@
 
     write_kv_cache    one program per token scatters its K/V rows into the cache, cast to the cache dtype
     paged_attention   max_query_len == 1: flash-decoding with split KV (`cuda_decode.py`);
-                      otherwise: flash-attention forward over varlen queries (`cuda_prefill.py`)
+                      otherwise: flash-attention forward over varlen queries (`cuda_prefill.py`), split
+                      over KV too when its grid is small and the block table wide (short chunks over
+                      long cached prefixes)
 
 Caches may be bf16, float16, float32 or float8_e4m3fn; queries bf16, float16 or float32. An fp8 cache stores
 x / scale per tensor (`k_scale`, `v_scale`, Python floats); the kernels multiply the scale back in (K's into
@@ -105,7 +107,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, s
         sequence must then have at most one query token); None or more runs the prefill kernel, which also
         serves decode rows and needs no host sync either.
     k_scale, v_scale: the cache holds K / k_scale and V / v_scale (fp8).
-    num_splits: decode only; None picks it from the batch size and block_tables width (graph-safe).
+    num_splits: programs sharing each query block's KV positions; None picks it from the grid size and
+        block_tables width (graph-safe); 1 never splits.
 
     Returns o: [T, n_heads, hd] in q.dtype.
     """
@@ -146,7 +149,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, s
     if max_query_len == 1:
         launch_decode(*args, num_splits=num_splits)
     else:
-        launch_prefill(*args)
+        launch_prefill(*args, num_splits=num_splits)
     return out
 
 

@@ -4,20 +4,25 @@ A single sequence at 128K context is 4 KV heads of work: far too little to fill 
 KV positions are split. The first kernel runs a grid (N, n_kv, num_splits); each program attends the G query
 heads of its KV head group (G = n_heads / n_kv; every K/V tile is loaded once for all G heads) to its share
 of the sequence and writes a partial result: the normalized output and its log2-sum-exp. The second kernel
-merges the splits of each (sequence, head).
+(`merge_splits_kernel`, shared with the prefill kernel's split-KV path) merges the splits of each
+(sequence, head).
 
 CUDA graphs: the launch depends only on shapes. num_splits comes from the batch size and the block_tables
 width (fixed for a captured graph); each program reads seq_lens on the device, takes a 1/num_splits share of
 the sequence (rounded up to whole KV tiles), and splits past the end write an empty partial (lse = -inf).
 """
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from deltaserve.ops.attention.cuda_prefill import attend_kv_range
+from deltaserve.ops.attention.cuda_prefill import (
+    MERGE_NUM_WARPS,
+    _sm_count,
+    attend_kv_range,
+    merge_splits_kernel,
+    store_split_partial,
+)
 
 __all__ = ["decode_num_splits", "launch_decode"]
 
@@ -30,15 +35,6 @@ DECODE_NUM_STAGES = 2
 DECODE_PROGRAMS_PER_SM = 2  # split until about this many programs per SM are launched
 DECODE_MIN_TOKENS_PER_SPLIT = 256  # never plan splits shorter than this over the block_tables capacity
 DECODE_MAX_SPLITS = 128
-REDUCE_NUM_WARPS = 4
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device; a stand-in of 4 for CPU tensors (the Triton interpreter)."""
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, device: torch.device) -> int:
@@ -91,47 +87,8 @@ def _decode_split_kernel(
         k_cache + kv_head * stride_kv_head, v_cache + kv_head * stride_kv_head, stride_block, stride_slot,
         qk_scale, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, PRECISION, MASKED=True,
     )
-    has_keys = l_i > 0  # [HP] False for an empty split
-    l_safe = tl.where(has_keys, l_i, 1.0)
-    result = acc * (v_scale / l_safe)[:, None]  # normalized partial output; 0 for an empty split
-    lse = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))  # log2-domain log-sum-exp of the scores
-    slot = (seq * num_heads + heads).to(tl.int64) * num_splits + split  # [HP] index into [N, H, splits]
-    tl.store(partial_lse + slot, lse, mask=row_ok)
-    tl.store(partial_out + slot[:, None] * HEAD_DIM + dims[None, :], result, mask=q_mask)
-
-
-@triton.jit(do_not_specialize=["num_splits"])
-def _decode_reduce_kernel(
-    out, partial_out, partial_lse, cu_seqlens_q, num_heads, num_splits, stride_o_tok, stride_o_head,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-):
-    """Grid (N, n_heads): out[token, head] = sum_s w_s * partial_s, w_s proportional to 2^lse_s."""
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    q_start = tl.load(cu_seqlens_q + seq)
-    if tl.load(cu_seqlens_q + seq + 1) == q_start:
-        return
-    dims = tl.arange(0, HEAD_DIM_PAD)
-    dim_ok = dims < HEAD_DIM
-    first = (seq * num_heads + head).to(tl.int64) * num_splits
-    acc = tl.zeros([HEAD_DIM_PAD], dtype=tl.float32)
-    lse_max = float("-inf")
-    weight_sum = 0.0
-    # The same online rescaling as the attention loop, one split at a time (the splits are few).
-    for split in range(num_splits):
-        lse = tl.load(partial_lse + first + split)
-        new_max = tl.maximum(lse_max, lse)
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-        rescale = tl.exp2(lse_max - shift)
-        weight = tl.exp2(lse - shift)
-        part = tl.load(partial_out + (first + split) * HEAD_DIM + dims, mask=dim_ok, other=0.0)  # [D]
-        acc = acc * rescale + weight * part
-        weight_sum = weight_sum * rescale + weight
-        lse_max = new_max
-    # weight_sum is 0 only for a sequence with no keys at all (seq_len 0): write zeros, not NaN.
-    result = acc / tl.where(weight_sum > 0, weight_sum, 1.0)
-    o_row = q_start.to(tl.int64) * stride_o_tok + head * stride_o_head
-    tl.store(out + o_row + dims, result.to(out.dtype.element_ty), mask=dim_ok)
+    index = (seq * num_heads + heads).to(tl.int64) * num_splits + split  # [HP] row of [N, H, splits]
+    store_split_partial(partial_out, partial_lse, index, acc, m_i, l_i, v_scale, row_ok, dims, HEAD_DIM)
 
 
 def launch_decode(q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens, qk_scale: float,
@@ -160,7 +117,7 @@ def launch_decode(q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens
         HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n, DOT_DTYPE=dot_dtype,
         PRECISION=precision, num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES,
     )
-    _decode_reduce_kernel[(num_seqs, num_heads)](
+    merge_splits_kernel[(num_seqs, num_heads)](
         out, partial_out, partial_lse, cu_seqlens_q, num_heads, num_splits, out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, num_warps=REDUCE_NUM_WARPS,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, num_warps=MERGE_NUM_WARPS,
     )

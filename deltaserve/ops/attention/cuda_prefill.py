@@ -13,14 +13,24 @@ finds its sequence by binary search and exits if its block lies past the sequenc
 BLOCK_N cache rows at a time through the block table (any block_size works: each row computes its own block
 id and offset), keeps the running max m, sum l and output acc in float32 and works in the log2 domain (the
 scale passed in already holds log2(e), so exp2 replaces exp).
+
+Split KV (short chunks over long prefixes, e.g. a prefix-cache hit: 16 new tokens after 36,864 cached give
+one query block per KV head, 4 programs on a 132-SM GPU): a third grid axis of num_splits divides each query
+block's visible positions [0, last_pos + 1) into whole-tile shares. Each program writes a float32 partial
+(its rows' output normalized by its own sum, and that sum's log2-sum-exp) per (token, head, split), and
+`merge_splits_kernel` combines them, one program per (token, head). The decode kernel shares both halves.
+num_splits comes from static sizes only (`prefill_num_splits`), so no launch reads a device value back.
 """
 
+import functools
 from typing import NamedTuple
 
+import torch
 import triton
 import triton.language as tl
 
-__all__ = ["TileConfig", "attend_kv_range", "launch_prefill", "prefill_tiles"]
+__all__ = ["TileConfig", "attend_kv_range", "launch_prefill", "merge_splits_kernel", "prefill_num_splits",
+           "prefill_tiles", "store_split_partial"]
 
 
 class TileConfig(NamedTuple):
@@ -42,6 +52,14 @@ PREFILL_TILES = {
 # tiles keep them compiling quickly and without spills. A correctness path (tests), not a fast one.
 PREFILL_TILES_FLOAT32 = TileConfig(block_m=32, block_n=16, num_warps=4, num_stages=2)
 
+# Split KV, to be tuned on an H200: split only a grid below one wave of programs, until about this many
+# programs per SM run, each over at least this many positions of the block_tables capacity. A split also
+# writes and rereads BLOCK_M x head_dim float32 partials, so it must read much more KV than that.
+PREFILL_PROGRAMS_PER_SM = 2
+PREFILL_MIN_TOKENS_PER_SPLIT = 256
+PREFILL_MAX_SPLITS = 128
+MERGE_NUM_WARPS = 4
+
 
 def prefill_tiles(head_dim_pad: int, group: int, float32_dots: bool = False) -> TileConfig:
     """The tile config for this padded head_dim, with BLOCK_M widened to hold at least one token's G heads."""
@@ -51,6 +69,28 @@ def prefill_tiles(head_dim_pad: int, group: int, float32_dots: bool = False) -> 
         fitting = [dim for dim in sorted(PREFILL_TILES) if dim >= head_dim_pad]
         tiles = PREFILL_TILES[fitting[0] if fitting else max(PREFILL_TILES)]
     return tiles._replace(block_m=max(tiles.block_m, triton.next_power_of_2(group)))
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; a stand-in of 4 for CPU tensors (the Triton interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def prefill_num_splits(num_programs: int, max_kv_len: int, device: torch.device) -> int:
+    """How many programs share one query block's KV, from static quantities only (graph-safe).
+
+    num_programs: the unsplit grid's size; max_kv_len: the longest sequence block_tables can describe (its
+    width times block_size). 1 (no split) for a grid that already fills the device or a narrow table.
+    """
+    sm_count = _sm_count(device)
+    if num_programs >= sm_count:
+        return 1
+    wanted = triton.cdiv(PREFILL_PROGRAMS_PER_SM * sm_count, max(1, num_programs))
+    useful = triton.cdiv(max_kv_len, PREFILL_MIN_TOKENS_PER_SPLIT)
+    return max(1, min(wanted, useful, PREFILL_MAX_SPLITS))
 
 
 @triton.jit
@@ -98,6 +138,69 @@ def attend_kv_range(
 
 
 @triton.jit
+def store_split_partial(partial_out, partial_lse, index, acc, m_i, l_i, v_scale, row_ok, dims,
+                        HEAD_DIM: tl.constexpr):
+    """Store one split's rows: the output normalized by the split's own sum, and that sum's log2-sum-exp.
+
+    index: [M] int64 row of each tile row in the [rows, num_splits] partials; acc [M, D], m_i, l_i [M] as
+    `attend_kv_range` leaves them. A row that saw no position gets output 0 and lse -inf (weight 0).
+    """
+    has_keys = l_i > 0  # [M]
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    result = acc * (v_scale / l_safe)[:, None]  # [M, D]
+    lse = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))  # log2 domain, like m_i
+    tl.store(partial_lse + index, lse, mask=row_ok)
+    mask = row_ok[:, None] & (dims < HEAD_DIM)[None, :]
+    tl.store(partial_out + index[:, None] * HEAD_DIM + dims[None, :], result, mask=mask)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def merge_splits_kernel(
+    out, partial_out, partial_lse, cu_seqlens_q, num_heads, num_splits, stride_o_tok, stride_o_head,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, MERGE_SPLIT_BLOCK: tl.constexpr = 16,
+):
+    """Grid (rows, n_heads): out[token, head] = sum_s w_s * partial_s, w_s proportional to 2^lse_s.
+
+    partial_out: [rows, n_heads, num_splits, HEAD_DIM] and partial_lse: [rows, n_heads, num_splits] float32.
+    Row r is token r when cu_seqlens_q is None (split prefill); otherwise sequence r, whose one query token
+    is cu_seqlens_q[r] (decode; a sequence without a query is skipped).
+    """
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    if cu_seqlens_q is None:
+        token = row
+    else:
+        token = tl.load(cu_seqlens_q + row)
+        if tl.load(cu_seqlens_q + row + 1) == token:
+            return
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_ok = dims < HEAD_DIM
+    first = (row * num_heads + head).to(tl.int64) * num_splits
+    acc = tl.zeros([HEAD_DIM_PAD], dtype=tl.float32)
+    lse_max = float("-inf")
+    weight_sum = 0.0
+    # The same online rescaling as the attention loop, MERGE_SPLIT_BLOCK splits per load: decode at batch 1
+    # plans ~66 splits, and one dependent load per split would make the merge latency-bound.
+    for start in range(0, num_splits, MERGE_SPLIT_BLOCK):
+        splits = start + tl.arange(0, MERGE_SPLIT_BLOCK)  # [SB]
+        split_ok = splits < num_splits
+        lse = tl.load(partial_lse + first + splits, mask=split_ok, other=float("-inf"))  # [SB]
+        new_max = tl.maximum(lse_max, tl.max(lse, axis=0))
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        rescale = tl.exp2(lse_max - shift)
+        weights = tl.exp2(lse - shift)  # [SB], 0 for empty or missing splits
+        parts = tl.load(partial_out + (first + splits)[:, None] * HEAD_DIM + dims[None, :],
+                        mask=split_ok[:, None] & dim_ok[None, :], other=0.0)  # [SB, D]
+        acc = acc * rescale + tl.sum(weights[:, None] * parts, axis=0)
+        weight_sum = weight_sum * rescale + tl.sum(weights, axis=0)
+        lse_max = new_max
+    # weight_sum is 0 only for a query with no keys at all (seq_len 0): write zeros, not NaN.
+    result = acc / tl.where(weight_sum > 0, weight_sum, 1.0)
+    o_row = token.to(tl.int64) * stride_o_tok + head * stride_o_head
+    tl.store(out + o_row + dims, result.to(out.dtype.element_ty), mask=dim_ok)
+
+
+@triton.jit
 def _find_sequence(cu_seqlens_q, num_seqs, block, TOKENS_PER_BLOCK: tl.constexpr):
     """The last sequence n whose first query block, cu_seqlens_q[n] // TOKENS_PER_BLOCK + n, is <= block."""
     lo = 0
@@ -111,16 +214,19 @@ def _find_sequence(cu_seqlens_q, num_seqs, block, TOKENS_PER_BLOCK: tl.constexpr
     return lo
 
 
-@triton.jit(do_not_specialize=["num_seqs"])
+@triton.jit(do_not_specialize=["num_seqs", "num_splits"])
 def _prefill_kernel(
-    q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens,
-    num_seqs, qk_scale, v_scale,
+    q, k_cache, v_cache, out, partial_out, partial_lse, block_tables, cu_seqlens_q, seq_lens,
+    num_seqs, num_heads, num_splits, qk_scale, v_scale,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_block, stride_slot, stride_kv_head, stride_table,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT_KV: tl.constexpr,
 ):
-    """Grid (T // tokens_per_block + N, n_kv). Writes out rows of the program's tokens x G heads."""
+    """Grid (T // tokens_per_block + N, n_kv, num_splits). Writes out rows of the program's tokens x G heads;
+    with SPLIT_KV, their partials over its split instead: partial_out [T, n_heads, num_splits, hd] and
+    partial_lse [T, n_heads, num_splits] (num_splits is 1 and the partials None without it)."""
     TOKENS_PER_BLOCK: tl.constexpr = BLOCK_M // GROUP
     # Launch the last query blocks first: under the causal mask they attend the most positions, and starting
     # the longest programs early leaves short ones to fill the tail of the grid.
@@ -157,27 +263,43 @@ def _prefill_kernel(
     # only the tiles from there to the last row's position need the causal mask.
     full_end = (prefix + first_token + 1) // BLOCK_N * BLOCK_N
     last_pos = prefix + tl.minimum(first_token + TOKENS_PER_BLOCK, q_len) - 1
+    if SPLIT_KV:
+        # This program's share of [0, last_pos + 1): whole BLOCK_N tiles from kv_lo, so the unmasked part
+        # [kv_lo, unmasked_end) starts and ends on tile multiples and stays below full_end.
+        split = tl.program_id(2)
+        tokens_per_split = tl.cdiv(tl.cdiv(last_pos + 1, num_splits), BLOCK_N) * BLOCK_N
+        kv_lo = split * tokens_per_split
+        unmasked_end = tl.minimum(full_end, kv_lo + tokens_per_split)  # < kv_lo when the split lies above
+        masked_start = tl.maximum(kv_lo, unmasked_end)
+        kv_hi = tl.minimum(kv_lo + tokens_per_split, last_pos + 1)  # <= kv_lo for splits past the end
+    else:
+        kv_lo, unmasked_end, masked_start, kv_hi = 0, full_end, full_end, last_pos + 1
     acc, m_i, l_i = attend_kv_range(
-        acc, m_i, l_i, q_tile, row_pos, 0, full_end, table_row, k_head, v_head, stride_block, stride_slot,
-        qk_scale, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, PRECISION, MASKED=False,
+        acc, m_i, l_i, q_tile, row_pos, kv_lo, unmasked_end, table_row, k_head, v_head, stride_block,
+        stride_slot, qk_scale, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, PRECISION, MASKED=False,
     )
     acc, m_i, l_i = attend_kv_range(
-        acc, m_i, l_i, q_tile, row_pos, full_end, last_pos + 1, table_row, k_head, v_head, stride_block,
+        acc, m_i, l_i, q_tile, row_pos, masked_start, kv_hi, table_row, k_head, v_head, stride_block,
         stride_slot, qk_scale, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, PRECISION, MASKED=True,
     )
-    # The stored V was divided by v_scale (fp8 caches); the weights sum to 1, so scaling the output suffices.
-    l_safe = tl.where(l_i > 0, l_i, 1.0)
-    result = acc * (v_scale / l_safe)[:, None]
-    o_rows = (q_start + tokens).to(tl.int64) * stride_o_tok + heads * stride_o_head
-    tl.store(out + o_rows[:, None] + dims[None, :], result.to(out.dtype.element_ty), mask=q_mask)
+    if SPLIT_KV:
+        index = ((q_start + tokens).to(tl.int64) * num_heads + heads) * num_splits + split  # [M]
+        store_split_partial(partial_out, partial_lse, index, acc, m_i, l_i, v_scale, row_ok, dims, HEAD_DIM)
+    else:
+        # The stored V was divided by v_scale (fp8 caches); the weights sum to 1, so scaling the output suffices.
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        result = acc * (v_scale / l_safe)[:, None]
+        o_rows = (q_start + tokens).to(tl.int64) * stride_o_tok + heads * stride_o_head
+        tl.store(out + o_rows[:, None] + dims[None, :], result.to(out.dtype.element_ty), mask=q_mask)
 
 
 def launch_prefill(q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens, qk_scale: float,
-                   v_scale: float, dot_dtype, precision: str) -> None:
+                   v_scale: float, dot_dtype, precision: str, num_splits: int | None = None) -> None:
     """Fill out [T, n_heads, hd] with causal paged attention; shapes as `reference.paged_attention`.
 
     qk_scale already holds log2(e) and the K scale; q, out, the caches and block_tables have unit stride in
-    their last dimension, and both caches share strides.
+    their last dimension, and both caches share strides. num_splits: None plans it with `prefill_num_splits`;
+    1 runs the unsplit kernel.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -186,13 +308,27 @@ def launch_prefill(q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_len
     tiles = prefill_tiles(head_dim_pad, group, float32_dots=dot_dtype == tl.float32)
     tokens_per_block = tiles.block_m // group
     num_seqs = block_tables.shape[0]
-    grid = (num_tokens // tokens_per_block + num_seqs, num_kv_heads)
-    _prefill_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens,
-        num_seqs, qk_scale, v_scale,
+    num_query_blocks = num_tokens // tokens_per_block + num_seqs
+    if num_splits is None:
+        max_kv_len = block_tables.shape[1] * block_size
+        num_splits = prefill_num_splits(num_query_blocks * num_kv_heads, max_kv_len, q.device)
+    split_kv = num_splits > 1
+    if split_kv:
+        partial_out = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        partial_lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        partial_out = partial_lse = None
+    _prefill_kernel[(num_query_blocks, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, out, partial_out, partial_lse, block_tables, cu_seqlens_q, seq_lens,
+        num_seqs, num_heads, num_splits, qk_scale, v_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, DOT_DTYPE=dot_dtype, PRECISION=precision,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, DOT_DTYPE=dot_dtype, PRECISION=precision, SPLIT_KV=split_kv,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
+    if split_kv:
+        merge_splits_kernel[(num_tokens, num_heads)](
+            out, partial_out, partial_lse, None, num_heads, num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, num_warps=MERGE_NUM_WARPS,
+        )

@@ -7,7 +7,10 @@ Same contract as `deltaserve.ops.gdn.gdn_prefill` / `gdn_decode` (see `reference
   the tile back in place. Decode is memory-bound (27B: 48 heads x 128 x 128 x 4 B = 3 MiB of float32 state
   per layer per sequence, read once and written once), so the kernel touches nothing else of size.
 - `gdn_prefill` calls fla-core 0.6's `chunk_gated_delta_rule` (varlen, B = 1). fla takes and returns dense
-  [N, HV, K, V] float32 states, so the slots are gathered before and scattered after.
+  [N, HV, K, V] float32 states, so the slots are gathered before and scattered after. Its Python wrapper
+  costs ~0.8 ms of CPU per call whatever the chunk size, so batches whose longest sequence has at most
+  RECURRENT_PREFILL_MAX_LEN tokens (a prefix-cache hit's short chunk) take the decode kernel's varlen form
+  instead: the same program steps through its sequence's tokens with the state tile held in registers.
 """
 
 import torch
@@ -20,20 +23,65 @@ from deltaserve.ops.varlen import check_state_pool
 _L2NORM_EPS = 1e-6
 # Value columns per decode program: 48 heads x 8 blocks = 384 programs at batch 1 for 27B (K = V = 128).
 _DECODE_BLOCK_V = 16
+# gdn_prefill runs the recurrent kernel when no sequence has more new tokens than this: one launch and no
+# state gather/scatter, but one token after another (fla's chunks are matmuls). A starting point, to be tuned
+# on an H200 against fla's chunked path (the break-even moves with the batch's sequence count).
+RECURRENT_PREFILL_MAX_LEN = 64
 
 
 @triton.jit
-def _gdn_decode_kernel(
-    q, k, v, g, beta, A_log, dt_bias, out, state_pool, state_slots,
+def _load_token(
+    q, k, v, g, beta, A_log, dt_bias, token, head, key_head, keys, cols, key_ok, col_ok,
     stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-    stride_g_tok, stride_beta_tok, scale, eps,
-    HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, RAW_GATES: tl.constexpr,
+    stride_g_tok, stride_beta_tok, scale, eps, RAW_GATES: tl.constexpr,
 ):
-    """One gated-delta-rule step for the [K, BV] tile of (sequence, value head, value block), in place.
+    """One token's inputs for (value head, value columns), in float32: q [BK] and k [BK] L2-normalised (q also
+    scaled by 1/sqrt(K)), v [BV], the decay exp(g) and the write strength beta.
 
     RAW_GATES: g and beta hold the raw projections a and b; the gates are computed here, as the reference
     does: g = -exp(A_log) * softplus(a + dt_bias) (softplus linear above 20, like torch's), beta = sigmoid(b).
+    """
+    q_vec = tl.load(q + token * stride_q_tok + key_head * stride_q_head + keys, mask=key_ok, other=0.0).to(tl.float32)
+    k_vec = tl.load(k + token * stride_k_tok + key_head * stride_k_head + keys, mask=key_ok, other=0.0).to(tl.float32)
+    q_vec = q_vec / tl.sqrt(tl.sum(q_vec * q_vec) + eps) * scale  # [BK]
+    k_vec = k_vec / tl.sqrt(tl.sum(k_vec * k_vec) + eps)  # [BK]
+    v_vec = tl.load(v + token * stride_v_tok + head * stride_v_head + cols, mask=col_ok, other=0.0).to(tl.float32)
+    g_val = tl.load(g + token * stride_g_tok + head).to(tl.float32)
+    write = tl.load(beta + token * stride_beta_tok + head).to(tl.float32)
+    if RAW_GATES:
+        x = g_val + tl.load(dt_bias + head).to(tl.float32)
+        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
+        g_val = -tl.exp(tl.load(A_log + head).to(tl.float32)) * softplus
+        write = 1.0 / (1.0 + tl.exp(-write))
+    decay = tl.exp(g_val)  # g <= 0, so decay is in (0, 1]
+    return q_vec, k_vec, v_vec, decay, write
+
+
+@triton.jit
+def _delta_step(state, q_vec, k_vec, v_vec, decay, write):
+    """One gated-delta-rule step of the [BK, BV] float32 state tile; returns (new tile, output o [BV])."""
+    state = state * decay  # S = exp(g) S
+    predicted = tl.sum(state * k_vec[:, None], axis=0)  # [BV], S^T k against the decayed state
+    update = write * (v_vec - predicted)  # [BV], u = beta (v - S^T k)
+    state += k_vec[:, None] * update[None, :]  # rank-1 write S += k u^T
+    o_vec = tl.sum(state * q_vec[:, None], axis=0)  # [BV], o = S^T q
+    return state, o_vec
+
+
+@triton.jit
+def _gdn_recurrent_kernel(
+    q, k, v, g, beta, A_log, dt_bias, out, state_pool, state_slots, has_initial_state, cu_seqlens,
+    stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+    stride_g_tok, stride_beta_tok, scale, eps,
+    HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, RAW_GATES: tl.constexpr, VARLEN: tl.constexpr,
+):
+    """Grid (N, HV, cdiv(V, BV)): the [K, BV] state tile of (sequence, value head, value block) is read from
+    the sequence's pool slot, stepped through the sequence's tokens and written back in place.
+
+    VARLEN False (decode): sequence n is token n alone and continues its state; has_initial_state and
+    cu_seqlens are None. VARLEN: its tokens are cu_seqlens[n] .. cu_seqlens[n+1] (maybe none), and a sequence
+    without has_initial_state[n] starts from zeros.
     """
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -42,37 +90,36 @@ def _gdn_decode_kernel(
     cols = tl.program_id(2) * BV + tl.arange(0, BV)  # [BV]
     key_ok = keys < K
     col_ok = cols < V
-
-    # L2-normalise q and k in float32; q also takes the 1/sqrt(K) attention scale.
-    q_vec = tl.load(q + seq * stride_q_tok + key_head * stride_q_head + keys, mask=key_ok, other=0.0).to(tl.float32)
-    k_vec = tl.load(k + seq * stride_k_tok + key_head * stride_k_head + keys, mask=key_ok, other=0.0).to(tl.float32)
-    q_vec = q_vec / tl.sqrt(tl.sum(q_vec * q_vec) + eps) * scale  # [BK]
-    k_vec = k_vec / tl.sqrt(tl.sum(k_vec * k_vec) + eps)  # [BK]
-    v_vec = tl.load(v + seq * stride_v_tok + head * stride_v_head + cols, mask=col_ok, other=0.0).to(tl.float32)
-    g_val = tl.load(g + seq * stride_g_tok + head).to(tl.float32)
-    write = tl.load(beta + seq * stride_beta_tok + head).to(tl.float32)
-    if RAW_GATES:
-        x = g_val + tl.load(dt_bias + head).to(tl.float32)
-        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
-        g_val = -tl.exp(tl.load(A_log + head).to(tl.float32)) * softplus
-        write = 1.0 / (1.0 + tl.exp(-write))
-    decay = tl.exp(g_val)  # g <= 0, so decay is in (0, 1]
-
     slot = tl.load(state_slots + seq).to(tl.int64)
     tile_ptr = state_pool + (slot * HV + head) * (K * V) + keys[:, None] * V + cols[None, :]  # [BK, BV]
     tile_mask = key_ok[:, None] & col_ok[None, :]
-    state = tl.load(tile_ptr, mask=tile_mask, other=0.0).to(tl.float32) * decay  # [BK, BV], S = exp(g) S
+    strides = (stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+               stride_g_tok, stride_beta_tok)
 
-    predicted = tl.sum(state * k_vec[:, None], axis=0)  # [BV], S^T k against the decayed state
-    update = write * (v_vec - predicted)  # [BV], u = beta (v - S^T k)
-    state += k_vec[:, None] * update[None, :]  # rank-1 write S += k u^T
-    o_vec = tl.sum(state * q_vec[:, None], axis=0)  # [BV], o = S^T q
+    if VARLEN:
+        # A fresh slot starts from zeros: masked out of the load, not multiplied by 0 (it may hold NaN garbage,
+        # and NaN * 0 is NaN).
+        has_state = tl.load(has_initial_state + seq) != 0
+        state = tl.load(tile_ptr, mask=tile_mask & has_state, other=0.0).to(tl.float32)  # [BK, BV]
+        for token in range(tl.load(cu_seqlens + seq), tl.load(cu_seqlens + seq + 1)):
+            q_vec, k_vec, v_vec, decay, write = _load_token(
+                q, k, v, g, beta, A_log, dt_bias, token, head, key_head, keys, cols, key_ok, col_ok, *strides,
+                scale, eps, RAW_GATES)
+            state, o_vec = _delta_step(state, q_vec, k_vec, v_vec, decay, write)
+            tl.store(out + (token * HV + head) * V + cols, o_vec.to(out.dtype.element_ty), mask=col_ok)
+    else:
+        # Decode, in the order it always had: the token's small loads, then the state tile's.
+        q_vec, k_vec, v_vec, decay, write = _load_token(
+            q, k, v, g, beta, A_log, dt_bias, seq, head, key_head, keys, cols, key_ok, col_ok, *strides,
+            scale, eps, RAW_GATES)
+        state = tl.load(tile_ptr, mask=tile_mask, other=0.0).to(tl.float32)  # [BK, BV]
+        state, o_vec = _delta_step(state, q_vec, k_vec, v_vec, decay, write)
+        tl.store(out + (seq * HV + head) * V + cols, o_vec.to(out.dtype.element_ty), mask=col_ok)
 
     # Every thread's read of the tile completes before the first write: the update is in place, and a layout
     # may hold one element in two threads.
     tl.debug_barrier()
     tl.store(tile_ptr, state.to(state_pool.dtype.element_ty), mask=tile_mask)
-    tl.store(out + (seq * HV + head) * V + cols, o_vec.to(out.dtype.element_ty), mask=col_ok)
 
 
 def gdn_decode(q, k, v, g, beta, state_pool, state_slots, block_v: int | None = None, A_log=None, dt_bias=None):
@@ -90,41 +137,50 @@ def gdn_decode(q, k, v, g, beta, state_pool, state_slots, block_v: int | None = 
         raise ValueError(f"decode takes one token per sequence: q has {num_seqs} rows but state_slots has "
                          f"{state_slots.shape[0]}")
     if block_v is None:
-        block_v = _DECODE_BLOCK_V if num_seqs < 8 else 2 * _DECODE_BLOCK_V
+        block_v = _decode_block_v(num_seqs)
     if block_v < 1 or block_v & (block_v - 1):
         raise ValueError(f"block_v must be a power of two, got {block_v}")
-    if g.stride(-1) != 1 or beta.stride(-1) != 1:
-        g, beta = g.contiguous(), beta.contiguous()
-    raw_gates = A_log is not None
-    if raw_gates != (dt_bias is not None):
+    g, beta = _unit_last_stride(g), _unit_last_stride(beta)
+    if (A_log is None) != (dt_bias is None):
         raise ValueError("A_log and dt_bias come together (raw gates) or not at all")
     out = torch.empty(num_seqs, value_heads, value_dim, dtype=v.dtype, device=v.device)
     if num_seqs == 0:
         return out
-    block_k = triton.next_power_of_2(key_dim)
-    block_v = min(block_v, triton.next_power_of_2(value_dim))
-    grid = (num_seqs, value_heads, triton.cdiv(value_dim, block_v))
-    _gdn_decode_kernel[grid](
-        q, k, v, g, beta, A_log if raw_gates else g, dt_bias if raw_gates else g, out, state_pool, state_slots,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        g.stride(0), beta.stride(0), key_dim ** -0.5, _L2NORM_EPS,
-        HV=value_heads, GROUP=value_heads // key_heads, K=key_dim, V=value_dim, BK=block_k, BV=block_v,
-        RAW_GATES=raw_gates,
-        # about 32 state values per thread (fla's fused_recurrent kernel runs [128, 8] tiles on one warp)
-        num_warps=max(1, min(4, block_k * block_v // 1024)),
-    )
+    _launch_recurrent(q, k, v, g, beta, out, state_pool, state_slots, None, None, block_v, A_log, dt_bias)
     return out
 
 
-def gdn_prefill(q, k, v, g, beta, state_pool, state_slots, has_initial_state, cu_seqlens, cu_seqlens_cpu=None):
-    """Chunked gated delta rule over varlen prompts through fla-core, states read from and written to the pool.
+def _launch_recurrent(q, k, v, g, beta, out, state_pool, state_slots, has_initial_state, cu_seqlens, block_v,
+                      A_log=None, dt_bias=None):
+    """Run `_gdn_recurrent_kernel` over N = len(state_slots) sequences (varlen when cu_seqlens is given)."""
+    key_heads, key_dim = q.shape[1:]
+    value_heads, value_dim = v.shape[1:]
+    raw_gates = A_log is not None
+    block_k = triton.next_power_of_2(key_dim)
+    block_v = min(block_v, triton.next_power_of_2(value_dim))
+    grid = (state_slots.shape[0], value_heads, triton.cdiv(value_dim, block_v))
+    _gdn_recurrent_kernel[grid](
+        q, k, v, g, beta, A_log if raw_gates else g, dt_bias if raw_gates else g, out, state_pool, state_slots,
+        has_initial_state, cu_seqlens,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        g.stride(0), beta.stride(0), key_dim ** -0.5, _L2NORM_EPS,
+        HV=value_heads, GROUP=value_heads // key_heads, K=key_dim, V=value_dim, BK=block_k, BV=block_v,
+        RAW_GATES=raw_gates, VARLEN=cu_seqlens is not None,
+        # about 32 state values per thread (fla's fused_recurrent kernel runs [128, 8] tiles on one warp)
+        num_warps=max(1, min(4, block_k * block_v // 1024)),
+    )
+
+
+def gdn_prefill(q, k, v, g, beta, state_pool, state_slots, has_initial_state, cu_seqlens, cu_seqlens_cpu=None,
+                max_query_len: int | None = None):
+    """Gated delta rule over varlen prompts, states read from and written to the pool.
 
     q, k: [T, HK, K]; v: [T, HV, V]; g: [T, HV] float32 log decay; beta: [T, HV]; state_pool: [S, HV, K, V]
     (float32 or bf16), updated at state_slots [N] int64; has_initial_state: [N] bool; cu_seqlens: [N+1] int64
-    on the GPU. cu_seqlens_cpu: the same offsets on the CPU, optional: without it fla reads cu_seqlens back
-    to the host once (a device sync) to build its chunk index. Returns o: [T, HV, V] in v.dtype."""
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # optional dependency, GPU only
-
+    on the GPU. max_query_len: the longest sequence's token count, if known; at most RECURRENT_PREFILL_MAX_LEN
+    runs our recurrent kernel (one launch), otherwise fla-core's chunked kernels. cu_seqlens_cpu: the same
+    offsets on the CPU, optional: without it fla reads cu_seqlens back to the host once (a device sync) to
+    build its chunk index. Returns o: [T, HV, V] in v.dtype."""
     num_tokens, _, _ = _check_gdn_inputs(q, k, v, g, beta, state_pool, state_slots)
     num_seqs = state_slots.shape[0]
     if tuple(has_initial_state.shape) != (num_seqs,) or has_initial_state.dtype != torch.bool:
@@ -133,6 +189,18 @@ def gdn_prefill(q, k, v, g, beta, state_pool, state_slots, has_initial_state, cu
     if tuple(cu_seqlens.shape) != (num_seqs + 1,) or cu_seqlens.dtype != torch.int64:
         raise ValueError(f"cu_seqlens must be an int64 [N+1={num_seqs + 1}] tensor, got {cu_seqlens.dtype} "
                          f"{tuple(cu_seqlens.shape)}")
+    if max_query_len is not None and (not isinstance(max_query_len, int) or max_query_len < 0):
+        raise ValueError(f"max_query_len must be a non-negative int or None, got {max_query_len!r}")
+    if max_query_len is not None and max_query_len <= RECURRENT_PREFILL_MAX_LEN:
+        out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        if num_seqs > 0:  # also with no tokens: fresh slots still become zeros
+            g, beta = _unit_last_stride(g), _unit_last_stride(beta)
+            _launch_recurrent(q, k, v, g, beta, out, state_pool, state_slots, has_initial_state, cu_seqlens,
+                              _decode_block_v(num_seqs))
+        return out
+
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # optional dependency, GPU only
+
     if num_seqs == 0 or num_tokens == 0:
         # nothing for fla to run: every sequence is empty, so its final state is its (masked) initial one
         _zero_fresh_slots(state_pool, state_slots, has_initial_state)
@@ -153,6 +221,16 @@ def gdn_prefill(q, k, v, g, beta, state_pool, state_slots, has_initial_state, cu
     )
     state_pool.index_copy_(0, state_slots, final.to(state_pool.dtype))  # final: [N, HV, K, V] float32
     return out[0].to(v.dtype)  # fla returns q.dtype
+
+
+def _decode_block_v(num_seqs: int) -> int:
+    """Value columns per program, measured on an H200 for decode: 16 at small batches, 32 from 8 sequences."""
+    return _DECODE_BLOCK_V if num_seqs < 8 else 2 * _DECODE_BLOCK_V
+
+
+def _unit_last_stride(tensor):
+    """The kernel addresses a token's [HV] gates as contiguous; copy the rare tensor that is not."""
+    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
 
 
 def _zero_fresh_slots(state_pool, state_slots, has_initial_state):
