@@ -10,18 +10,29 @@ enforce_eager; every other step, and every step on the CPU, runs the model eager
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from deltaserve.device import to_device
 from deltaserve.layers.batch import ForwardBatch
+from deltaserve.layers.mlp import SparseMoE
 from deltaserve.model.qwen3_5 import HybridForCausalLM
 from deltaserve.sampling import PendingSample, Sampler
 from deltaserve.sched_output import ModelOutput, SchedulerOutput
 from deltaserve.worker.cuda_graph import DecodeGraphs
 from deltaserve.worker.kv_cache import CacheShape, bind_caches
 from deltaserve.worker.state_copy import restore_checkpoints, save_checkpoints
+
+logger = logging.getLogger(__name__)
+
+
+def graphs_supported(model: HybridForCausalLM) -> bool:
+    """Whether a decode step can be captured: MoE experts run torch's grouped matmul, whose non-bfloat16
+    path copies group offsets to the host."""
+    has_moe = any(isinstance(module, SparseMoE) for module in model.modules())
+    return not has_moe or next(model.parameters()).dtype == torch.bfloat16
 
 
 @dataclass
@@ -44,9 +55,14 @@ class ModelRunner:
         self._last_samples: tuple[dict[str, int], torch.Tensor] = ({}, torch.empty(0, dtype=torch.int64))
         self.graphs: DecodeGraphs | None = None
         if device.type == "cuda":
+            use_graphs = not enforce_eager
+            if use_graphs and not graphs_supported(model):
+                logger.warning("CUDA graphs are off: torch's grouped matmul for non-bfloat16 MoE experts loops "
+                               "on the host")
+                use_graphs = False
             # the graphs' block table is wide enough for the longest sequence; eager steps use their own width
             self.graphs = DecodeGraphs(model, max_num_seqs, -(-max_model_len // self.block_size), device,
-                                       use_graphs=not enforce_eager)
+                                       use_graphs=use_graphs)
             self.graphs.capture()
 
     def _prepare(self, scheduled: SchedulerOutput) -> tuple[torch.Tensor, ForwardBatch]:

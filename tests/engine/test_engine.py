@@ -162,3 +162,15 @@ def test_generate_without_params_uses_the_generation_config(make_checkpoint, tmp
     assert out.token_ids == greedy[0].outputs[0].token_ids and len(out.token_ids) <= 7
     plain = LLM(str(path), max_num_seqs=4, generation_config="vllm")
     assert plain.get_default_sampling_params() == SamplingParams()
+
+
+def test_cuda_graphs_only_where_capturable(make_checkpoint):
+    """torch's grouped matmul copies group offsets to the host except in bfloat16: float32 MoE runs eagerly."""
+    from deltaserve.config import ModelConfig
+    from deltaserve.model.loader import build_model
+    from deltaserve.worker.model_runner import graphs_supported
+
+    for arch, dtype, expected in (("qwen3_5", torch.float32, True), ("qwen3_5_moe", torch.float32, False),
+                                  ("qwen3_next", torch.float32, False), ("qwen3_5_moe", torch.bfloat16, True)):
+        model = build_model(ModelConfig.from_pretrained(make_checkpoint(arch)), dtype, "cpu")
+        assert graphs_supported(model) is expected, (arch, dtype)

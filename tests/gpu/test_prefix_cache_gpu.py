@@ -189,7 +189,8 @@ def check(pairs: list[Pair], label: str, dtype: str, capsys) -> None:
 def test_caching_keeps_greedy_tokens(tame_checkpoint, arch, dtype, capsys):
     """Shared system prompts, multi-turn conversations and prompts diverging at random positions."""
     on, off = engines(tame_checkpoint(arch), dtype=dtype, enforce_eager=False)
-    assert on.engine.runner.graphs.graphs and off.engine.runner.graphs.graphs, "CUDA graphs are off"
+    if arch == "qwen3_5" or dtype == "bfloat16":  # float32 MoE runs eagerly (see graphs_supported)
+        assert on.engine.runner.graphs.graphs and off.engine.runner.graphs.graphs, "CUDA graphs are off"
     rng = random.Random(7)
     pairs, _ = serve("shared system prompt", on, off, greedy(shared_system_prompt_waves(seed=1)))
     pairs += multi_turn(on, off, rng)
