@@ -12,6 +12,7 @@ import argparse
 import json
 import statistics
 import time
+import zlib
 
 import torch
 
@@ -141,6 +142,10 @@ def run_shared_prefix(engine: LLMEngine, prefix_len: int = 36864, suffix_len: in
     With profile_hit, one more hit runs under the profiler and its top kernels are printed."""
     gen = torch.Generator().manual_seed(4)
     vocab = engine.model_config.vocab_size
+    # warm-up: compile the kernels a hit uses (short chunks over a cached prefix) before timing the cold run
+    warm_prefix = torch.randint(0, vocab, (2048,), generator=gen).tolist()
+    for i in range(2):
+        _run_one(engine, f"w4-warm-{i}", warm_prefix + torch.randint(0, vocab, (suffix_len,), generator=gen).tolist(), 1)
     prefix = torch.randint(0, vocab, (prefix_len,), generator=gen).tolist()
     ttfts, cached = [], []
     for i in range(num):
@@ -182,7 +187,8 @@ def profile(engine: LLMEngine, input_len: int = 8192, decode_steps: int = 8) -> 
     """Print where the GPU time of a prompt's prefill and of a few batch-1 decode steps goes (top kernels)."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
-    prompt = torch.randint(0, engine.model_config.vocab_size, (input_len,)).tolist()
+    gen = torch.Generator().manual_seed(7)
+    prompt = torch.randint(0, engine.model_config.vocab_size, (input_len,), generator=gen).tolist()
     engine.add_request("profile", prompt, SamplingParams(temperature=0, max_tokens=decode_steps + 2,
                                                          ignore_eos=True))
     for title in (f"prefill of {input_len} tokens (until the first token)", f"{decode_steps} decode steps, batch 1"):
@@ -201,6 +207,36 @@ def profile(engine: LLMEngine, input_len: int = 8192, decode_steps: int = 8) -> 
         print(f"--- profile: {title}: {steps} steps, wall {1e3 * wall / steps:.2f} ms/step, GPU busy "
               f"{gpu_total / steps:.2f} ms/step", flush=True)
         print(events.table(sort_by="self_cuda_time_total", row_limit=22, max_name_column_width=60), flush=True)
+    while engine.has_unfinished():
+        engine.step()
+    profile_decode_batch(engine)
+
+
+def profile_decode_batch(engine: LLMEngine, batch: int = 64, input_len: int = 1024, decode_steps: int = 8) -> None:
+    """Print where the GPU time of decode steps at `batch` sequences goes (W6's steady state)."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    gen = torch.Generator().manual_seed(8)
+    params = SamplingParams(temperature=0, max_tokens=decode_steps + 8, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"profile-b{i}", torch.randint(0, engine.model_config.vocab_size, (input_len,),
+                                                          generator=gen).tolist(), params)
+    started = set()
+    while len(started) < batch:  # until every prompt is prefilled and decoding
+        started |= {out.request_id for out in engine.step()}
+    engine.step()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        for _ in range(decode_steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    events = prof.key_averages()
+    gpu_total = sum(e.self_device_time_total for e in events) / 1e3
+    print(f"--- profile: {decode_steps} decode steps, batch {batch}: wall {1e3 * wall / decode_steps:.2f} ms/step, "
+          f"GPU busy {gpu_total / decode_steps:.2f} ms/step", flush=True)
+    print(events.table(sort_by="self_cuda_time_total", row_limit=22, max_name_column_width=60), flush=True)
     while engine.has_unfinished():
         engine.step()
 
@@ -251,8 +287,11 @@ def main(argv: list[str] | None = None) -> int:
             continue
         for input_len, output_len, num, conc in WORKLOADS[name]:
             num = max(1, round(num * args.scale))
-            run_workload(engine, min(input_len, 256), 4, 1, 1)  # warm-up
-            r = run_workload(engine, input_len, output_len, num, conc)
+            # Every prompt set draws from its own seed: two runs sharing a seed would share their first
+            # tokens, and the prefix cache would serve the second from the first.
+            seed = zlib.crc32(f"{name} {input_len} {output_len} {conc}".encode())
+            run_workload(engine, min(input_len, 256), 4, 1, 1, seed=seed + 1)  # warm-up
+            r = run_workload(engine, input_len, output_len, num, conc, seed=seed)
             r["workload"] = name
             r["ttft_limit_ms"] = 1e3 * limits.prefill(input_len)
             if r["median_tpot_ms"] is not None:

@@ -13,8 +13,11 @@ from deltaserve.layers.batch import ForwardBatch
 from deltaserve.layers.linear import fuse_linears
 from deltaserve.layers.norm import RMSNorm
 from deltaserve.layers.rotary import PartialRotary
-from deltaserve.ops.attention import paged_attention, write_kv_cache
+from deltaserve.ops.attention import fresh_causal_attention, paged_attention, write_kv_cache
 from deltaserve.ops.rotary import qk_norm_rope
+
+# Prompts shorter than this keep the paged kernel: SDPA's per-sequence launches would cost more than they save.
+FRESH_SDPA_MIN_TOKENS = 512
 
 
 class GatedAttention(nn.Module):
@@ -39,6 +42,12 @@ class GatedAttention(nn.Module):
         """After loading: q, k and v projections become one matmul."""
         self.qkv_weight = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
+    def _fresh_prompts_path(self, q: torch.Tensor, batch: ForwardBatch) -> bool:
+        """Long prompts without a cached prefix run on PyTorch's SDPA (cuDNN), twice as fast as our paged
+        kernel there (docs/performance.md); it reads the unquantized new K/V, so only with a cache of q's dtype."""
+        return (batch.prefix_free and q.is_cuda and batch.max_query_len >= FRESH_SDPA_MIN_TOKENS
+                and q.dtype in (torch.bfloat16, torch.float16) and self.k_cache.dtype == q.dtype)
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]. Writes this step's K/V into the cache, then attends over it."""
         T = x.shape[0]
@@ -52,7 +61,10 @@ class GatedAttention(nn.Module):
         q, k = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, rot.cos, rot.sin,
                             batch.positions, rot.rotary_dim)
         write_kv_cache(k, v, self.k_cache, self.v_cache, batch.slot_mapping)
-        o = paged_attention(q, self.k_cache, self.v_cache, batch.block_tables, batch.cu_seqlens_q,
-                            batch.seq_lens, self.scale, batch.max_query_len)  # [T, nH, hd]
+        if self._fresh_prompts_path(q, batch):  # nothing cached to read: attend the new K/V directly
+            o = fresh_causal_attention(q, k, v.contiguous(), batch.cu_seqlens_cpu, self.scale)
+        else:
+            o = paged_attention(q, self.k_cache, self.v_cache, batch.block_tables, batch.cu_seqlens_q,
+                                batch.seq_lens, self.scale, batch.max_query_len)  # [T, nH, hd]
         o = o * torch.sigmoid(gate)
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))

@@ -30,6 +30,7 @@ class ForwardBatch:
     # object per step, since fla caches what it derives from it by identity
     cu_seqlens_cpu: torch.Tensor | None
     is_decode: bool  # every sequence has one new token and continues from its cached state
+    prefix_free: bool = False  # no sequence has cached tokens (every one starts at position 0)
 
     @property
     def num_seqs(self) -> int:
@@ -69,4 +70,5 @@ class ForwardBatch:
             cu_seqlens_cpu=torch.from_numpy(cu),
             # a sequence that starts now takes the prefill path, which zeroes its state first
             is_decode=bool(np.all((qlens == 1) & (computed > 0))),
+            prefix_free=bool(np.all(computed == 0)),
         )

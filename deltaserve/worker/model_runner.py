@@ -84,8 +84,12 @@ class ModelRunner:
             except KeyError as exc:
                 raise RuntimeError(f"request {exc.args[0]!r} waits for a sample the previous step did not "
                                    "draw") from None
+            if (len(pending) == len(rows) == input_ids.shape[0] == previous_tokens.shape[0]
+                    and sources == list(range(len(rows)))):
+                return previous_tokens, batch  # steady decode: the same rows as last step, in the same order
             last_token = batch.cu_seqlens_cpu[1:] - 1  # [N] row of each sequence's last new token
-            input_ids[to_device(last_token[pending], self.device)] = previous_tokens[to_device(sources, self.device)]
+            input_ids.index_copy_(0, to_device(last_token[pending], self.device),
+                                  previous_tokens.index_select(0, to_device(sources, self.device)))
         return input_ids, batch
 
     @torch.inference_mode()

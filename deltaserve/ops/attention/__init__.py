@@ -6,7 +6,7 @@ the plain-torch reference, which is the oracle.
 
 from deltaserve.ops.attention import reference
 
-__all__ = ["paged_attention", "write_kv_cache"]
+__all__ = ["fresh_causal_attention", "paged_attention", "write_kv_cache"]
 
 
 def write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
@@ -24,3 +24,10 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, s
         from deltaserve.ops.attention.cuda import paged_attention as cuda_attention
         return cuda_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_query_len)
     return reference.paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
+
+
+def fresh_causal_attention(q, k, v, cu_seqlens_cpu, scale: float):
+    """GPU only: causal attention of prompts that all start at position 0, on their new K/V (see
+    `cuda.fresh_causal_attention`); the paged path computes the same (the reference is `paged_attention`)."""
+    from deltaserve.ops.attention.cuda import fresh_causal_attention as cuda_fresh
+    return cuda_fresh(q, k, v, cu_seqlens_cpu, scale)

@@ -1,6 +1,7 @@
 """Triton paged-attention ops: the GPU path of `deltaserve.ops.attention` (same contract as `reference.py`).
 
     write_kv_cache    one program per token scatters its K/V rows into the cache, cast to the cache dtype
+    fresh_causal_attention   prompts without a cached prefix: PyTorch SDPA (cuDNN) on the new K/V itself
     paged_attention   max_query_len == 1: flash-decoding with split KV (`cuda_decode.py`);
                       otherwise: flash-attention forward over varlen queries (`cuda_prefill.py`), split
                       over KV too when its grid is small and the block table wide (short chunks over
@@ -25,7 +26,7 @@ from deltaserve.ops.attention.cuda_decode import launch_decode
 from deltaserve.ops.attention.cuda_prefill import launch_prefill
 from deltaserve.ops.attention.reference import _check_shapes
 
-__all__ = ["paged_attention", "write_kv_cache"]
+__all__ = ["fresh_causal_attention", "paged_attention", "write_kv_cache"]
 
 QUERY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
@@ -150,6 +151,35 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, s
         launch_decode(*args, num_splits=num_splits)
     else:
         launch_prefill(*args, num_splits=num_splits)
+    return out
+
+
+def fresh_causal_attention(q, k, v, cu_seqlens_cpu, scale: float):
+    """Causal attention of prompts that all start at position 0, on their new K/V (no cache read), through
+    PyTorch's SDPA: cuDNN's fused kernel when it takes the shapes, else flash attention.
+
+    Measured on an H200 (`python -m deltaserve.bench.attention_probe`, 27B heads, 8,192 tokens): cuDNN 1.28 ms
+    (643 TFLOP/s) against 2.72 ms for our paged kernel. Over a cached prefix cuDNN is slower than ours (its
+    bottom-right causal mask is not native), so only prefix-free chunks come here.
+    q: [T, n_heads, hd]; k, v: [T, n_kv, hd], bf16 or float16, unit stride in hd; cu_seqlens_cpu: [N+1] on the
+    CPU (no device sync). Returns o: [T, n_heads, hd] in q.dtype.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"fresh_causal_attention takes bf16 or float16 q, k, v of one dtype, got {q.dtype}, "
+                         f"{k.dtype}, {v.dtype}")
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    bounds = cu_seqlens_cpu.tolist()
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            if end == start:
+                continue
+            # [1, heads, L, hd] views; SDPA's GQA repeats each KV head for its group of query heads
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q[start:end].transpose(0, 1)[None], k[start:end].transpose(0, 1)[None],
+                v[start:end].transpose(0, 1)[None], is_causal=True, scale=scale, enable_gqa=True)
+            out[start:end] = o[0].transpose(0, 1)
     return out
 
 
