@@ -106,10 +106,14 @@ class LLMEngine:
         if not ids:
             raise ValueError("the prompt is empty")
         vocab = self.model_config.vocab_size
+        # type() is int excludes bool and every other type; one pass of it plus min/max is several times
+        # cheaper than per-token range checks on a 100K-token prompt
+        if all(type(t) is int for t in ids) and 0 <= min(ids) and max(ids) < vocab:
+            return ids
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]!r} is out of range [0, {vocab})")
-        return ids
+        return ids  # int subclasses (an IntEnum, say) are fine
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Abort requests at any stage, freeing their cache. Unknown or finished ids are ignored."""

@@ -76,6 +76,9 @@ class HybridForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # All GDN layers' state pools, stacked ([layers, slots, ...]); bound by worker/kv_cache.py
+        self.conv_states: torch.Tensor | None = None
+        self.ssm_states: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         return self.model(input_ids, batch)

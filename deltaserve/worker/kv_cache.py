@@ -3,6 +3,7 @@
     attention layers (one pair each)      k, v: [num_blocks, block_size, n_kv, head_dim]   (kv dtype)
     GDN layers (one pair each)            conv: [num_state_slots, conv_dim, W-1]            (model dtype)
                                           ssm:  [num_state_slots, HV, K, V]                 (ssm dtype)
+                                          (views of model.conv_states / model.ssm_states, [layers, ...])
 
 Block 0 and state slot 0 are the null block / dummy slot: padding rows of a batch point at them, and the
 pools never hand them to a request. State rows after the working slots are the prefix cache's checkpoint
@@ -44,11 +45,16 @@ def bind_caches(model: HybridForCausalLM, shape: CacheShape, device: torch.devic
         kv_shape = (shape.num_blocks, shape.block_size, cfg.num_kv_heads, cfg.head_dim)
         attn.k_cache = torch.zeros(kv_shape, dtype=shape.kv_dtype, device=device)
         attn.v_cache = torch.zeros(kv_shape, dtype=shape.kv_dtype, device=device)
-    for gdn in model.gdn_layers:
-        gdn.conv_state = torch.zeros(shape.num_state_slots, cfg.conv_dim, cfg.conv_kernel - 1,
-                                     dtype=conv_dtype, device=device)
-        gdn.ssm_state = torch.zeros(shape.num_state_slots, cfg.gdn_num_v_heads, cfg.gdn_k_dim, cfg.gdn_v_dim,
-                                    dtype=shape.ssm_dtype, device=device)
+    # One tensor per state kind for all GDN layers, each layer's pool a contiguous view of it: a prefix-cache
+    # slot copy is then one gather and one scatter per kind (state_copy.py), not two per layer.
+    layers = model.gdn_layers
+    model.conv_states = torch.zeros(len(layers), shape.num_state_slots, cfg.conv_dim, cfg.conv_kernel - 1,
+                                    dtype=conv_dtype, device=device)  # [L, S, conv_dim, W-1]
+    model.ssm_states = torch.zeros(len(layers), shape.num_state_slots, cfg.gdn_num_v_heads, cfg.gdn_k_dim,
+                                   cfg.gdn_v_dim, dtype=shape.ssm_dtype, device=device)  # [L, S, HV, K, V]
+    for i, gdn in enumerate(layers):
+        gdn.conv_state = model.conv_states[i]
+        gdn.ssm_state = model.ssm_states[i]
 
 
 def release_caches(model: HybridForCausalLM) -> None:
@@ -57,3 +63,4 @@ def release_caches(model: HybridForCausalLM) -> None:
         attn.k_cache = attn.v_cache = None
     for gdn in model.gdn_layers:
         gdn.conv_state = gdn.ssm_state = None
+    model.conv_states = model.ssm_states = None
