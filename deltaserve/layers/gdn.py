@@ -14,7 +14,7 @@ from deltaserve.layers.batch import ForwardBatch
 from deltaserve.layers.linear import fuse_linears
 from deltaserve.layers.norm import GatedRMSNorm
 from deltaserve.ops.conv1d import conv_decode, conv_prefill
-from deltaserve.ops.gdn import gdn_decode, gdn_gates, gdn_prefill
+from deltaserve.ops.gdn import gdn_decode, gdn_prefill
 
 
 class GatedDeltaNet(nn.Module):
@@ -83,10 +83,9 @@ class GatedDeltaNet(nn.Module):
         v = v.view(T, self.num_v_heads, self.v_dim)
         if batch.is_decode:
             o = gdn_decode(q, k, v, a, b, self.A_log, self.dt_bias, self.ssm_state, slots)
-        else:
-            g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
-            o = gdn_prefill(q, k, v, g, beta, self.ssm_state, slots, batch.has_initial_state, batch.cu_seqlens_q,
-                            batch.cu_seqlens_cpu, batch.max_query_len)
+        else:  # raw gates: the GPU's recurrent kernel for short chunks computes them itself
+            o = gdn_prefill(q, k, v, a, b, self.ssm_state, slots, batch.has_initial_state, batch.cu_seqlens_q,
+                            batch.cu_seqlens_cpu, batch.max_query_len, A_log=self.A_log, dt_bias=self.dt_bias)
 
         o = self.norm(o, z)  # [T, HV, dv]
         return self.out_proj(o.reshape(T, self.value_dim))

@@ -282,6 +282,37 @@ def test_gdn_recurrent_prefill_matches_reference(monkeypatch, pool_dtype, key_he
     assert_pools_match(actual_pool, expected_pool, pool_dtype)
 
 
+def fake_fla_module() -> types.ModuleType:
+    """A stand-in for fla-core's gated delta rule module that runs our reference on fla's [1, T, ...] layout."""
+    def chunk_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, **kwargs):
+        out, final = gdn.chunk_gated_delta_rule(q[0], k[0], v[0], g[0], beta[0], initial_state, cu_seqlens)
+        return out[None], final
+
+    module = types.ModuleType("fla.ops.gated_delta_rule")
+    module.chunk_gated_delta_rule = chunk_gated_delta_rule
+    return module
+
+
+@pytest.mark.parametrize("max_query_len", [70, None])  # the recurrent kernel (gates in it), fla (gates first)
+def test_gdn_prefill_with_raw_gates_matches_gates_computed_first(monkeypatch, max_query_len):
+    """With A_log and dt_bias, g and beta are the raw projections a and b, as the layer passes them."""
+    monkeypatch.setattr(gdn_kernels, "RECURRENT_PREFILL_MAX_LEN", max(RECURRENT_LENGTHS))
+    gen = torch.Generator().manual_seed(11)
+    cu, slots, has_initial = varlen_batch(RECURRENT_LENGTHS, RECURRENT_SLOTS, RECURRENT_HAS_INITIAL)
+    pool = random_pool((RECURRENT_NUM_SLOTS, 6, 16, 16), torch.float32, RECURRENT_SLOTS, RECURRENT_HAS_INITIAL, gen)
+    expected_pool, actual_pool = pool.clone(), pool.clone()
+    q, k, v, _, _ = prefill_inputs(RECURRENT_LENGTHS, 2, 6, 16, 16, torch.float32, gen)
+    a, b = torch.randn(q.shape[0], 6, generator=gen), torch.randn(q.shape[0], 6, generator=gen)
+    A_log, dt_bias = torch.randn(6, generator=gen), torch.randn(6, generator=gen)
+    expected = gdn.gdn_prefill(q, k, v, *gdn.gdn_gates(a, b, A_log, dt_bias), expected_pool, slots, has_initial, cu)
+    if max_query_len is None:  # the fla path: a stand-in that runs the reference on what it is given
+        monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", fake_fla_module())
+    actual = gdn_kernels.gdn_prefill(q, k, v, a, b, actual_pool, slots, has_initial, cu, max_query_len=max_query_len,
+                                     A_log=A_log, dt_bias=dt_bias)
+    torch.testing.assert_close(actual, expected, **TOLERANCES[torch.float32])
+    assert_pools_match(actual_pool, expected_pool, torch.float32)
+
+
 def test_gdn_recurrent_prefill_of_single_tokens_equals_decode():
     """One token per sequence with an initial state: the varlen loop and the decode step are the same math."""
     gen = torch.Generator().manual_seed(5)

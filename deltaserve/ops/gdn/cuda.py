@@ -173,7 +173,7 @@ def _launch_recurrent(q, k, v, g, beta, out, state_pool, state_slots, has_initia
 
 
 def gdn_prefill(q, k, v, g, beta, state_pool, state_slots, has_initial_state, cu_seqlens, cu_seqlens_cpu=None,
-                max_query_len: int | None = None):
+                max_query_len: int | None = None, *, A_log=None, dt_bias=None):
     """Gated delta rule over varlen prompts, states read from and written to the pool.
 
     q, k: [T, HK, K]; v: [T, HV, V]; g: [T, HV] float32 log decay; beta: [T, HV]; state_pool: [S, HV, K, V]
@@ -181,7 +181,11 @@ def gdn_prefill(q, k, v, g, beta, state_pool, state_slots, has_initial_state, cu
     on the GPU. max_query_len: the longest sequence's token count, if known; at most RECURRENT_PREFILL_MAX_LEN
     runs our recurrent kernel (one launch), otherwise fla-core's chunked kernels. cu_seqlens_cpu: the same
     offsets on the CPU, optional: without it fla reads cu_seqlens back to the host once (a device sync) to
-    build its chunk index. Returns o: [T, HV, V] in v.dtype."""
+    build its chunk index. With A_log and dt_bias ([HV] each), g and beta are the raw projections a and b (as
+    in `gdn_decode`): the recurrent kernel computes the gates itself, the fla path first. Returns o: [T, HV, V]
+    in v.dtype."""
+    if (A_log is None) != (dt_bias is None):
+        raise ValueError("A_log and dt_bias come together (raw gates) or not at all")
     num_tokens, _, _ = _check_gdn_inputs(q, k, v, g, beta, state_pool, state_slots)
     num_seqs = state_slots.shape[0]
     if tuple(has_initial_state.shape) != (num_seqs,) or has_initial_state.dtype != torch.bool:
@@ -197,10 +201,14 @@ def gdn_prefill(q, k, v, g, beta, state_pool, state_slots, has_initial_state, cu
         if num_seqs > 0:  # also with no tokens: fresh slots still become zeros
             g, beta = _unit_last_stride(g), _unit_last_stride(beta)
             _launch_recurrent(q, k, v, g, beta, out, state_pool, state_slots, has_initial_state, cu_seqlens,
-                              _decode_block_v(num_seqs))
+                              _decode_block_v(num_seqs), A_log, dt_bias)
         return out
 
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # optional dependency, GPU only
+
+    if A_log is not None:
+        from deltaserve.ops.gdn import gdn_gates
+        g, beta = gdn_gates(g, beta, A_log, dt_bias)
 
     if num_seqs == 0 or num_tokens == 0:
         # nothing for fla to run: every sequence is empty, so its final state is its (masked) initial one
