@@ -13,11 +13,12 @@ from deltaserve.layers.batch import ForwardBatch
 from deltaserve.layers.linear import fuse_linears
 from deltaserve.layers.norm import RMSNorm
 from deltaserve.layers.rotary import PartialRotary
-from deltaserve.ops.attention import fresh_causal_attention, paged_attention, write_kv_cache
+from deltaserve.ops.attention import (chunk_over_prefix_attention, fresh_causal_attention, paged_attention,
+                                      write_kv_cache)
 from deltaserve.ops.rotary import qk_norm_rope
 
-# Prompts shorter than this keep the paged kernel: SDPA's per-sequence launches would cost more than they save.
-FRESH_SDPA_MIN_TOKENS = 512
+# Chunks shorter than this keep the paged kernel: cuDNN's launches would cost more than they save.
+SDPA_MIN_TOKENS = 512
 
 
 class GatedAttention(nn.Module):
@@ -42,11 +43,12 @@ class GatedAttention(nn.Module):
         """After loading: q, k and v projections become one matmul."""
         self.qkv_weight = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
-    def _fresh_prompts_path(self, q: torch.Tensor, batch: ForwardBatch) -> bool:
-        """Long prompts without a cached prefix run on PyTorch's SDPA (cuDNN), twice as fast as our paged
-        kernel there (docs/performance.md); it reads the unquantized new K/V, so only with a cache of q's dtype."""
-        return (batch.prefix_free and q.is_cuda and batch.max_query_len >= FRESH_SDPA_MIN_TOKENS
-                and q.dtype in (torch.bfloat16, torch.float16) and self.k_cache.dtype == q.dtype)
+    def _sdpa_path(self, q: torch.Tensor, batch: ForwardBatch) -> bool:
+        """Long chunks (prompts without a cached prefix, or one prompt's chunk after its prefix) run on cuDNN's
+        attention, twice as fast as our paged kernel there (docs/performance.md). It reads the new K/V
+        unquantized, so only with a cache of q's dtype."""
+        return (q.is_cuda and batch.max_query_len >= SDPA_MIN_TOKENS and q.dtype in (torch.bfloat16, torch.float16)
+                and self.k_cache.dtype == q.dtype)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]. Writes this step's K/V into the cache, then attends over it."""
@@ -61,9 +63,14 @@ class GatedAttention(nn.Module):
         q, k = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, rot.cos, rot.sin,
                             batch.positions, rot.rotary_dim)
         write_kv_cache(k, v, self.k_cache, self.v_cache, batch.slot_mapping)
-        if self._fresh_prompts_path(q, batch):  # nothing cached to read: attend the new K/V directly
-            o = fresh_causal_attention(q, k, v.contiguous(), batch.cu_seqlens_cpu, self.scale)
-        else:
+        o = None
+        if self._sdpa_path(q, batch):
+            if batch.prefix_free:  # nothing cached to read: attend the new K/V directly
+                o = fresh_causal_attention(q, k, v.contiguous(), batch.cu_seqlens_cpu, self.scale)
+            elif batch.num_seqs == 1:  # one long chunk after its cached prefix (long prompts)
+                o = chunk_over_prefix_attention(q, k, v, self.k_cache, self.v_cache, batch.block_tables[0],
+                                                batch.num_computed_cpu[0], self.scale)
+        if o is None:
             o = paged_attention(q, self.k_cache, self.v_cache, batch.block_tables, batch.cu_seqlens_q,
                                 batch.seq_lens, self.scale, batch.max_query_len)  # [T, nH, hd]
         o = o * torch.sigmoid(gate)

@@ -31,6 +31,7 @@ class ForwardBatch:
     cu_seqlens_cpu: torch.Tensor | None
     is_decode: bool  # every sequence has one new token and continues from its cached state
     prefix_free: bool = False  # no sequence has cached tokens (every one starts at position 0)
+    num_computed_cpu: tuple[int, ...] = ()  # tokens each sequence has cached before this step (prefill steps)
 
     @property
     def num_seqs(self) -> int:
@@ -71,4 +72,5 @@ class ForwardBatch:
             # a sequence that starts now takes the prefill path, which zeroes its state first
             is_decode=bool(np.all((qlens == 1) & (computed > 0))),
             prefix_free=bool(np.all(computed == 0)),
+            num_computed_cpu=tuple(computed.tolist()),
         )

@@ -381,3 +381,34 @@ def test_fresh_prompts_sdpa_matches_reference(q_lens, capsys):
         with capsys.disabled():
             print(f"\n[attention timing] fresh prompt 8192 tokens through SDPA: {ms:.2f} ms, "
                   f"{flops / ms / 1e9:.0f} TFLOP/s causal")
+
+
+def chunk_kv(batch, seq=0):
+    """The K/V of sequence `seq`'s chunk (its last q_len positions), read back from the paged cache."""
+    kv_len, q_len = batch.kv_lens[seq], batch.q_lens[seq]
+    positions = torch.arange(kv_len - q_len, kv_len, device=DEVICE)
+    blocks = batch.block_tables[seq, positions // BLOCK_SIZE].long()
+    return batch.k_cache[blocks, positions % BLOCK_SIZE], batch.v_cache[blocks, positions % BLOCK_SIZE]
+
+
+@pytest.mark.parametrize("prefix,q_len", [(16, 600), (5000, 513), (40000, 700)])  # 40,000: two gathered pieces
+def test_chunk_over_prefix_cudnn_matches_reference(prefix, q_len):
+    batch = paged_batch([prefix + q_len], [q_len])
+    k, v = chunk_kv(batch)
+    out = kernels.chunk_over_prefix_attention(batch.q, k, v, batch.k_cache, batch.v_cache, batch.block_tables[0],
+                                              prefix, batch.scale)
+    assert out is not None, "cuDNN attention with log-sum-exp is unavailable here (see the log)"
+    for start in (0, q_len // 2, q_len - 64):
+        assert_rows_match(batch, out, 0, start, start + 64)
+
+
+def test_print_chunk_over_prefix_throughput(capsys):
+    prefix, q_len = 122880, 8192
+    batch = paged_batch([prefix + q_len], [q_len])
+    k, v = chunk_kv(batch)
+    ms = time_ms(lambda: kernels.chunk_over_prefix_attention(batch.q, k, v, batch.k_cache, batch.v_cache,
+                                                             batch.block_tables[0], prefix, batch.scale))
+    paged_ms = time_ms(lambda: batch.run())
+    flops = causal_flops(prefix, q_len, NUM_HEADS, HEAD_DIM)
+    report(capsys, f"chunk of {q_len} after {prefix} cached: cuDNN in parts {ms:.2f} ms ({flops / ms / 1e9:.0f} "
+                   f"TFLOP/s), paged kernel {paged_ms:.2f} ms ({flops / paged_ms / 1e9:.0f} TFLOP/s)")

@@ -91,22 +91,26 @@ def test_any_max_num_seqs_starts_and_serves(make_checkpoint):
     assert outs[3].outputs[0].token_ids == alone[0].outputs[0].token_ids
 
 
-def test_fresh_prompt_sdpa_path_agrees_with_the_paged_path(make_checkpoint, monkeypatch, capsys):
-    """Prompts of >= 512 tokens without a cached prefix attend through SDPA; the paged kernel is the check."""
+def test_cudnn_attention_paths_agree_with_the_paged_path(make_checkpoint, monkeypatch, capsys):
+    """Long chunks attend through cuDNN: prompts without a cached prefix (one chunk) and chunks after their
+    prefix (a 512-token budget cuts the 1,300-token prompt into three); the paged kernel is the check."""
     from deltaserve.layers import attention
 
     path = str(make_checkpoint("qwen3_5"))
     prompts = [prompt(n, 50 + n) for n in (600, 1300)]
     params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
     results = {}
-    for label, threshold in (("sdpa", attention.FRESH_SDPA_MIN_TOKENS), ("paged", 10 ** 9)):
-        monkeypatch.setattr(attention, "FRESH_SDPA_MIN_TOKENS", threshold)
-        llm = LLM(path, dtype="bfloat16", max_num_seqs=4, enable_prefix_caching=False)
+    for label, threshold, budget in (("cudnn", attention.SDPA_MIN_TOKENS, 8192), ("paged", 10 ** 9, 8192),
+                                     ("cudnn chunks", attention.SDPA_MIN_TOKENS, 512)):
+        monkeypatch.setattr(attention, "SDPA_MIN_TOKENS", threshold)
+        llm = LLM(path, dtype="bfloat16", max_num_seqs=4, enable_prefix_caching=False,
+                  max_num_batched_tokens=budget)
         results[label] = [o.outputs[0].logprobs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
-    for sdpa, paged in zip(results["sdpa"], results["paged"]):
-        shared = set(sdpa) & set(paged)
-        assert len(shared) >= 4, "the two paths should rank mostly the same top tokens"
-        worst = max(abs(sdpa[t].logprob - paged[t].logprob) for t in shared)
-        with capsys.disabled():
-            print(f"\n[fresh prompt path] top-5 overlap {len(shared)}/5, largest logprob difference {worst:.2e}")
-        assert worst < 0.05
+    for label in ("cudnn", "cudnn chunks"):
+        for ours, paged in zip(results[label], results["paged"]):
+            shared = set(ours) & set(paged)
+            assert len(shared) >= 4, "the two paths should rank mostly the same top tokens"
+            worst = max(abs(ours[t].logprob - paged[t].logprob) for t in shared)
+            with capsys.disabled():
+                print(f"\n[cuDNN path: {label}] top-5 overlap {len(shared)}/5, largest logprob difference {worst:.2e}")
+            assert worst < 0.05

@@ -6,7 +6,7 @@ the plain-torch reference, which is the oracle.
 
 from deltaserve.ops.attention import reference
 
-__all__ = ["fresh_causal_attention", "paged_attention", "write_kv_cache"]
+__all__ = ["chunk_over_prefix_attention", "fresh_causal_attention", "paged_attention", "write_kv_cache"]
 
 
 def write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
@@ -31,3 +31,10 @@ def fresh_causal_attention(q, k, v, cu_seqlens_cpu, scale: float):
     `cuda.fresh_causal_attention`); the paged path computes the same (the reference is `paged_attention`)."""
     from deltaserve.ops.attention.cuda import fresh_causal_attention as cuda_fresh
     return cuda_fresh(q, k, v, cu_seqlens_cpu, scale)
+
+
+def chunk_over_prefix_attention(q, k, v, k_cache, v_cache, block_table_row, prefix_len: int, scale: float):
+    """GPU only: one sequence's chunk after prefix_len cached tokens through cuDNN (see
+    `cuda.chunk_over_prefix_attention`), or None where that is unavailable (use `paged_attention`)."""
+    from deltaserve.ops.attention.cuda import chunk_over_prefix_attention as cuda_chunk
+    return cuda_chunk(q, k, v, k_cache, v_cache, block_table_row, prefix_len, scale)
