@@ -398,8 +398,12 @@ def test_chunk_over_prefix_cudnn_matches_reference(prefix, q_len):
     out = kernels.chunk_over_prefix_attention(batch.q, k, v, batch.k_cache, batch.v_cache, batch.block_tables[0],
                                               prefix, batch.scale)
     assert out is not None, "cuDNN attention with log-sum-exp is unavailable here (see the log)"
+    # Each part's output comes back rounded to bf16 before the merge: two roundings of outputs up to ~3 (early
+    # queries average few values) can reach 2 x 2^-9 x 3 = 6e-3. Measured on the H200: 5.3e-3 at worst, in the
+    # first rows of the 16-token prefix case (9 of 393,216 values above the single-rounding 3e-3).
     for start in (0, q_len // 2, q_len - 64):
-        assert_rows_match(batch, out, 0, start, start + 64)
+        expected = batch.reference_rows(0, start, start + 64)
+        torch.testing.assert_close(out[start:start + 64].cpu().float(), expected, atol=8e-3, rtol=1e-2)
 
 
 def test_print_chunk_over_prefix_throughput(capsys):
