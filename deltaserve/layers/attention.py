@@ -19,6 +19,10 @@ from deltaserve.ops.rotary import qk_norm_rope
 
 # Chunks shorter than this keep the paged kernel: cuDNN's launches would cost more than they save.
 SDPA_MIN_TOKENS = 512
+# cuDNN serves a chunk after a cached prefix only when the prefix is a multiple of this (a long prompt's
+# chunks, with --max-num-batched-tokens a multiple of it): every new prefix length would make cuDNN build a new
+# plan (~50 ms on the H200), so prefix-cache hits of any length keep the paged kernel.
+SDPA_PREFIX_ALIGN = 8192
 
 
 class GatedAttention(nn.Module):
@@ -67,7 +71,8 @@ class GatedAttention(nn.Module):
         if self._sdpa_path(q, batch):
             if batch.prefix_free:  # nothing cached to read: attend the new K/V directly
                 o = fresh_causal_attention(q, k, v.contiguous(), batch.cu_seqlens_cpu, self.scale)
-            elif batch.num_seqs == 1:  # one long chunk after its cached prefix (long prompts)
+            elif batch.num_seqs == 1 and batch.num_computed_cpu[0] % SDPA_PREFIX_ALIGN == 0:
+                # one long chunk after its cached prefix (long prompts, chunk after chunk)
                 o = chunk_over_prefix_attention(q, k, v, self.k_cache, self.v_cache, batch.block_tables[0],
                                                 batch.num_computed_cpu[0], self.scale)
         if o is None:

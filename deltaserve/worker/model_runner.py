@@ -45,7 +45,8 @@ class LaunchedStep:
 
 class ModelRunner:
     def __init__(self, model: HybridForCausalLM, cache_shape: CacheShape, device: torch.device,
-                 max_num_seqs: int = 256, max_model_len: int = 4096, enforce_eager: bool = True):
+                 max_num_seqs: int = 256, max_model_len: int = 4096, enforce_eager: bool = True,
+                 max_num_batched_tokens: int = 8192):
         self.model = model
         self.device = device
         self.block_size = cache_shape.block_size
@@ -64,6 +65,11 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, max_num_seqs, -(-max_model_len // self.block_size), device,
                                        use_graphs=use_graphs)
             self.graphs.capture()
+            from deltaserve.ops.attention.cuda import warm_up_cudnn_attention  # GPU only
+
+            attention = model.attention_layers[0]
+            warm_up_cudnn_attention(attention.num_heads, attention.num_kv_heads, attention.head_dim,
+                                    attention.qkv_weight.dtype, device, max_num_batched_tokens)
 
     def _prepare(self, scheduled: SchedulerOutput) -> tuple[torch.Tensor, ForwardBatch]:
         rows = scheduled.sequences

@@ -2,6 +2,7 @@
 
 import torch
 
+from deltaserve.ops.attention import cuda as cuda_attention
 from deltaserve.ops.attention.cuda import _merge_parts
 
 
@@ -22,3 +23,68 @@ def test_merging_parts_equals_attention_over_all_keys():
         acc, lse = _merge_parts(acc, lse, *part(q, k[start:end], v[start:end]))
     torch.testing.assert_close(acc.double(), expected, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(lse.double(), part(q, k, v)[1], atol=1e-6, rtol=1e-6)
+
+
+def oracle(q, k_cache, v_cache, table, prefix, length, scale):
+    """float32 reference attention of `length` queries after `prefix` cached tokens (all in the paged cache)."""
+    from deltaserve.ops.attention import reference
+
+    return reference.paged_attention(q.float(), k_cache.float(), v_cache.float(), table, torch.tensor([0, length]),
+                                     torch.tensor([prefix + length]), scale)
+
+
+def paged_sequence(total, block_size, gen):
+    """K/V of one sequence in a shuffled paged cache (block 0 unused): caches, [1, blocks] table, keys, values."""
+    num_blocks = -(-total // block_size)
+    table = (torch.randperm(num_blocks, generator=gen) + 1).to(torch.int32)[None]
+    keys, values = torch.randn(2, total, 2, 16, generator=gen)
+    k_cache = torch.full((num_blocks + 1, block_size, 2, 16), float("nan"))
+    v_cache = k_cache.clone()
+    positions = torch.arange(total)
+    blocks = table[0, positions // block_size].long()
+    k_cache[blocks, positions % block_size], v_cache[blocks, positions % block_size] = keys, values
+    return k_cache, v_cache, table, keys, values
+
+
+def test_fresh_prompts_padded_to_buckets_match_reference(monkeypatch):
+    """The fresh-prompt path pads each prompt to the bucket; on the CPU PyTorch's math backend stands in."""
+    from torch.nn.attention import SDPBackend
+
+    monkeypatch.setattr(cuda_attention, "_SDPA_BACKENDS", [SDPBackend.MATH])
+    monkeypatch.setattr(cuda_attention, "SDPA_BUCKET", 16)
+    gen = torch.Generator().manual_seed(1)
+    lengths = [37, 1, 16, 5]
+    q = torch.randn(sum(lengths), 6, 16, generator=gen)  # 6 query heads over 2 KV heads
+    kv = torch.randn(2, sum(lengths), 2, 16, generator=gen)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    out = cuda_attention.fresh_causal_attention(q.bfloat16(), kv[0].bfloat16(), kv[1].bfloat16(), cu, 0.25)
+    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        length = end - start
+        k_cache, v_cache = kv[0][start:end, None], kv[1][start:end, None]  # one token per block
+        table = torch.arange(length, dtype=torch.int32)[None]
+        expected = oracle(q[start:end], k_cache, v_cache, table, 0, length, 0.25)
+        torch.testing.assert_close(out[start:end].float(), expected, atol=3e-2, rtol=3e-2)
+
+
+def test_chunk_over_prefix_in_pieces_matches_reference(monkeypatch):
+    """Gathered prefix pieces, GQA folding, bucket padding and the merge, with a float64 stand-in for cuDNN."""
+    def math_attention(q, k, v, scale, causal):
+        group = q.shape[1] // k.shape[1]
+        k, v = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+        scores = torch.einsum("bhld,bhsd->bhls", q.double(), k) * scale
+        if causal:
+            scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+        return torch.einsum("bhls,bhsd->bhld", scores.softmax(-1), v).to(q.dtype), scores.logsumexp(-1).float()
+
+    monkeypatch.setattr(cuda_attention, "_cudnn_lse_base", lambda *args: "natural")
+    monkeypatch.setattr(cuda_attention, "_cudnn_attention", math_attention)
+    monkeypatch.setattr(cuda_attention, "PREFIX_PIECE_TOKENS", 40)  # several pieces, the last one partial
+    monkeypatch.setattr(cuda_attention, "SDPA_BUCKET", 16)
+    gen = torch.Generator().manual_seed(2)
+    for prefix, length, block_size in ((100, 21, 16), (37, 16, 5), (16, 1, 16)):
+        k_cache, v_cache, table, keys, values = paged_sequence(prefix + length, block_size, gen)
+        q = torch.randn(length, 6, 16, generator=gen)
+        out = cuda_attention.chunk_over_prefix_attention(q, keys[prefix:], values[prefix:], k_cache, v_cache,
+                                                         table[0], prefix, 0.25)
+        expected = oracle(q, k_cache, v_cache, table, prefix, length, 0.25)
+        torch.testing.assert_close(out.float(), expected, atol=1e-5, rtol=1e-5)

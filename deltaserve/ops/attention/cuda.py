@@ -29,12 +29,16 @@ from deltaserve.ops.attention.cuda_decode import launch_decode
 from deltaserve.ops.attention.cuda_prefill import launch_prefill
 from deltaserve.ops.attention.reference import _check_shapes
 
-__all__ = ["chunk_over_prefix_attention", "fresh_causal_attention", "paged_attention", "write_kv_cache"]
+__all__ = ["chunk_over_prefix_attention", "fresh_causal_attention", "paged_attention", "warm_up_cudnn_attention",
+           "write_kv_cache"]
 
 logger = logging.getLogger(__name__)
 
 # chunk_over_prefix_attention gathers the cached prefix about this many tokens (whole blocks) at a time
 PREFIX_PIECE_TOKENS = 32768
+# cuDNN builds an execution plan per shape: chunks are padded to a multiple of this so that few shapes occur
+SDPA_BUCKET = 1024
+_SDPA_BACKENDS = None  # None: cuDNN, else flash; CPU tests set PyTorch's math backend
 
 QUERY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
@@ -167,10 +171,11 @@ def fresh_causal_attention(q, k, v, cu_seqlens_cpu, scale: float):
     PyTorch's SDPA: cuDNN's fused kernel when it takes the shapes, else flash attention.
 
     Measured on an H200 (`python -m deltaserve.bench.attention_probe`, 27B heads, 8,192 tokens): cuDNN 1.28 ms
-    (643 TFLOP/s) against 2.72 ms for our paged kernel. Over a cached prefix cuDNN is slower than ours (its
-    bottom-right causal mask is not native), so only prefix-free chunks come here.
-    q: [T, n_heads, hd]; k, v: [T, n_kv, hd], bf16 or float16, unit stride in hd; cu_seqlens_cpu: [N+1] on the
-    CPU (no device sync). Returns o: [T, n_heads, hd] in q.dtype.
+    (643 TFLOP/s) against 2.72 ms for our paged kernel. Each prompt is padded with zero rows to a multiple of
+    SDPA_BUCKET (causal: the real rows never see the padding), so that cuDNN meets few shapes (see
+    `warm_up_cudnn_attention`). q: [T, n_heads, hd]; k, v: [T, n_kv, hd], bf16 or float16, unit stride in hd;
+    cu_seqlens_cpu: [N+1] on the CPU (no device sync). Returns o: [T, n_heads, hd] in q.dtype, or None if SDPA
+    refused (logged; the caller runs the paged kernel).
     """
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -179,16 +184,56 @@ def fresh_causal_attention(q, k, v, cu_seqlens_cpu, scale: float):
                          f"{k.dtype}, {v.dtype}")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     bounds = cu_seqlens_cpu.tolist()
-    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
-        for start, end in zip(bounds[:-1], bounds[1:]):
-            if end == start:
-                continue
-            # [1, heads, L, hd] views; SDPA's GQA repeats each KV head for its group of query heads
-            o = torch.nn.functional.scaled_dot_product_attention(
-                q[start:end].transpose(0, 1)[None], k[start:end].transpose(0, 1)[None],
-                v[start:end].transpose(0, 1)[None], is_causal=True, scale=scale, enable_gqa=True)
-            out[start:end] = o[0].transpose(0, 1)
+    try:
+        with sdpa_kernel(_SDPA_BACKENDS or [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
+            for start, end in zip(bounds[:-1], bounds[1:]):
+                if end == start:
+                    continue
+                length = _bucket(end - start)
+                # [1, heads, L, hd]; SDPA's GQA serves each KV head's group of query heads
+                q_s, k_s, v_s = (_pad_rows(x[start:end], length).transpose(0, 1)[None] for x in (q, k, v))
+                o = torch.nn.functional.scaled_dot_product_attention(q_s, k_s, v_s, is_causal=True, scale=scale,
+                                                                     enable_gqa=True)
+                out[start:end] = o[0].transpose(0, 1)[: end - start]
+    except RuntimeError as exc:
+        _warn_once(f"PyTorch SDPA refused a prompt's attention ({str(exc).splitlines()[0][:200]}); "
+                   "the paged kernel serves it")
+        return None
     return out
+
+
+def warm_up_cudnn_attention(num_heads: int, num_kv_heads: int, head_dim: int, dtype, device,
+                            max_chunk_tokens: int) -> None:
+    """Build cuDNN's attention plans at startup: its first use in a process costs ~2.7 s and each new shape
+    ~50 ms (measured on the H200), which would otherwise land on the first requests. Covers every bucketed
+    fresh-prompt length up to max_chunk_tokens and the log-sum-exp check of `chunk_over_prefix_attention`."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return
+    _cudnn_lse_base(device, dtype, head_dim)
+    for length in range(SDPA_BUCKET, _bucket(max_chunk_tokens) + 1, SDPA_BUCKET):
+        q = torch.zeros(length, num_heads, head_dim, dtype=dtype, device=device)
+        kv = torch.zeros(length, num_kv_heads, head_dim, dtype=dtype, device=device)
+        if fresh_causal_attention(q, kv, kv, torch.tensor([0, length]), head_dim ** -0.5) is None:
+            return
+
+
+def _bucket(length: int) -> int:
+    """length rounded up to a multiple of SDPA_BUCKET."""
+    return -(-length // SDPA_BUCKET) * SDPA_BUCKET
+
+
+def _pad_rows(x, length: int):
+    """x [L, ...] followed by zero rows up to `length` (x itself when L == length)."""
+    if x.shape[0] == length:
+        return x
+    padded = x.new_zeros((length, *x.shape[1:]))
+    padded[: x.shape[0]] = x
+    return padded
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    logger.warning(message)
 
 
 def chunk_over_prefix_attention(q, k, v, k_cache, v_cache, block_table_row, prefix_len: int, scale: float):
@@ -203,11 +248,14 @@ def chunk_over_prefix_attention(q, k, v, k_cache, v_cache, block_table_row, pref
     piece, and two float32 [L, heads, hd] buffers), which stay below the activation peak the startup profile
     measures (sampling's buffers, freed before the next forward). Returns None where cuDNN's log-sum-exp
     cannot be had; the caller then runs the paged kernel.
+    The chunk is padded to a multiple of SDPA_BUCKET (causal: its padding rows come last and are dropped).
     q: [L, n_heads, hd]; k, v: [L, n_kv, hd] (q's dtype, bf16 or float16); caches: [blocks, bs, n_kv, hd] of
     q's dtype; block_table_row: [>= ceil(prefix_len / bs)] int32. Returns o: [L, n_heads, hd].
     """
     if not _cudnn_lse_base(q.device, q.dtype, q.shape[-1]):
         return None
+    real_length = q.shape[0]
+    q, k, v = (_pad_rows(x, _bucket(real_length)) for x in (q, k, v))  # causal: padding rows come last
     length, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -230,7 +278,7 @@ def chunk_over_prefix_attention(q, k, v, k_cache, v_cache, block_table_row, pref
     out, lse = _cudnn_attention(q.transpose(0, 1)[None], k.repeat_interleave(group, 1).transpose(0, 1)[None],
                                 v.repeat_interleave(group, 1).transpose(0, 1)[None], scale, causal=True)
     acc, _ = _merge_parts(acc, lse_acc, out[0].transpose(0, 1), lse.reshape(num_heads, length).transpose(0, 1))
-    return acc.to(q.dtype)
+    return acc[:real_length].to(q.dtype)
 
 
 def _merge_parts(acc, lse_acc, out, lse):
