@@ -68,8 +68,11 @@ class ModelRunner:
             from deltaserve.ops.attention.cuda import warm_up_cudnn_attention  # GPU only
 
             attention = model.attention_layers[0]
-            warm_up_cudnn_attention(attention.num_heads, attention.num_kv_heads, attention.head_dim,
-                                    attention.qkv_weight.dtype, device, max_num_batched_tokens)
+            try:
+                warm_up_cudnn_attention(attention.num_heads, attention.num_kv_heads, attention.head_dim,
+                                        attention.qkv_weight.dtype, device, max_num_batched_tokens)
+            except Exception:  # a speed-up only: the first requests pay for it instead, never a failed start
+                logger.exception("warming up cuDNN attention failed; continuing")
 
     def _prepare(self, scheduled: SchedulerOutput) -> tuple[torch.Tensor, ForwardBatch]:
         rows = scheduled.sequences
