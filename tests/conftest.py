@@ -56,3 +56,13 @@ def ckpt_qwen3_next(make_checkpoint):
 @pytest.fixture(scope="session", params=sorted(TINY_CONFIGS))
 def tiny_checkpoint(request, make_checkpoint):
     return make_checkpoint(request.param)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models run fastest on one thread: with two, a busy 2-core machine stalls every op in thread sync.
+    Use with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

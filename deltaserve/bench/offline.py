@@ -202,14 +202,19 @@ def profile(engine: LLMEngine, input_len: int = 8192, decode_steps: int = 8) -> 
                     break
             torch.cuda.synchronize()
             wall = time.perf_counter() - t
-        events = prof.key_averages()
-        gpu_total = sum(e.self_device_time_total for e in events) / 1e3
-        print(f"--- profile: {title}: {steps} steps, wall {1e3 * wall / steps:.2f} ms/step, GPU busy "
-              f"{gpu_total / steps:.2f} ms/step", flush=True)
-        print(events.table(sort_by="self_cuda_time_total", row_limit=22, max_name_column_width=60), flush=True)
+        print_profile(prof, f"{title}: {steps} steps", steps, wall)
     while engine.has_unfinished():
         engine.step()
     profile_decode_batch(engine)
+
+
+def print_profile(prof, title: str, steps: int, wall: float) -> None:
+    """The wall and GPU-busy time per step of a profiled run, and its top kernels."""
+    events = prof.key_averages()
+    gpu_total = sum(e.self_device_time_total for e in events) / 1e3
+    print(f"--- profile: {title}: wall {1e3 * wall / steps:.2f} ms/step, GPU busy {gpu_total / steps:.2f} ms/step",
+          flush=True)
+    print(events.table(sort_by="self_cuda_time_total", row_limit=22, max_name_column_width=60), flush=True)
 
 
 def profile_decode_batch(engine: LLMEngine, batch: int = 64, input_len: int = 1024, decode_steps: int = 8) -> None:
@@ -232,11 +237,7 @@ def profile_decode_batch(engine: LLMEngine, batch: int = 64, input_len: int = 10
             engine.step()
         torch.cuda.synchronize()
         wall = time.perf_counter() - t
-    events = prof.key_averages()
-    gpu_total = sum(e.self_device_time_total for e in events) / 1e3
-    print(f"--- profile: {decode_steps} decode steps, batch {batch}: wall {1e3 * wall / decode_steps:.2f} ms/step, "
-          f"GPU busy {gpu_total / decode_steps:.2f} ms/step", flush=True)
-    print(events.table(sort_by="self_cuda_time_total", row_limit=22, max_name_column_width=60), flush=True)
+    print_profile(prof, f"{decode_steps} decode steps, batch {batch}", decode_steps, wall)
     while engine.has_unfinished():
         engine.step()
 

@@ -8,18 +8,11 @@ keys, the fallback to waiting for penalties. Outputs must be identical to the sy
 import random
 
 import pytest
-import torch
 
 from deltaserve import LLM, SamplingParams
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models on a loaded 2-core machine run faster on one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def outputs_of(results) -> tuple[list, list[float]]:

@@ -7,7 +7,6 @@ the same logprobs within LOGPROB_TOL. Block size 4, so that short prompts span m
 import random
 
 import pytest
-import torch
 
 from deltaserve import LLM, SamplingParams
 
@@ -21,13 +20,7 @@ LOGPROB_TOL = 5e-4
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The tiny models run fastest on one thread; with two, a busy machine stalls every op in thread sync."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def tokens(rng: random.Random, n: int) -> list[int]:

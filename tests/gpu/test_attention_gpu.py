@@ -210,6 +210,19 @@ def test_split_kv_prefill_over_long_prefix(kv_lens, q_lens, cache_dtype, block_s
             assert_rows_match(batch, out, seq, 0, q_len)
 
 
+def capture(step):
+    """Warm `step` up (Triton compiles) on a side stream, then capture it: (graph, its static output)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out
+
+
 def test_split_kv_prefill_replays_in_cuda_graph():
     """The split prefill reads no host values either: one capture (20 tokens, 2 sequences, a 256K-wide
     block table) replays over other chunk lengths, prefixes and blocks."""
@@ -221,14 +234,7 @@ def test_split_kv_prefill_replays_in_cuda_graph():
     def step():
         return paged_attention(q, batch.k_cache, batch.v_cache, tables, cu, lens, HEAD_DIM**-0.5)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # compile and warm up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture(step)
     for seqs, rows in ((slice(2, 4), slice(20, 40)), (slice(0, 2), slice(0, 20))):
         q.copy_(batch.q[rows])
         tables.copy_(batch.block_tables[seqs])
@@ -253,14 +259,7 @@ def test_decode_replays_in_cuda_graph():
     def step():
         return paged_attention(q, batch.k_cache, batch.v_cache, tables, cu, lens, HEAD_DIM**-0.5, 1)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # compile and warm up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = capture(step)
     for rows in (range(4, 8), range(4)):
         q.copy_(batch.q[rows.start:rows.stop])
         tables.copy_(batch.block_tables[rows.start:rows.stop])
