@@ -140,17 +140,19 @@ class LLMEngine:
         device never waits for the host between steps; its own outputs are returned by the next call.
         """
         touched: dict[str, _Parent] = {}
-        if self._in_flight is not None and self._must_wait():
-            self._process(*self._in_flight, touched)
-            self._in_flight = None
+        # Taken out before it is processed: a step whose processing raised is never processed again.
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None and self._must_wait():
+            self._process(*previous, touched)
+            previous = None
         scheduled = self.scheduler.schedule()
         launched = None if scheduled.is_empty else (scheduled, self.runner.launch(scheduled))
-        if self._in_flight is not None:
-            self._process(*self._in_flight, touched)
-        self._in_flight = launched
+        if self.config.async_scheduling:
+            self._in_flight = launched
+        if previous is not None:
+            self._process(*previous, touched)
         if launched is not None and not self.config.async_scheduling:
             self._process(*launched, touched)
-            self._in_flight = None
         return [self._make_output(parent) for parent in touched.values()]
 
     def _must_wait(self) -> bool:

@@ -125,3 +125,32 @@ def test_stopped_request_gets_at_most_one_extra_step(make_checkpoint):
         rows += engine._in_flight is not None and engine._in_flight is not before
     assert final[0].outputs[0].token_ids == free[: free.index(stop_at) + 1]
     assert rows <= free.index(stop_at) + 2  # one row per token, plus at most the wasted one
+
+
+def test_a_step_that_failed_is_not_processed_again(make_checkpoint, monkeypatch):
+    """An exception while reading back a step fails that call; the server then aborts the requests, and the
+    engine serves new ones (the failed step is dropped, not retried forever)."""
+    engine = LLM(str(make_checkpoint("qwen3_5")), async_scheduling=True).engine
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    engine.add_request("doomed", [1, 2, 3], params)
+    engine.step()  # the prefill is in flight
+    real_update = engine.scheduler.update_from_output
+
+    def fail_on_doomed(scheduled, output):  # a bug that every step holding "doomed" would hit
+        if any(row.request_id == "doomed" for row in scheduled.sequences):
+            raise RuntimeError("boom")
+        return real_update(scheduled, output)
+
+    monkeypatch.setattr(engine.scheduler, "update_from_output", fail_on_doomed)
+    with pytest.raises(RuntimeError, match="boom"):
+        engine.step()
+    engine.abort_request("doomed")  # what the server does when a step fails
+    engine.add_request("next", [4, 5, 6], params)
+    done, failures = [], 0
+    while engine.has_unfinished():
+        try:
+            done += [o for o in engine.step() if o.finished]
+        except RuntimeError:
+            failures += 1  # the one other step launched with "doomed" in it fails too, once
+            assert failures <= 1, "a failed step is being processed again"
+    assert [o.request_id for o in done] == ["next"] and len(done[0].outputs[0].token_ids) == 4
