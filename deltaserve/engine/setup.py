@@ -107,11 +107,14 @@ class EngineSetup:
             logger.error("%s", describe_plan(memory_plan))
             memory_plan.check()
         logger.info("%s", describe_plan(memory_plan))
-        if memory_plan.kv_cache_dtype == "float8_e4m3fn":
-            # TODO(loader): read per-layer `self_attn.k_scale` / `v_scale` tensors (vLLM's names) when a
-            # checkpoint has them; today's checkpoints do not, and the loader would reject them.
-            logger.warning("fp8 KV cache with per-tensor scales k_scale = v_scale = 1.0 (the checkpoint provides "
-                           "none): keys and values are stored as float8_e4m3fn and saturate beyond +-448")
+        scaled = [layer.kv_scales_from_checkpoint for layer in model.attention_layers]
+        if memory_plan.kv_cache_dtype == "float8_e4m3fn" and not all(scaled):
+            logger.warning("fp8 KV cache with per-tensor scales k_scale = v_scale = 1.0 for %d of %d attention "
+                           "layers (the checkpoint provides none for them): keys and values are stored as "
+                           "float8_e4m3fn and saturate beyond +-448", scaled.count(False), len(scaled))
+        elif memory_plan.kv_cache_dtype != "float8_e4m3fn" and any(scaled):
+            logger.info("the checkpoint's KV-cache scales are unused: the KV cache is %s, not fp8",
+                        memory_plan.kv_cache_dtype)
         return memory_plan
 
     def _profile_step(self, model: HybridForCausalLM, config: EngineConfig) -> int:

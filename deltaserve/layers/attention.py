@@ -39,6 +39,10 @@ class GatedAttention(nn.Module):
         self.rotary = rotary
         self.scale = head_dim ** -0.5
         self.qkv_weight: torch.Tensor | None = None  # [q | k | v] rows, set by fuse()
+        # Per-tensor scales of an fp8 KV cache (it stores K / k_scale, V / v_scale): the checkpoint's when it
+        # has them (model/loader.py), else 1.0; a cache of any other dtype ignores them, as in vLLM.
+        self.k_scale = self.v_scale = 1.0
+        self.kv_scales_from_checkpoint = False
         # Paged KV cache, bound by the runner: [num_blocks, block_size, num_kv_heads, head_dim] each.
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
@@ -66,7 +70,8 @@ class GatedAttention(nn.Module):
         rot = self.rotary
         q, k = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, rot.cos, rot.sin,
                             batch.positions, rot.rotary_dim)
-        write_kv_cache(k, v, self.k_cache, self.v_cache, batch.slot_mapping)
+        k_scale, v_scale = (self.k_scale, self.v_scale) if self.k_cache.dtype == torch.float8_e4m3fn else (1.0, 1.0)
+        write_kv_cache(k, v, self.k_cache, self.v_cache, batch.slot_mapping, k_scale=k_scale, v_scale=v_scale)
         o = None
         if self._sdpa_path(q, batch):
             if batch.prefix_free:  # nothing cached to read: attend the new K/V directly
@@ -77,6 +82,7 @@ class GatedAttention(nn.Module):
                                                 batch.num_computed_cpu[0], self.scale)
         if o is None:
             o = paged_attention(q, self.k_cache, self.v_cache, batch.block_tables, batch.cu_seqlens_q,
-                                batch.seq_lens, self.scale, batch.max_query_len)  # [T, nH, hd]
+                                batch.seq_lens, self.scale, batch.max_query_len, k_scale=k_scale,
+                                v_scale=v_scale)  # [T, nH, hd]
         o = o * torch.sigmoid(gate)
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))

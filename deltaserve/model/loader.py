@@ -27,6 +27,9 @@ logger = logging.getLogger(__name__)
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _SKIPPED_PREFIXES = ("visual.", "model.visual.", "mtp.", "model.mtp.")
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# fp8 KV-cache scales of fp8 checkpoints, under the names vLLM reads: self_attn.k_scale, self_attn.k_proj.k_scale,
+# self_attn.attn.k_scale (and v_scale alike)
+_KV_SCALE = re.compile(r"^(model\.layers\.\d+\.self_attn)\.(?:k_proj\.|v_proj\.|attn\.)?([kv])_scale$")
 
 
 class WeightLoadError(RuntimeError):
@@ -114,6 +117,10 @@ def load_safetensors(model: HybridForCausalLM, path: Path) -> None:
                     skipped += 1
                     continue
                 tensor = handle.get_tensor(raw_name)
+                kv_scale = _KV_SCALE.match(name)
+                if kv_scale:
+                    _load_kv_scale(model, kv_scale, tensor, raw_name)
+                    continue
                 expert = _EXPERT.match(name)
                 if expert:
                     _load_expert_slice(params, expert, tensor, raw_name, expert_parts)
@@ -132,6 +139,23 @@ def load_safetensors(model: HybridForCausalLM, path: Path) -> None:
         raise WeightLoadError(f"checkpoint '{path}' lacks {len(missing)} tensors, e.g. {missing[:5]}")
     if skipped:
         logger.info("skipped %d checkpoint tensors (vision tower, MTP head or tied lm_head)", skipped)
+
+
+def _load_kv_scale(model: HybridForCausalLM, match, tensor, raw_name: str) -> None:
+    """Set an attention layer's per-tensor fp8 KV scale (used when the KV cache is fp8)."""
+    try:
+        layer = model.get_submodule(match.group(1))
+    except AttributeError:
+        layer = None
+    if not hasattr(layer, "kv_scales_from_checkpoint"):
+        raise WeightLoadError(f"unexpected tensor '{raw_name}': layer '{match.group(1)}' is not an attention layer")
+    if tensor.numel() != 1:
+        raise WeightLoadError(f"'{raw_name}' must hold one per-tensor scale, got shape {tuple(tensor.shape)}")
+    value = float(tensor.float().item())
+    if not math.isfinite(value) or value <= 0:
+        raise WeightLoadError(f"'{raw_name}' must be a positive finite scale, got {value}")
+    setattr(layer, f"{match.group(2)}_scale", value)
+    layer.kv_scales_from_checkpoint = True
 
 
 def _load_expert_slice(params, match, tensor, raw_name, parts) -> None:

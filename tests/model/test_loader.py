@@ -191,9 +191,16 @@ def _set(name, tensor):
          [f"{EXPERT}.2.down_proj.weight", "[48, 23]", "[48, 24]"]),
         ("qwen3_next", _set("model.layers.0.linear_attn.in_proj_ba.weight", torch.zeros(4, 48)),
          ["model.layers.0.linear_attn.in_proj_ba.weight", "[4, 48]", "[8, 48]"]),
+        ("qwen3_5", _set("model.layers.0.self_attn.k_scale", torch.tensor(0.5)),
+         ["model.layers.0.self_attn.k_scale", "not an attention layer"]),
+        ("qwen3_5", _set("model.layers.3.self_attn.v_scale", torch.tensor(0.0)),
+         ["model.layers.3.self_attn.v_scale", "positive finite", "0.0"]),
+        ("qwen3_5", _set("model.layers.3.self_attn.k_scale", torch.ones(2)),
+         ["model.layers.3.self_attn.k_scale", "one per-tensor scale", "(2,)"]),
     ],
     ids=["missing", "missing_lm_head", "unexpected", "shape", "experts_in_dense_layer", "missing_gate_up_slice",
-         "missing_down_slice", "expert_out_of_range", "expert_shape", "next_fused_inproj_shape"],
+         "missing_down_slice", "expert_out_of_range", "expert_shape", "next_fused_inproj_shape",
+         "kv_scale_on_a_gdn_layer", "kv_scale_zero", "kv_scale_not_scalar"],
 )
 def test_broken_checkpoint_error_names_the_tensor(arch, edit, expected, make_checkpoint, tmp_path):
     source = make_checkpoint(arch)
@@ -355,3 +362,33 @@ def test_dummy_shrunken_qwen3_5_0_8b_gives_finite_logits():
     assert model.model.layers[3].self_attn.q_proj.weight.shape == (2 * 8 * 256, 1024)  # real widths kept
     logits = last_token_logits(model, [1, 2, 3, 1000, 7])
     assert logits.shape == (1024,) and torch.isfinite(logits).all() and logits.std() > 0
+
+
+def test_fp8_kv_scales_are_read_and_applied(make_checkpoint, tmp_path):
+    """vLLM-named per-tensor KV scales are loaded onto their attention layers, and an fp8 cache stores
+    K / k_scale, V / v_scale: the attention output matches the unscaled cache's within fp8 rounding."""
+    source = make_checkpoint("qwen3_5")
+    tensors = read_tensors(source)
+    tensors.update({"model.layers.3.self_attn.k_scale": torch.tensor(0.5),
+                    "model.layers.3.self_attn.v_proj.v_scale": torch.tensor([0.25]),
+                    "model.layers.5.self_attn.attn.k_scale": torch.tensor(2.0, dtype=torch.bfloat16),
+                    "model.layers.5.self_attn.v_scale": torch.tensor(4.0)})
+    scaled = load(write_checkpoint(tmp_path / "scaled", config_of(source), tensors))
+    plain = load(source)
+    layers = {i: scaled.model.layers[i].self_attn for i in (3, 5)}
+    assert [(a.k_scale, a.v_scale, a.kv_scales_from_checkpoint) for a in layers.values()] == [
+        (0.5, 0.25, True), (2.0, 4.0, True)]
+    assert not plain.attention_layers[0].kv_scales_from_checkpoint
+
+    ids = torch.randint(0, 1024, (37,), generator=torch.Generator().manual_seed(3))
+    results = {}
+    for name, model in (("plain", plain), ("scaled", scaled)):
+        bind_caches(model, CacheShape(8, 16, 2, torch.float8_e4m3fn, torch.float32), "cpu")
+        batch = ForwardBatch.build([0], [37], [[1, 2, 3]], [1], 16)
+        with torch.no_grad():
+            results[name] = (model.compute_logits(model(ids, batch)), model.model.layers[3].self_attn.k_cache)
+    (plain_logits, plain_cache), (scaled_logits, scaled_cache) = results["plain"], results["scaled"]
+    # the scaled cache holds twice the unscaled values (k_scale 0.5), each rounded to e4m3 (3 mantissa bits)
+    torch.testing.assert_close(scaled_cache[1:4].float() * 0.5, plain_cache[1:4].float(), atol=1e-2, rtol=0.13)
+    assert not torch.equal(scaled_cache[1:4].float(), plain_cache[1:4].float())
+    torch.testing.assert_close(scaled_logits, plain_logits, atol=0.1, rtol=0.1)

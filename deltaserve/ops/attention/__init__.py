@@ -9,21 +9,25 @@ from deltaserve.ops.attention import reference
 __all__ = ["chunk_over_prefix_attention", "fresh_causal_attention", "paged_attention", "write_kv_cache"]
 
 
-def write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
-    """See `reference.write_kv_cache` for shapes."""
+def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """See `reference.write_kv_cache` for shapes; the cache stores K / k_scale and V / v_scale."""
     if k.is_cuda:
         from deltaserve.ops.attention.cuda import write_kv_cache as cuda_write
-        return cuda_write(k, v, k_cache, v_cache, slot_mapping)
-    return reference.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+        return cuda_write(k, v, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+    return reference.write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale)
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale: float, max_query_len=None):
+def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale: float, max_query_len=None,
+                    *, k_scale: float = 1.0, v_scale: float = 1.0):
     """See `reference.paged_attention` for shapes. `max_query_len` (an int, optional) lets the GPU kernel size
-    its grid without reading cu_seqlens back to the CPU; 1 selects the decode kernel."""
+    its grid without reading cu_seqlens back to the CPU; 1 selects the decode kernel. The cache holds
+    K / k_scale and V / v_scale."""
     if q.is_cuda:
         from deltaserve.ops.attention.cuda import paged_attention as cuda_attention
-        return cuda_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_query_len)
-    return reference.paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
+        return cuda_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_query_len,
+                              k_scale=k_scale, v_scale=v_scale)
+    return reference.paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+                                     k_scale=k_scale, v_scale=v_scale)
 
 
 def fresh_causal_attention(q, k, v, cu_seqlens_cpu, scale: float):
