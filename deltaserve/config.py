@@ -271,6 +271,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3")
 SSM_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+PERFORMANCE_MODES = ("balanced", "interactivity", "throughput")
 
 
 @dataclass(frozen=True)
@@ -289,7 +290,7 @@ class EngineConfig:
     device: str = "auto"
     max_model_len: int | None = None  # None (or "auto", stored as None): the longest the model and the cache allow
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
+    max_num_batched_tokens: int | None = None  # None: by performance_mode (8192; 16384 for "throughput")
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
@@ -297,6 +298,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     mamba_ssm_cache_dtype: str = "auto"
     enforce_eager: bool = False
+    # vLLM's presets, applied to what the user left unset: "interactivity" captures a CUDA graph for every
+    # decode batch size up to 32 (no padding of small batches); "throughput" takes 16384 batched tokens a step
+    performance_mode: str = "balanced"
     # launch step k+1 before reading back step k's samples (the device never waits on the host between steps)
     async_scheduling: bool = True
     enable_prefix_caching: bool = True
@@ -327,6 +331,9 @@ class EngineConfig:
         choice("kv_cache_dtype", KV_CACHE_DTYPES)
         choice("mamba_ssm_cache_dtype", SSM_CACHE_DTYPES)
         choice("device", DEVICES)
+        choice("performance_mode", PERFORMANCE_MODES)
+        if self.max_num_batched_tokens is None:
+            object.__setattr__(self, "max_num_batched_tokens", 16384 if self.performance_mode == "throughput" else 8192)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ConfigError(f"--seed must be an integer, got {self.seed!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -135,15 +135,18 @@ def estimate_activation_bytes(cfg: ModelConfig, dtype: str, num_tokens: int, num
     return max(_forward_bytes(cfg, dtype, num_tokens, decode=False), sampling)
 
 
-def graph_capture_sizes(max_num_seqs: int) -> list[int]:
-    """The decode batch sizes that get a CUDA graph: 1, 2, 4, 8, then every 8 (worker/cuda_graph.py)."""
-    sizes = {s for s in (1, 2, 4, 8) if s < max_num_seqs} | set(range(16, max_num_seqs, 8))
+def graph_capture_sizes(max_num_seqs: int, performance_mode: str = "balanced") -> list[int]:
+    """The decode batch sizes that get a CUDA graph (worker/cuda_graph.py): 1, 2, 4, 8, then every 8; with
+    --performance-mode interactivity every size up to 32 first (a batch of 5 then runs as 5, not padded to 8:
+    no dummy rows reading and writing the dummy state slot)."""
+    small = range(1, 33) if performance_mode == "interactivity" else (1, 2, 4, 8)
+    sizes = {s for s in small if s < max_num_seqs} | set(range(max(small) + 8, max_num_seqs, 8))
     return sorted(sizes | {max_num_seqs})
 
 
-def estimate_cuda_graph_bytes(cfg: ModelConfig, dtype: str, max_num_seqs: int) -> int:
+def estimate_cuda_graph_bytes(cfg: ModelConfig, dtype: str, max_num_seqs: int, performance_mode: str = "balanced") -> int:
     """Memory of the decode graphs: the largest graph's intermediates (smaller ones reuse its pool), plus
     the one static float32 logits output [max_num_seqs, V] that every graph writes."""
-    sizes = graph_capture_sizes(max_num_seqs)
+    sizes = graph_capture_sizes(max_num_seqs, performance_mode)
     largest = _forward_bytes(cfg, dtype, sizes[-1], decode=True) + sizes[-1] * cfg.vocab_size * DTYPE_BYTES[dtype]
     return largest + sizes[-1] * cfg.vocab_size * 4 + len(sizes) * _GRAPH_FIXED_BYTES

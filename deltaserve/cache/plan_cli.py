@@ -20,7 +20,8 @@ from pathlib import Path
 
 from deltaserve.cache.footprint import WEIGHT_FORMATS
 from deltaserve.cache.planner import MemoryPlan, plan
-from deltaserve.config import DTYPES, KV_CACHE_DTYPES, SSM_CACHE_DTYPES, ConfigError, EngineConfig, ModelConfig
+from deltaserve.config import (DTYPES, KV_CACHE_DTYPES, PERFORMANCE_MODES, SSM_CACHE_DTYPES, ConfigError, EngineConfig,
+                               ModelConfig)
 
 
 @dataclass(frozen=True)
@@ -189,7 +190,9 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default="auto")
     parser.add_argument("--max-model-len", type=parse_model_len, default=None, help="tokens, or auto (default)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=lambda text: parse_bytes(text, "tokens"), default=8192)
+    parser.add_argument("--max-num-batched-tokens", type=lambda text: parse_bytes(text, "tokens"), default=None,
+                        help="default 8192, 16384 with --performance-mode throughput")
+    parser.add_argument("--performance-mode", choices=PERFORMANCE_MODES, default="balanced")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--kv-cache-memory-bytes", type=parse_bytes, default=None)
@@ -214,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
             gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
             num_gpu_blocks_override=args.num_gpu_blocks_override, kv_cache_dtype=args.kv_cache_dtype,
             mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype, enforce_eager=args.enforce_eager,
-            enable_prefix_caching=args.enable_prefix_caching, prefix_cache_state_slots=args.prefix_cache_state_slots)
+            enable_prefix_caching=args.enable_prefix_caching, prefix_cache_state_slots=args.prefix_cache_state_slots,
+            performance_mode=args.performance_mode)
         name = _model_name(args.model)
         common = dict(weight_format=args.quantization, model_name=name)
         table = [(gpu, plan(cfg, engine, device_memory_bytes=gpu.memory_bytes, device_name=gpu.name, **common))

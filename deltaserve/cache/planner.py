@@ -220,7 +220,8 @@ class _Budget:
         activation = self.activation_bytes
         if activation is None:
             activation = estimate_activation_bytes(self.cfg, self.dtype, tokens, min(num_seqs, tokens))
-        graphs = 0 if self.engine.enforce_eager else estimate_cuda_graph_bytes(self.cfg, self.dtype, num_seqs)
+        graphs = 0 if self.engine.enforce_eager else estimate_cuda_graph_bytes(self.cfg, self.dtype, num_seqs,
+                                                                                self.engine.performance_mode)
         return activation, graphs, RUNTIME_OVERHEAD_ESTIMATE if self.overhead_bytes is None else self.overhead_bytes
 
     def cache_memory(self, num_seqs: int) -> int:
@@ -294,7 +295,7 @@ def plan(cfg: ModelConfig, engine: EngineConfig, *, device_memory_bytes: int | N
         conv_state_dtype=dtype, ssm_state_dtype=ssm_dtype, weight_format=weight_format,
         num_parameters=sum(count_parameters(cfg).values()), weight_bytes_by_format=weights,
         activation_bytes=activation, activation_measured=on_gpu and activation_bytes is not None,
-        cuda_graph_bytes=graphs, num_cuda_graphs=len(graph_capture_sizes(num_seqs)) if graphs else 0,
+        cuda_graph_bytes=graphs, num_cuda_graphs=len(graph_capture_sizes(num_seqs, engine.performance_mode)) if graphs else 0,
         overhead_bytes=overhead, overhead_measured=on_gpu and overhead_bytes is not None,
         cache_memory_bytes=budget.cache_memory(num_seqs), cache_memory_source=budget.source,
         conv_bytes_per_slot=conv_bytes, ssm_bytes_per_slot=ssm_bytes, num_working_slots=num_seqs + 1,

@@ -67,7 +67,7 @@ class EngineSetup:
             prefix_cache = PrefixCache(block_pool, state_pool, identity)
         self.cache_manager = CacheManager(block_pool, state_pool, prefix_cache)
         self.runner = ModelRunner(model, shape, self.device, self.max_num_seqs, self.max_model_len,
-                                  config.enforce_eager, config.max_num_batched_tokens)
+                                  config.enforce_eager, config.max_num_batched_tokens, config.performance_mode)
 
     @staticmethod
     def _device(name: str) -> torch.device:

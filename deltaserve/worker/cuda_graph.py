@@ -1,6 +1,7 @@
 """Decode steps on static, padded buffers; replayed as CUDA graphs unless --enforce-eager.
 
-One graph per batch size in `graph_capture_sizes(max_num_seqs)` (1, 2, 4, 8, then every 8), captured largest first
+One graph per batch size in `graph_capture_sizes(max_num_seqs)` (1, 2, 4, 8, then every 8; every size up to 32
+with --performance-mode interactivity), captured largest first
 into one shared memory pool. Each graph reads static input buffers sized for the largest batch; a step of n
 sequences is padded to the next captured size, and its padding rows point at the dummy state slot 0, the
 null KV block 0 (context length 1) and KV slot -1 (no cache write), so they change nothing a request owns.
@@ -23,10 +24,10 @@ logger = logging.getLogger(__name__)
 
 class DecodeGraphs:
     def __init__(self, model: HybridForCausalLM, max_num_seqs: int, block_table_width: int, device,
-                 use_graphs: bool = True):
+                 use_graphs: bool = True, performance_mode: str = "balanced"):
         self.model = model
         self.use_graphs = use_graphs
-        self.sizes = graph_capture_sizes(max_num_seqs)
+        self.sizes = graph_capture_sizes(max_num_seqs, performance_mode)
         n = self.sizes[-1]
         i64 = dict(dtype=torch.int64, device=device)
         # static inputs, sized for the largest batch; rows beyond a step's batch hold padding values

@@ -46,7 +46,7 @@ class LaunchedStep:
 class ModelRunner:
     def __init__(self, model: HybridForCausalLM, cache_shape: CacheShape, device: torch.device,
                  max_num_seqs: int = 256, max_model_len: int = 4096, enforce_eager: bool = True,
-                 max_num_batched_tokens: int = 8192):
+                 max_num_batched_tokens: int = 8192, performance_mode: str = "balanced"):
         self.model = model
         self.device = device
         self.block_size = cache_shape.block_size
@@ -63,7 +63,7 @@ class ModelRunner:
                 use_graphs = False
             # the graphs' block table is wide enough for the longest sequence; eager steps use their own width
             self.graphs = DecodeGraphs(model, max_num_seqs, -(-max_model_len // self.block_size), device,
-                                       use_graphs=use_graphs)
+                                       use_graphs=use_graphs, performance_mode=performance_mode)
             self.graphs.capture()
             from deltaserve.ops.attention.cuda import warm_up_cudnn_attention  # GPU only
 

@@ -98,6 +98,10 @@ def test_graph_sizes():
     assert graph_capture_sizes(13) == [1, 2, 4, 8, 13]
     assert graph_capture_sizes(17) == [1, 2, 4, 8, 16, 17]
     assert graph_capture_sizes(256)[-3:] == [240, 248, 256] and len(graph_capture_sizes(256)) == 35
+    # --performance-mode interactivity: every size up to 32, then every 8
+    assert graph_capture_sizes(40, "interactivity") == list(range(1, 33)) + [40]
+    assert graph_capture_sizes(13, "interactivity") == list(range(1, 14))
+    assert len(graph_capture_sizes(256, "interactivity")) == 32 + 27 + 1
 
 
 def test_27b_on_an_h200_adds_up():

@@ -38,8 +38,8 @@ ISSUE_LINES = [
       "--mamba-cache-mode align --mamba-block-size 8 --enable-chunked-prefill --async-scheduling "
       "--override-generation-config '{\"temperature\": 0.6, \"top_p\": 0.95, \"top_k\": 20, \"min_p\": 0.0, "
       "\"presence_penalty\": 0.0, \"repetition_penalty\": 1.0, \"max_tokens\": 16384}'"),
-     {"--performance-mode"},
-     dict(max_model_len=225000, kv_cache_dtype="fp8_e4m3", max_num_batched_tokens=8192, max_num_seqs=2, enable_prefix_caching=True,
+     set(),
+     dict(performance_mode="interactivity", max_model_len=225000, kv_cache_dtype="fp8_e4m3", max_num_batched_tokens=8192, max_num_seqs=2, enable_prefix_caching=True,
           override_generation_config={"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0,
                                       "presence_penalty": 0.0, "repetition_penalty": 1.0, "max_tokens": 16384}),
      dict(tool_call_parser="qwen3_coder", reasoning_parser="qwen3", enable_auto_tool_choice=True)),
@@ -94,6 +94,13 @@ def test_defaults_without_model():
     assert engine.model is None and settings.served_model_names == ("demo",)
     assert engine.enable_prefix_caching == cli.EngineConfig().enable_prefix_caching  # the engine's default
     assert engine.async_scheduling is True
+    assert (engine.performance_mode, engine.max_num_batched_tokens) == ("balanced", 8192)
+    throughput = cli.configs_from_args(parse(["--performance-mode", "throughput"]))[0]
+    assert throughput.max_num_batched_tokens == 16384  # the preset fills what is unset ...
+    explicit = cli.configs_from_args(parse(["--performance-mode", "throughput", "--max-num-batched-tokens", "4096"]))
+    assert explicit[0].max_num_batched_tokens == 4096  # ... and never overrides the user
+    with pytest.raises(cli.ConfigError, match="--performance-mode 'fast' is not supported"):
+        cli.EngineConfig(performance_mode="fast")  # the Python API's check (argparse has its own)
     assert cli.configs_from_args(parse(["--no-async-scheduling"]))[0].async_scheduling is False
     assert cli.configs_from_args(parse(["--no-enable-prefix-caching"]))[0].enable_prefix_caching is False
     assert (settings.host, settings.port) == ("127.0.0.1", 8000)
@@ -113,10 +120,10 @@ def test_help_documents_every_issue_flag(capsys):
 
 
 def test_not_built_flag_exits_2_with_one_line(capsys):
-    assert cli.main(["serve", "--performance-mode", "throughput", "-tp", "2"]) == 2
+    assert cli.main(["serve", "-pp", "2", "-tp", "2"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
-    assert "--performance-mode throughput is not supported yet (performance modes)" in err
+    assert "--pipeline-parallel-size 2 is not supported yet (pipeline parallelism)" in err
     assert "--tensor-parallel-size 2 is not supported yet (tensor parallelism)" in err
 
 
