@@ -88,3 +88,17 @@ def test_chunk_over_prefix_in_pieces_matches_reference(monkeypatch):
                                                          table[0], prefix, 0.25)
         expected = oracle(q, k_cache, v_cache, table, prefix, length, 0.25)
         torch.testing.assert_close(out.float(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_cudnn_refusal_falls_back_to_the_paged_kernel(monkeypatch):
+    """A shape cuDNN refuses makes the long-chunk path answer None (the layer then runs the paged kernel)."""
+    def refuse(*args, **kwargs):
+        raise RuntimeError("cuDNN Frontend error: no valid execution plan")
+
+    monkeypatch.setattr(cuda_attention, "_cudnn_lse_base", lambda *args: "natural")
+    monkeypatch.setattr(cuda_attention, "_cudnn_attention", refuse)
+    gen = torch.Generator().manual_seed(3)
+    k_cache, v_cache, table, keys, values = paged_sequence(40, 16, gen)
+    q = torch.randn(8, 6, 16, generator=gen)
+    assert cuda_attention.chunk_over_prefix_attention(q, keys[32:], values[32:], k_cache, v_cache, table[0], 32,
+                                                      0.25) is None

@@ -254,6 +254,16 @@ def chunk_over_prefix_attention(q, k, v, k_cache, v_cache, block_table_row, pref
     """
     if not _cudnn_lse_base(q.device, q.dtype, q.shape[-1]):
         return None
+    try:
+        return _chunk_over_prefix(q, k, v, k_cache, v_cache, block_table_row, prefix_len, scale)
+    except RuntimeError as exc:
+        _warn_once(f"cuDNN attention refused a chunk after a cached prefix ({str(exc).splitlines()[0][:200]}); "
+                   "the paged kernel serves it")
+        return None
+
+
+def _chunk_over_prefix(q, k, v, k_cache, v_cache, block_table_row, prefix_len: int, scale: float):
+    """`chunk_over_prefix_attention` once cuDNN's log-sum-exp convention is known."""
     real_length = q.shape[0]
     q, k, v = (_pad_rows(x, _bucket(real_length)) for x in (q, k, v))  # causal: padding rows come last
     length, num_heads, head_dim = q.shape
