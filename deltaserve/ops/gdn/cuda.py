@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.ops.gdn.reference import check_shapes
 from deltaserve.ops.varlen import check_state_pool
 
 # Added under the square root of the L2 norm, as in fla's l2norm and the reference.
@@ -251,24 +252,6 @@ def _zero_fresh_slots(state_pool, state_slots, has_initial_state):
 
 def _check_gdn_inputs(q, k, v, g, beta, state_pool, state_slots):
     """Raise ValueError naming the first inconsistent argument; return (T, HK, K)."""
-    if q.dim() != 3 or q.stride(-1) != 1:
-        raise ValueError(f"q must be [T, HK, K] with unit stride on K, got shape {tuple(q.shape)} "
-                         f"strides {q.stride()}")
-    num_tokens, key_heads, key_dim = q.shape
-    if k.shape != q.shape or k.stride(-1) != 1:
-        raise ValueError(f"k must have q's shape {tuple(q.shape)} and unit stride on K, got {tuple(k.shape)} "
-                         f"strides {k.stride()}")
-    if v.dim() != 3 or v.shape[0] != num_tokens or v.stride(-1) != 1:
-        raise ValueError(f"v must be [T={num_tokens}, HV, V] with unit stride on V, got shape {tuple(v.shape)} "
-                         f"strides {v.stride()}")
-    value_heads, value_dim = v.shape[1], v.shape[2]
-    if value_heads % key_heads != 0:
-        raise ValueError(f"v heads ({value_heads}) must be a multiple of q/k heads ({key_heads})")
-    for name, tensor in (("g", g), ("beta", beta)):
-        if tuple(tensor.shape) != (num_tokens, value_heads):
-            raise ValueError(f"{name} must be [T, HV] = {(num_tokens, value_heads)}, got {tuple(tensor.shape)}")
-    if tuple(state_pool.shape[1:]) != (value_heads, key_dim, value_dim) or state_pool.dim() != 4:
-        raise ValueError(f"state_pool must be [S, HV, K, V] = [S, {value_heads}, {key_dim}, {value_dim}], "
-                         f"got {tuple(state_pool.shape)}")
+    shapes = check_shapes(q, k, v, g, beta, state_pool, "state_pool", unit_stride=True)
     check_state_pool(state_pool, state_slots)
-    return num_tokens, key_heads, key_dim
+    return shapes

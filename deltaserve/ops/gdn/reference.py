@@ -43,7 +43,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, chunk_si
         o: [T, HV, V] in v.dtype.
         final_state: [N, HV, K, V] float32, the state after each sequence's last token.
     """
-    num_tokens = _check_shapes(q, k, v, g, beta, initial_state)
+    num_tokens, _, _ = check_shapes(q, k, v, g, beta, initial_state)
     bounds = sequence_bounds(cu_seqlens, num_tokens, initial_state.shape[0])
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
@@ -82,7 +82,7 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state):
         o: [N, HV, V] in v.dtype.
         final_state: [N, HV, K, V] float32, a new tensor.
     """
-    num_tokens = _check_shapes(q, k, v, g, beta, initial_state)
+    num_tokens, _, _ = check_shapes(q, k, v, g, beta, initial_state)
     if num_tokens != initial_state.shape[0]:
         raise ValueError(
             f"decode takes one token per sequence: q has {num_tokens} tokens but initial_state has "
@@ -152,24 +152,30 @@ def _normalize_qk(q, k, num_value_heads):
     return q32.repeat_interleave(group, dim=1), k32.repeat_interleave(group, dim=1)
 
 
-def _check_shapes(q, k, v, g, beta, initial_state):
-    """Raise ValueError naming the first inconsistent tensor; return the token count T."""
-    if q.dim() != 3:
-        raise ValueError(f"q must be [T, HK, K], got shape {tuple(q.shape)}")
+def check_shapes(q, k, v, g, beta, state, state_name: str = "initial_state", unit_stride: bool = False):
+    """Raise ValueError naming the first inconsistent tensor; return (T, HK, K). `state` is [N or S, HV, K, V]
+    (named `state_name` in errors); unit_stride also requires q, k and v contiguous on their last dimension
+    (the GPU kernels address it so)."""
+    def stride_ok(tensor):
+        return not unit_stride or tensor.stride(-1) == 1
+
+    stride_note = " with unit stride on the last dimension" if unit_stride else ""
+    if q.dim() != 3 or not stride_ok(q):
+        raise ValueError(f"q must be [T, HK, K]{stride_note}, got shape {tuple(q.shape)} strides {q.stride()}")
     num_tokens, key_heads, key_dim = q.shape
-    if k.shape != q.shape:
-        raise ValueError(f"k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
-    if v.dim() != 3 or v.shape[0] != num_tokens:
-        raise ValueError(f"v must be [T={num_tokens}, HV, V], got shape {tuple(v.shape)}")
+    if k.shape != q.shape or not stride_ok(k):
+        raise ValueError(f"k must have q's shape {tuple(q.shape)}{stride_note}, got {tuple(k.shape)} "
+                         f"strides {k.stride()}")
+    if v.dim() != 3 or v.shape[0] != num_tokens or not stride_ok(v):
+        raise ValueError(f"v must be [T={num_tokens}, HV, V]{stride_note}, got shape {tuple(v.shape)} "
+                         f"strides {v.stride()}")
     value_heads, value_dim = v.shape[1], v.shape[2]
     if value_heads % key_heads != 0:
         raise ValueError(f"v heads ({value_heads}) must be a multiple of q/k heads ({key_heads})")
     for name, tensor in (("g", g), ("beta", beta)):
         if tuple(tensor.shape) != (num_tokens, value_heads):
             raise ValueError(f"{name} must be [T, HV] = {(num_tokens, value_heads)}, got {tuple(tensor.shape)}")
-    if initial_state.dim() != 4 or tuple(initial_state.shape[1:]) != (value_heads, key_dim, value_dim):
-        raise ValueError(
-            f"initial_state must be [N, HV, K, V] = [N, {value_heads}, {key_dim}, {value_dim}], "
-            f"got {tuple(initial_state.shape)}"
-        )
-    return num_tokens
+    if state.dim() != 4 or tuple(state.shape[1:]) != (value_heads, key_dim, value_dim):
+        raise ValueError(f"{state_name} must be [N, HV, K, V] = [N, {value_heads}, {key_dim}, {value_dim}], "
+                         f"got {tuple(state.shape)}")
+    return num_tokens, key_heads, key_dim
