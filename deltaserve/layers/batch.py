@@ -30,12 +30,16 @@ class ForwardBatch:
     # object per step, since fla caches what it derives from it by identity
     cu_seqlens_cpu: torch.Tensor | None
     is_decode: bool  # every sequence has one new token and continues from its cached state
-    prefix_free: bool = False  # no sequence has cached tokens (every one starts at position 0)
-    num_computed_cpu: tuple[int, ...] = ()  # tokens each sequence has cached before this step (prefill steps)
+    num_computed_cpu: tuple[int, ...] = ()  # tokens each sequence has cached before this step (built steps)
 
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
+
+    @property
+    def prefix_free(self) -> bool:
+        """No sequence has cached tokens: every one starts at position 0 (False when unknown, as in graphs)."""
+        return bool(self.num_computed_cpu) and not any(self.num_computed_cpu)
 
     @classmethod
     def build(cls, num_computed: list[int], query_lens: list[int], block_ids: list[list[int]],
@@ -71,6 +75,5 @@ class ForwardBatch:
             cu_seqlens_cpu=torch.from_numpy(cu),
             # a sequence that starts now takes the prefill path, which zeroes its state first
             is_decode=bool(np.all((qlens == 1) & (computed > 0))),
-            prefix_free=bool(np.all(computed == 0)),
             num_computed_cpu=tuple(computed.tolist()),
         )
