@@ -130,7 +130,8 @@ class SamplingParams:
 @dataclass
 class SamplerOutput:
     token_ids: list[int]  # [N] sampled token per row
-    logprobs: list[float]  # [N] logprob of each sampled token (penalised distribution, see module doc)
+    logprobs: list[float | None]  # [N] logprob of each sampled token (penalised distribution, see module
+    # doc); None where the step computed none (greedy rows that asked for no logprobs, see Sampler.sample)
     top_logprobs: list[list[tuple[int, float]] | None]  # per row: top `params.logprobs` (token, logprob)
 
 
@@ -142,11 +143,13 @@ class PendingSample:
     feeds it to the next step as input without a round trip.
     """
 
-    def __init__(self, token_ids: torch.Tensor, logprobs: torch.Tensor, top: tuple[torch.Tensor, torch.Tensor] | None,
-                 top_counts: dict[int, int]):
+    def __init__(self, token_ids: torch.Tensor, logprobs: torch.Tensor | None,
+                 top: tuple[torch.Tensor, torch.Tensor] | None, top_counts: dict[int, int]):
         self.token_ids = token_ids  # [N] int64, on the device
         self._top_counts = top_counts  # row -> how many top logprobs it asked for (the rows of `top`, in order)
-        tensors = [token_ids, logprobs, *(top or ())]  # top: values [W, k] and ids [W, k]
+        self._has_logprobs = logprobs is not None
+        # top: values [W, k] and ids [W, k]
+        tensors = [token_ids, *([logprobs] if logprobs is not None else []), *(top or ())]
         self._event = None
         if token_ids.is_cuda:
             self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
@@ -160,7 +163,8 @@ class PendingSample:
     def result(self) -> SamplerOutput:
         if self._event is not None:
             self._event.synchronize()
-        token_ids, logprobs = self._host[0].tolist(), self._host[1].tolist()
+        token_ids = self._host[0].tolist()
+        logprobs = self._host[1].tolist() if self._has_logprobs else [None] * len(token_ids)
         top_logprobs: list[list[tuple[int, float]] | None] = [None] * len(token_ids)
         if self._top_counts:
             values, ids = self._host[2].tolist(), self._host[3].tolist()
@@ -204,6 +208,12 @@ class Sampler:
             empty = torch.empty(0, dtype=torch.long, device=logits.device)
             return PendingSample(empty, empty.float(), None, {})
 
+        if all(p.greedy and p.logprobs is None and not _edits_logits(p, out)
+               for p, out in zip(params, output_token_ids)):
+            # Greedy with nothing to report but the token (the decode steady state of most servers): the
+            # argmax of the logits as they are, without the float32 copy and the softmax below.
+            return PendingSample(logits.argmax(dim=-1), None, None, {})
+
         # Work in float32 on a private copy: bf16 logits would quantise the penalties and the softmax.
         logits = logits.to(torch.float32, copy=True)  # [N, V]
         _mask_min_tokens(logits, params, output_token_ids, eos_token_ids)
@@ -233,6 +243,12 @@ class Sampler:
             top_values -= log_normalizer[to_device(wanted_rows, device)][:, None]
             top = (top_values, top_ids)
         return PendingSample(token_ids, sampled_logprobs, top, {row: params[row].logprobs for row in wanted_rows})
+
+
+def _edits_logits(params: SamplingParams, output_token_ids) -> bool:
+    """Whether a penalty or min_tokens changes this row's logits this step."""
+    return (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
+            or len(output_token_ids) < params.min_tokens)
 
 
 def _select_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:

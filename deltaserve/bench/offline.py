@@ -183,8 +183,9 @@ def run_multi_turn(engine: LLMEngine, turns: int = 8, first_len: int = 2000, new
     return {"ttft_by_turn_ms": ttfts, "cached_tokens": cached, "turn8_over_turn2": ttfts[-1] / ttfts[1]}
 
 
-def profile(engine: LLMEngine, input_len: int = 8192, decode_steps: int = 8) -> None:
-    """Print where the GPU time of a prompt's prefill and of a few batch-1 decode steps goes (top kernels)."""
+def profile(engine: LLMEngine, input_len: int = 8192, decode_steps: int = 8, save_dir: str | None = None) -> None:
+    """Print where the GPU time of a prompt's prefill and of a few batch-1 decode steps goes (top kernels);
+    with save_dir, every kernel's line is also written there (profile_*.txt)."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     gen = torch.Generator().manual_seed(7)
@@ -202,22 +203,29 @@ def profile(engine: LLMEngine, input_len: int = 8192, decode_steps: int = 8) -> 
                     break
             torch.cuda.synchronize()
             wall = time.perf_counter() - t
-        print_profile(prof, f"{title}: {steps} steps", steps, wall)
+        print_profile(prof, f"{title}: {steps} steps", steps, wall,
+                      save_dir and f"{save_dir}/profile_{'prefill' if title.startswith('prefill') else 'batch1'}.txt")
     while engine.has_unfinished():
         engine.step()
-    profile_decode_batch(engine)
+    profile_decode_batch(engine, save_dir=save_dir)
 
 
-def print_profile(prof, title: str, steps: int, wall: float) -> None:
-    """The wall and GPU-busy time per step of a profiled run, and its top kernels."""
+def print_profile(prof, title: str, steps: int, wall: float, save_as: str | None = None) -> None:
+    """The wall and GPU-busy time per step of a profiled run, and its top kernels; with save_as, a file
+    with every kernel."""
     events = prof.key_averages()
     gpu_total = sum(e.self_device_time_total for e in events) / 1e3
-    print(f"--- profile: {title}: wall {1e3 * wall / steps:.2f} ms/step, GPU busy {gpu_total / steps:.2f} ms/step",
-          flush=True)
+    heading = f"--- profile: {title}: wall {1e3 * wall / steps:.2f} ms/step, GPU busy {gpu_total / steps:.2f} ms/step"
+    print(heading, flush=True)
     print(events.table(sort_by="self_cuda_time_total", row_limit=22, max_name_column_width=60), flush=True)
+    if save_as:
+        with open(save_as, "w") as f:
+            f.write(heading + "\n" + events.table(sort_by="self_cuda_time_total", row_limit=-1,
+                                                  max_name_column_width=120))
 
 
-def profile_decode_batch(engine: LLMEngine, batch: int = 64, input_len: int = 1024, decode_steps: int = 8) -> None:
+def profile_decode_batch(engine: LLMEngine, batch: int = 64, input_len: int = 1024, decode_steps: int = 8,
+                         save_dir: str | None = None) -> None:
     """Print where the GPU time of decode steps at `batch` sequences goes (W6's steady state)."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
@@ -237,7 +245,8 @@ def profile_decode_batch(engine: LLMEngine, batch: int = 64, input_len: int = 10
             engine.step()
         torch.cuda.synchronize()
         wall = time.perf_counter() - t
-    print_profile(prof, f"{decode_steps} decode steps, batch {batch}", decode_steps, wall)
+    print_profile(prof, f"{decode_steps} decode steps, batch {batch}", decode_steps, wall,
+                  save_dir and f"{save_dir}/profile_batch{batch}.txt")
     while engine.has_unfinished():
         engine.step()
 
@@ -259,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale", type=float, default=1.0, help="multiply prompt counts (quick runs: 0.34)")
     parser.add_argument("--out", help="append JSON lines of results here")
     parser.add_argument("--profile", action="store_true", help="print the top GPU kernels of a prefill and a decode")
+    parser.add_argument("--profile-dir", help="with --profile, also write every kernel's line to files here")
     args = parser.parse_args(argv)
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]
     unknown = [w for w in names if w not in WORKLOADS and w not in PREFIX_WORKLOADS]
@@ -276,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"engine ready in {time.perf_counter() - t:.1f} s", flush=True)
     limits = Limits(engine, bandwidth, flops)
     if args.profile:
-        profile(engine)
+        profile(engine, save_dir=args.profile_dir)
     for name in names:
         if name in PREFIX_WORKLOADS:
             r = run_shared_prefix(engine, profile_hit=args.profile) if name == "W4" else run_multi_turn(engine)

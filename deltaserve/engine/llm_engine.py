@@ -208,7 +208,8 @@ class LLMEngine:
                 index=index,
                 text=child.detok.text if child.detok is not None else "",
                 token_ids=list(request.output_token_ids),
-                cumulative_logprob=child.cumulative_logprob,
+                # as in vLLM: only for requests that asked for logprobs (others may skip computing them)
+                cumulative_logprob=child.cumulative_logprob if child.logprobs is not None else None,
                 logprobs=child.logprobs,
                 finish_reason=child.finish_reason,
                 stop_reason=child.stop_reason,

@@ -6,16 +6,15 @@ before o_proj. See the architecture reference, section 3.
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.layers.batch import ForwardBatch
 from deltaserve.layers.linear import fuse_linears
 from deltaserve.layers.norm import RMSNorm
 from deltaserve.layers.rotary import PartialRotary
-from deltaserve.ops.attention import (chunk_over_prefix_attention, fresh_causal_attention, paged_attention,
-                                      write_kv_cache)
-from deltaserve.ops.rotary import qk_norm_rope
+from deltaserve.ops.attention import chunk_over_prefix_attention, fresh_causal_attention, paged_attention
+from deltaserve.ops.linear import linear
+from deltaserve.ops.rotary import qk_norm_rope_write_kv
 
 # Chunks shorter than this keep the paged kernel: cuDNN's launches would cost more than they save.
 SDPA_MIN_TOKENS = 512
@@ -58,31 +57,37 @@ class GatedAttention(nn.Module):
         return (q.is_cuda and batch.max_query_len >= SDPA_MIN_TOKENS and q.dtype in (torch.bfloat16, torch.float16)
                 and self.k_cache.dtype == q.dtype)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """x: [T, hidden] -> [T, hidden]. Writes this step's K/V into the cache, then attends over it."""
-        T = x.shape[0]
+    @property
+    def in_weight(self) -> torch.Tensor:
+        """The input projection [q | k | v] rows, applied by the decoder layer together with its norm."""
+        return self.qkv_weight
+
+    def forward(self, qkv: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """qkv: [T, 2 nH hd + 2 nKV hd], the input projection's output -> [T, hidden]. Writes this step's K/V
+        into the cache, then attends over it."""
+        T = qkv.shape[0]
         kv_dim = self.num_kv_heads * self.head_dim
-        qg, k, v = F.linear(x, self.qkv_weight).split([2 * self.num_heads * self.head_dim, kv_dim, kv_dim], -1)
+        qg, k, v = qkv.split([2 * self.num_heads * self.head_dim, kv_dim, kv_dim], -1)
         qg = qg.view(T, self.num_heads, 2 * self.head_dim)
         q, gate = qg[..., : self.head_dim], qg[..., self.head_dim:]  # [T, nH, hd] each
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         rot = self.rotary
-        q, k = qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, rot.cos, rot.sin,
-                            batch.positions, rot.rotary_dim)
         k_scale, v_scale = (self.k_scale, self.v_scale) if self.k_cache.dtype == torch.float8_e4m3fn else (1.0, 1.0)
-        write_kv_cache(k, v, self.k_cache, self.v_cache, batch.slot_mapping, k_scale=k_scale, v_scale=v_scale)
+        # one launch: q/k norm, partial RoPE, and this step's K/V written into the cache
+        q, k = qk_norm_rope_write_kv(q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, rot.cos,
+                                     rot.sin, batch.positions, rot.rotary_dim, self.k_cache, self.v_cache,
+                                     batch.slot_mapping, k_scale=k_scale, v_scale=v_scale)
         o = None
         if self._sdpa_path(q, batch):
             if batch.prefix_free:  # nothing cached to read: attend the new K/V directly
-                o = fresh_causal_attention(q, k, v.contiguous(), batch.cu_seqlens_cpu, self.scale)
+                o = fresh_causal_attention(q, k, v.contiguous(), batch.cu_seqlens_cpu, self.scale, gate=gate)
             elif batch.num_seqs == 1 and batch.num_computed_cpu[0] % SDPA_PREFIX_ALIGN == 0:
                 # one long chunk after its cached prefix (long prompts, chunk after chunk)
                 o = chunk_over_prefix_attention(q, k, v, self.k_cache, self.v_cache, batch.block_tables[0],
-                                                batch.num_computed_cpu[0], self.scale)
+                                                batch.num_computed_cpu[0], self.scale, gate=gate)
         if o is None:
             o = paged_attention(q, self.k_cache, self.v_cache, batch.block_tables, batch.cu_seqlens_q,
                                 batch.seq_lens, self.scale, batch.max_query_len, k_scale=k_scale,
-                                v_scale=v_scale)  # [T, nH, hd]
-        o = o * torch.sigmoid(gate)
-        return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
+                                v_scale=v_scale, gate=gate)  # [T, nH, hd], already times sigmoid(gate)
+        return linear(o.reshape(T, self.num_heads * self.head_dim), self.o_proj.weight)

@@ -3,10 +3,14 @@
 Per sequence the layer carries two states, held in pools indexed by the sequence's state slot:
 a conv state (the last W-1 pre-conv inputs, [slots, conv_dim, W-1]) and a recurrent state
 ([slots, HV, K, V], float32 by default). See the architecture reference, section 2.
+
+The decoder layer applies the input projection (`in_weight`, with its norm); `forward` takes its output.
+On the GPU, prefill copies no activation: the conv writes q, k and v as three contiguous tensors (fla's
+chunked kernels would copy strided views), and the gated norm reads z as a strided view of the projection.
+Decode keeps q, k, v as strided views of one conv output, which its kernels read in place.
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.config import ModelConfig
@@ -15,6 +19,7 @@ from deltaserve.layers.linear import fuse_linears
 from deltaserve.layers.norm import GatedRMSNorm
 from deltaserve.ops.conv1d import conv_decode, conv_prefill
 from deltaserve.ops.gdn import gdn_decode, gdn_prefill
+from deltaserve.ops.linear import gated_norm_linear
 
 
 class GatedDeltaNet(nn.Module):
@@ -50,10 +55,15 @@ class GatedDeltaNet(nn.Module):
         else:
             self.in_proj_weight = fuse_linears(self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
 
-    def _project(self, x: torch.Tensor):
-        """x: [T, H] -> mixed_qkv [T, conv_dim], z [T, HV, dv], b [T, HV], a [T, HV]."""
-        T, HV = x.shape[0], self.num_v_heads
-        proj = F.linear(x, self.in_proj_weight)
+    @property
+    def in_weight(self) -> torch.Tensor:
+        """All input projections' rows (see `fuse`), applied by the decoder layer together with its norm."""
+        return self.in_proj_weight
+
+    def _split_projection(self, proj: torch.Tensor):
+        """proj: [T, conv_dim + value_dim + 2 HV] -> mixed_qkv [T, conv_dim], z [T, HV, dv], b [T, HV], a [T, HV]:
+        views of proj for Qwen3.5; Qwen3-Next's rows, interleaved per key head, are gathered."""
+        T, HV = proj.shape[0], self.num_v_heads
         if not self.fused_inproj:  # rows [q|k|v | z | b | a]
             mixed, z, b, a = proj.split([2 * self.key_dim + self.value_dim, self.value_dim, HV, HV], dim=-1)
             return mixed, z.view(T, HV, self.v_dim), b, a
@@ -66,18 +76,19 @@ class GatedDeltaNet(nn.Module):
         mixed = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
         return mixed, z.reshape(T, HV, self.v_dim), b.reshape(T, HV), a.reshape(T, HV)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """x: [T, H] -> [T, H]. Reads and writes this batch's slots of the conv and recurrent state pools."""
-        T = x.shape[0]
-        mixed, z, b, a = self._project(x)
+    def forward(self, projected: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """projected: [T, conv_dim + value_dim + 2 HV], the output of `in_weight` -> [T, H]. Reads and writes
+        this batch's slots of the conv and recurrent state pools."""
+        T = projected.shape[0]
+        mixed, z, b, a = self._split_projection(projected)
         conv_w = self.conv1d.weight.squeeze(1)  # [conv_dim, W]
         slots = batch.state_slots
-        if batch.is_decode:
-            mixed = conv_decode(mixed, conv_w, self.conv_state, slots)
-        else:
-            mixed = conv_prefill(mixed, conv_w, self.conv_state, slots, batch.has_initial_state, batch.cu_seqlens_q)
-
-        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        qkv_dims = (self.key_dim, self.key_dim, self.value_dim)
+        if batch.is_decode:  # strided views of one [N, conv_dim] output
+            q, k, v = conv_decode(mixed, conv_w, self.conv_state, slots).split(qkv_dims, dim=-1)
+        else:  # three contiguous [T, d] tensors
+            q, k, v = conv_prefill(mixed, conv_w, self.conv_state, slots, batch.has_initial_state, batch.cu_seqlens_q,
+                                   split=qkv_dims)
         q = q.view(T, self.num_k_heads, self.k_dim)
         k = k.view(T, self.num_k_heads, self.k_dim)
         v = v.view(T, self.num_v_heads, self.v_dim)
@@ -87,5 +98,5 @@ class GatedDeltaNet(nn.Module):
             o = gdn_prefill(q, k, v, a, b, self.ssm_state, slots, batch.has_initial_state, batch.cu_seqlens_q,
                             batch.cu_seqlens_cpu, batch.max_query_len, A_log=self.A_log, dt_bias=self.dt_bias)
 
-        o = self.norm(o, z)  # [T, HV, dv]
-        return self.out_proj(o.reshape(T, self.value_dim))
+        # out_proj(norm(o, z)); z: a strided view of the projection; one kernel for small decode batches
+        return gated_norm_linear(o, z, self.norm.weight, self.norm.eps, self.out_proj.weight)

@@ -11,6 +11,7 @@ from torch import nn
 
 from deltaserve.layers.linear import fuse_linears
 from deltaserve.ops.activation import silu_and_mul
+from deltaserve.ops.linear import silu_mul_linear
 
 
 # (S, K) x grouped (E, K, N) -> (S, N); torch >= 2.10 names it F.grouped_mm, older releases torch._grouped_mm
@@ -32,7 +33,11 @@ class SwiGLU(nn.Module):
         self.gate_up_weight = fuse_linears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(F.linear(x, self.gate_up_weight)))
+        return self.down(F.linear(x, self.gate_up_weight))
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up: [T, 2I], the fused gate/up projection's output -> down(silu(gate) * up): [T, H]."""
+        return silu_mul_linear(gate_up, self.down_proj.weight)
 
 
 class Experts(nn.Module):

@@ -34,5 +34,6 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """x, gate: [..., dim] -> [..., dim] in x's dtype."""
+        """x, gate: [..., dim] -> [..., dim] in x's dtype. On the GPU [T, heads, dim] inputs are read in place
+        whatever their token and head strides (e.g. the gate as a view of the GDN input projection)."""
         return gated_rms_norm(x, gate, self.weight, self.eps)

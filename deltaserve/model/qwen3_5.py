@@ -4,6 +4,10 @@ Reference: transformers' `Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM`, `Qwen3Ne
 chosen by `layer_types`: "linear_attention" -> Gated DeltaNet, "full_attention" -> gated attention. Every
 layer is pre-norm: h = h + mixer(norm(h)); h = h + mlp(norm(h)). Activations are flat [T, hidden] over all
 sequences of the step; see `ForwardBatch`.
+
+Each norm is applied together with the projection that reads it (`ops.linear.rms_norm_linear`: one kernel
+for small decode batches on the GPU, the norm then the matmul elsewhere), so a mixer's forward takes its
+input projection's output, and a dense MLP's down projection takes the gate/up projection's.
 """
 
 import torch
@@ -16,6 +20,15 @@ from deltaserve.layers.gdn import GatedDeltaNet
 from deltaserve.layers.mlp import SparseMoE, SwiGLU
 from deltaserve.layers.norm import RMSNorm
 from deltaserve.layers.rotary import PartialRotary
+from deltaserve.ops.linear import rms_norm_linear
+
+
+def norm_then_project(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor):
+    """weight @ norm(x + residual): [T, N], and the new residual x + residual (x itself when there is none yet,
+    in the first layer)."""
+    if residual is None:
+        return rms_norm_linear(x, norm.weight, norm.eps, weight), x
+    return rms_norm_linear(x, norm.weight, norm.eps, weight, residual)
 
 
 class DecoderLayer(nn.Module):
@@ -37,12 +50,12 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch):
         """h: [T, H] output of the previous layer (residual not yet added). Returns (h, residual)."""
-        if residual is None:
-            residual = h
-            x = self.input_layernorm(h)
-        else:
-            x, residual = self.input_layernorm(h, residual)
-        x = self.linear_attn(x, batch) if self.is_linear else self.self_attn(x, batch)
+        mixer = self.linear_attn if self.is_linear else self.self_attn
+        projected, residual = norm_then_project(self.input_layernorm, h, residual, mixer.in_weight)
+        x = mixer(projected, batch)
+        if isinstance(self.mlp, SwiGLU):
+            gate_up, residual = norm_then_project(self.post_attention_layernorm, x, residual, self.mlp.gate_up_weight)
+            return self.mlp.down(gate_up), residual
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 

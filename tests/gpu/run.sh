@@ -28,9 +28,9 @@ if [ "$MODE" != bench ]; then
 fi
 if [ "$MODE" = quick ]; then
   python3 -m deltaserve.bench.offline "$CONFIGS/qwen3.5-27b" --workloads W1,W3,W4 --scale 0.34 --profile \
-    --max-model-len 40000 --out "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench.log"
+    --profile-dir "$OUT" --max-model-len 140000 --out "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench.log"
 elif [ "$MODE" = full ] || [ "$MODE" = bench ]; then
   python3 -m deltaserve.bench.offline "$CONFIGS/qwen3.5-27b" --workloads W4,W1,W3,W2,W6,W5 --profile \
-    --max-model-len 140000 --out "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench.log"
+    --profile-dir "$OUT" --max-model-len 140000 --out "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench.log"
 fi
 exit $status

@@ -415,3 +415,15 @@ def test_print_chunk_over_prefix_throughput(capsys):
     flops = causal_flops(prefix, q_len, NUM_HEADS, HEAD_DIM)
     report(capsys, f"chunk of {q_len} after {prefix} cached: cuDNN in parts {ms:.2f} ms ({flops / ms / 1e9:.0f} "
                    f"TFLOP/s), paged kernel {paged_ms:.2f} ms ({flops / paged_ms / 1e9:.0f} TFLOP/s)")
+
+
+@pytest.mark.parametrize("kv_lens,q_lens", [([1024, 5, 3000], [1, 1, 1]), ([36864 + 16], [16]),
+                                            ([300, 900], [300, 7])])
+def test_output_gate_is_torchs_product_bit_for_bit(kv_lens, q_lens):
+    """The gate applied in the kernels' epilogues (decode merge, split prefill merge, prefill store) equals the
+    layer's former o * torch.sigmoid(gate) exactly; gate is a strided view, as in the layer."""
+    batch = paged_batch(kv_lens, q_lens, table_width=MAX_MODEL_LEN // BLOCK_SIZE, seed=5)
+    wide = torch.randn(batch.q.shape[0], NUM_HEADS, 2 * HEAD_DIM, device=DEVICE).to(torch.bfloat16)
+    gate = wide[..., HEAD_DIM:]
+    ungated = batch.run(max_query_len=max(q_lens))
+    assert torch.equal(batch.run(max_query_len=max(q_lens), gate=gate), ungated * torch.sigmoid(gate))

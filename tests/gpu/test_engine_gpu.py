@@ -114,3 +114,35 @@ def test_cudnn_attention_paths_agree_with_the_paged_path(make_checkpoint, monkey
             with capsys.disabled():
                 print(f"\n[cuDNN path: {label}] top-5 overlap {len(shared)}/5, largest logprob difference {worst:.2e}")
             assert worst < 0.05
+
+
+@pytest.fixture
+def every_projection_fused(monkeypatch):
+    """The fused small-batch projections (ops/linear) for every shape, not only the tuned table's."""
+    from deltaserve.ops.linear import cuda as linear_cuda
+
+    monkeypatch.setattr(linear_cuda, "config_for", lambda prologue, n, k: linear_cuda.DEFAULT_CONFIG)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fused_projections_match_reference_and_replay_exactly(arch, tmp_path, every_projection_fused, capsys):
+    """bf16 decode steps (one row: the fused kernels) against the CPU float32 reference, as above; then graphs
+    == eager with batches of 1 and 3 sequences (both within GEMV_MAX_ROWS)."""
+    path = build_checkpoint(tmp_path, arch, matrix_gain=0.5)
+    ids = prompt(200, 2)
+    chunks = [150]  # then 50 decode steps, each a fused step
+    ref = chunked_logits(path, torch.float32, "cpu", ids, chunks)[150:]
+    bf16 = chunked_logits(path, torch.bfloat16, "cuda", ids, chunks)[150:]
+    agreement = (ref.argmax(-1) == bf16.argmax(-1)).float().mean().item()
+    rel = ((ref - bf16).abs().mean() / ref.abs().mean()).item()
+    with capsys.disabled():
+        print(f"\n[fused projections] {arch}: bf16 decode top-1 agreement {agreement:.4f}, "
+              f"mean|diff|/mean|logit| {rel:.4f}")
+    assert agreement >= 0.9 and rel <= 0.05
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    graphs = LLM(path, dtype="bfloat16", max_num_seqs=4, enforce_eager=False)
+    eager = LLM(path, dtype="bfloat16", max_num_seqs=4, enforce_eager=True)
+    for prompts in ([prompt(40, 3)], [prompt(n, 20 + n) for n in (7, 60, 1)]):
+        a = [o.outputs[0].token_ids for o in graphs.generate(prompts, params, use_tqdm=False)]
+        b = [o.outputs[0].token_ids for o in eager.generate(prompts, params, use_tqdm=False)]
+        assert a == b

@@ -5,7 +5,11 @@ import math
 import pytest
 import torch
 
-from deltaserve.ops.attention import paged_attention, write_kv_cache
+from deltaserve.ops.attention import (
+    attention_output_gate,
+    paged_attention,
+    write_kv_cache,
+)
 
 # The op gathers float32 K/V and computes a float32 softmax; the oracle is float64 on the same values.
 # Attention outputs are convex combinations of unit-scale values, so float32 error is ~1e-6.
@@ -63,7 +67,7 @@ def build_case(block_size, seed=0, cache_dtype=torch.float32):
     for is_new in (False, True):
         rows, slot_rows = [], []
         for seq, (kv_len, q_len) in enumerate(SEQUENCES):
-            span = range(kv_len - q_len, kv_len) if is_new else range(0, kv_len - q_len)
+            span = range(kv_len - q_len, kv_len) if is_new else range(kv_len - q_len)
             rows += [starts[seq] + p for p in span]
             slot_rows.append(slots[seq][list(span)])
         rows = torch.tensor(rows, dtype=torch.long)
@@ -107,6 +111,22 @@ def test_bfloat16_cache_and_queries():
         q, keys.bfloat16(), values.bfloat16(), [ql for _, ql in SEQUENCES], seq_lens.tolist(), HEAD_DIM**-0.5
     )
     torch.testing.assert_close(out.double(), want, atol=1e-2, rtol=1e-2)
+
+
+def test_gate_multiplies_by_its_sigmoid_in_the_output_dtype():
+    """gate= is exactly torch's `o * torch.sigmoid(gate)` on the ungated bf16 output; attention_output_gate too."""
+    q, _, _, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens = build_case(16, seed=4, cache_dtype=torch.bfloat16)
+    q = q.bfloat16()
+    gate = torch.randn(q.shape[0], NUM_HEADS, 2 * HEAD_DIM).bfloat16()[..., HEAD_DIM:]  # strided, as in the layer
+    args = (q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, HEAD_DIM**-0.5)
+    plain = paged_attention(*args)
+    expected = plain * torch.sigmoid(gate)
+    assert torch.equal(paged_attention(*args, gate=gate), expected)
+    assert torch.equal(attention_output_gate(plain, gate), expected)
+    with pytest.raises(ValueError, match="gate must have dtype"):
+        paged_attention(*args, gate=gate.float())
+    with pytest.raises(ValueError, match="gate must be"):
+        paged_attention(*args, gate=gate[:-1])
 
 
 def test_write_kv_cache_skips_negative_slots_and_casts():

@@ -1,14 +1,16 @@
 """Our Triton paged-attention kernels (`deltaserve.ops.attention.cuda`) against the reference ops, on CPU.
 
 Triton's interpreter runs the kernels on CPU tensors with numpy, so CI checks their logic (block-table
-gathers, causal offsets of cached prefixes, GQA grouping, split-KV merging in decode and prefill, fp8
-scales) on tiny odd shapes.
+gathers, causal offsets of cached prefixes, GQA grouping, split-KV merging in decode and prefill, the
+per-sequence decode split count, the fused output gate, fp8 scales) on tiny odd shapes.
 Speed and GPU races are for tests/gpu/test_attention_gpu.py.
 
 The interpreter is chosen when a kernel is decorated, so TRITON_INTERPRET is set before the kernel modules
 are imported; on a machine with CUDA this module is skipped rather than switching the whole test process to
 the interpreter. The interpreter computes tl.dot on bf16 operands wrongly (numpy has no bf16) and truncates
 float32 -> bf16 casts, so bf16 appears here only as a cache read in float32 dots, with bf16-exact values.
+Its exp is numpy's, which differs from torch's CPU exp in the last float32 bit: the output gate is compared
+bit for bit with torch in float16 (where those bits round away), and to float32 tolerances in float32.
 """
 
 import os
@@ -48,11 +50,13 @@ FP32_TOL = {"atol": 2e-5, "rtol": 2e-5}
 
 @pytest.fixture
 def small_tiles(monkeypatch):
-    """16-row query tiles (5 tokens x 3 heads) and 16-position KV tiles, for every dot dtype."""
+    """16-row query tiles (5 tokens x 3 heads) and 16-position KV tiles, for every dot dtype; decode splits
+    as short as one tile, so that the short test sequences use several."""
     monkeypatch.setattr(cuda_prefill, "PREFILL_TILES", {64: SMALL_TILES})
     monkeypatch.setattr(cuda_prefill, "PREFILL_TILES_FLOAT32", SMALL_TILES)
     monkeypatch.setattr(cuda_decode, "DECODE_BLOCK_N", 16)
     monkeypatch.setattr(cuda_decode, "DECODE_BLOCK_N_FLOAT32", 16)
+    monkeypatch.setattr(cuda_decode, "DECODE_MIN_TOKENS_PER_SPLIT", 16)
 
 
 @triton.jit
@@ -115,6 +119,93 @@ def test_decode_kernel_matches_reference(small_tiles, num_splits):
     expected = reference.paged_attention(**batch)
     actual = kernels.paged_attention(**batch, max_query_len=1, num_splits=num_splits)
     torch.testing.assert_close(actual, expected, **FP32_TOL)
+
+
+class NanEmpty:
+    """Stands in for the torch module inside cuda_decode: empty() gives NaN-filled tensors and keeps them, so
+    a test sees which partials the kernels wrote, and a merge that read an unwritten one would output NaN."""
+
+    def __init__(self):
+        self.made = []
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    def empty(self, *shape, **kwargs):
+        self.made.append(torch.full(shape, float("nan"), **kwargs))
+        return self.made[-1]
+
+
+def active_splits(seq_len: int, num_splits: int, block_n: int) -> int:
+    """The decode rule: shares of max(DECODE_MIN_TOKENS_PER_SPLIT, cdiv(seq_len, num_splits)) positions, rounded
+    up to whole tiles; as many as seq_len needs."""
+    share = max(cuda_decode.DECODE_MIN_TOKENS_PER_SPLIT, -(-seq_len // num_splits))
+    share = -(-share // block_n) * block_n
+    return -(-seq_len // share)
+
+
+# Decode lengths around the 256-position minimum share; (0, 1) is a query over an empty sequence (a padding
+# row of a CUDA graph), which the reference refuses: it gets zeros. (5, 0) has no query.
+DECODE_SPANS = [(1, 1), (17, 1), (255, 1), (256, 1), (257, 1), (700, 1), (1000, 1), (5, 0), (0, 1)]
+
+
+@pytest.mark.parametrize("num_splits,active_at_1000", [(66, 4), (3, 3)])
+def test_decode_splits_follow_each_sequence_length(monkeypatch, num_splits, active_at_1000):
+    """num_splits as planned for a 140K-token table (66: 1,000 tokens take 4 shares of 256) or small (3: shares
+    of 336 there) over short sequences: each sequence's active splits write partials, the others write
+    nothing, and the merge reads only the active ones (unwritten partials are NaN here)."""
+    fake_torch = NanEmpty()
+    monkeypatch.setattr(cuda_decode, "torch", fake_torch)
+    batch = make_batch(DECODE_SPANS, block_size=16, head_dim=16, seed=num_splits)
+    actual = kernels.paged_attention(**batch, max_query_len=1, num_splits=num_splits)
+
+    _, partial_lse = fake_torch.made  # [N, n_heads, num_splits]
+    block_n = cuda_decode.DECODE_BLOCK_N_FLOAT32
+    for seq, (kv_len, q_len) in enumerate(DECODE_SPANS):
+        active = active_splits(kv_len, num_splits, block_n) if q_len else 0
+        assert not partial_lse[seq, :, :active].isnan().any(), (seq, active)
+        assert partial_lse[seq, :, active:].isnan().all(), (seq, active)
+    assert active_splits(1000, num_splits, block_n) == active_at_1000
+    assert torch.equal(actual[-1], torch.zeros_like(actual[-1]))  # the empty sequence's query
+    # The reference without that query: the last sequence's q_len becomes 0.
+    without_empty = dict(batch, q=batch["q"][:-1], cu_seqlens_q=batch["cu_seqlens_q"].clamp(max=actual.shape[0] - 1))
+    torch.testing.assert_close(actual[:-1], reference.paged_attention(**without_empty), **FP32_TOL)
+
+
+def make_gate(q, seed):
+    """A gate shaped like q, sliced as the layer slices it from the [T, n_heads, 2 * hd] q|gate projection."""
+    num_tokens, num_heads, head_dim = q.shape
+    gen = torch.Generator().manual_seed(seed)
+    wide = (2 * torch.randn(num_tokens, num_heads, 2 * head_dim, generator=gen)).to(q.dtype)
+    return wide[..., head_dim:]  # token stride 2 * n_heads * hd, head stride 2 * hd
+
+
+# The gate's three epilogues: the decode merge, the split prefill merge and the unsplit prefill store.
+GATE_PATHS = {
+    "decode": (DECODE, {"max_query_len": 1, "num_splits": 3}),
+    "split prefill": (LONG_PREFIX, {"max_query_len": 16, "num_splits": 3}),
+    "prefill": (MIXED, {"max_query_len": 37, "num_splits": 1}),
+}
+
+
+@pytest.mark.parametrize("path", GATE_PATHS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_output_gate_in_every_epilogue(small_tiles, path, dtype):
+    """gate= gives exactly torch's `o * torch.sigmoid(gate)` on the ungated output in float16 (o and the
+    sigmoid each rounded to float16, then their product); float32 differs from torch only through numpy's
+    exp (see the module docstring). Against the gated reference: the ungated tolerances."""
+    sequences, options = GATE_PATHS[path]
+    batch = make_batch(sequences, block_size=16, head_dim=16, cache_dtype=dtype, q_dtype=dtype, seed=11)
+    gate = make_gate(batch["q"], seed=12)
+    gated = kernels.paged_attention(**batch, **options, gate=gate)
+    torch_gated = kernels.paged_attention(**batch, **options) * torch.sigmoid(gate)
+    expected = reference.paged_attention(**batch, gate=gate)
+    if dtype == torch.float16:
+        assert torch.equal(gated, torch_gated)
+        torch.testing.assert_close(gated, expected, atol=2e-3, rtol=2e-3)
+    else:
+        torch.testing.assert_close(gated, torch_gated, atol=1e-7, rtol=1e-6)
+        torch.testing.assert_close(gated, expected, **FP32_TOL)
 
 
 @pytest.mark.parametrize("block_size", [16, 5])
@@ -270,6 +361,8 @@ def test_prefill_splits_only_small_grids_over_wide_tables(monkeypatch):
     ({"num_splits": 0}, "num_splits"),
     ({"k_scale": 0.0}, "k_scale"),
     ({"q": torch.zeros(3, NUM_HEADS, 16, dtype=torch.float64)}, "q has dtype"),
+    ({"gate": torch.zeros(3, NUM_HEADS, 8)}, "gate must be"),
+    ({"gate": torch.zeros(3, NUM_HEADS, 16, dtype=torch.float16)}, "gate must have dtype"),
 ])
 def test_bad_arguments_raise_value_error(change, message):
     batch = make_batch([(20, 2), (9, 1)], block_size=16, head_dim=16)

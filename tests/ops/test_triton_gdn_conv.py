@@ -105,6 +105,64 @@ def test_conv_prefill_then_decode_matches_reference(dtype, width, activation):
     assert torch.equal(actual_pool[untouched], pool[untouched])
 
 
+# q | k | v widths summing to 300: segments that end inside a 128-channel block, then empty segments.
+@pytest.mark.parametrize("split", [(48, 48, 204), (128, 172), (0, 300, 0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [2, 4])
+def test_conv_prefill_writes_contiguous_segments(split, dtype, width):
+    """With split, y comes back as one contiguous [T, d] tensor per segment, cut one after another from one
+    allocation: equal bit for bit to the columns of the unsplit output, and close to the reference's."""
+    gen = torch.Generator().manual_seed(width)
+    channels = 300
+    cu, slots, has_initial = varlen_batch(LENGTHS, SLOTS, HAS_INITIAL)
+    num_tokens = int(cu[-1])
+    x = torch.randn(num_tokens, channels + 20, generator=gen).to(dtype)[:, 7:7 + channels]  # strided rows
+    weight = torch.randn(channels, width, generator=gen).to(dtype)
+    pool = random_pool((NUM_SLOTS, channels, width - 1), dtype, SLOTS, HAS_INITIAL, gen)
+    expected_pool, split_pool, whole_pool = pool.clone(), pool.clone(), pool.clone()
+
+    parts = conv_kernels.conv_prefill(x, weight, split_pool, slots, has_initial, cu, split=split)
+    whole = conv_kernels.conv_prefill(x, weight, whole_pool, slots, has_initial, cu)
+    expected = conv1d.conv_prefill(x, weight, expected_pool, slots, has_initial, cu, split=split)
+    assert len(parts) == len(split)
+    offset = 0
+    for part, width_d in zip(parts, split):
+        assert part.shape == (num_tokens, width_d) and part.is_contiguous()
+        assert part.untyped_storage().data_ptr() == parts[0].untyped_storage().data_ptr()
+        assert part.storage_offset() == offset
+        offset += num_tokens * width_d
+    assert torch.equal(torch.cat(parts, dim=-1), whole)
+    for part, reference in zip(parts, expected):
+        torch.testing.assert_close(part, reference, **TOLERANCES[dtype])
+    assert torch.equal(split_pool.nan_to_num(), whole_pool.nan_to_num())
+    assert torch.equal(split_pool[slots], expected_pool[slots])
+
+
+@pytest.mark.parametrize("width", [2, 3, 4])
+def test_conv_prefill_sums_taps_in_reference_order(width):
+    """Without the activation the float32 kernel equals the reference bit for bit: every token, whether its
+    program reads the initial state (a sequence's first W-1 tokens) or not, sums w[tap] * input in tap order."""
+    gen = torch.Generator().manual_seed(11)
+    channels = 200
+    cu, slots, has_initial = varlen_batch(LENGTHS, SLOTS, HAS_INITIAL)
+    x = torch.randn(int(cu[-1]), channels, generator=gen)
+    weight = torch.randn(channels, width, generator=gen)
+    pool = random_pool((NUM_SLOTS, channels, width - 1), torch.float32, SLOTS, HAS_INITIAL, gen)
+    expected_pool, actual_pool = pool.clone(), pool.clone()
+    expected = conv1d.conv_prefill(x, weight, expected_pool, slots, has_initial, cu, activation=None)
+    actual = conv_kernels.conv_prefill(x, weight, actual_pool, slots, has_initial, cu, activation=None)
+    assert torch.equal(actual, expected)
+
+
+def test_conv_prefill_rejects_a_bad_split():
+    x, weight, pool = torch.randn(3, 6), torch.randn(6, 4), torch.zeros(2, 6, 3)
+    args = (torch.tensor([0]), torch.tensor([True]), torch.tensor([0, 3]))
+    for split in [(2, 2), (1, 1, 1, 3), (7, -1)]:
+        for prefill in (conv_kernels.conv_prefill, conv1d.conv_prefill):
+            with pytest.raises(ValueError, match="split"):
+                prefill(x, weight, pool, *args, split=split)
+
+
 def test_conv_prefill_reads_the_state_it_was_given():
     """A single-token prefill with an initial state equals a decode step from that state (both paths)."""
     gen = torch.Generator().manual_seed(7)

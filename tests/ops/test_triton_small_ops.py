@@ -5,6 +5,7 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton")
+tl = triton.language
 
 from deltaserve.ops.activation import cuda as act_cuda  # noqa: E402
 from deltaserve.ops.norm import cuda as norm_cuda, reference as norm_ref  # noqa: E402
@@ -43,6 +44,58 @@ def test_gated_rms_norm(dtype, tol):
     w = (1 + 0.1 * torch.randn(32, generator=g)).to(DEVICE, dtype)
     torch.testing.assert_close(norm_cuda.gated_rms_norm(x, z, w, 1e-6), norm_ref.gated_rms_norm(x, z, w, 1e-6),
                                atol=tol, rtol=tol)
+
+
+@triton.jit
+def _gated_norm_one_row(x_ptr, g_ptr, w_ptr, y_ptr, D, x_stride, g_stride, eps, BLOCK: tl.constexpr):
+    """The gated norm as it was before it tiled rows (one program per row): the bitwise oracle below."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    xf = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + eps)
+    normed = (xf * rstd).to(y_ptr.dtype.element_ty)
+    scaled = (tl.load(w_ptr + cols, mask=mask, other=0.0) * normed).to(tl.float32)
+    g = tl.load(g_ptr + row * g_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * D + cols, (scaled * (g / (1.0 + tl.exp(-g)))).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def gated_norm_one_row(x, gate, weight, eps):
+    x2, g2 = x.reshape(-1, x.shape[-1]).contiguous(), gate.reshape(-1, x.shape[-1]).contiguous()
+    y = torch.empty_like(x2)
+    _gated_norm_one_row[(x2.shape[0],)](x2, g2, weight, y, x2.shape[1], x2.stride(0), g2.stride(0), eps,
+                                        BLOCK=triton.next_power_of_2(x2.shape[1]))
+    return y.view(x.shape)
+
+
+# (tokens, heads, D): rows that end inside a tile of 16, a ragged D, GDN's 48 heads of 128, and a row of 2048
+# (one row a program).
+@pytest.mark.parametrize("tokens,heads,dim", [(7, 3, 100), (5, 48, 128), (3, 2, 2048)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), BF16])
+def test_gated_rms_norm_reads_strided_heads(tokens, heads, dim, dtype, tol):
+    """The layer passes z as a [T, HV, dv] view of the projection output (token stride = its width) and the
+    kernel reads it in place; x here also has a head stride of 2 * D. The result matches the reference; in
+    the interpreter it also equals, bit for bit, the result for contiguous inputs and that of the
+    one-row-per-program kernel (a GPU may sum the squares in another order)."""
+    g = torch.Generator().manual_seed(dim)
+    proj = torch.randn(tokens, 3 + 2 * heads * dim, generator=g).to(DEVICE, dtype)
+    z = proj[:, 3 + heads * dim:].view(tokens, heads, dim)  # [T, H, D], token stride 3 + 2 H D
+    x = (3 * torch.randn(tokens, heads, 2 * dim, generator=g)).to(DEVICE, dtype)[..., dim:]  # head stride 2 D
+    w = (1 + 0.1 * torch.randn(dim, generator=g)).to(DEVICE, dtype)
+    y = norm_cuda.gated_rms_norm(x, z, w, 1e-6)
+    assert y.shape == x.shape and y.is_contiguous()
+    torch.testing.assert_close(y, norm_ref.gated_rms_norm(x, z, w, 1e-6), atol=tol, rtol=tol)
+    if DEVICE == "cpu":
+        assert torch.equal(y, norm_cuda.gated_rms_norm(x.contiguous(), z.contiguous(), w, 1e-6))
+        assert torch.equal(y, gated_norm_one_row(x, z, w, 1e-6))
+
+
+def test_gated_rms_norm_takes_rows_and_rejects_mismatched_gate():
+    x, z, w = torch.randn(5, 24).to(DEVICE), torch.randn(5, 24).to(DEVICE), torch.randn(24).to(DEVICE)
+    torch.testing.assert_close(norm_cuda.gated_rms_norm(x, z, w, 1e-6), norm_ref.gated_rms_norm(x, z, w, 1e-6),
+                               atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="gate"):
+        norm_cuda.gated_rms_norm(x, z[:4], w, 1e-6)
 
 
 @pytest.mark.parametrize("inter", [24, 1500])

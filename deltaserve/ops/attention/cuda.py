@@ -7,6 +7,11 @@
                       otherwise: flash-attention forward over varlen queries (`cuda_prefill.py`), split
                       over KV too when its grid is small and the block table wide (short chunks over
                       long cached prefixes)
+    attention_output_gate   one program per token: o * sigmoid(gate), the gated layer's output
+
+Gated attention: `gate=` makes each path return o * sigmoid(gate) rounded as torch computes
+`o * torch.sigmoid(gate)` in the activation dtype: the paged kernels apply it in their final store, the cuDNN
+paths through `attention_output_gate` in place of their last copy or cast.
 
 Caches may be bf16, float16, float32 or float8_e4m3fn; queries bf16, float16 or float32. An fp8 cache stores
 x / scale per tensor (`k_scale`, `v_scale`, Python floats); the kernels multiply the scale back in (K's into
@@ -26,11 +31,11 @@ import triton
 import triton.language as tl
 
 from deltaserve.ops.attention.cuda_decode import launch_decode
-from deltaserve.ops.attention.cuda_prefill import launch_prefill
-from deltaserve.ops.attention.reference import _check_shapes
+from deltaserve.ops.attention.cuda_prefill import launch_prefill, output_gate
+from deltaserve.ops.attention.reference import _check_shapes, check_gate
 
-__all__ = ["chunk_over_prefix_attention", "fresh_causal_attention", "paged_attention", "warm_up_cudnn_attention",
-           "write_kv_cache"]
+__all__ = ["attention_output_gate", "chunk_over_prefix_attention", "fresh_causal_attention", "paged_attention",
+           "warm_up_cudnn_attention", "write_kv_cache"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +49,7 @@ QUERY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
 _TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 WRITE_NUM_WARPS = 4
+GATE_NUM_WARPS = 8
 
 
 @triton.jit
@@ -113,7 +119,7 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scale: float = 1.0
 
 def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale: float,
                     max_query_len: int | None = None, *, k_scale: float = 1.0, v_scale: float = 1.0,
-                    num_splits: int | None = None):
+                    num_splits: int | None = None, gate=None):
     """Causal attention of varlen queries over the paged cache; shapes and semantics as `reference.paged_attention`.
 
     max_query_len: the longest query of the batch, if known. 1 runs the split-KV decode kernel (every
@@ -122,6 +128,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, s
     k_scale, v_scale: the cache holds K / k_scale and V / v_scale (fp8).
     num_splits: programs sharing each query block's KV positions; None picks it from the grid size and
         block_tables width (graph-safe); 1 never splits.
+    gate: None, or [T, n_heads, hd] in q.dtype with any strides: returns o * sigmoid(gate), applied in the
+        kernels' final store (no extra launch).
 
     Returns o: [T, n_heads, hd] in q.dtype.
     """
@@ -144,11 +152,13 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, s
     _check_scale("v_scale", v_scale)
     _check_devices(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, cu_seqlens_q=cu_seqlens_q,
                    seq_lens=seq_lens)
+    check_gate(gate, q)
 
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0 or num_seqs == 0:
         return out
     q, block_tables = _unit_last_stride(q), _unit_last_stride(block_tables)
+    gate = None if gate is None else _unit_last_stride(gate)
     # The dots run in q's dtype when the cache holds the same dtype or fp8 (exactly representable in bf16 and
     # float16); a float32 operand keeps them in float32 ("ieee": no TF32 rounding) so nothing is rounded.
     if k_cache.dtype in (q.dtype, torch.float8_e4m3fn):
@@ -160,13 +170,56 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, s
     args = (q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens, qk_scale, v_scale,
             _TRITON_DTYPES[dot_dtype], precision)
     if max_query_len == 1:
-        launch_decode(*args, num_splits=num_splits)
+        launch_decode(*args, num_splits=num_splits, gate=gate)
     else:
-        launch_prefill(*args, num_splits=num_splits)
+        launch_prefill(*args, num_splits=num_splits, gate=gate)
     return out
 
 
-def fresh_causal_attention(q, k, v, cu_seqlens_cpu, scale: float):
+@triton.jit
+def _output_gate_kernel(
+    o, gate, out, stride_o_tok, stride_o_head, stride_g_tok, stride_g_head, stride_out_tok, stride_out_head,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+):
+    """Grid (T,). out[t] = o[t] * sigmoid(gate[t]) over [n_heads, hd], rounded as `output_gate` says."""
+    token = tl.program_id(0).to(tl.int64)
+    heads = tl.arange(0, HEADS_PAD)[:, None]  # [HP, 1]
+    dims = tl.arange(0, HEAD_DIM_PAD)[None, :]  # [1, D]
+    mask = (heads < NUM_HEADS) & (dims < HEAD_DIM)  # [HP, D]
+    o_tile = tl.load(o + token * stride_o_tok + heads * stride_o_head + dims, mask=mask).to(tl.float32)
+    gated = output_gate(o_tile, gate + token * stride_g_tok + heads * stride_g_head + dims, mask,
+                        out.dtype.element_ty)
+    tl.store(out + token * stride_out_tok + heads * stride_out_head + dims, gated, mask=mask)
+
+
+def attention_output_gate(o, gate, out=None):
+    """o * sigmoid(gate) in one launch, as torch computes `o.to(gate.dtype) * torch.sigmoid(gate)`: o rounded
+    to gate's dtype, sigmoid(float32 gate) rounded to it, their float32 product rounded to it.
+
+    o: [T, n_heads, hd], any float dtype (float32 folds in the cast to gate's dtype); gate: [T, n_heads, hd]
+    bf16 / float16 / float32; out: None (a new tensor) or [T, n_heads, hd] in gate's dtype with unit stride
+    in hd, which may be o. o and gate may have any strides. Returns out.
+    """
+    check_gate(gate, o, same_dtype=False)
+    _check_dtype("gate", gate, QUERY_DTYPES)
+    if out is None:
+        out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    check_gate(out, gate, name="out")
+    if out.stride(-1) != 1:
+        raise ValueError(f"out must have unit stride in hd, got strides {out.stride()}")
+    num_tokens, num_heads, head_dim = gate.shape
+    if num_tokens == 0:
+        return out
+    o, gate = _unit_last_stride(o), _unit_last_stride(gate)
+    _output_gate_kernel[(num_tokens,)](
+        o, gate, out, o.stride(0), o.stride(1), gate.stride(0), gate.stride(1), out.stride(0), out.stride(1),
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEADS_PAD=triton.next_power_of_2(num_heads),
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim), num_warps=GATE_NUM_WARPS,
+    )
+    return out
+
+
+def fresh_causal_attention(q, k, v, cu_seqlens_cpu, scale: float, gate=None):
     """Causal attention of prompts that all start at position 0, on their new K/V (no cache read), through
     PyTorch's SDPA: cuDNN's fused kernel when it takes the shapes, else flash attention.
 
@@ -174,14 +227,16 @@ def fresh_causal_attention(q, k, v, cu_seqlens_cpu, scale: float):
     (643 TFLOP/s) against 2.72 ms for our paged kernel. Each prompt is padded with zero rows to a multiple of
     SDPA_BUCKET (causal: the real rows never see the padding), so that cuDNN meets few shapes (see
     `warm_up_cudnn_attention`). q: [T, n_heads, hd]; k, v: [T, n_kv, hd], bf16 or float16, unit stride in hd;
-    cu_seqlens_cpu: [N+1] on the CPU (no device sync). Returns o: [T, n_heads, hd] in q.dtype, or None if SDPA
-    refused (logged; the caller runs the paged kernel).
+    cu_seqlens_cpu: [N+1] on the CPU (no device sync); gate: None or [T, n_heads, hd] in q.dtype, applied by
+    `attention_output_gate` in place of each prompt's copy into o. Returns o: [T, n_heads, hd] in q.dtype
+    (times sigmoid(gate)), or None if SDPA refused (logged; the caller runs the paged kernel).
     """
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"fresh_causal_attention takes bf16 or float16 q, k, v of one dtype, got {q.dtype}, "
                          f"{k.dtype}, {v.dtype}")
+    check_gate(gate, q)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     bounds = cu_seqlens_cpu.tolist()
     try:
@@ -194,7 +249,11 @@ def fresh_causal_attention(q, k, v, cu_seqlens_cpu, scale: float):
                 q_s, k_s, v_s = (_pad_rows(x[start:end], length).transpose(0, 1)[None] for x in (q, k, v))
                 o = torch.nn.functional.scaled_dot_product_attention(q_s, k_s, v_s, is_causal=True, scale=scale,
                                                                      enable_gqa=True)
-                out[start:end] = o[0].transpose(0, 1)[: end - start]
+                o = o[0].transpose(0, 1)[: end - start]  # [L, heads, hd]
+                if gate is None:
+                    out[start:end] = o
+                else:
+                    attention_output_gate(o, gate[start:end], out=out[start:end])
     except RuntimeError as exc:
         _warn_once(f"PyTorch SDPA refused a prompt's attention ({str(exc).splitlines()[0][:200]}); "
                    "the paged kernel serves it")
@@ -236,7 +295,8 @@ def _warn_once(message: str) -> None:
     logger.warning(message)
 
 
-def chunk_over_prefix_attention(q, k, v, k_cache, v_cache, block_table_row, prefix_len: int, scale: float):
+def chunk_over_prefix_attention(q, k, v, k_cache, v_cache, block_table_row, prefix_len: int, scale: float,
+                                gate=None):
     """Causal attention of ONE sequence's chunk (queries and new K/V) after prefix_len cached tokens, through
     cuDNN in parts merged by their log-sum-exp: the queries against the prefix (no mask: every query sees all
     of it), in pieces of PREFIX_PIECE_TOKENS whose K/V are gathered from the paged cache into a contiguous
@@ -250,19 +310,22 @@ def chunk_over_prefix_attention(q, k, v, k_cache, v_cache, block_table_row, pref
     cannot be had; the caller then runs the paged kernel.
     The chunk is padded to a multiple of SDPA_BUCKET (causal: its padding rows come last and are dropped).
     q: [L, n_heads, hd]; k, v: [L, n_kv, hd] (q's dtype, bf16 or float16); caches: [blocks, bs, n_kv, hd] of
-    q's dtype; block_table_row: [>= ceil(prefix_len / bs)] int32. Returns o: [L, n_heads, hd].
+    q's dtype; block_table_row: [>= ceil(prefix_len / bs)] int32; gate: None or [L, n_heads, hd] in q.dtype,
+    applied by `attention_output_gate` in place of the final cast. Returns o: [L, n_heads, hd] (times
+    sigmoid(gate)).
     """
+    check_gate(gate, q)
     if not _cudnn_lse_base(q.device, q.dtype, q.shape[-1]):
         return None
     try:
-        return _chunk_over_prefix(q, k, v, k_cache, v_cache, block_table_row, prefix_len, scale)
+        return _chunk_over_prefix(q, k, v, k_cache, v_cache, block_table_row, prefix_len, scale, gate)
     except RuntimeError as exc:
         _warn_once(f"cuDNN attention refused a chunk after a cached prefix ({str(exc).splitlines()[0][:200]}); "
                    "the paged kernel serves it")
         return None
 
 
-def _chunk_over_prefix(q, k, v, k_cache, v_cache, block_table_row, prefix_len: int, scale: float):
+def _chunk_over_prefix(q, k, v, k_cache, v_cache, block_table_row, prefix_len: int, scale: float, gate):
     """`chunk_over_prefix_attention` once cuDNN's log-sum-exp convention is known."""
     real_length = q.shape[0]
     q, k, v = (_pad_rows(x, _bucket(real_length)) for x in (q, k, v))  # causal: padding rows come last
@@ -288,7 +351,9 @@ def _chunk_over_prefix(q, k, v, k_cache, v_cache, block_table_row, prefix_len: i
     out, lse = _cudnn_attention(q.transpose(0, 1)[None], k.repeat_interleave(group, 1).transpose(0, 1)[None],
                                 v.repeat_interleave(group, 1).transpose(0, 1)[None], scale, causal=True)
     acc, _ = _merge_parts(acc, lse_acc, out[0].transpose(0, 1), lse.reshape(num_heads, length).transpose(0, 1))
-    return acc[:real_length].to(q.dtype)
+    if gate is None:
+        return acc[:real_length].to(q.dtype)
+    return attention_output_gate(acc[:real_length], gate)  # float32 acc, rounded to q.dtype first
 
 
 def _merge_parts(acc, lse_acc, out, lse):

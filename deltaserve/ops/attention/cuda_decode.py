@@ -5,11 +5,18 @@ KV positions are split. The first kernel runs a grid (N, n_kv, num_splits); each
 heads of its KV head group (G = n_heads / n_kv; every K/V tile is loaded once for all G heads) to its share
 of the sequence and writes a partial result: the normalized output and its log2-sum-exp. The second kernel
 (`merge_splits_kernel`, shared with the prefill kernel's split-KV path) merges the splits of each
-(sequence, head).
+(sequence, head), applying the output gate when one is given.
 
-CUDA graphs: the launch depends only on shapes. num_splits comes from the batch size and the block_tables
-width (fixed for a captured graph); each program reads seq_lens on the device, takes a 1/num_splits share of
-the sequence (rounded up to whole KV tiles), and splits past the end write an empty partial (lse = -inf).
+Split rule: num_splits, planned from the batch size and the block_tables width, is only an upper bound. Each
+sequence uses as many splits as its own length needs: shares of
+    tokens_per_split = max(DECODE_MIN_TOKENS_PER_SPLIT, cdiv(seq_len, num_splits)), rounded up to BLOCK_N,
+so cdiv(seq_len, tokens_per_split) active splits (0 for seq_len 0, whose output is zeros). With a 140K-token
+table planned at 66 splits, a 1K-token sequence uses 4 splits of 256 tokens and its merge reads 4 partials,
+not 66. Programs of inactive splits return at once without writing; the merge computes the same count from
+seq_lens (`split_share`) and reads only the active partials.
+
+CUDA graphs: the launches depend only on shapes. num_splits is fixed for a captured graph (batch size and
+block_tables width); the active splits are found on the device from seq_lens, so no host read is needed.
 """
 
 import torch
@@ -21,6 +28,7 @@ from deltaserve.ops.attention.cuda_prefill import (
     _sm_count,
     attend_kv_range,
     merge_splits_kernel,
+    split_share,
     store_split_partial,
 )
 
@@ -33,12 +41,13 @@ DECODE_BLOCK_N_FLOAT32 = 16  # float32 dots (CUDA cores, 4-byte tiles): a correc
 DECODE_NUM_WARPS = 8
 DECODE_NUM_STAGES = 2
 DECODE_PROGRAMS_PER_SM = 2  # split until about this many programs per SM are launched
-DECODE_MIN_TOKENS_PER_SPLIT = 256  # never plan splits shorter than this over the block_tables capacity
+DECODE_MIN_TOKENS_PER_SPLIT = 256  # no split reads fewer positions, in planning or per sequence
 DECODE_MAX_SPLITS = 128
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, device: torch.device) -> int:
-    """How many programs share one sequence's KV, from static quantities only (graph-safe).
+    """How many programs may share one sequence's KV, from static quantities only (graph-safe): the grid's
+    third axis; shorter sequences use fewer of them (see the module docstring).
 
     max_kv_len: the longest sequence block_tables can describe (its width times block_size).
     """
@@ -54,9 +63,11 @@ def _decode_split_kernel(
     num_heads, num_splits, qk_scale, v_scale,
     stride_q_tok, stride_q_head, stride_block, stride_slot, stride_kv_head, stride_table,
     GROUP: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TOKENS_PER_SPLIT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Grid (N, n_kv, num_splits). Writes partial_out[seq, head, split, :] and partial_lse[seq, head, split]."""
+    """Grid (N, n_kv, num_splits). Writes partial_out[seq, head, split, :] and partial_lse[seq, head, split]
+    for the sequence's active splits only."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -64,9 +75,11 @@ def _decode_split_kernel(
     if tl.load(cu_seqlens_q + seq + 1) == q_start:
         return  # an empty query row: the reduce kernel skips it too
     seq_len = tl.load(seq_lens + seq).to(tl.int32)  # int32: a 32-bit loop variable pipelines (see prefill)
-    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    tokens_per_split, num_active = split_share(seq_len, num_splits, MIN_TOKENS_PER_SPLIT, BLOCK_N)
+    if split >= num_active:
+        return  # the merge reads only the active splits
     kv_lo = split * tokens_per_split
-    kv_hi = tl.minimum(kv_lo + tokens_per_split, seq_len)  # <= kv_lo for splits past the end: no work
+    kv_hi = tl.minimum(kv_lo + tokens_per_split, seq_len)  # > kv_lo: an active split is never empty
 
     rows = tl.arange(0, HEADS_PAD)
     heads = kv_head * GROUP + rows  # [HP] query heads of this KV head
@@ -92,10 +105,11 @@ def _decode_split_kernel(
 
 
 def launch_decode(q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens, qk_scale: float,
-                  v_scale: float, dot_dtype, precision: str, num_splits: int | None = None) -> None:
+                  v_scale: float, dot_dtype, precision: str, num_splits: int | None = None, gate=None) -> None:
     """Fill out [T, n_heads, hd] for a batch whose sequences have at most one query token each.
 
-    Same preconditions as `launch_prefill`. num_splits: None plans it with `decode_num_splits`.
+    Same preconditions and gate as `launch_prefill`. num_splits: the most splits of one sequence; None plans
+    it with `decode_num_splits`.
     """
     num_heads, head_dim = q.shape[1:]
     block_size, num_kv_heads = k_cache.shape[1:3]
@@ -106,18 +120,22 @@ def launch_decode(q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens
         num_splits = decode_num_splits(num_seqs, num_kv_heads, max_kv_len, q.device)
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs every dimension >= 16
     block_n = DECODE_BLOCK_N_FLOAT32 if dot_dtype == tl.float32 else DECODE_BLOCK_N
-    # float32 partials: each split's output normalized by its own sum, and that sum's log2-sum-exp.
+    # float32 partials: each split's output normalized by its own sum, and that sum's log2-sum-exp; only the
+    # active splits of each sequence are written.
     partial_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     partial_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    gate_strides = (0, 0) if gate is None else gate.stride()[:2]
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, partial_out, partial_lse, block_tables, cu_seqlens_q, seq_lens,
         num_heads, num_splits, qk_scale, v_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEADS_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n, DOT_DTYPE=dot_dtype,
-        PRECISION=precision, num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES,
+        HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
+        MIN_TOKENS_PER_SPLIT=DECODE_MIN_TOKENS_PER_SPLIT, DOT_DTYPE=dot_dtype, PRECISION=precision,
+        num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES,
     )
     merge_splits_kernel[(num_seqs, num_heads)](
-        out, partial_out, partial_lse, cu_seqlens_q, num_heads, num_splits, out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, num_warps=MERGE_NUM_WARPS,
+        out, partial_out, partial_lse, cu_seqlens_q, seq_lens, gate, num_heads, num_splits,
+        out.stride(0), out.stride(1), *gate_strides, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        MIN_TOKENS_PER_SPLIT=DECODE_MIN_TOKENS_PER_SPLIT, BLOCK_N=block_n, num_warps=MERGE_NUM_WARPS,
     )

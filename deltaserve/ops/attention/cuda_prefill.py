@@ -20,6 +20,9 @@ block's visible positions [0, last_pos + 1) into whole-tile shares. Each program
 (its rows' output normalized by its own sum, and that sum's log2-sum-exp) per (token, head, split), and
 `merge_splits_kernel` combines them, one program per (token, head). The decode kernel shares both halves.
 num_splits comes from static sizes only (`prefill_num_splits`), so no launch reads a device value back.
+
+Output gate (gated attention): with `gate`, the stores write o * sigmoid(gate) rounded as torch computes
+`o.to(dtype) * torch.sigmoid(gate)` (`output_gate`), saving the layer two elementwise launches.
 """
 
 import functools
@@ -28,9 +31,10 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
-__all__ = ["TileConfig", "attend_kv_range", "launch_prefill", "merge_splits_kernel", "prefill_num_splits",
-           "prefill_tiles", "store_split_partial"]
+__all__ = ["TileConfig", "attend_kv_range", "launch_prefill", "merge_splits_kernel", "output_gate",
+           "prefill_num_splits", "prefill_tiles", "split_share", "store_split_partial"]
 
 
 class TileConfig(NamedTuple):
@@ -59,6 +63,10 @@ PREFILL_PROGRAMS_PER_SM = 2
 PREFILL_MIN_TOKENS_PER_SPLIT = 256
 PREFILL_MAX_SPLITS = 128
 MERGE_NUM_WARPS = 4
+
+# torch's sigmoid on CUDA is 1 / (1 + expf(-x)) in float32 with IEEE division; libdevice's expf and div_rn
+# reproduce it bit for bit (tl.exp and "/" are approximations). Triton's CPU interpreter has no libdevice.
+_LIBDEVICE_EXP = tl.constexpr(not triton.knobs.runtime.interpret)
 
 
 def prefill_tiles(head_dim_pad: int, group: int, float32_dots: bool = False) -> TileConfig:
@@ -91,6 +99,31 @@ def prefill_num_splits(num_programs: int, max_kv_len: int, device: torch.device)
     wanted = triton.cdiv(PREFILL_PROGRAMS_PER_SM * sm_count, max(1, num_programs))
     useful = triton.cdiv(max_kv_len, PREFILL_MIN_TOKENS_PER_SPLIT)
     return max(1, min(wanted, useful, PREFILL_MAX_SPLITS))
+
+
+@triton.jit
+def split_share(kv_len, num_splits, MIN_TOKENS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Cut KV positions [0, kv_len) into at most num_splits shares of whole BLOCK_N tiles and at least
+    MIN_TOKENS positions each. Returns (tokens_per_split, the number of non-empty shares: 0 when kv_len is 0)."""
+    tokens_per_split = tl.cdiv(tl.maximum(tl.cdiv(kv_len, num_splits), MIN_TOKENS), BLOCK_N) * BLOCK_N
+    return tokens_per_split, tl.cdiv(kv_len, tokens_per_split)
+
+
+@triton.jit
+def output_gate(o, gate_ptrs, mask, DTYPE: tl.constexpr):
+    """o * sigmoid(gate) in DTYPE, rounded as torch rounds `o.to(DTYPE) * torch.sigmoid(gate)` with gate in
+    DTYPE: o and sigmoid(float32 gate) each rounded to DTYPE, their float32 product rounded to DTYPE.
+
+    o: float32 block; gate_ptrs: the gate's matching block of pointers, loaded under mask.
+    """
+    o = o.to(DTYPE).to(tl.float32)
+    gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if _LIBDEVICE_EXP:
+        denominator = 1.0 + libdevice.exp(-gate)
+    else:
+        denominator = 1.0 + tl.exp(-gate)
+    sigmoid = tl.math.div_rn(tl.full(gate.shape, 1.0, tl.float32), denominator)
+    return (o * sigmoid.to(DTYPE).to(tl.float32)).to(DTYPE)
 
 
 @triton.jit
@@ -156,23 +189,31 @@ def store_split_partial(partial_out, partial_lse, index, acc, m_i, l_i, v_scale,
 
 @triton.jit(do_not_specialize=["num_splits"])
 def merge_splits_kernel(
-    out, partial_out, partial_lse, cu_seqlens_q, num_heads, num_splits, stride_o_tok, stride_o_head,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, MERGE_SPLIT_BLOCK: tl.constexpr = 16,
+    out, partial_out, partial_lse, cu_seqlens_q, seq_lens, gate, num_heads, num_splits,
+    stride_o_tok, stride_o_head, stride_g_tok, stride_g_head,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, MIN_TOKENS_PER_SPLIT: tl.constexpr = 0,
+    BLOCK_N: tl.constexpr = 0, MERGE_SPLIT_BLOCK: tl.constexpr = 16,
 ):
     """Grid (rows, n_heads): out[token, head] = sum_s w_s * partial_s, w_s proportional to 2^lse_s.
 
     partial_out: [rows, n_heads, num_splits, HEAD_DIM] and partial_lse: [rows, n_heads, num_splits] float32.
-    Row r is token r when cu_seqlens_q is None (split prefill); otherwise sequence r, whose one query token
-    is cu_seqlens_q[r] (decode; a sequence without a query is skipped).
+    Row r is token r when cu_seqlens_q is None (split prefill: all num_splits partials, those past the end
+    empty); otherwise sequence r, whose one query token is cu_seqlens_q[r] (decode; a sequence without a
+    query is skipped) and whose partials are only the first active ones of
+    split_share(seq_lens[r], num_splits, MIN_TOKENS_PER_SPLIT, BLOCK_N), as the decode kernel wrote them.
+    gate: None, or [T, n_heads, HEAD_DIM] (strides given): out is then o * sigmoid(gate) (`output_gate`).
     """
     row = tl.program_id(0)
     head = tl.program_id(1)
     if cu_seqlens_q is None:
         token = row
+        num_active = num_splits
     else:
         token = tl.load(cu_seqlens_q + row)
         if tl.load(cu_seqlens_q + row + 1) == token:
             return
+        seq_len = tl.load(seq_lens + row).to(tl.int32)
+        _, num_active = split_share(seq_len, num_splits, MIN_TOKENS_PER_SPLIT, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_ok = dims < HEAD_DIM
     first = (row * num_heads + head).to(tl.int64) * num_splits
@@ -180,10 +221,10 @@ def merge_splits_kernel(
     lse_max = float("-inf")
     weight_sum = 0.0
     # The same online rescaling as the attention loop, MERGE_SPLIT_BLOCK splits per load: decode at batch 1
-    # plans ~66 splits, and one dependent load per split would make the merge latency-bound.
-    for start in range(0, num_splits, MERGE_SPLIT_BLOCK):
+    # over a long sequence has ~66 splits, and one dependent load per split would make the merge latency-bound.
+    for start in range(0, num_active, MERGE_SPLIT_BLOCK):
         splits = start + tl.arange(0, MERGE_SPLIT_BLOCK)  # [SB]
-        split_ok = splits < num_splits
+        split_ok = splits < num_active
         lse = tl.load(partial_lse + first + splits, mask=split_ok, other=float("-inf"))  # [SB]
         new_max = tl.maximum(lse_max, tl.max(lse, axis=0))
         shift = tl.where(new_max == float("-inf"), 0.0, new_max)
@@ -195,9 +236,14 @@ def merge_splits_kernel(
         weight_sum = weight_sum * rescale + tl.sum(weights, axis=0)
         lse_max = new_max
     # weight_sum is 0 only for a query with no keys at all (seq_len 0): write zeros, not NaN.
-    result = acc / tl.where(weight_sum > 0, weight_sum, 1.0)
+    result = acc / tl.where(weight_sum > 0, weight_sum, 1.0)  # [D]
     o_row = token.to(tl.int64) * stride_o_tok + head * stride_o_head
-    tl.store(out + o_row + dims, result.to(out.dtype.element_ty), mask=dim_ok)
+    if gate is None:
+        tl.store(out + o_row + dims, result.to(out.dtype.element_ty), mask=dim_ok)
+    else:
+        g_row = token.to(tl.int64) * stride_g_tok + head * stride_g_head
+        result = output_gate(result, gate + g_row + dims, dim_ok, out.dtype.element_ty)
+        tl.store(out + o_row + dims, result, mask=dim_ok)
 
 
 @triton.jit
@@ -216,17 +262,18 @@ def _find_sequence(cu_seqlens_q, num_seqs, block, TOKENS_PER_BLOCK: tl.constexpr
 
 @triton.jit(do_not_specialize=["num_seqs", "num_splits"])
 def _prefill_kernel(
-    q, k_cache, v_cache, out, partial_out, partial_lse, block_tables, cu_seqlens_q, seq_lens,
+    q, k_cache, v_cache, out, partial_out, partial_lse, block_tables, cu_seqlens_q, seq_lens, gate,
     num_seqs, num_heads, num_splits, qk_scale, v_scale,
-    stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
+    stride_q_tok, stride_q_head, stride_o_tok, stride_o_head, stride_g_tok, stride_g_head,
     stride_block, stride_slot, stride_kv_head, stride_table,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
     SPLIT_KV: tl.constexpr,
 ):
-    """Grid (T // tokens_per_block + N, n_kv, num_splits). Writes out rows of the program's tokens x G heads;
-    with SPLIT_KV, their partials over its split instead: partial_out [T, n_heads, num_splits, hd] and
-    partial_lse [T, n_heads, num_splits] (num_splits is 1 and the partials None without it)."""
+    """Grid (T // tokens_per_block + N, n_kv, num_splits). Writes out rows of the program's tokens x G heads
+    (times sigmoid(gate) unless gate is None); with SPLIT_KV, their partials over its split instead:
+    partial_out [T, n_heads, num_splits, hd] and partial_lse [T, n_heads, num_splits] (num_splits is 1 and
+    the partials None without it), and the merge applies the gate."""
     TOKENS_PER_BLOCK: tl.constexpr = BLOCK_M // GROUP
     # Launch the last query blocks first: under the causal mask they attend the most positions, and starting
     # the longest programs early leaves short ones to fill the tail of the grid.
@@ -265,9 +312,10 @@ def _prefill_kernel(
     last_pos = prefix + tl.minimum(first_token + TOKENS_PER_BLOCK, q_len) - 1
     if SPLIT_KV:
         # This program's share of [0, last_pos + 1): whole BLOCK_N tiles from kv_lo, so the unmasked part
-        # [kv_lo, unmasked_end) starts and ends on tile multiples and stays below full_end.
+        # [kv_lo, unmasked_end) starts and ends on tile multiples and stays below full_end. Every split
+        # writes its partial (empty past the end): the merge reads all num_splits of them.
         split = tl.program_id(2)
-        tokens_per_split = tl.cdiv(tl.cdiv(last_pos + 1, num_splits), BLOCK_N) * BLOCK_N
+        tokens_per_split, _ = split_share(last_pos + 1, num_splits, BLOCK_N, BLOCK_N)
         kv_lo = split * tokens_per_split
         unmasked_end = tl.minimum(full_end, kv_lo + tokens_per_split)  # < kv_lo when the split lies above
         masked_start = tl.maximum(kv_lo, unmasked_end)
@@ -288,18 +336,24 @@ def _prefill_kernel(
     else:
         # The stored V was divided by v_scale (fp8 caches); the weights sum to 1, so scaling the output suffices.
         l_safe = tl.where(l_i > 0, l_i, 1.0)
-        result = acc * (v_scale / l_safe)[:, None]
-        o_rows = (q_start + tokens).to(tl.int64) * stride_o_tok + heads * stride_o_head
-        tl.store(out + o_rows[:, None] + dims[None, :], result.to(out.dtype.element_ty), mask=q_mask)
+        result = acc * (v_scale / l_safe)[:, None]  # [M, D]
+        o_rows = (q_start + tokens).to(tl.int64) * stride_o_tok + heads * stride_o_head  # [M]
+        if gate is None:
+            result = result.to(out.dtype.element_ty)
+        else:
+            g_rows = (q_start + tokens).to(tl.int64) * stride_g_tok + heads * stride_g_head  # [M]
+            result = output_gate(result, gate + g_rows[:, None] + dims[None, :], q_mask, out.dtype.element_ty)
+        tl.store(out + o_rows[:, None] + dims[None, :], result, mask=q_mask)
 
 
 def launch_prefill(q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens, qk_scale: float,
-                   v_scale: float, dot_dtype, precision: str, num_splits: int | None = None) -> None:
+                   v_scale: float, dot_dtype, precision: str, num_splits: int | None = None, gate=None) -> None:
     """Fill out [T, n_heads, hd] with causal paged attention; shapes as `reference.paged_attention`.
 
-    qk_scale already holds log2(e) and the K scale; q, out, the caches and block_tables have unit stride in
-    their last dimension, and both caches share strides. num_splits: None plans it with `prefill_num_splits`;
-    1 runs the unsplit kernel.
+    qk_scale already holds log2(e) and the K scale; q, out, the caches, block_tables and gate have unit stride
+    in their last dimension, and both caches share strides. num_splits: None plans it with
+    `prefill_num_splits`; 1 runs the unsplit kernel. gate: None or [T, n_heads, hd] in out's dtype; out then
+    holds o * sigmoid(gate).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -318,10 +372,11 @@ def launch_prefill(q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_len
         partial_lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=q.device)
     else:
         partial_out = partial_lse = None
+    gate_strides = (0, 0) if gate is None else gate.stride()[:2]
     _prefill_kernel[(num_query_blocks, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, partial_out, partial_lse, block_tables, cu_seqlens_q, seq_lens,
-        num_seqs, num_heads, num_splits, qk_scale, v_scale,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        None if split_kv else gate, num_seqs, num_heads, num_splits, qk_scale, v_scale,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *gate_strides,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, DOT_DTYPE=dot_dtype, PRECISION=precision, SPLIT_KV=split_kv,
@@ -329,6 +384,6 @@ def launch_prefill(q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_len
     )
     if split_kv:
         merge_splits_kernel[(num_tokens, num_heads)](
-            out, partial_out, partial_lse, None, num_heads, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, num_warps=MERGE_NUM_WARPS,
+            out, partial_out, partial_lse, None, None, gate, num_heads, num_splits, out.stride(0), out.stride(1),
+            *gate_strides, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, num_warps=MERGE_NUM_WARPS,
         )

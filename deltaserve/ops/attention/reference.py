@@ -8,7 +8,8 @@ The KV cache of every attention layer is a pool of fixed-size blocks:
 
 `paged_attention` serves prefill with a cached prefix and decode alike: the new tokens' K/V are written first,
 then each query attends causally to every KV position up to its own. Names follow nano-vllm / vLLM
-(slot_mapping, block_tables, cu_seqlens_q, seq_lens).
+(slot_mapping, block_tables, cu_seqlens_q, seq_lens). Gated attention multiplies the output by sigmoid(gate):
+`paged_attention(gate=...)` and `attention_output_gate` define that in plain torch.
 
 The cache may be bf16, fp16, fp32 or float8_e4m3fn. It stores K / k_scale and V / v_scale (per-tensor
 scales, Python floats, 1.0 unless the checkpoint provides them) and attention reads back cache * scale,
@@ -76,7 +77,7 @@ def _check_scale(name: str, value) -> None:
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale: float,
-                    *, k_scale: float = 1.0, v_scale: float = 1.0):
+                    *, k_scale: float = 1.0, v_scale: float = 1.0, gate=None):
     """Causal attention of varlen queries over a paged KV cache (prefill with cached prefix, and decode).
 
     Args:
@@ -88,6 +89,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, s
         seq_lens: [N] int64, total KV length of each sequence including its new tokens.
         scale: multiplier of q.k (usually hd ** -0.5).
         k_scale, v_scale: the cache's per-tensor scales; keys and values are read back as cache * scale.
+        gate: None, or [T, n_heads, hd] in q.dtype (any strides): the output is then o * torch.sigmoid(gate).
 
     Query i of sequence n (q_len = cu_seqlens_q[n+1] - cu_seqlens_q[n]) sits at position
     seq_lens[n] - q_len + i and attends to KV positions [0, that position]. Softmax in float32.
@@ -96,6 +98,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, s
         o: [T, n_heads, hd] in q.dtype.
     """
     num_tokens, num_heads, head_dim = _check_shapes(q, k_cache, v_cache, block_tables, seq_lens)
+    check_gate(gate, q)
     _check_scale("k_scale", k_scale)
     _check_scale("v_scale", v_scale)
     num_seqs = block_tables.shape[0]
@@ -131,7 +134,40 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, s
         probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)  # [n_kv, G, Q, S]
         attended = torch.einsum("kgqs,skd->qkgd", probs, values)  # [Q, n_kv, G, hd]
         out[start:end] = attended.reshape(q_len, num_heads, head_dim)
-    return out.to(q.dtype)
+    if gate is None:
+        return out.to(q.dtype)
+    return out.to(q.dtype) * torch.sigmoid(gate)
+
+
+def attention_output_gate(o, gate, out=None):
+    """o * sigmoid(gate) as torch computes `o.to(gate.dtype) * torch.sigmoid(gate)`, the gated attention output.
+
+    Args:
+        o: [T, n_heads, hd], any float dtype (an attention output, maybe still float32).
+        gate: [T, n_heads, hd], the activation dtype.
+        out: None, or [T, n_heads, hd] in gate.dtype to write into (it may be o itself).
+
+    Returns:
+        out, or a new [T, n_heads, hd] tensor in gate.dtype.
+    """
+    check_gate(gate, o, same_dtype=False)
+    if out is not None:
+        check_gate(out, gate, name="out")
+        return out.copy_(o.to(gate.dtype) * torch.sigmoid(gate))
+    return o.to(gate.dtype) * torch.sigmoid(gate)
+
+
+def check_gate(gate, like, name: str = "gate", same_dtype: bool = True) -> None:
+    """Raise ValueError unless gate is None or matches `like` in shape, device and (same_dtype) dtype."""
+    if gate is None:
+        return
+    if tuple(gate.shape) != tuple(like.shape) or gate.device != like.device:
+        raise ValueError(f"{name} must be [T, n_heads, hd] = {tuple(like.shape)} on {like.device}, got "
+                         f"{tuple(gate.shape)} on {gate.device}")
+    if same_dtype and gate.dtype != like.dtype:
+        raise ValueError(f"{name} must have dtype {like.dtype}, got {gate.dtype}")
+    if not gate.is_floating_point():
+        raise ValueError(f"{name} must be a float tensor, got dtype {gate.dtype}")
 
 
 def _check_shapes(q, k_cache, v_cache, block_tables, seq_lens):

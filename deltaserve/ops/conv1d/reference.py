@@ -83,6 +83,14 @@ def causal_conv1d_update(x, conv_state, weight, activation: str | None = "silu")
     return _activate(y, activation).to(x.dtype)
 
 
+def check_split(split, channels: int) -> tuple[int, ...]:
+    """ValueError unless `split` is one to three non-negative channel counts summing to D; returns a tuple."""
+    split = tuple(split)
+    if not 1 <= len(split) <= 3 or any(not isinstance(d, int) or d < 0 for d in split) or sum(split) != channels:
+        raise ValueError(f"split must be 1 to 3 non-negative ints summing to D={channels}, got {split}")
+    return split
+
+
 def _activate(y, activation):
     return torch.nn.functional.silu(y) if activation == "silu" else y
 

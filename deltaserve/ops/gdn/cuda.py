@@ -220,7 +220,8 @@ def gdn_prefill(q, k, v, g, beta, state_pool, state_slots, has_initial_state, cu
     initial = state_pool.index_select(0, state_slots).float()  # [N, HV, K, V]
     # masked_fill, not a multiply: a fresh slot may hold NaN garbage, and NaN * 0 is NaN.
     initial.masked_fill_(~has_initial_state[:, None, None, None], 0.0)
-    # fla wants time-major [B, T, H, D] with B = 1 for varlen input.
+    # fla wants time-major [B, T, H, D] with B = 1 for varlen input. Its input_guard makes every tensor argument
+    # contiguous: strided q/k/v views would be copied here (the layer's conv writes them contiguous).
     out, final = chunk_gated_delta_rule(
         q[None], k[None], v[None], g[None], beta[None],
         initial_state=initial,

@@ -1,4 +1,9 @@
-"""Triton RMS norms: one program per row, the whole row in registers (D <= 16384).
+"""Triton RMS norms, each row of D whole in registers (D <= 16384).
+
+- `rms_norm`: one program per row (the hidden-size norms: rows of 5120 for 27B).
+- `gated_rms_norm`: one program per [BLOCK_ROWS, D] tile (16 rows of GDN's 128-wide heads; one 256-byte row
+  per program reached a quarter of the H200's bandwidth). It reads x and gate as [T, H, D] with any token
+  and head strides, so the gate can be a view of the projection output (no copy).
 
 Same numerics as reference.py: float32 statistics, (1 + w) applied in float32 for the zero-centred norm;
 for the gated norm the normalised row is rounded to the input dtype before the weight, as transformers does.
@@ -7,6 +12,10 @@ for the gated norm the normalised row is rounded to the input dtype before the w
 import torch
 import triton
 import triton.language as tl
+
+# Elements per gated-norm program: 16 rows of 128, 16 per thread for 4 warps; rows of 2048 or more go one a
+# program, as rms_norm's do.
+_GATED_TILE = 2048
 
 
 @triton.jit
@@ -26,24 +35,37 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, D, x_stride, res
 
 
 @triton.jit
-def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, y_ptr, D, x_stride, g_stride, eps, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < D
-    xf = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + eps)
-    normed = (xf * rstd).to(y_ptr.dtype.element_ty)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    scaled = (w * normed).to(tl.float32)
-    g = tl.load(g_ptr + row * g_stride + cols, mask=mask, other=0.0).to(tl.float32)
+def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, y_ptr, num_rows, heads, D, x_tok_stride, x_head_stride,
+                           g_tok_stride, g_head_stride, eps, BLOCK_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Rows r of [T * H, D] (token r // H, head r % H), BLOCK_ROWS per program; y is contiguous."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [BLOCK_ROWS]
+    cols = tl.arange(0, BLOCK)  # [BLOCK]
+    col_ok = cols < D
+    mask = (rows < num_rows)[:, None] & col_ok[None, :]  # [BLOCK_ROWS, BLOCK]
+    tok, head = (rows // heads).to(tl.int64), rows % heads  # int32 division, int64 offsets
+    rows = rows.to(tl.int64)
+    x_rows = x_ptr + tok * x_tok_stride + head * x_head_stride  # [BLOCK_ROWS] row pointers
+    xf = tl.load(x_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / D + eps)  # [BLOCK_ROWS]
+    normed = (xf * rstd[:, None]).to(y_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0)
+    scaled = (w[None, :] * normed).to(tl.float32)
+    g_rows = g_ptr + tok * g_tok_stride + head * g_head_stride  # [BLOCK_ROWS]
+    g = tl.load(g_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     y = scaled * (g / (1.0 + tl.exp(-g)))
-    tl.store(y_ptr + row * D + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + rows[:, None] * D + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """View as [rows, D] with a unit last stride (a copy only if the input is not row-strided)."""
     t2 = t.reshape(-1, t.shape[-1])
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def _heads(t: torch.Tensor) -> torch.Tensor:
+    """[T, H, D] as it is, any other rank as [rows, 1, D], with a unit last stride (copied only if need be)."""
+    t3 = t if t.dim() == 3 else t.reshape(-1, 1, t.shape[-1])
+    return t3 if t3.stride(-1) == 1 else t3.contiguous()
 
 
 def _warps(block: int) -> int:
@@ -68,11 +90,17 @@ def rms_norm(x, weight, eps, residual=None):
 
 
 def gated_rms_norm(x, gate, weight, eps):
-    """See reference.gated_rms_norm."""
-    shape, D = x.shape, x.shape[-1]
-    x2, g2 = _rows(x), _rows(gate)
-    y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    """See reference.gated_rms_norm. x, gate: [T, H, D] with unit last strides, read in place whatever their
+    token and head strides (other ranks as rows of D). Returns y contiguous in x's shape."""
+    if gate.shape != x.shape:
+        raise ValueError(f"gate must have x's shape {tuple(x.shape)}, got {tuple(gate.shape)}")
+    D = x.shape[-1]
+    x3, g3 = _heads(x), _heads(gate)
+    num_rows = x3.shape[0] * x3.shape[1]
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     block = triton.next_power_of_2(D)
-    _gated_rms_norm_kernel[(x2.shape[0],)](x2, g2, weight, y, D, x2.stride(0), g2.stride(0), eps,
-                                           BLOCK=block, num_warps=_warps(block))
-    return y.view(shape)
+    block_rows = max(1, _GATED_TILE // block)
+    _gated_rms_norm_kernel[(triton.cdiv(num_rows, block_rows),)](
+        x3, g3, weight, y, num_rows, x3.shape[1], D, x3.stride(0), x3.stride(1), g3.stride(0), g3.stride(1), eps,
+        BLOCK_ROWS=block_rows, BLOCK=block, num_warps=_warps(block_rows * block))
+    return y

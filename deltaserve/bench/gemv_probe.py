@@ -1,0 +1,118 @@
+"""Small-batch projections: the fused Triton GEMV (ops/linear) beside the unfused prologue op + cuBLAS.
+
+    python -m deltaserve.bench.gemv_probe [CONFIG_DIR] [--out configs.json]
+
+For every projection of a decode step of the model in CONFIG_DIR (default: the published Qwen3.5-27B shape),
+at batch 1, times the unfused path (the prologue kernel, then F.linear) and the fused kernel over a sweep of
+tiles, inside a CUDA graph as decode runs them, each call on another copy of the weight so that none is
+served from L2. Prints each with its bandwidth and writes the table that ops/linear/cuda.py reads: the best
+tile per shape, or null where the unfused path won.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+
+import torch
+
+from deltaserve.config import ModelConfig
+from deltaserve.ops.linear import cuda as linear_cuda, reference
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) tried for every shape (the gated norm's BLOCK_K is its group)
+SWEEP = [(bn, bk, 8 if bn * bk >= 8192 else 4, stages)
+         for bn, bk, stages in itertools.product((8, 16, 32), (128, 256, 512), (1, 3))]
+GATED_SWEEP = [(bn, 128, warps, stages) for bn, warps, stages in itertools.product((8, 16, 32, 64), (2, 4), (1, 3))]
+COPIES_BYTES = 400e6  # cycle through this many bytes of weight copies, far beyond the 50 MB L2
+
+
+def decode_projections(cfg: ModelConfig) -> list[tuple[str, int, int]]:
+    """(prologue, N, K) of each distinct projection of a dense Qwen3.5 decode step."""
+    H, inter = cfg.hidden_size, cfg.intermediate_size
+    gdn_in = cfg.conv_dim + cfg.gdn_value_dim + 2 * cfg.gdn_num_v_heads
+    qkv = 2 * cfg.num_heads * cfg.head_dim + 2 * cfg.num_kv_heads * cfg.head_dim
+    return [("rms_norm", 2 * inter, H), ("rms_norm", gdn_in, H), ("rms_norm", qkv, H), ("silu_mul", H, inter),
+            ("gated_norm", H, cfg.gdn_value_dim), ("none", H, cfg.num_heads * cfg.head_dim)]
+
+
+def graph_time_us(calls) -> float:
+    """Microseconds per call of the list `calls` (zero-argument functions) replayed in one CUDA graph."""
+    for call in calls:  # compile and warm up outside the capture
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return 1e3 * start.elapsed_time(end) / (5 * len(calls))
+
+
+def inputs(prologue: str, n: int, k: int, head_dim: int, device):
+    """Weight copies and the call arguments of one shape at batch 1."""
+    dtype = torch.bfloat16
+    copies = max(2, int(COPIES_BYTES // (2 * n * k)))
+    weights = [0.02 * torch.randn(n, k, device=device, dtype=dtype) for _ in range(copies)]
+    if prologue == "rms_norm":
+        x, res, w = (torch.randn(1, k, device=device, dtype=dtype) for _ in range(3))
+        return weights, (lambda fn, weight, **kw: fn(x, w, 1e-6, weight, res, **kw))
+    if prologue == "silu_mul":
+        x = torch.randn(1, 2 * k, device=device, dtype=dtype)
+        return weights, (lambda fn, weight, **kw: fn(x, weight, **kw))
+    if prologue == "gated_norm":
+        x, z = (torch.randn(1, k // head_dim, head_dim, device=device, dtype=dtype) for _ in range(2))
+        w = torch.ones(head_dim, device=device, dtype=dtype)
+        return weights, (lambda fn, weight, **kw: fn(x, z, w, 1e-6, weight, **kw))
+    x = torch.randn(1, k, device=device, dtype=dtype)
+    return weights, (lambda fn, weight, **kw: fn(x, weight, **kw))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m deltaserve.bench.gemv_probe", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    default_dir = next((d for d in (".gpu_configs/qwen3.5-27b", "../shared/configs/qwen3.5-27b") if os.path.isdir(d)),
+                       None)
+    parser.add_argument("model", nargs="?", default=default_dir, help="config.json directory")
+    parser.add_argument("--out", default="gemv_configs.json", help="write the tuned table here")
+    args = parser.parse_args(argv)
+    cfg = ModelConfig.from_pretrained(args.model)
+    device = torch.device("cuda")
+    fused_fns = {"rms_norm": linear_cuda.rms_norm_linear, "silu_mul": linear_cuda.silu_mul_linear,
+                 "gated_norm": linear_cuda.gated_norm_linear, "none": linear_cuda.linear}
+    unfused_fns = {"rms_norm": reference.rms_norm_linear, "silu_mul": reference.silu_mul_linear,
+                   "gated_norm": reference.gated_norm_linear, "none": torch.nn.functional.linear}
+    table = {}
+    for prologue, n, k in decode_projections(cfg):
+        weights, call = inputs(prologue, n, k, cfg.gdn_v_dim, device)
+        megabytes = 2 * n * k / 1e6
+        unfused = graph_time_us([lambda w=w: call(unfused_fns[prologue], w) for w in weights])
+        results = []
+        for config in GATED_SWEEP if prologue == "gated_norm" else SWEEP:
+            try:
+                t = graph_time_us([lambda w=w: call(fused_fns[prologue], w, config=config) for w in weights])
+            except Exception as exc:  # a tile Triton cannot build (registers, shared memory): skip it
+                print(f"  {config}: failed ({type(exc).__name__})", flush=True)
+                continue
+            results.append((t, config))
+        best_time, best = min(results)
+        table[f"{prologue}:{n}:{k}"] = list(best) if best_time < 0.99 * unfused else None
+        print(f"{prologue:>10} N={n:>6} K={k:>6} ({megabytes:.0f} MB): unfused {unfused:.1f} us "
+              f"({megabytes / unfused:.2f} TB/s); fused best {best_time:.1f} us ({megabytes / best_time:.2f} TB/s) "
+              f"{best}; top 4: " + ", ".join(f"{t:.1f} {c}" for t, c in sorted(results)[:4]), flush=True)
+    with open(args.out, "w") as f:
+        json.dump(table, f, indent=1)
+    print(json.dumps(table))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

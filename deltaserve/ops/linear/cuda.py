@@ -1,0 +1,217 @@
+"""Triton matrix-vector products with a fused prologue, for decode batches of at most GEMV_MAX_ROWS rows.
+
+y[m, n] = sum_k a[m, k] * W[n, k], where a is the prologue's output computed on the fly from its inputs:
+  PROLOGUE_NONE        a = x
+  PROLOGUE_RMS_NORM    a = rms_norm(x + residual) * (1 + w); program 0 also writes h = x + residual
+  PROLOGUE_SILU_MUL    a = silu(x[:, :K]) * x[:, K:]
+  PROLOGUE_GATED_NORM  a = w * norm(x) * silu(gate) per group of D columns (one group per K block)
+Each a value is rounded exactly as the unfused kernel rounds it (ops/norm, ops/activation), so the product
+differs from the unfused path only by the order of the float32 sums (the RMS norm's too: each program sums
+the row's squares itself, in K blocks).
+
+Grid: cdiv(N, BLOCK_N) programs; each reads BLOCK_N whole weight rows once, K block after K block, and keeps
+all M rows' partial sums in registers. Decode is bound by reading W (27B: ~50 GB a step), and W is read
+exactly once; the prologue's inputs are a few KB that every program re-reads from L2.
+"""
+
+import functools
+import json
+import os
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from deltaserve.ops.linear import reference
+
+# At most this many rows take the fused kernel; larger batches run the prologue op and cuBLAS.
+GEMV_MAX_ROWS = 4
+
+PROLOGUE_NONE: tl.constexpr = tl.constexpr(0)
+PROLOGUE_RMS_NORM: tl.constexpr = tl.constexpr(1)
+PROLOGUE_SILU_MUL: tl.constexpr = tl.constexpr(2)
+PROLOGUE_GATED_NORM: tl.constexpr = tl.constexpr(3)
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages): a reasonable tile (the tests' and the probe's starting point).
+DEFAULT_CONFIG = (16, 256, 4, 3)
+# The tuned table, measured on an H200 by `python -m deltaserve.bench.gemv_probe`: "prologue:N:K" -> a config,
+# or null where cuBLAS after the unfused prologue op was faster. A shape missing from it runs unfused: the
+# kernel is used only where it was measured to win. DELTASERVE_GEMV_CONFIGS names another file.
+CONFIGS_FILE = Path(__file__).with_name("configs.json")
+
+
+@functools.cache
+def _tuned_configs() -> dict:
+    path = os.environ.get("DELTASERVE_GEMV_CONFIGS") or CONFIGS_FILE
+    return json.loads(Path(path).read_text()) if Path(path).exists() else {}
+
+
+def config_for(prologue: str, n: int, k: int) -> tuple[int, int, int, int] | None:
+    """The launch config of W [n, k] after `prologue`, or None: run the unfused ops."""
+    config = _tuned_configs().get(f"{prologue}:{n}:{k}")
+    return tuple(config) if config is not None else None
+
+
+@triton.jit
+def _gemv_kernel(
+    x, res, res_out, gate, norm_w, weight, out,
+    M, N, K, eps,
+    stride_x_m, stride_x_h, stride_res_m, stride_gate_m, stride_gate_h, stride_w_n, stride_out_m,
+    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GROUP: tl.constexpr,
+    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):
+    """Grid (cdiv(N, BLOCK_N),). x: [M, K] ([M, 2K] for silu-mul; [M, K / GROUP, GROUP] with strides
+    (stride_x_m, stride_x_h) for the gated norm, gate alike); W: [N, K]; out: [M, N]."""
+    pid = tl.program_id(0)
+    ns = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output columns = weight rows
+    n_ok = ns < N
+    ms = tl.arange(0, M_PAD)  # [MP] batch rows
+    m_ok = ms < M
+    dtype = out.dtype.element_ty
+
+    if PROLOGUE == PROLOGUE_RMS_NORM:  # the whole row's mean square first, K block by K block
+        sum_sq = tl.zeros([M_PAD], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            mask = m_ok[:, None] & (ks[None, :] < K)
+            h = tl.load(x + ms[:, None] * stride_x_m + ks[None, :], mask=mask, other=0.0)
+            if HAS_RESIDUAL:
+                h = h + tl.load(res + ms[:, None] * stride_res_m + ks[None, :], mask=mask, other=0.0)
+            hf = h.to(tl.float32)
+            sum_sq += tl.sum(hf * hf, axis=1)
+        rstd = 1.0 / tl.sqrt(sum_sq / K + eps)  # [MP]
+
+    acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)  # [BK]
+        k_ok = ks < K
+        mask = m_ok[:, None] & k_ok[None, :]  # [MP, BK]
+        if PROLOGUE == PROLOGUE_NONE:
+            a = tl.load(x + ms[:, None] * stride_x_m + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+        elif PROLOGUE == PROLOGUE_RMS_NORM:
+            h = tl.load(x + ms[:, None] * stride_x_m + ks[None, :], mask=mask, other=0.0)
+            if HAS_RESIDUAL:
+                h = h + tl.load(res + ms[:, None] * stride_res_m + ks[None, :], mask=mask, other=0.0)
+                tl.store(res_out + ms[:, None] * K + ks[None, :], h, mask=mask & (pid == 0))
+            w_norm = tl.load(norm_w + ks, mask=k_ok, other=0.0).to(tl.float32)
+            a = (h.to(tl.float32) * rstd[:, None] * (1.0 + w_norm[None, :])).to(dtype).to(tl.float32)
+        elif PROLOGUE == PROLOGUE_SILU_MUL:
+            g = tl.load(x + ms[:, None] * stride_x_m + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+            up = tl.load(x + ms[:, None] * stride_x_m + K + ks[None, :], mask=mask, other=0.0)
+            a = ((g / (1.0 + tl.exp(-g))).to(dtype) * up).to(tl.float32)
+        else:  # PROLOGUE_GATED_NORM: BLOCK_K == GROUP, so this block is the group (head) k0 // GROUP
+            head = k0 // GROUP
+            dims = tl.arange(0, BLOCK_K)
+            xf = tl.load(x + ms[:, None] * stride_x_m + head * stride_x_h + dims[None, :], mask=mask,
+                         other=0.0).to(tl.float32)
+            group_rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / GROUP + eps)  # [MP]
+            normed = (xf * group_rstd[:, None]).to(dtype)
+            scaled = (tl.load(norm_w + dims)[None, :] * normed).to(tl.float32)
+            g = tl.load(gate + ms[:, None] * stride_gate_m + head * stride_gate_h + dims[None, :], mask=mask,
+                        other=0.0).to(tl.float32)
+            a = (scaled * (g / (1.0 + tl.exp(-g)))).to(dtype).to(tl.float32)
+        w_ptrs = weight + ns[:, None].to(tl.int64) * stride_w_n + ks[None, :]  # [BN, BK]
+        if EVEN_N and EVEN_K:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += tl.sum(a[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)  # [MP, BN]
+    tl.store(out + ms[:, None] * stride_out_m + ns[None, :], acc.to(dtype), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def supports(x: torch.Tensor) -> bool:
+    """Whether the fused kernel serves this input (else the caller runs the unfused ops)."""
+    return x.shape[0] <= GEMV_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+
+
+def _launch(prologue, x, weight, *, res=None, res_out=None, gate=None, norm_w=None, eps=0.0, group=1,
+            config=DEFAULT_CONFIG):
+    """out [M, N] = W @ prologue(x). K is the weight's width; config (BLOCK_N, BLOCK_K, warps, stages)."""
+    M = x.shape[0]
+    N, K = weight.shape
+    if weight.stride(1) != 1:
+        raise ValueError(f"weight must have a unit last stride, got strides {tuple(weight.stride())}")
+    block_n, block_k, num_warps, num_stages = config
+    if prologue == PROLOGUE_GATED_NORM:
+        block_k = group
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out
+    x_h = x.stride(1) if x.dim() == 3 else 0
+    _gemv_kernel[(triton.cdiv(N, block_n),)](
+        x, res if res is not None else x, res_out if res_out is not None else out,
+        gate if gate is not None else x, norm_w if norm_w is not None else weight, weight, out,
+        M, N, K, eps,
+        x.stride(0), x_h, res.stride(0) if res is not None else 0,
+        gate.stride(0) if gate is not None else 0, gate.stride(1) if gate is not None else 0,
+        weight.stride(0), out.stride(0),
+        PROLOGUE=prologue, HAS_RESIDUAL=res is not None, GROUP=group,
+        M_PAD=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN_N=N % block_n == 0, EVEN_K=K % block_k == 0, num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+def _check_row_input(name, x, weight, width):
+    _require(x.dim() == 2 and x.shape[1] == width and x.stride(1) == 1,
+             f"{name} must be [M, {width}] with a unit last stride, got {tuple(x.shape)} strides {tuple(x.stride())}")
+    _require(x.dtype == weight.dtype, f"{name} dtype {x.dtype} differs from the weight's {weight.dtype}")
+
+
+# config: the launch config, "tuned" for the table's (None there runs the unfused reference ops instead).
+
+
+def linear(x, weight, config="tuned"):
+    """x: [M, K] -> x @ W^T: [M, N] (no prologue)."""
+    _check_row_input("x", x, weight, weight.shape[1])
+    config = config_for("none", *weight.shape) if config == "tuned" else config
+    if config is None:
+        return torch.nn.functional.linear(x, weight)
+    return _launch(PROLOGUE_NONE, x, weight, config=config)
+
+
+def rms_norm_linear(x, norm_weight, eps, weight, residual=None, config="tuned"):
+    """See reference.rms_norm_linear."""
+    K = weight.shape[1]
+    _check_row_input("x", x, weight, K)
+    config = config_for("rms_norm", *weight.shape) if config == "tuned" else config
+    if config is None:
+        return reference.rms_norm_linear(x, norm_weight, eps, weight, residual)
+    if residual is None:
+        return _launch(PROLOGUE_RMS_NORM, x, weight, norm_w=norm_weight, eps=eps, config=config)
+    _check_row_input("residual", residual, weight, K)
+    _require(residual.shape[0] == x.shape[0], f"residual has {residual.shape[0]} rows, x {x.shape[0]}")
+    h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = _launch(PROLOGUE_RMS_NORM, x, weight, res=residual, res_out=h, norm_w=norm_weight, eps=eps,
+                  config=config)
+    return out, h
+
+
+def silu_mul_linear(x, weight, config="tuned"):
+    """See reference.silu_mul_linear."""
+    _check_row_input("x", x, weight, 2 * weight.shape[1])
+    config = config_for("silu_mul", *weight.shape) if config == "tuned" else config
+    if config is None:
+        return reference.silu_mul_linear(x, weight)
+    return _launch(PROLOGUE_SILU_MUL, x, weight, config=config)
+
+
+def gated_norm_linear(x, gate, norm_weight, eps, weight, config="tuned"):
+    """See reference.gated_norm_linear. x, gate: [M, H, D] with unit last strides (any row/head strides)."""
+    M, H, D = x.shape
+    _require(tuple(gate.shape) == (M, H, D), f"gate shape {tuple(gate.shape)} differs from x's {(M, H, D)}")
+    _require(H * D == weight.shape[1], f"x has {H} x {D} columns but the weight takes {weight.shape[1]}")
+    _require(x.stride(2) == 1 and gate.stride(2) == 1, "x and gate need a unit last stride")
+    _require(D >= 16 and D & (D - 1) == 0, f"the group (head) size must be a power of two >= 16, got {D}")
+    config = config_for("gated_norm", *weight.shape) if config == "tuned" else config
+    if config is None:
+        return reference.gated_norm_linear(x, gate, norm_weight, eps, weight)
+    return _launch(PROLOGUE_GATED_NORM, x, weight, gate=gate, norm_w=norm_weight, eps=eps, group=D,
+                   config=config)

@@ -1,0 +1,31 @@
+"""Plain-torch fused projections (the oracle for cuda.py): y = x' @ W^T where x' is x after a prologue.
+
+Each is exactly the unfused sequence the model runs on the CPU and for large batches on the GPU: the
+prologue op (an RMS norm, silu_and_mul, the gated RMS norm) and then F.linear.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from deltaserve.ops.activation import silu_and_mul
+from deltaserve.ops.norm import gated_rms_norm, rms_norm
+
+
+def rms_norm_linear(x, norm_weight, eps: float, weight, residual=None):
+    """x: [M, K]; norm_weight: [K]; weight: [N, K]; residual: [M, K] or None.
+    Returns W @ rms_norm(x + residual) ([M, N]) and, with a residual, also h = x + residual."""
+    if residual is None:
+        return F.linear(rms_norm(x, norm_weight, eps), weight)
+    normed, h = rms_norm(x, norm_weight, eps, residual)
+    return F.linear(normed, weight), h
+
+
+def silu_mul_linear(x, weight):
+    """x: [M, 2K] (gate | up); weight: [N, K]. Returns W @ (silu(gate) * up): [M, N]."""
+    return F.linear(silu_and_mul(x), weight)
+
+
+def gated_norm_linear(x, gate, norm_weight, eps: float, weight):
+    """x, gate: [M, H, D]; norm_weight: [D]; weight: [N, H*D]. Returns W @ gated_rms_norm(x, gate): [M, N]."""
+    normed = gated_rms_norm(x, gate, norm_weight, eps)
+    return F.linear(normed.reshape(x.shape[0], -1), weight)

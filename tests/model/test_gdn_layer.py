@@ -1,0 +1,90 @@
+"""The GDN layer's GPU prefill path copies no activation (a Qwen3.5-27B profile once showed ~5 copies per
+layer: strided q/k/v made contiguous by fla's `input_guard`, the gate z made contiguous by the gated norm).
+
+On the CPU the layer runs the GPU entry points in Triton's interpreter (conv_prefill, the gated norm), with a
+stand-in for fla's chunked kernel that records what it is given and runs the reference. Every aten op the
+layer issues outside those kernels is logged: none may copy, and fla must get contiguous q, k and v (what it
+does not get contiguous it copies). The result equals the layer's reference path.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+if torch.cuda.is_available():
+    pytest.skip("the compiled kernels run on the GPU: tests/gpu", allow_module_level=True)
+pytest.importorskip("triton")
+
+from triton.runtime import interpreter  # noqa: E402
+
+from deltaserve.config import ModelConfig  # noqa: E402
+from deltaserve.layers import gdn as gdn_layer, norm as norm_layer  # noqa: E402
+from deltaserve.layers.batch import ForwardBatch  # noqa: E402
+from deltaserve.model.loader import load_model  # noqa: E402
+from deltaserve.ops import gdn as gdn_ops  # noqa: E402
+from deltaserve.ops.conv1d import cuda as conv_kernels  # noqa: E402
+from deltaserve.ops.norm import cuda as norm_kernels  # noqa: E402
+from deltaserve.worker.kv_cache import CacheShape, bind_caches  # noqa: E402
+
+COPIES = {"aten.copy_.default", "aten.clone.default", "aten._to_copy.default", "aten.cat.default"}
+
+
+class OpLog(TorchDispatchMode):
+    """Names of the aten ops run while active, except while `paused` (inside kernels and stand-ins)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.paused = [], False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.paused:
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+    def pause(self, fn):
+        def paused(*args, **kwargs):
+            self.paused = True
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.paused = False
+        return paused
+
+
+def test_prefill_path_copies_nothing(ckpt_qwen3_5, monkeypatch):
+    cfg = ModelConfig.from_pretrained(ckpt_qwen3_5)
+    model = load_model(ckpt_qwen3_5, cfg, torch.float32, "cpu")
+    bind_caches(model, CacheShape(num_blocks=16, block_size=4, num_state_slots=4, kv_dtype=torch.float32,
+                                  ssm_dtype=torch.float32), "cpu")
+    layer = model.gdn_layers[0]
+    gen = torch.Generator().manual_seed(0)
+    layer.conv_state.copy_(torch.randn(layer.conv_state.shape, generator=gen))
+    layer.ssm_state.copy_(0.1 * torch.randn(layer.ssm_state.shape, generator=gen))
+    # three sequences: a fresh one, one continuing from its state, one shorter than the conv window
+    batch = ForwardBatch.build([0, 6, 0], [9, 5, 2], [[1, 2, 3], [4, 5, 6], [7]], [2, 0, 3], block_size=4)
+    projected = F.linear(torch.randn(16, cfg.hidden_size, generator=gen), layer.in_weight)
+    pools = layer.conv_state.clone(), layer.ssm_state.clone()
+    expected = layer(projected, batch)  # the reference path on CPU tensors
+    expected_pools = layer.conv_state.clone(), layer.ssm_state.clone()
+    layer.conv_state.copy_(pools[0])
+    layer.ssm_state.copy_(pools[1])
+
+    log, given = OpLog(), []
+
+    def chunked_gdn(q, k, v, *args, **kwargs):  # where fla's chunk_gated_delta_rule would run
+        given.extend([q, k, v])
+        return log.pause(gdn_ops.gdn_prefill)(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(gdn_layer, "conv_prefill", conv_kernels.conv_prefill)
+    monkeypatch.setattr(gdn_layer, "gdn_prefill", chunked_gdn)
+    monkeypatch.setattr(norm_layer, "gated_rms_norm", norm_kernels.gated_rms_norm)
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__", log.pause(interpreter.GridExecutor.__call__))
+    with log:
+        out = layer(projected, batch)
+
+    assert len(given) == 3 and all(t.is_contiguous() for t in given)
+    assert not COPIES & set(log.ops), sorted(COPIES & set(log.ops))
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(layer.conv_state, expected_pools[0], atol=0, rtol=0)
+    torch.testing.assert_close(layer.ssm_state, expected_pools[1], atol=1e-5, rtol=1e-5)

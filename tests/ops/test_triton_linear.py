@@ -1,0 +1,91 @@
+"""The fused small-batch projections (ops/linear) against the unfused reference ops (the Triton interpreter on
+the CPU in CI, the real kernel on the GPU)."""
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from deltaserve.ops.linear import cuda as linear_cuda, reference  # noqa: E402
+from tests.ops.interpreter import patch_interpreter_index  # noqa: E402
+
+patch_interpreter_index()
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# the interpreter has no bfloat16 arithmetic: bf16 is checked on the GPU only
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+# small tiles keep the interpreter quick; the GPU also runs the default and the tuned tiles
+CONFIGS = [(8, 32, 1, 1)] + ([linear_cuda.DEFAULT_CONFIG, "tuned"] if DEVICE == "cuda" else [])
+
+
+def _tol(dtype):
+    return dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+
+
+def _rand(*shape, dtype, gen, scale=1.0):
+    return (scale * torch.randn(*shape, generator=gen)).to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_linear(dtype, config, rows, with_residual):
+    gen = torch.Generator().manual_seed(rows)
+    x, res = _rand(rows, 96, dtype=dtype, gen=gen), _rand(rows, 96, dtype=dtype, gen=gen)
+    norm_w, weight = _rand(96, dtype=dtype, gen=gen, scale=0.1), _rand(40, 96, dtype=dtype, gen=gen, scale=0.1)
+    residual = res if with_residual else None
+    got = linear_cuda.rms_norm_linear(x, norm_w, 1e-6, weight, residual, config=config)
+    want = reference.rms_norm_linear(x, norm_w, 1e-6, weight, residual)
+    if with_residual:
+        torch.testing.assert_close(got[1], want[1], atol=0, rtol=0)  # h = x + residual, exactly
+        got, want = got[0], want[0]
+    torch.testing.assert_close(got, want, **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("rows", [1, 4])
+def test_silu_mul_linear(dtype, config, rows):
+    gen = torch.Generator().manual_seed(rows)
+    x, weight = _rand(rows, 2 * 72, dtype=dtype, gen=gen), _rand(24, 72, dtype=dtype, gen=gen, scale=0.1)
+    torch.testing.assert_close(linear_cuda.silu_mul_linear(x, weight, config=config),
+                               reference.silu_mul_linear(x, weight), **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("rows", [1, 2])
+def test_gated_norm_linear_strided(dtype, config, rows):
+    """x and the gate are [M, H, D] views with row and head strides of a wider tensor, as in the GDN layer."""
+    gen = torch.Generator().manual_seed(rows)
+    heads, dim = 3, 16
+    wide = _rand(rows, heads * dim + 7, dtype=dtype, gen=gen)
+    gate = wide[:, : heads * dim].view(rows, heads, dim)  # row stride heads * dim + 7
+    x = _rand(rows, heads, 2 * dim, dtype=dtype, gen=gen)[..., :dim]  # head stride 2 * dim
+    norm_w, weight = _rand(dim, dtype=dtype, gen=gen, scale=0.1) + 1, _rand(24, heads * dim, dtype=dtype, gen=gen)
+    torch.testing.assert_close(linear_cuda.gated_norm_linear(x, gate, norm_w, 1e-6, weight, config=config),
+                               reference.gated_norm_linear(x, gate, norm_w, 1e-6, weight), **_tol(dtype))
+
+
+def test_plain_linear_and_uneven_shapes():
+    """N and K that the tiles do not divide (masked loads)."""
+    gen = torch.Generator().manual_seed(0)
+    x, weight = _rand(2, 50, dtype=torch.float32, gen=gen), _rand(37, 50, dtype=torch.float32, gen=gen)
+    torch.testing.assert_close(linear_cuda.linear(x, weight, config=(8, 32, 1, 1)), x @ weight.T,
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_bad_inputs_name_themselves():
+    weight = torch.zeros(8, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="x must be"):
+        linear_cuda.silu_mul_linear(torch.zeros(1, 16, device=DEVICE), weight)
+    with pytest.raises(ValueError, match="gate shape"):
+        linear_cuda.gated_norm_linear(torch.zeros(1, 1, 16, device=DEVICE), torch.zeros(1, 2, 16, device=DEVICE),
+                                      torch.ones(16, device=DEVICE), 1e-6, weight)
+
+
+def test_small_bf16_batches_take_the_kernel():
+    assert linear_cuda.supports(torch.zeros(linear_cuda.GEMV_MAX_ROWS, 8, dtype=torch.bfloat16))
+    assert not linear_cuda.supports(torch.zeros(linear_cuda.GEMV_MAX_ROWS + 1, 8, dtype=torch.bfloat16))
+    assert not linear_cuda.supports(torch.zeros(1, 8, dtype=torch.float32))
