@@ -21,10 +21,12 @@ import torch
 from deltaserve.config import ModelConfig
 from deltaserve.ops.linear import cuda as linear_cuda, reference
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) tried for every shape (the gated norm's BLOCK_K is its group)
-SWEEP = [(bn, bk, 8 if bn * bk >= 8192 else 4, stages)
-         for bn, bk, stages in itertools.product((8, 16, 32), (128, 256, 512), (1, 3))]
-GATED_SWEEP = [(bn, 128, warps, stages) for bn, warps, stages in itertools.product((8, 16, 32, 64), (2, 4), (1, 3))]
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) tried for every shape: 16 to 64 weight elements per thread
+# (the gated norm's BLOCK_K is its group, 8 to 64). num_stages does not change this loop (no dot to pipeline).
+SWEEP = [(bn, bk, warps, 1) for bn, bk, warps in itertools.product((4, 8, 16, 32), (256, 512, 1024, 2048), (4, 8))
+         if 16 <= bn * bk // (32 * warps) <= 64]
+GATED_SWEEP = [(bn, 128, warps, 1) for bn, warps in itertools.product((4, 8, 16, 32, 64), (1, 2, 4))
+               if 8 <= bn * 128 // (32 * warps) <= 64]
 COPIES_BYTES = 400e6  # cycle through this many bytes of weight copies, far beyond the 50 MB L2
 
 

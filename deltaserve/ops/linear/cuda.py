@@ -1,16 +1,16 @@
-"""Triton matrix-vector products with a fused prologue, for decode batches of at most GEMV_MAX_ROWS rows.
+"""Triton matrix-vector products with a fused prologue, for batch-1 decode (GEMV_MAX_ROWS).
 
-y[m, n] = sum_k a[m, k] * W[n, k], where a is the prologue's output computed on the fly from its inputs:
+y[n] = sum_k a[k] * W[n, k], where a is the prologue's output computed on the fly from its inputs:
   PROLOGUE_NONE        a = x
   PROLOGUE_RMS_NORM    a = rms_norm(x + residual) * (1 + w); program 0 also writes h = x + residual
   PROLOGUE_SILU_MUL    a = silu(x[:, :K]) * x[:, K:]
   PROLOGUE_GATED_NORM  a = w * norm(x) * silu(gate) per group of D columns (one group per K block)
+  (x, residual, gate: one row each)
 Each a value is rounded exactly as the unfused kernel rounds it (ops/norm, ops/activation), so the product
 differs from the unfused path only by the order of the float32 sums (the RMS norm's too: each program sums
 the row's squares itself, in K blocks).
 
-Grid: cdiv(N, BLOCK_N) programs; each reads BLOCK_N whole weight rows once, K block after K block, and keeps
-all M rows' partial sums in registers. Decode is bound by reading W (27B: ~50 GB a step), and W is read
+Grid: cdiv(N, BLOCK_N) programs; each reads BLOCK_N whole weight rows once, K block after K block. Decode is bound by reading W (27B: ~50 GB a step), and W is read
 exactly once; the prologue's inputs are a few KB that every program re-reads from L2.
 """
 
@@ -25,8 +25,8 @@ import triton.language as tl
 
 from deltaserve.ops.linear import reference
 
-# At most this many rows take the fused kernel; larger batches run the prologue op and cuBLAS.
-GEMV_MAX_ROWS = 4
+# Only single-row inputs (batch-1 decode) take the fused kernel; larger batches run the prologue op and cuBLAS.
+GEMV_MAX_ROWS = 1
 
 PROLOGUE_NONE: tl.constexpr = tl.constexpr(0)
 PROLOGUE_RMS_NORM: tl.constexpr = tl.constexpr(1)
@@ -56,69 +56,63 @@ def config_for(prologue: str, n: int, k: int) -> tuple[int, int, int, int] | Non
 @triton.jit
 def _gemv_kernel(
     x, res, res_out, gate, norm_w, weight, out,
-    M, N, K, eps,
-    stride_x_m, stride_x_h, stride_res_m, stride_gate_m, stride_gate_h, stride_w_n, stride_out_m,
+    N, K, eps, stride_x_h, stride_gate_h, stride_w_n,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GROUP: tl.constexpr,
-    M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
 ):
-    """Grid (cdiv(N, BLOCK_N),). x: [M, K] ([M, 2K] for silu-mul; [M, K / GROUP, GROUP] with strides
-    (stride_x_m, stride_x_h) for the gated norm, gate alike); W: [N, K]; out: [M, N]."""
+    """Grid (cdiv(N, BLOCK_N),), one row: x [K] ([2K] for silu-mul; [K / GROUP, GROUP] with head stride
+    stride_x_h for the gated norm, gate alike); W: [N, K]; out: [N].
+
+    Products accumulate elementwise in a [BLOCK_N, BLOCK_K] float32 tile and are reduced once at the end:
+    a reduction per K block (shuffles across the tile) made the loop compute-bound (2.4-2.8 TB/s)."""
     pid = tl.program_id(0)
     ns = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output columns = weight rows
     n_ok = ns < N
-    ms = tl.arange(0, M_PAD)  # [MP] batch rows
-    m_ok = ms < M
     dtype = out.dtype.element_ty
 
     if PROLOGUE == PROLOGUE_RMS_NORM:  # the whole row's mean square first, K block by K block
-        sum_sq = tl.zeros([M_PAD], dtype=tl.float32)
+        sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
-            mask = m_ok[:, None] & (ks[None, :] < K)
-            h = tl.load(x + ms[:, None] * stride_x_m + ks[None, :], mask=mask, other=0.0)
+            h = tl.load(x + ks, mask=ks < K, other=0.0)
             if HAS_RESIDUAL:
-                h = h + tl.load(res + ms[:, None] * stride_res_m + ks[None, :], mask=mask, other=0.0)
+                h = h + tl.load(res + ks, mask=ks < K, other=0.0)
             hf = h.to(tl.float32)
-            sum_sq += tl.sum(hf * hf, axis=1)
-        rstd = 1.0 / tl.sqrt(sum_sq / K + eps)  # [MP]
+            sum_sq += hf * hf
+        rstd = 1.0 / tl.sqrt(tl.sum(sum_sq, axis=0) / K + eps)
 
-    acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)  # [BK]
         k_ok = ks < K
-        mask = m_ok[:, None] & k_ok[None, :]  # [MP, BK]
         if PROLOGUE == PROLOGUE_NONE:
-            a = tl.load(x + ms[:, None] * stride_x_m + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+            a = tl.load(x + ks, mask=k_ok, other=0.0).to(tl.float32)
         elif PROLOGUE == PROLOGUE_RMS_NORM:
-            h = tl.load(x + ms[:, None] * stride_x_m + ks[None, :], mask=mask, other=0.0)
+            h = tl.load(x + ks, mask=k_ok, other=0.0)
             if HAS_RESIDUAL:
-                h = h + tl.load(res + ms[:, None] * stride_res_m + ks[None, :], mask=mask, other=0.0)
-                tl.store(res_out + ms[:, None] * K + ks[None, :], h, mask=mask & (pid == 0))
+                h = h + tl.load(res + ks, mask=k_ok, other=0.0)
+                tl.store(res_out + ks, h, mask=k_ok & (pid == 0))
             w_norm = tl.load(norm_w + ks, mask=k_ok, other=0.0).to(tl.float32)
-            a = (h.to(tl.float32) * rstd[:, None] * (1.0 + w_norm[None, :])).to(dtype).to(tl.float32)
+            a = (h.to(tl.float32) * rstd * (1.0 + w_norm)).to(dtype).to(tl.float32)
         elif PROLOGUE == PROLOGUE_SILU_MUL:
-            g = tl.load(x + ms[:, None] * stride_x_m + ks[None, :], mask=mask, other=0.0).to(tl.float32)
-            up = tl.load(x + ms[:, None] * stride_x_m + K + ks[None, :], mask=mask, other=0.0)
+            g = tl.load(x + ks, mask=k_ok, other=0.0).to(tl.float32)
+            up = tl.load(x + K + ks, mask=k_ok, other=0.0)
             a = ((g / (1.0 + tl.exp(-g))).to(dtype) * up).to(tl.float32)
         else:  # PROLOGUE_GATED_NORM: BLOCK_K == GROUP, so this block is the group (head) k0 // GROUP
             head = k0 // GROUP
             dims = tl.arange(0, BLOCK_K)
-            xf = tl.load(x + ms[:, None] * stride_x_m + head * stride_x_h + dims[None, :], mask=mask,
-                         other=0.0).to(tl.float32)
-            group_rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / GROUP + eps)  # [MP]
-            normed = (xf * group_rstd[:, None]).to(dtype)
-            scaled = (tl.load(norm_w + dims)[None, :] * normed).to(tl.float32)
-            g = tl.load(gate + ms[:, None] * stride_gate_m + head * stride_gate_h + dims[None, :], mask=mask,
-                        other=0.0).to(tl.float32)
+            xf = tl.load(x + head * stride_x_h + dims).to(tl.float32)
+            group_rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / GROUP + eps)
+            scaled = (tl.load(norm_w + dims) * (xf * group_rstd).to(dtype)).to(tl.float32)
+            g = tl.load(gate + head * stride_gate_h + dims).to(tl.float32)
             a = (scaled * (g / (1.0 + tl.exp(-g)))).to(dtype).to(tl.float32)
         w_ptrs = weight + ns[:, None].to(tl.int64) * stride_w_n + ks[None, :]  # [BN, BK]
         if EVEN_N and EVEN_K:
             w = tl.load(w_ptrs)
         else:
             w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += tl.sum(a[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)  # [MP, BN]
-    tl.store(out + ms[:, None] * stride_out_m + ns[None, :], acc.to(dtype), mask=m_ok[:, None] & n_ok[None, :])
+        acc += w.to(tl.float32) * a[None, :]
+    tl.store(out + ns, tl.sum(acc, axis=1).to(dtype), mask=n_ok)
 
 
 def supports(x: torch.Tensor) -> bool:
@@ -128,27 +122,20 @@ def supports(x: torch.Tensor) -> bool:
 
 def _launch(prologue, x, weight, *, res=None, res_out=None, gate=None, norm_w=None, eps=0.0, group=1,
             config=DEFAULT_CONFIG):
-    """out [M, N] = W @ prologue(x). K is the weight's width; config (BLOCK_N, BLOCK_K, warps, stages)."""
-    M = x.shape[0]
+    """out [1, N] = W @ prologue(x) for one row x. K is the weight's width; config (BLOCK_N, BLOCK_K, warps,
+    stages)."""
     N, K = weight.shape
     if weight.stride(1) != 1:
         raise ValueError(f"weight must have a unit last stride, got strides {tuple(weight.stride())}")
     block_n, block_k, num_warps, num_stages = config
     if prologue == PROLOGUE_GATED_NORM:
         block_k = group
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    if M == 0:
-        return out
-    x_h = x.stride(1) if x.dim() == 3 else 0
+    out = torch.empty(1, N, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(N, block_n),)](
         x, res if res is not None else x, res_out if res_out is not None else out,
         gate if gate is not None else x, norm_w if norm_w is not None else weight, weight, out,
-        M, N, K, eps,
-        x.stride(0), x_h, res.stride(0) if res is not None else 0,
-        gate.stride(0) if gate is not None else 0, gate.stride(1) if gate is not None else 0,
-        weight.stride(0), out.stride(0),
-        PROLOGUE=prologue, HAS_RESIDUAL=res is not None, GROUP=group,
-        M_PAD=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k,
+        N, K, eps, x.stride(1) if x.dim() == 3 else 0, gate.stride(1) if gate is not None else 0, weight.stride(0),
+        PROLOGUE=prologue, HAS_RESIDUAL=res is not None, GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_N=N % block_n == 0, EVEN_K=K % block_k == 0, num_warps=num_warps, num_stages=num_stages,
     )
     return out
@@ -160,8 +147,8 @@ def _require(cond: bool, message: str) -> None:
 
 
 def _check_row_input(name, x, weight, width):
-    _require(x.dim() == 2 and x.shape[1] == width and x.stride(1) == 1,
-             f"{name} must be [M, {width}] with a unit last stride, got {tuple(x.shape)} strides {tuple(x.stride())}")
+    _require(x.dim() == 2 and x.shape == (1, width) and x.stride(1) == 1,
+             f"{name} must be [1, {width}] with a unit last stride, got {tuple(x.shape)} strides {tuple(x.stride())}")
     _require(x.dtype == weight.dtype, f"{name} dtype {x.dtype} differs from the weight's {weight.dtype}")
 
 
@@ -169,7 +156,7 @@ def _check_row_input(name, x, weight, width):
 
 
 def linear(x, weight, config="tuned"):
-    """x: [M, K] -> x @ W^T: [M, N] (no prologue)."""
+    """x: [1, K] -> x @ W^T: [1, N] (no prologue)."""
     _check_row_input("x", x, weight, weight.shape[1])
     config = config_for("none", *weight.shape) if config == "tuned" else config
     if config is None:
@@ -187,7 +174,6 @@ def rms_norm_linear(x, norm_weight, eps, weight, residual=None, config="tuned"):
     if residual is None:
         return _launch(PROLOGUE_RMS_NORM, x, weight, norm_w=norm_weight, eps=eps, config=config)
     _check_row_input("residual", residual, weight, K)
-    _require(residual.shape[0] == x.shape[0], f"residual has {residual.shape[0]} rows, x {x.shape[0]}")
     h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     out = _launch(PROLOGUE_RMS_NORM, x, weight, res=residual, res_out=h, norm_w=norm_weight, eps=eps,
                   config=config)
@@ -204,8 +190,9 @@ def silu_mul_linear(x, weight, config="tuned"):
 
 
 def gated_norm_linear(x, gate, norm_weight, eps, weight, config="tuned"):
-    """See reference.gated_norm_linear. x, gate: [M, H, D] with unit last strides (any row/head strides)."""
+    """See reference.gated_norm_linear. x, gate: [1, H, D] with unit last strides (any head stride)."""
     M, H, D = x.shape
+    _require(M == 1, f"x must hold one row, got {M}")
     _require(tuple(gate.shape) == (M, H, D), f"gate shape {tuple(gate.shape)} differs from x's {(M, H, D)}")
     _require(H * D == weight.shape[1], f"x has {H} x {D} columns but the weight takes {weight.shape[1]}")
     _require(x.stride(2) == 1 and gate.stride(2) == 1, "x and gate need a unit last stride")

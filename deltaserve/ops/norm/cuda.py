@@ -99,7 +99,9 @@ def gated_rms_norm(x, gate, weight, eps):
     num_rows = x3.shape[0] * x3.shape[1]
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     block = triton.next_power_of_2(D)
-    block_rows = max(1, _GATED_TILE // block)
+    # many rows (prefill): tiles of _GATED_TILE elements; few (decode): fewer rows a program, so that the
+    # launch still spreads over the SMs (one 16-row tile at batch 1 took 2.6 us on the H200, 48 rows 1.5 us)
+    block_rows = max(1, min(_GATED_TILE // block, triton.next_power_of_2(num_rows // 1024 + 1) // 2))
     _gated_rms_norm_kernel[(triton.cdiv(num_rows, block_rows),)](
         x3, g3, weight, y, num_rows, x3.shape[1], D, x3.stride(0), x3.stride(1), g3.stride(0), g3.stride(1), eps,
         BLOCK_ROWS=block_rows, BLOCK=block, num_warps=_warps(block_rows * block))
