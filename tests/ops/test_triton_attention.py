@@ -137,21 +137,21 @@ class NanEmpty:
 
 
 def active_splits(seq_len: int, num_splits: int, block_n: int) -> int:
-    """The decode rule: shares of max(DECODE_MIN_TOKENS_PER_SPLIT, cdiv(seq_len, num_splits)) positions, rounded
-    up to whole tiles; as many as seq_len needs."""
-    share = max(cuda_decode.DECODE_MIN_TOKENS_PER_SPLIT, -(-seq_len // num_splits))
+    """The decode rule: shares of max(DECODE_ACTIVE_SPLIT_MIN_TOKENS, cdiv(seq_len, num_splits)) positions,
+    rounded up to whole tiles; as many as seq_len needs."""
+    share = max(cuda_decode.DECODE_ACTIVE_SPLIT_MIN_TOKENS, -(-seq_len // num_splits))
     share = -(-share // block_n) * block_n
     return -(-seq_len // share)
 
 
-# Decode lengths around the 256-position minimum share; (0, 1) is a query over an empty sequence (a padding
+# Decode lengths around the minimum share (64 positions) and longer; (0, 1) is a query over an empty sequence (a padding
 # row of a CUDA graph), which the reference refuses: it gets zeros. (5, 0) has no query.
-DECODE_SPANS = [(1, 1), (17, 1), (255, 1), (256, 1), (257, 1), (700, 1), (1000, 1), (5, 0), (0, 1)]
+DECODE_SPANS = [(1, 1), (17, 1), (63, 1), (64, 1), (65, 1), (700, 1), (1000, 1), (5, 0), (0, 1)]
 
 
-@pytest.mark.parametrize("num_splits,active_at_1000", [(66, 4), (3, 3)])
+@pytest.mark.parametrize("num_splits,active_at_1000", [(66, 16), (3, 3)])
 def test_decode_splits_follow_each_sequence_length(monkeypatch, num_splits, active_at_1000):
-    """num_splits as planned for a 140K-token table (66: 1,000 tokens take 4 shares of 256) or small (3: shares
+    """num_splits as planned for a 140K-token table (66: 1,000 tokens take 16 shares of 64) or small (3: shares
     of 336 there) over short sequences: each sequence's active splits write partials, the others write
     nothing, and the merge reads only the active ones (unwritten partials are NaN here)."""
     fake_torch = NanEmpty()
