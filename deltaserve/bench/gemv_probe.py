@@ -22,11 +22,11 @@ from deltaserve.config import ModelConfig
 from deltaserve.ops.linear import cuda as linear_cuda, reference
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) tried for every shape: 16 to 64 weight elements per thread
-# (the gated norm's BLOCK_K is its group, 8 to 64). num_stages does not change this loop (no dot to pipeline).
+# (the gated norm's BLOCK_K holds whole groups). num_stages does not change this loop (no dot to pipeline).
 SWEEP = [(bn, bk, warps, 1) for bn, bk, warps in itertools.product((4, 8, 16, 32), (256, 512, 1024, 2048), (4, 8))
          if 16 <= bn * bk // (32 * warps) <= 64]
-GATED_SWEEP = [(bn, 128, warps, 1) for bn, warps in itertools.product((4, 8, 16, 32, 64), (1, 2, 4))
-               if 8 <= bn * 128 // (32 * warps) <= 64]
+GATED_SWEEP = [(bn, bk, warps, 1) for bn, bk, warps in itertools.product((4, 8, 16, 32), (128, 256, 512, 1024), (4, 8))
+               if 16 <= bn * bk // (32 * warps) <= 64]
 COPIES_BYTES = 400e6  # cycle through this many bytes of weight copies, far beyond the 50 MB L2
 
 
@@ -85,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
                        None)
     parser.add_argument("model", nargs="?", default=default_dir, help="config.json directory")
     parser.add_argument("--out", default="gemv_configs.json", help="write the tuned table here")
+    parser.add_argument("--only", help="probe only this prologue (rms_norm, silu_mul, gated_norm, none); the "
+                                       "table written then holds that prologue's shapes alone")
     args = parser.parse_args(argv)
     cfg = ModelConfig.from_pretrained(args.model)
     device = torch.device("cuda")
@@ -94,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
                    "gated_norm": reference.gated_norm_linear, "none": torch.nn.functional.linear}
     table = {}
     for prologue, n, k in decode_projections(cfg):
+        if args.only and prologue != args.only:
+            continue
         weights, call = inputs(prologue, n, k, cfg.gdn_v_dim, device)
         megabytes = 2 * n * k / 1e6
         unfused = graph_time_us([lambda w=w: call(unfused_fns[prologue], w) for w in weights])

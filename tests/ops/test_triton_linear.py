@@ -56,7 +56,7 @@ def test_silu_mul_linear(dtype, config):
 def test_gated_norm_linear_strided(dtype, config):
     """x and the gate are [1, H, D] views with head strides of wider tensors, as in the GDN layer."""
     gen, rows = torch.Generator().manual_seed(2), 1
-    heads, dim = 3, 16
+    heads, dim = 4, 16  # K = 64: the test tile of 32 columns holds two whole groups
     wide = _rand(rows, heads * dim + 7, dtype=dtype, gen=gen)
     gate = wide[:, : heads * dim].view(rows, heads, dim)  # row stride heads * dim + 7
     x = _rand(rows, heads, 2 * dim, dtype=dtype, gen=gen)[..., :dim]  # head stride 2 * dim

@@ -4,7 +4,7 @@ y[n] = sum_k a[k] * W[n, k], where a is the prologue's output computed on the fl
   PROLOGUE_NONE        a = x
   PROLOGUE_RMS_NORM    a = rms_norm(x + residual) * (1 + w); program 0 also writes h = x + residual
   PROLOGUE_SILU_MUL    a = silu(x[:, :K]) * x[:, K:]
-  PROLOGUE_GATED_NORM  a = w * norm(x) * silu(gate) per group of D columns (one group per K block)
+  PROLOGUE_GATED_NORM  a = w * norm(x) * silu(gate) per group of D columns (whole groups per K block)
   (x, residual, gate: one row each)
 Each a value is rounded exactly as the unfused kernel rounds it (ops/norm, ops/activation), so the product
 differs from the unfused path only by the order of the float32 sums (the RMS norm's too: each program sums
@@ -81,38 +81,52 @@ def _gemv_kernel(
             sum_sq += hf * hf
         rstd = 1.0 / tl.sqrt(tl.sum(sum_sq, axis=0) / K + eps)
 
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)  # [BK]
-        k_ok = ks < K
-        if PROLOGUE == PROLOGUE_NONE:
-            a = tl.load(x + ks, mask=k_ok, other=0.0).to(tl.float32)
-        elif PROLOGUE == PROLOGUE_RMS_NORM:
-            h = tl.load(x + ks, mask=k_ok, other=0.0)
-            if HAS_RESIDUAL:
-                h = h + tl.load(res + ks, mask=k_ok, other=0.0)
-                tl.store(res_out + ks, h, mask=k_ok & (pid == 0))
-            w_norm = tl.load(norm_w + ks, mask=k_ok, other=0.0).to(tl.float32)
-            a = (h.to(tl.float32) * rstd * (1.0 + w_norm)).to(dtype).to(tl.float32)
-        elif PROLOGUE == PROLOGUE_SILU_MUL:
-            g = tl.load(x + ks, mask=k_ok, other=0.0).to(tl.float32)
-            up = tl.load(x + K + ks, mask=k_ok, other=0.0)
-            a = ((g / (1.0 + tl.exp(-g))).to(dtype) * up).to(tl.float32)
-        else:  # PROLOGUE_GATED_NORM: BLOCK_K == GROUP, so this block is the group (head) k0 // GROUP
-            head = k0 // GROUP
-            dims = tl.arange(0, BLOCK_K)
-            xf = tl.load(x + head * stride_x_h + dims).to(tl.float32)
-            group_rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / GROUP + eps)
-            scaled = (tl.load(norm_w + dims) * (xf * group_rstd).to(dtype)).to(tl.float32)
-            g = tl.load(gate + head * stride_gate_h + dims).to(tl.float32)
-            a = (scaled * (g / (1.0 + tl.exp(-g)))).to(dtype).to(tl.float32)
-        w_ptrs = weight + ns[:, None].to(tl.int64) * stride_w_n + ks[None, :]  # [BN, BK]
-        if EVEN_N and EVEN_K:
-            w = tl.load(w_ptrs)
-        else:
-            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += w.to(tl.float32) * a[None, :]
-    tl.store(out + ns, tl.sum(acc, axis=1).to(dtype), mask=n_ok)
+    if PROLOGUE == PROLOGUE_GATED_NORM:
+        # Whole groups per K block: [BLOCK_N, HEADS, GROUP] weight tiles against [HEADS, GROUP] activations,
+        # so each group's norm is a reduction over its own GROUP columns (K % BLOCK_K == 0 here).
+        HEADS: tl.constexpr = BLOCK_K // GROUP
+        dims = tl.arange(0, GROUP)  # [G]
+        acc3 = tl.zeros([BLOCK_N, HEADS, GROUP], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            heads = k0 // GROUP + tl.arange(0, HEADS)  # [HEADS]
+            xf = tl.load(x + heads[:, None] * stride_x_h + dims[None, :]).to(tl.float32)  # [HEADS, G]
+            group_rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / GROUP + eps)  # [HEADS]
+            scaled = (tl.load(norm_w + dims)[None, :] * (xf * group_rstd[:, None]).to(dtype)).to(tl.float32)
+            g = tl.load(gate + heads[:, None] * stride_gate_h + dims[None, :]).to(tl.float32)
+            a = (scaled * (g / (1.0 + tl.exp(-g)))).to(dtype).to(tl.float32)  # [HEADS, G]
+            cols = heads[:, None] * GROUP + dims[None, :]  # [HEADS, G] columns of W
+            w_ptrs = weight + ns[:, None, None].to(tl.int64) * stride_w_n + cols[None, :, :]  # [BN, HEADS, G]
+            if EVEN_N:
+                w = tl.load(w_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=n_ok[:, None, None], other=0.0)
+            acc3 += w.to(tl.float32) * a[None, :, :]
+        tl.store(out + ns, tl.sum(tl.sum(acc3, axis=2), axis=1).to(dtype), mask=n_ok)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)  # [BK]
+            k_ok = ks < K
+            if PROLOGUE == PROLOGUE_NONE:
+                a = tl.load(x + ks, mask=k_ok, other=0.0).to(tl.float32)
+            elif PROLOGUE == PROLOGUE_RMS_NORM:
+                h = tl.load(x + ks, mask=k_ok, other=0.0)
+                if HAS_RESIDUAL:
+                    h = h + tl.load(res + ks, mask=k_ok, other=0.0)
+                    tl.store(res_out + ks, h, mask=k_ok & (pid == 0))
+                w_norm = tl.load(norm_w + ks, mask=k_ok, other=0.0).to(tl.float32)
+                a = (h.to(tl.float32) * rstd * (1.0 + w_norm)).to(dtype).to(tl.float32)
+            else:  # PROLOGUE_SILU_MUL
+                g = tl.load(x + ks, mask=k_ok, other=0.0).to(tl.float32)
+                up = tl.load(x + K + ks, mask=k_ok, other=0.0)
+                a = ((g / (1.0 + tl.exp(-g))).to(dtype) * up).to(tl.float32)
+            w_ptrs = weight + ns[:, None].to(tl.int64) * stride_w_n + ks[None, :]  # [BN, BK]
+            if EVEN_N and EVEN_K:
+                w = tl.load(w_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += w.to(tl.float32) * a[None, :]
+        tl.store(out + ns, tl.sum(acc, axis=1).to(dtype), mask=n_ok)
 
 
 def supports(x: torch.Tensor) -> bool:
@@ -128,8 +142,8 @@ def _launch(prologue, x, weight, *, res=None, res_out=None, gate=None, norm_w=No
     if weight.stride(1) != 1:
         raise ValueError(f"weight must have a unit last stride, got strides {tuple(weight.stride())}")
     block_n, block_k, num_warps, num_stages = config
-    if prologue == PROLOGUE_GATED_NORM:
-        block_k = group
+    if prologue == PROLOGUE_GATED_NORM and (block_k % group or K % block_k):
+        block_k = group  # whole groups, and whole K blocks
     out = torch.empty(1, N, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(N, block_n),)](
         x, res if res is not None else x, res_out if res_out is not None else out,
