@@ -23,6 +23,8 @@ class ScheduledSequence:
     num_computed: int  # tokens already in the KV cache / state before this step
     block_ids: list[int]  # every KV block of the request, in order
     state_slot: int  # GDN working slot
+    # (offset, checkpoint slot): copy the GDN state after the first `offset` new tokens there, inside the step
+    mid_save: tuple[int, int] | None
     sample: bool  # this chunk reaches the end of the known tokens: sample the next one
     params: SamplingParams
     generator: torch.Generator | None

@@ -5,12 +5,15 @@ The scheduler calls, per step:
     find_hit(request)               a waiting request's longest reusable prefix (a PrefixHit; empty when off)
     cut_chunk(request, start, n)    shortens a prefill chunk so that it ends at a checkpoint target
     admit(request, n, hit)          starts a waiting request at its hit; allocate(request, n) grows a running one
-    plan_save(request, n)           (working slot, checkpoint slot) to copy after the forward, or None
+    plan_saves(request, n)          the checkpoints this step takes: (working slot, checkpoint slot, offset)
 and after the step has run:
     commit_checkpoints()            the step's saves are written: make them hittable
     cache_full_blocks(request)      index the request's newly computed full blocks
 
-Where checkpoints go (each is a chunk end: invariant 3, "a prefill chunk must end at L to save at L"):
+Where checkpoints go (each is a chunk end: invariant 3, "a prefill chunk must end at L to save at L", or,
+when L is at most one block before the chunk's end and at least one block after its start, a save inside
+the step: the GDN layers copy the state out after the chunk's first L - start tokens and go on; a 16-token
+tail would otherwise cost a whole step, a pass over the weights):
     divergence   when a prompt matches a cached KV chain of length M past its longest checkpoint, at M (capped
                  as below): the next prompt that branches off that chain hits there
     prompt end   at floor((P-1)/bs)*bs, the longest hit a resend of the same P-token prompt can use
@@ -121,27 +124,57 @@ class CacheManager:
 
     def cut_chunk(self, request: Request, start: int, num_new_tokens: int) -> int:
         """`num_new_tokens`, or fewer so that the chunk from `start` ends at the request's next checkpoint
-        target that is not cached yet (invariant 3)."""
-        for target in request.checkpoint_targets:
-            if start < target < start + num_new_tokens and not self.prefix_cache.has_checkpoint(
-                    request.block_hashes[target // self.block_size - 1]):
-                return target - start
-        return num_new_tokens
+        target that is not cached yet (invariant 3), unless that target can be saved inside the step."""
+        target = self._uncached_target(request, start, start + num_new_tokens)
+        if target is None or self._saves_mid_chunk(start, target, start + num_new_tokens):
+            return num_new_tokens
+        return target - start
 
-    def plan_save(self, request: Request, num_new_tokens: int) -> tuple[int, int] | None:
-        """(working slot, checkpoint slot) to copy after this step's forward, if the chunk of `num_new_tokens`
-        from num_computed_tokens ends where a checkpoint belongs; None otherwise or when no slot is left."""
+    def _uncached_target(self, request: Request, start: int, end: int) -> int | None:
+        """The first checkpoint target strictly inside (start, end) without a checkpoint yet."""
+        for target in request.checkpoint_targets:
+            if start < target < end and not self.prefix_cache.has_checkpoint(
+                    request.block_hashes[target // self.block_size - 1]):
+                return target
+        return None
+
+    def _saves_mid_chunk(self, start: int, target: int, end: int) -> bool:
+        """Whether a target inside the chunk [start, end) is saved inside the step rather than cut at: it is
+        within one block of the end (the prompt-end target always is) and one block or more after the start
+        (the conv state there is then the chunk's own last W-1 inputs before it)."""
+        return end - target <= self.block_size <= target - start
+
+    def plan_saves(self, request: Request, num_new_tokens: int) -> list[tuple[int, int, int]]:
+        """The checkpoints of this step's chunk of `num_new_tokens` from num_computed_tokens, as (working slot,
+        checkpoint slot, offset): the state after the chunk's first `offset` tokens goes to the checkpoint
+        slot. offset == num_new_tokens: copied after the forward; smaller: inside it (see cut_chunk). Empty
+        when the chunk holds no checkpoint or no slot is left."""
         if self.prefix_cache is None:
-            return None
-        end = request.num_computed_tokens + num_new_tokens
+            return []
+        start = request.num_computed_tokens
+        end = start + num_new_tokens
+        saves = []
+        target = self._uncached_target(request, start, end)
+        if target is not None and self._saves_mid_chunk(start, target, end):
+            slot = self._reserve(request, target, owner=None)
+            if slot is not None:
+                saves.append((request.state_slot, slot, target - start))
         if end == 0 or end % self.block_size:
-            return None
+            return saves
         if end in request.checkpoint_targets:
             owner = None
         elif end > request.last_prompt_boundary:
             owner = request.request_id  # a decode checkpoint: replaces the request's previous one
         else:
-            return None
+            return saves
+        slot = self._reserve(request, end, owner)
+        if slot is not None:
+            saves.append((request.state_slot, slot, num_new_tokens))
+        return saves
+
+    def _reserve(self, request: Request, end: int, owner: str | None) -> int | None:
+        """A checkpoint slot for the state after the request's first `end` tokens (a block boundary), keyed by
+        the hash of the block ending there; None when no slot is left."""
         block = end // self.block_size - 1
         self._hash_blocks(request)
         if block < len(request.block_hashes):
@@ -150,8 +183,7 @@ class CacheManager:
             def key():
                 self._hash_blocks(request)
                 return request.block_hashes[block] if block < len(request.block_hashes) else None
-        slot = self.prefix_cache.reserve(key, owner)
-        return None if slot is None else (request.state_slot, slot)
+        return self.prefix_cache.reserve(key, owner)
 
     def commit_checkpoints(self) -> None:
         if self.prefix_cache is not None:

@@ -125,8 +125,12 @@ class Scheduler:
 
         # 3. Checkpoint saves, once every request has its room (a save may evict an older checkpoint; that is
         # safe even if this step restores from it: restores run before the forward, saves after it).
-        saves = [save for request, num_new in chosen if (save := self.cache.plan_save(request, num_new))]
-        rows = [self._row(request, num_new) for request, num_new in chosen]
+        planned = [self.cache.plan_saves(request, num_new) for request, num_new in chosen]
+        saves = [(working, slot) for (_, num_new), plan in zip(chosen, planned)
+                 for working, slot, offset in plan if offset == num_new]
+        rows = [self._row(request, num_new, next(((offset, slot) for _, slot, offset in plan if offset < num_new),
+                                                 None))
+                for (request, num_new), plan in zip(chosen, planned)]
         # 4. The step is as good as done for the scheduler: the next one continues after it (async scheduling
         # schedules it before this one's output is back; a sample still on the device counts as pending).
         for (request, num_new), row in zip(chosen, rows):
@@ -139,7 +143,7 @@ class Scheduler:
         return self.cache.cut_chunk(request, start, min(request.num_tokens - start, budget))
 
     @staticmethod
-    def _row(request: Request, num_new: int) -> ScheduledSequence:
+    def _row(request: Request, num_new: int, mid_save: tuple[int, int] | None) -> ScheduledSequence:
         start = request.num_computed_tokens
         token_ids = request.all_token_ids[start:start + num_new]
         pending_input = len(token_ids) < num_new  # the last token is a sample of the step in flight
@@ -150,6 +154,7 @@ class Scheduler:
             num_computed=start,
             block_ids=request.block_ids,
             state_slot=request.state_slot,
+            mid_save=mid_save,
             sample=start + num_new == request.num_tokens,
             params=request.params,
             generator=request.generator,

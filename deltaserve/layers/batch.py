@@ -16,6 +16,68 @@ from deltaserve.device import to_device
 
 
 @dataclass
+class MidChunkSaves:
+    """GDN checkpoints taken inside a prefill step: sequence n's state after its first `offset` new tokens is
+    copied to a checkpoint slot, then the step goes on (GatedDeltaNet; the scheduler plans them, see
+    cache/kv_manager.py). P saves; each saved sequence is split at its save point into a head and a tail."""
+
+    # The step with every saved sequence split in two: [N + P] segments. Heads keep their working slot and
+    # initial state; tails run from zeros into their checkpoint slot (overwritten right after) and are then
+    # run again from the state at the save point.
+    split_cu_seqlens: torch.Tensor  # [N+P+1] int64
+    split_cu_seqlens_cpu: torch.Tensor  # the same on the CPU
+    split_state_slots: torch.Tensor  # [N+P] int64
+    split_has_initial_state: torch.Tensor  # [N+P] bool
+    split_max_query_len: int
+    working_slots: torch.Tensor  # [P] int64
+    checkpoint_slots: torch.Tensor  # [P] int64
+    save_rows: torch.Tensor  # [P] int64, row of each save point (the first tail token) in the step
+    tail_rows: torch.Tensor  # [R] int64, rows of all tail tokens, tail after tail
+    tail_cu_seqlens: torch.Tensor  # [P+1] int64, over tail_rows
+    tail_cu_seqlens_cpu: torch.Tensor
+    tail_has_initial_state: torch.Tensor  # [P] bool, all True
+    tail_max_len: int
+
+    @classmethod
+    def build(cls, cu: np.ndarray, state_slots: list[int], has_initial: np.ndarray,
+              saves: list[tuple[int, int, int]], device) -> "MidChunkSaves":
+        """cu: [N+1] the step's cu_seqlens; saves: (sequence, offset, checkpoint slot), sequences ascending."""
+        offsets = {seq: (offset, slot) for seq, offset, slot in saves}
+        bounds, slots, initial = [0], [], []
+        for n in range(len(cu) - 1):
+            if n in offsets:
+                offset, checkpoint = offsets[n]
+                bounds += [cu[n] + offset, cu[n + 1]]
+                slots += [state_slots[n], checkpoint]
+                initial += [bool(has_initial[n]), False]
+            else:
+                bounds.append(cu[n + 1])
+                slots.append(state_slots[n])
+                initial.append(bool(has_initial[n]))
+        split_cu = np.asarray(bounds, dtype=np.int64)
+        save_rows = np.asarray([cu[seq] + offset for seq, offset, _ in saves], dtype=np.int64)
+        tail_ends = np.asarray([cu[seq + 1] for seq, _, _ in saves], dtype=np.int64)
+        tail_lens = tail_ends - save_rows
+        tail_cu = np.zeros(len(saves) + 1, dtype=np.int64)
+        np.cumsum(tail_lens, out=tail_cu[1:])
+        tail_rows = np.concatenate([np.arange(a, b) for a, b in zip(save_rows, tail_ends)])
+
+        def t(array):
+            return to_device(array, device)
+
+        return cls(
+            split_cu_seqlens=t(split_cu), split_cu_seqlens_cpu=torch.from_numpy(split_cu),
+            split_state_slots=t(np.asarray(slots, dtype=np.int64)), split_has_initial_state=t(np.asarray(initial)),
+            split_max_query_len=int(np.diff(split_cu).max()),
+            working_slots=t(np.asarray([state_slots[seq] for seq, _, _ in saves], dtype=np.int64)),
+            checkpoint_slots=t(np.asarray([slot for _, _, slot in saves], dtype=np.int64)),
+            save_rows=t(save_rows), tail_rows=t(tail_rows), tail_cu_seqlens=t(tail_cu),
+            tail_cu_seqlens_cpu=torch.from_numpy(tail_cu), tail_has_initial_state=t(np.ones(len(saves), dtype=bool)),
+            tail_max_len=int(tail_lens.max()),
+        )
+
+
+@dataclass
 class ForwardBatch:
     positions: torch.Tensor  # [T] int64, position of each token in its sequence
     cu_seqlens_q: torch.Tensor  # [N+1] int64, cumulative new-token counts
@@ -31,6 +93,7 @@ class ForwardBatch:
     cu_seqlens_cpu: torch.Tensor | None
     is_decode: bool  # every sequence has one new token and continues from its cached state
     num_computed_cpu: tuple[int, ...] = ()  # tokens each sequence has cached before this step (built steps)
+    mid_saves: MidChunkSaves | None = None  # GDN checkpoints inside this (prefill) step
 
     @property
     def num_seqs(self) -> int:
@@ -44,8 +107,10 @@ class ForwardBatch:
     @classmethod
     def build(cls, num_computed: list[int], query_lens: list[int], block_ids: list[list[int]],
               state_slots: list[int], block_size: int, device: torch.device | str = "cpu",
-              block_table_width: int | None = None) -> "ForwardBatch":
-        """Build from per-sequence lists: tokens already in the cache, new tokens, KV block ids, state slot."""
+              block_table_width: int | None = None,
+              mid_saves: list[tuple[int, int, int]] = ()) -> "ForwardBatch":
+        """Build from per-sequence lists: tokens already in the cache, new tokens, KV block ids, state slot;
+        mid_saves: (sequence, offset, checkpoint slot) of the GDN checkpoints inside the step."""
         computed = np.asarray(num_computed, dtype=np.int64)
         qlens = np.asarray(query_lens, dtype=np.int64)
         cu = np.zeros(len(qlens) + 1, dtype=np.int64)
@@ -76,4 +141,5 @@ class ForwardBatch:
             # a sequence that starts now takes the prefill path, which zeroes its state first
             is_decode=bool(np.all((qlens == 1) & (computed > 0))),
             num_computed_cpu=tuple(computed.tolist()),
+            mid_saves=MidChunkSaves.build(cu, state_slots, computed > 0, list(mid_saves), device) if mid_saves else None,
         )

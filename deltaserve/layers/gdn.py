@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from deltaserve.config import ModelConfig
-from deltaserve.layers.batch import ForwardBatch
+from deltaserve.layers.batch import ForwardBatch, MidChunkSaves
 from deltaserve.layers.linear import fuse_linears
 from deltaserve.layers.norm import GatedRMSNorm
 from deltaserve.ops.conv1d import conv_decode, conv_prefill
@@ -76,6 +76,29 @@ class GatedDeltaNet(nn.Module):
         mixed = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
         return mixed, z.reshape(T, HV, self.v_dim), b.reshape(T, HV), a.reshape(T, HV)
 
+    def _save_conv_checkpoints(self, mixed: torch.Tensor, saves: MidChunkSaves) -> None:
+        """The conv state at each save point is the W-1 inputs before it, rows of this step (a save point is
+        at least one block after its chunk's start): copied to the checkpoint slots."""
+        width = self.conv1d.weight.shape[-1]
+        rows = saves.save_rows[:, None] - width + 1 + torch.arange(width - 1, device=mixed.device)  # [P, W-1]
+        window = mixed[rows.reshape(-1)].view(rows.shape[0], width - 1, -1).transpose(1, 2)  # [P, conv_dim, W-1]
+        self.conv_state.index_copy_(0, saves.checkpoint_slots, window.to(self.conv_state.dtype))
+
+    def _prefill_with_checkpoints(self, q, k, v, a, b, saves: MidChunkSaves) -> torch.Tensor:
+        """gdn_prefill with the recurrent state of some sequences checkpointed inside the chunk: the step runs
+        with each saved sequence split at its save point (its tail from zeros, into the checkpoint slot, as a
+        placeholder), the working slots' state there is copied to the checkpoint slots, then the tails run
+        again from it and their outputs replace the placeholders. Returns o: [T, HV, V]."""
+        o = gdn_prefill(q, k, v, a, b, self.ssm_state, saves.split_state_slots, saves.split_has_initial_state,
+                        saves.split_cu_seqlens, saves.split_cu_seqlens_cpu, saves.split_max_query_len,
+                        A_log=self.A_log, dt_bias=self.dt_bias)
+        self.ssm_state.index_copy_(0, saves.checkpoint_slots, self.ssm_state.index_select(0, saves.working_slots))
+        rows = saves.tail_rows
+        tails = gdn_prefill(q[rows], k[rows], v[rows], a[rows], b[rows], self.ssm_state, saves.working_slots,
+                            saves.tail_has_initial_state, saves.tail_cu_seqlens, saves.tail_cu_seqlens_cpu,
+                            saves.tail_max_len, A_log=self.A_log, dt_bias=self.dt_bias)
+        return o.index_copy_(0, rows, tails)
+
     def forward(self, projected: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """projected: [T, conv_dim + value_dim + 2 HV], the output of `in_weight` -> [T, H]. Reads and writes
         this batch's slots of the conv and recurrent state pools."""
@@ -87,6 +110,8 @@ class GatedDeltaNet(nn.Module):
         if batch.is_decode:  # strided views of one [N, conv_dim] output
             q, k, v = conv_decode(mixed, conv_w, self.conv_state, slots).split(qkv_dims, dim=-1)
         else:  # three contiguous [T, d] tensors
+            if batch.mid_saves is not None:
+                self._save_conv_checkpoints(mixed, batch.mid_saves)
             q, k, v = conv_prefill(mixed, conv_w, self.conv_state, slots, batch.has_initial_state, batch.cu_seqlens_q,
                                    split=qkv_dims)
         q = q.view(T, self.num_k_heads, self.k_dim)
@@ -94,6 +119,8 @@ class GatedDeltaNet(nn.Module):
         v = v.view(T, self.num_v_heads, self.v_dim)
         if batch.is_decode:
             o = gdn_decode(q, k, v, a, b, self.A_log, self.dt_bias, self.ssm_state, slots)
+        elif batch.mid_saves is not None:
+            o = self._prefill_with_checkpoints(q, k, v, a, b, batch.mid_saves)
         else:  # raw gates: the GPU's recurrent kernel for short chunks computes them itself
             o = gdn_prefill(q, k, v, a, b, self.ssm_state, slots, batch.has_initial_state, batch.cu_seqlens_q,
                             batch.cu_seqlens_cpu, batch.max_query_len, A_log=self.A_log, dt_bias=self.dt_bias)

@@ -83,6 +83,7 @@ class ModelRunner:
             state_slots=[r.state_slot for r in rows],
             block_size=self.block_size,
             device=self.device,
+            mid_saves=[(i, *r.mid_save) for i, r in enumerate(rows) if r.mid_save],
         )
         input_ids = to_device([t for r in rows for t in r.token_ids], self.device, torch.int64)
         pending = [i for i, r in enumerate(rows) if r.pending_input]

@@ -174,28 +174,38 @@ def assert_only_cache_entries_left(sched):
     assert sorted(pool.allocate(pool.num_usable_blocks)) == list(range(1, pool.num_blocks))
 
 
-def test_prompt_is_cut_at_its_last_block_boundary_and_a_resend_starts_there():
+def test_prompt_end_is_checkpointed_inside_its_step_and_a_resend_starts_there():
     sched = make_scheduler(checkpoints=8)
     a = make_request("a", 10, max_tokens=1)
     sched.add_request(a)
     out, _ = fake_step(sched)
     row = out.sequences[0]
-    a_blocks = list(a.block_ids)
-    # floor((10-1)/4)*4 = 8: the chunk stops there so that the state after 8 tokens can be copied out
-    assert (len(row.token_ids), row.sample) == (8, False)
-    assert out.state_saves == [(a.state_slot, 8)] and out.state_restores == []  # slots 1-7 work, 8-15 cache
-    out, _ = fake_step(sched)
-    assert len(out.sequences[0].token_ids) == 2 and out.sequences[0].sample and a.status.finished
+    pool = sched.cache.block_pool
+    a_blocks = [pool.cached_block(h) for h in a.block_hashes[:2]]  # a finished: its full blocks stay cached
+    # floor((10-1)/4)*4 = 8: the state after 8 tokens goes to checkpoint slot 8 inside the step (slots 1-7 work,
+    # 8-15 cache); cutting the chunk there would cost the 2-token tail a step of its own
+    assert (len(row.token_ids), row.sample, row.mid_save) == (10, True, (8, 8))
+    assert out.state_saves == [] and out.state_restores == [] and a.status.finished
     b = make_request("b", 10, max_tokens=1)
     sched.add_request(b)
     out, _ = fake_step(sched)
     row = out.sequences[0]
-    assert (row.num_computed, row.token_ids, b.num_cached_tokens) == (8, [9, 10], 8)
+    assert (row.num_computed, row.token_ids, b.num_cached_tokens, row.mid_save) == (8, [9, 10], 8, None)
     assert out.state_restores == [(8, row.state_slot)] and out.state_saves == []
     assert row.block_ids[:2] == a_blocks[:2]  # shares a's two cached blocks
     prefix = sched.cache.prefix_cache
     assert (prefix.queries, prefix.hits) == (20, 8)
     assert_only_cache_entries_left(sched)
+
+
+def test_a_target_more_than_a_block_before_the_chunk_end_still_cuts_it():
+    """A save inside the step needs its tail (after the target) within one block and its head (from the chunk's
+    start) at least one block long; otherwise the chunk is cut at the target, as before."""
+    sched = make_scheduler(checkpoints=8)
+    cache = sched.cache
+    assert cache._saves_mid_chunk(0, 16, 20) and cache._saves_mid_chunk(12, 16, 17)
+    assert not cache._saves_mid_chunk(0, 16, 21)  # tail 5 > block 4
+    assert not cache._saves_mid_chunk(13, 16, 18)  # head 3 < block 4: the conv window would reach before it
 
 
 def test_divergence_point_gets_a_checkpoint_that_the_next_branch_hits():
@@ -207,15 +217,17 @@ def test_divergence_point_gets_a_checkpoint_that_the_next_branch_hits():
     b = make_request("b", 0, max_tokens=1, prompt=base[:10] + [50] * 10)
     sched.add_request(b)
     out, _ = fake_step(sched)
-    assert b.num_cached_tokens == 0 and len(out.sequences[0].token_ids) == 8
+    assert b.num_cached_tokens == 0 and len(out.sequences[0].token_ids) == 8  # cut: 12 tokens follow the target
     assert out.state_saves == [(b.state_slot, out.state_saves[0][1])]
-    out, _ = fake_step(sched)  # then on to b's own prompt end, 16
-    assert len(out.sequences[0].token_ids) == 8 and len(out.state_saves) == 1
+    out, _ = fake_step(sched)  # then to b's end, its prompt end (16) saved inside the step, a decode one at 20
+    row = out.sequences[0]
+    assert len(row.token_ids) == 12 and row.mid_save[0] == 8 and len(out.state_saves) == 1
     run_to_end(sched)
     c = make_request("c", 0, max_tokens=1, prompt=base[:11] + [60] * 3)
     sched.add_request(c)
     out, _ = fake_step(sched)
-    assert c.num_cached_tokens == 8 and out.sequences[0].token_ids == base[8:11] + [60]  # cut at 12
+    row = out.sequences[0]
+    assert c.num_cached_tokens == 8 and row.token_ids == base[8:11] + [60] * 3 and row.mid_save[0] == 4  # at 12
 
 
 def test_decode_keeps_one_checkpoint_at_its_latest_boundary_for_the_next_turn():
@@ -223,15 +235,18 @@ def test_decode_keeps_one_checkpoint_at_its_latest_boundary_for_the_next_turn():
     a = make_request("a", 6, max_tokens=9)  # 6 + 9 tokens, 14 computed when it finishes
     sched.add_request(a)
     steps = run_to_end(sched)
-    saves = [(s.sequences[0].num_computed + len(s.sequences[0].token_ids), s.state_saves) for s in steps]
-    assert [end for end, copies in saves if copies] == [4, 8, 12]  # prompt end 4, then each decode boundary
+    ends = [(s.sequences[0].num_computed, len(s.sequences[0].token_ids), s.sequences[0].mid_save, s.state_saves)
+            for s in steps]
+    assert [start + mid[0] for start, _, mid, _ in ends if mid] == [4]  # the prompt end, inside the first step
+    assert [start + n for start, n, _, copies in ends if copies] == [8, 12]  # then each decode boundary
     prefix = sched.cache.prefix_cache
     assert prefix.num_checkpoints == 2  # the prompt's at 4 and the latest decode one (12) that replaced 8's
     turn2 = a.all_token_ids + [40, 41, 42]
     b = make_request("b", 0, max_tokens=1, prompt=turn2)
     sched.add_request(b)
     out, _ = fake_step(sched)
-    assert b.num_cached_tokens == 12 and out.sequences[0].token_ids == turn2[12:16]  # cut at its prompt end
+    row = out.sequences[0]
+    assert b.num_cached_tokens == 12 and row.token_ids == turn2[12:18] and row.mid_save[0] == 4  # its end at 16
 
 
 def test_concurrent_requests_share_blocks_once_computed_and_state_once_saved():
@@ -243,19 +258,13 @@ def test_concurrent_requests_share_blocks_once_computed_and_state_once_saved():
     fake_step(sched)  # a: 16 of its 24 tokens computed
     pool = sched.cache.block_pool
     assert [pool.cached_block(h) for h in a.block_hashes[:5]] == a.block_ids[:4] + [None]  # block 5 not written
-    b = make_request("b", 0, max_tokens=1, prompt=list(prompt))
+    b = make_request("b", 0, max_tokens=2, prompt=list(prompt))
     sched.add_request(b)
-    out, _ = fake_step(sched)  # a runs to its checkpoint target 20; b gets the 4 tokens left
-    assert [(r.request_id, len(r.token_ids)) for r in out.sequences] == [("a", 4), ("b", 4)]
-    # a's KV is cached up to 16 but no state is: b computes from zero (its own blocks), cutting at 16
-    assert b.num_cached_tokens == 0 and b.checkpoint_targets == [16, 20]
-    assert not set(b.block_ids) & set(a.block_ids)
-    c = make_request("c", 0, max_tokens=3, prompt=list(prompt))
-    sched.add_request(c)
-    while c.status == RequestStatus.WAITING:  # a's checkpoint at 20 is hittable once its step has run
-        fake_step(sched)
-    assert a.status == RequestStatus.RUNNING and c.num_cached_tokens == 20
-    assert c.block_ids[:5] == a.block_ids[:5] and pool.ref_counts[a.block_ids[0]] == 2
+    out, _ = fake_step(sched)  # a runs to its end, checkpointing 20 inside the step: no budget left for b
+    assert [(r.request_id, len(r.token_ids), r.mid_save) for r in out.sequences] == [("a", 8, (4, 8))]
+    out, _ = fake_step(sched)  # b hits a's five blocks and its checkpoint at 20
+    assert [(r.request_id, len(r.token_ids)) for r in out.sequences] == [("a", 1), ("b", 4)]
+    assert b.num_cached_tokens == 20 and b.block_ids[:5] == a.block_ids[:5] and pool.ref_counts[a.block_ids[0]] == 2
     run_to_end(sched)
     assert_only_cache_entries_left(sched)
 
