@@ -30,6 +30,11 @@ from deltaserve.cache.state_pool import StatePool
 from deltaserve.request import Request
 
 
+# A checkpoint saved inside a step needs at least this many of the chunk's tokens before it: more than the conv
+# window (W - 1 = 3 for every Qwen3.5 / Qwen3-Next config; the GDN layer checks).
+MID_CHUNK_SAVE_MIN_HEAD = 4
+
+
 class CacheManager:
     def __init__(self, block_pool: BlockPool, state_pool: StatePool, prefix_cache: PrefixCache | None = None):
         """prefix_cache None turns prefix caching off: no hashing, no hits, no checkpoints."""
@@ -140,9 +145,10 @@ class CacheManager:
 
     def _saves_mid_chunk(self, start: int, target: int, end: int) -> bool:
         """Whether a target inside the chunk [start, end) is saved inside the step rather than cut at: it is
-        within one block of the end (the prompt-end target always is) and one block or more after the start
-        (the conv state there is then the chunk's own last W-1 inputs before it)."""
-        return end - target <= self.block_size <= target - start
+        within one block of the end (the prompt-end target always is) and at least one block, and
+        MID_CHUNK_SAVE_MIN_HEAD tokens, after the start (the conv state there is then the chunk's own last W-1
+        inputs before it)."""
+        return end - target <= self.block_size and target - start >= max(self.block_size, MID_CHUNK_SAVE_MIN_HEAD)
 
     def plan_saves(self, request: Request, num_new_tokens: int) -> list[tuple[int, int, int]]:
         """The checkpoints of this step's chunk of `num_new_tokens` from num_computed_tokens, as (working slot,

@@ -37,6 +37,7 @@ class MidChunkSaves:
     tail_cu_seqlens_cpu: torch.Tensor
     tail_has_initial_state: torch.Tensor  # [P] bool, all True
     tail_max_len: int
+    min_offset: int  # the fewest new tokens any saved sequence has before its save point
 
     @classmethod
     def build(cls, cu: np.ndarray, state_slots: list[int], has_initial: np.ndarray,
@@ -74,6 +75,7 @@ class MidChunkSaves:
             save_rows=t(save_rows), tail_rows=t(tail_rows), tail_cu_seqlens=t(tail_cu),
             tail_cu_seqlens_cpu=torch.from_numpy(tail_cu), tail_has_initial_state=t(np.ones(len(saves), dtype=bool)),
             tail_max_len=int(tail_lens.max()),
+            min_offset=min(offset for _, offset, _ in saves),
         )
 
 

@@ -80,6 +80,9 @@ class GatedDeltaNet(nn.Module):
         """The conv state at each save point is the W-1 inputs before it, rows of this step (a save point is
         at least one block after its chunk's start): copied to the checkpoint slots."""
         width = self.conv1d.weight.shape[-1]
+        if saves.min_offset < width - 1:
+            raise ValueError(f"a checkpoint inside a step needs {width - 1} of its chunk's tokens before it, got "
+                             f"{saves.min_offset} (cache/kv_manager.MID_CHUNK_SAVE_MIN_HEAD)")
         rows = saves.save_rows[:, None] - width + 1 + torch.arange(width - 1, device=mixed.device)  # [P, W-1]
         window = mixed[rows.reshape(-1)].view(rows.shape[0], width - 1, -1).transpose(1, 2)  # [P, conv_dim, W-1]
         self.conv_state.index_copy_(0, saves.checkpoint_slots, window.to(self.conv_state.dtype))
