@@ -72,10 +72,12 @@ def _check_consistent(result: dict, num_requests: int, output_len: int) -> None:
     assert result["total_output_tokens"] == sum(result["output_lens"]) == num_requests * output_len
     assert result["total_input_tokens"] == sum(result["input_lens"])
     # every chunk after the first adds one gap. At most one chunk per token: the server holds back a token
-    # that ends inside a UTF-8 character (the random model makes those), so there can be fewer. Chat streams
-    # open with a role-only chunk, sent just before the first token's chunk (as vLLM): one gap more.
+    # that ends inside a UTF-8 character (the random model makes those), and sends tokens that are ready
+    # together in one chunk (a loaded CI machine does that), so there can be fewer, even none for a 3-token
+    # output. Chat streams open with a role-only chunk, sent just before the first token's chunk (as vLLM):
+    # one gap more.
     most_gaps = output_len if result["backend"] == "openai-chat" else output_len - 1
-    assert all(1 <= len(itls) <= most_gaps for itls in result["itls"])
+    assert all(len(itls) <= most_gaps for itls in result["itls"]) and any(result["itls"])
     assert all(0 < ttft <= latency for ttft, latency in zip(result["ttfts"], result["latencies"]))
     assert result["output_throughput"] == pytest.approx(result["total_output_tokens"] / result["duration"])
 

@@ -1,6 +1,9 @@
-"""Support for the kernel tests that run in Triton's CPU interpreter (TRITON_INTERPRET=1)."""
+"""Support for the kernel tests that run in Triton's CPU interpreter (TRITON_INTERPRET=1), and a math stand-in
+for cuDNN attention."""
 
 import functools
+
+import torch
 
 from triton.runtime import interpreter
 
@@ -16,3 +19,20 @@ def patch_interpreter_index() -> None:
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
 
     interpreter._patch_lang_tensor = patched
+
+
+def math_cudnn_attention(q, k, v, scale, causal):
+    """A float64 stand-in for `ops/attention/cuda._cudnn_attention` (GQA folded, natural-log lse), for testing the
+    cuDNN paths' gathering, padding and merging on the CPU. q: [B, H, L, D]; k, v: [B, Hkv, S, D]."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    scores = torch.einsum("bhld,bhsd->bhls", q.double(), k) * scale
+    if causal:
+        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("bhls,bhsd->bhld", scores.softmax(-1), v).to(q.dtype), scores.logsumexp(-1).float()
+
+
+def use_math_cudnn(monkeypatch, kernels) -> None:
+    """Route the cuDNN attention of `kernels` (ops/attention/cuda) through `math_cudnn_attention`."""
+    monkeypatch.setattr(kernels, "_cudnn_lse_base", lambda *args: "natural")
+    monkeypatch.setattr(kernels, "_cudnn_attention", math_cudnn_attention)

@@ -4,6 +4,7 @@ import torch
 
 from deltaserve.ops.attention import cuda as cuda_attention
 from deltaserve.ops.attention.cuda import _merge_parts
+from tests.ops.interpreter import use_math_cudnn
 
 
 def part(q, k, v):
@@ -68,16 +69,7 @@ def test_fresh_prompts_padded_to_buckets_match_reference(monkeypatch):
 
 def test_chunk_over_prefix_in_pieces_matches_reference(monkeypatch):
     """Gathered prefix pieces, GQA folding, bucket padding and the merge, with a float64 stand-in for cuDNN."""
-    def math_attention(q, k, v, scale, causal):
-        group = q.shape[1] // k.shape[1]
-        k, v = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
-        scores = torch.einsum("bhld,bhsd->bhls", q.double(), k) * scale
-        if causal:
-            scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
-        return torch.einsum("bhls,bhsd->bhld", scores.softmax(-1), v).to(q.dtype), scores.logsumexp(-1).float()
-
-    monkeypatch.setattr(cuda_attention, "_cudnn_lse_base", lambda *args: "natural")
-    monkeypatch.setattr(cuda_attention, "_cudnn_attention", math_attention)
+    use_math_cudnn(monkeypatch, cuda_attention)
     monkeypatch.setattr(cuda_attention, "PREFIX_PIECE_TOKENS", 40)  # several pieces, the last one partial
     monkeypatch.setattr(cuda_attention, "SDPA_BUCKET", 16)
     gen = torch.Generator().manual_seed(2)

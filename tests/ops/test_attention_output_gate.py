@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 
 from deltaserve.ops.attention import cuda as kernels
 from deltaserve.ops.attention import reference
-from tests.ops.interpreter import patch_interpreter_index
+from tests.ops.interpreter import patch_interpreter_index, use_math_cudnn
 
 patch_interpreter_index()
 
@@ -88,16 +88,7 @@ def test_fresh_prompts_with_gate(monkeypatch):
 
 def test_chunk_over_prefix_with_gate(monkeypatch):
     """The gate replaces the final cast of the float32 merge; a float64 stand-in for cuDNN's attention."""
-    def math_attention(q, k, v, scale, causal):
-        group = q.shape[1] // k.shape[1]
-        k, v = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
-        scores = torch.einsum("bhld,bhsd->bhls", q.double(), k) * scale
-        if causal:
-            scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
-        return torch.einsum("bhls,bhsd->bhld", scores.softmax(-1), v).to(q.dtype), scores.logsumexp(-1).float()
-
-    monkeypatch.setattr(kernels, "_cudnn_lse_base", lambda *args: "natural")
-    monkeypatch.setattr(kernels, "_cudnn_attention", math_attention)
+    use_math_cudnn(monkeypatch, kernels)
     monkeypatch.setattr(kernels, "SDPA_BUCKET", 16)
     gen = torch.Generator().manual_seed(8)
     prefix, length, block_size = 37, 11, 16
