@@ -67,3 +67,17 @@ class SequenceRunner:
             start += qlen
             self.seqs[slot]["computed"] += qlen
         return out
+
+
+def gdn_layer_with_random_states(path, num_state_slots: int, seed: int = 0):
+    """The first GDN layer of the float32 model at `path` on the CPU, its pools bound with num_state_slots slots
+    and filled with random states. Returns (config, layer, generator for further inputs)."""
+    cfg = ModelConfig.from_pretrained(path)
+    model = load_model(path, cfg, torch.float32, "cpu")
+    bind_caches(model, CacheShape(num_blocks=16, block_size=BLOCK_SIZE, num_state_slots=num_state_slots,
+                                  kv_dtype=torch.float32, ssm_dtype=torch.float32), "cpu")
+    layer = model.gdn_layers[0]
+    gen = torch.Generator().manual_seed(seed)
+    layer.conv_state.copy_(torch.randn(layer.conv_state.shape, generator=gen))
+    layer.ssm_state.copy_(0.1 * torch.randn(layer.ssm_state.shape, generator=gen))
+    return cfg, layer, gen

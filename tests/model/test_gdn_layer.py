@@ -18,14 +18,12 @@ pytest.importorskip("triton")
 
 from triton.runtime import interpreter  # noqa: E402
 
-from deltaserve.config import ModelConfig  # noqa: E402
 from deltaserve.layers import gdn as gdn_layer, norm as norm_layer  # noqa: E402
 from deltaserve.layers.batch import ForwardBatch  # noqa: E402
-from deltaserve.model.loader import load_model  # noqa: E402
 from deltaserve.ops import gdn as gdn_ops  # noqa: E402
 from deltaserve.ops.conv1d import cuda as conv_kernels  # noqa: E402
 from deltaserve.ops.norm import cuda as norm_kernels  # noqa: E402
-from deltaserve.worker.kv_cache import CacheShape, bind_caches  # noqa: E402
+from tests.model.helpers import gdn_layer_with_random_states  # noqa: E402
 
 COPIES = {"aten.copy_.default", "aten.clone.default", "aten._to_copy.default", "aten.cat.default"}
 
@@ -53,14 +51,7 @@ class OpLog(TorchDispatchMode):
 
 
 def test_prefill_path_copies_nothing(ckpt_qwen3_5, monkeypatch):
-    cfg = ModelConfig.from_pretrained(ckpt_qwen3_5)
-    model = load_model(ckpt_qwen3_5, cfg, torch.float32, "cpu")
-    bind_caches(model, CacheShape(num_blocks=16, block_size=4, num_state_slots=4, kv_dtype=torch.float32,
-                                  ssm_dtype=torch.float32), "cpu")
-    layer = model.gdn_layers[0]
-    gen = torch.Generator().manual_seed(0)
-    layer.conv_state.copy_(torch.randn(layer.conv_state.shape, generator=gen))
-    layer.ssm_state.copy_(0.1 * torch.randn(layer.ssm_state.shape, generator=gen))
+    cfg, layer, gen = gdn_layer_with_random_states(ckpt_qwen3_5, num_state_slots=4)
     # three sequences: a fresh one, one continuing from its state, one shorter than the conv window
     batch = ForwardBatch.build([0, 6, 0], [9, 5, 2], [[1, 2, 3], [4, 5, 6], [7]], [2, 0, 3], block_size=4)
     projected = F.linear(torch.randn(16, cfg.hidden_size, generator=gen), layer.in_weight)

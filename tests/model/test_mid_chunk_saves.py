@@ -5,10 +5,8 @@ exactly what a step stopping at the save point leaves in its working slot (conv 
 import torch
 import torch.nn.functional as F
 
-from deltaserve.config import ModelConfig
 from deltaserve.layers.batch import ForwardBatch, MidChunkSaves
-from deltaserve.model.loader import load_model
-from deltaserve.worker.kv_cache import CacheShape, bind_caches
+from tests.model.helpers import gdn_layer_with_random_states
 
 # Two sequences: slot 1 continues from its state (6 cached tokens), slot 2 starts fresh. Checkpoint slots 5, 6.
 COMPUTED, LENGTHS, SLOTS, BLOCKS = [6, 0], [21, 13], [1, 2], [[1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11]]
@@ -26,14 +24,7 @@ def test_split_layout():
 
 
 def test_saves_inside_a_step_equal_a_step_that_stops_there(ckpt_qwen3_5):
-    cfg = ModelConfig.from_pretrained(ckpt_qwen3_5)
-    model = load_model(ckpt_qwen3_5, cfg, torch.float32, "cpu")
-    bind_caches(model, CacheShape(num_blocks=16, block_size=4, num_state_slots=8, kv_dtype=torch.float32,
-                                  ssm_dtype=torch.float32), "cpu")
-    layer = model.gdn_layers[0]
-    gen = torch.Generator().manual_seed(0)
-    layer.conv_state.copy_(torch.randn(layer.conv_state.shape, generator=gen))
-    layer.ssm_state.copy_(0.1 * torch.randn(layer.ssm_state.shape, generator=gen))
+    cfg, layer, gen = gdn_layer_with_random_states(ckpt_qwen3_5, num_state_slots=8)
     start = layer.conv_state.clone(), layer.ssm_state.clone()
     projected = F.linear(torch.randn(sum(LENGTHS), cfg.hidden_size, generator=gen), layer.in_weight)
 
