@@ -12,6 +12,7 @@ tile per shape, or null where the unfused path won.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -19,7 +20,8 @@ import os
 import torch
 
 from deltaserve.config import ModelConfig
-from deltaserve.ops.linear import cuda as linear_cuda, reference
+from deltaserve.ops.linear import cuda as linear_cuda
+from deltaserve.ops.linear import reference
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) tried for every shape: 16 to 64 weight elements per thread
 # (the gated norm's BLOCK_K holds whole groups). num_stages does not change this loop (no dot to pipeline).
@@ -100,11 +102,12 @@ def main(argv: list[str] | None = None) -> int:
             continue
         weights, call = inputs(prologue, n, k, cfg.gdn_v_dim, device)
         megabytes = 2 * n * k / 1e6
-        unfused = graph_time_us([lambda w=w: call(unfused_fns[prologue], w) for w in weights])
+        unfused_fn, fused_fn = unfused_fns[prologue], fused_fns[prologue]
+        unfused = graph_time_us([functools.partial(call, unfused_fn, w) for w in weights])
         results = []
         for config in GATED_SWEEP if prologue == "gated_norm" else SWEEP:
             try:
-                t = graph_time_us([lambda w=w: call(fused_fns[prologue], w, config=config) for w in weights])
+                t = graph_time_us([functools.partial(call, fused_fn, w, config=config) for w in weights])
             except Exception as exc:  # a tile Triton cannot build (registers, shared memory): skip it
                 print(f"  {config}: failed ({type(exc).__name__})", flush=True)
                 continue

@@ -4,7 +4,6 @@ Each is exactly the unfused sequence the model runs on the CPU and for large bat
 prologue op (an RMS norm, silu_and_mul, the gated RMS norm) and then F.linear.
 """
 
-import torch
 import torch.nn.functional as F
 
 from deltaserve.ops.activation import silu_and_mul
