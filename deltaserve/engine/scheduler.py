@@ -9,8 +9,10 @@ is dropped and greedy output is unchanged.
 
 With prefix caching on, a waiting request starts at its prefix hit (cached KV blocks plus a GDN state
 checkpoint, copied into its working slot before the forward: `state_restores`), and prefill chunks are cut
-where a checkpoint belongs, so that the runner can copy the state out after the forward (`state_saves`).
-See cache/kv_manager.py for where checkpoints go.
+where a checkpoint belongs, so that the runner can copy the state out after the forward (`state_saves`),
+except where the checkpoint is within a block of the chunk's end (every prompt's end): the row then carries
+`mid_save` and the GDN layers copy the state out inside the step. See cache/kv_manager.py for where
+checkpoints go.
 """
 
 from __future__ import annotations

@@ -121,7 +121,7 @@ class ModelRunner:
             if sampling_rows:
                 last = to_device(batch.cu_seqlens_cpu[1:][sampling_rows] - 1, self.device)  # [S] last rows
                 logits = self.model.compute_logits(hidden[last])  # [S, V] float32
-        save_checkpoints(self.model, scheduled)  # working slot -> new checkpoint (chunks cut at a boundary)
+        save_checkpoints(self.model, scheduled)  # working slot -> new checkpoint (chunks ending at a boundary)
         if not sampling_rows:
             return LaunchedStep([], None)
         chosen = [rows[i] for i in sampling_rows]
