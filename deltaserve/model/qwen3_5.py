@@ -6,8 +6,9 @@ layer is pre-norm: h = h + mixer(norm(h)); h = h + mlp(norm(h)). Activations are
 sequences of the step; see `ForwardBatch`.
 
 Each norm is applied together with the projection that reads it (`ops.linear.rms_norm_linear`: one kernel
-for small decode batches on the GPU, the norm then the matmul elsewhere), so a mixer's forward takes its
-input projection's output, and a dense MLP's down projection takes the gate/up projection's.
+for batch-1 decode on the GPU where the tuned table says it pays, the norm then the matmul elsewhere), so a
+mixer's forward takes its input projection's output, and a dense MLP's down projection takes the gate/up
+projection's.
 """
 
 import torch
