@@ -198,6 +198,20 @@ def test_prompt_end_is_checkpointed_inside_its_step_and_a_resend_starts_there():
     assert_only_cache_entries_left(sched)
 
 
+def test_a_step_can_save_inside_and_at_its_end():
+    """A prompt of whole blocks: its prompt-end checkpoint (one block before its end) is saved inside the step,
+    and its end, a block boundary past the prompt's last one, gets the request's decode checkpoint."""
+    sched = make_scheduler(checkpoints=8)
+    a = make_request("a", 8, max_tokens=3)
+    sched.add_request(a)
+    out, _ = fake_step(sched)
+    row = out.sequences[0]
+    assert (len(row.token_ids), row.mid_save[0]) == (8, 4)
+    assert out.state_saves == [(a.state_slot, out.state_saves[0][1])] and out.state_saves[0][1] != row.mid_save[1]
+    run_to_end(sched)
+    assert_only_cache_entries_left(sched)
+
+
 def test_a_target_more_than_a_block_before_the_chunk_end_still_cuts_it():
     """A save inside the step needs its tail (after the target) within one block and its head (from the chunk's
     start) at least one block long; otherwise the chunk is cut at the target, as before."""
