@@ -32,7 +32,7 @@ import triton.language as tl
 
 from deltaserve.ops.attention.cuda_decode import launch_decode
 from deltaserve.ops.attention.cuda_prefill import launch_prefill, output_gate
-from deltaserve.ops.attention.reference import _check_shapes, check_gate
+from deltaserve.ops.attention.reference import _check_shapes, check_gate, check_slot_mapping
 
 __all__ = ["attention_output_gate", "chunk_over_prefix_attention", "fresh_causal_attention", "paged_attention",
            "warm_up_cudnn_attention", "write_kv_cache"]
@@ -95,11 +95,7 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scale: float = 1.0
     _check_dtype("k", k, QUERY_DTYPES)
     _check_dtype("v", v, QUERY_DTYPES)
     _check_cache(k_cache, v_cache, k.shape[1], k.shape[2])
-    if tuple(slot_mapping.shape) != (k.shape[0],) or slot_mapping.is_floating_point():
-        raise ValueError(
-            f"slot_mapping must be an integer [T={k.shape[0]}] tensor, got dtype {slot_mapping.dtype} "
-            f"shape {tuple(slot_mapping.shape)}"
-        )
+    check_slot_mapping(slot_mapping, k.shape[0])
     _check_scale("k_scale", k_scale)
     _check_scale("v_scale", v_scale)
     _check_devices(k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)

@@ -44,11 +44,7 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scale: float = 1.0
             f"k_cache and v_cache must both be [num_blocks, block_size, n_kv={k.shape[1]}, hd={k.shape[2]}], "
             f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
         )
-    if tuple(slot_mapping.shape) != (k.shape[0],) or slot_mapping.is_floating_point():
-        raise ValueError(
-            f"slot_mapping must be an integer [T={k.shape[0]}] tensor, got dtype {slot_mapping.dtype} "
-            f"shape {tuple(slot_mapping.shape)}"
-        )
+    check_slot_mapping(slot_mapping, k.shape[0])
     num_blocks, block_size = k_cache.shape[:2]
     valid = slot_mapping >= 0  # [T]
     slots = slot_mapping[valid].long()  # [T_valid]
@@ -60,6 +56,13 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scale: float = 1.0
     blocks, offsets = slots // block_size, slots % block_size
     k_cache[blocks, offsets] = _quantize(k[valid], k_scale, k_cache.dtype)
     v_cache[blocks, offsets] = _quantize(v[valid], v_scale, v_cache.dtype)
+
+
+def check_slot_mapping(slot_mapping, num_tokens: int) -> None:
+    """ValueError unless slot_mapping is an integer [num_tokens] tensor (its values are not read back)."""
+    if tuple(slot_mapping.shape) != (num_tokens,) or slot_mapping.is_floating_point():
+        raise ValueError(f"slot_mapping must be an integer [T={num_tokens}] tensor, got dtype {slot_mapping.dtype} "
+                         f"shape {tuple(slot_mapping.shape)}")
 
 
 def _quantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:

@@ -12,8 +12,15 @@ import torch
 import triton
 import triton.language as tl
 
-from deltaserve.ops.attention.cuda import (QUERY_DTYPES, _check_cache, _check_devices, _check_dtype, _check_scale,
-                                           _unit_last_stride)
+from deltaserve.ops.attention.cuda import (
+    QUERY_DTYPES,
+    _check_cache,
+    _check_devices,
+    _check_dtype,
+    _check_scale,
+    _unit_last_stride,
+)
+from deltaserve.ops.attention.reference import check_slot_mapping
 from deltaserve.ops.rotary.reference import check_shapes
 
 
@@ -97,9 +104,7 @@ def qk_norm_rope_write_kv(q, k, v, q_weight, k_weight, eps, cos_cache, sin_cache
         raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
     _check_dtype("v", v, QUERY_DTYPES)
     _check_cache(k_cache, v_cache, n_kv, head_dim)
-    if tuple(slot_mapping.shape) != (T,) or slot_mapping.is_floating_point():
-        raise ValueError(f"slot_mapping must be an integer [T={T}] tensor, got dtype {slot_mapping.dtype} "
-                         f"shape {tuple(slot_mapping.shape)}")
+    check_slot_mapping(slot_mapping, T)
     _check_scale("k_scale", k_scale)
     _check_scale("v_scale", v_scale)
     _check_devices(q=q, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
