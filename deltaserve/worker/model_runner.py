@@ -65,7 +65,7 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, max_num_seqs, -(-max_model_len // self.block_size), device,
                                        use_graphs=use_graphs, performance_mode=performance_mode)
             self.graphs.capture()
-            from deltaserve.ops.attention.cuda import warm_up_cudnn_attention  # GPU only
+            from deltaserve.ops.attention.cuda_sdpa import warm_up_cudnn_attention  # GPU only
 
             attention = model.attention_layers[0]
             try:

@@ -23,6 +23,7 @@ from deltaserve.ops.attention import cuda as kernels
 from deltaserve.ops.attention import (
     cuda_decode,
     cuda_prefill,
+    cuda_sdpa,
     paged_attention,
     reference,
 )
@@ -364,7 +365,7 @@ def test_fresh_prompts_sdpa_matches_reference(q_lens, capsys):
     v = torch.randn(total, NUM_KV_HEADS, HEAD_DIM, device=DEVICE).bfloat16()
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()])
     scale = HEAD_DIM ** -0.5
-    out = kernels.fresh_causal_attention(q, k, v, cu, scale)
+    out = cuda_sdpa.fresh_causal_attention(q, k, v, cu, scale)
     # the oracle reads a paged cache: one block per token, in order
     k_cache, v_cache = k.cpu().float()[:, None], v.cpu().float()[:, None]  # [T, 1, n_kv, hd]
     for n, (start, end) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
@@ -375,7 +376,7 @@ def test_fresh_prompts_sdpa_matches_reference(q_lens, capsys):
                                              torch.tensor([0, length]), torch.tensor([length]), scale)
         torch.testing.assert_close(out[rows].cpu().float(), expected, **TOLERANCES[torch.bfloat16])
     if q_lens == [8192]:
-        ms = triton.testing.do_bench(lambda: kernels.fresh_causal_attention(q, k, v, cu, scale))
+        ms = triton.testing.do_bench(lambda: cuda_sdpa.fresh_causal_attention(q, k, v, cu, scale))
         flops = 4 * HEAD_DIM * NUM_HEADS * total * total / 2
         with capsys.disabled():
             print(f"\n[attention timing] fresh prompt 8192 tokens through SDPA: {ms:.2f} ms, "
@@ -394,7 +395,7 @@ def chunk_kv(batch, seq=0):
 def test_chunk_over_prefix_cudnn_matches_reference(prefix, q_len):
     batch = paged_batch([prefix + q_len], [q_len])
     k, v = chunk_kv(batch)
-    out = kernels.chunk_over_prefix_attention(batch.q, k, v, batch.k_cache, batch.v_cache, batch.block_tables[0],
+    out = cuda_sdpa.chunk_over_prefix_attention(batch.q, k, v, batch.k_cache, batch.v_cache, batch.block_tables[0],
                                               prefix, batch.scale)
     assert out is not None, "cuDNN attention with log-sum-exp is unavailable here (see the log)"
     # Each part's output comes back rounded to bf16 before the merge: two roundings of outputs up to ~3 (early
@@ -409,7 +410,7 @@ def test_print_chunk_over_prefix_throughput(capsys):
     prefix, q_len = 122880, 8192
     batch = paged_batch([prefix + q_len], [q_len])
     k, v = chunk_kv(batch)
-    ms = time_ms(lambda: kernels.chunk_over_prefix_attention(batch.q, k, v, batch.k_cache, batch.v_cache,
+    ms = time_ms(lambda: cuda_sdpa.chunk_over_prefix_attention(batch.q, k, v, batch.k_cache, batch.v_cache,
                                                              batch.block_tables[0], prefix, batch.scale))
     paged_ms = time_ms(lambda: batch.run())
     flops = causal_flops(prefix, q_len, NUM_HEADS, HEAD_DIM)

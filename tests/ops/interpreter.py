@@ -22,7 +22,7 @@ def patch_interpreter_index() -> None:
 
 
 def math_cudnn_attention(q, k, v, scale, causal):
-    """A float64 stand-in for `ops/attention/cuda._cudnn_attention` (GQA folded, natural-log lse), for testing the
+    """A float64 stand-in for `ops/attention/cuda_sdpa._cudnn_attention` (GQA folded, natural-log lse), for testing the
     cuDNN paths' gathering, padding and merging on the CPU. q: [B, H, L, D]; k, v: [B, Hkv, S, D]."""
     group = q.shape[1] // k.shape[1]
     k, v = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
@@ -33,6 +33,6 @@ def math_cudnn_attention(q, k, v, scale, causal):
 
 
 def use_math_cudnn(monkeypatch, kernels) -> None:
-    """Route the cuDNN attention of `kernels` (ops/attention/cuda) through `math_cudnn_attention`."""
+    """Route the cuDNN attention of `kernels` (ops/attention/cuda_sdpa) through `math_cudnn_attention`."""
     monkeypatch.setattr(kernels, "_cudnn_lse_base", lambda *args: "natural")
     monkeypatch.setattr(kernels, "_cudnn_attention", math_cudnn_attention)

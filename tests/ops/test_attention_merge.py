@@ -2,8 +2,8 @@
 
 import torch
 
-from deltaserve.ops.attention import cuda as cuda_attention
-from deltaserve.ops.attention.cuda import _merge_parts
+from deltaserve.ops.attention import cuda_sdpa as cuda_attention
+from deltaserve.ops.attention.cuda_sdpa import _merge_parts
 from tests.ops.interpreter import use_math_cudnn
 
 

@@ -17,7 +17,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
 from deltaserve.ops.attention import cuda as kernels
-from deltaserve.ops.attention import reference
+from deltaserve.ops.attention import cuda_sdpa, reference
 from tests.ops.interpreter import patch_interpreter_index, use_math_cudnn
 
 patch_interpreter_index()
@@ -74,22 +74,22 @@ def test_fresh_prompts_with_gate(monkeypatch):
     """The gate replaces each prompt's copy into the output; PyTorch's math SDPA stands in for cuDNN."""
     from torch.nn.attention import SDPBackend
 
-    monkeypatch.setattr(kernels, "_SDPA_BACKENDS", [SDPBackend.MATH])
-    monkeypatch.setattr(kernels, "SDPA_BUCKET", 16)
+    monkeypatch.setattr(cuda_sdpa, "_SDPA_BACKENDS", [SDPBackend.MATH])
+    monkeypatch.setattr(cuda_sdpa, "SDPA_BUCKET", 16)
     gen = torch.Generator().manual_seed(6)
     lengths = [21, 1, 0, 16]
     q = torch.randn(sum(lengths), 6, 16, generator=gen).half()
     k, v = torch.randn(2, sum(lengths), 2, 16, generator=gen).half()
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     gate = gate_like(sum(lengths), 6, 16, torch.float16, seed=7)
-    plain = kernels.fresh_causal_attention(q, k, v, cu, 0.25)
-    assert torch.equal(kernels.fresh_causal_attention(q, k, v, cu, 0.25, gate=gate), plain * torch.sigmoid(gate))
+    plain = cuda_sdpa.fresh_causal_attention(q, k, v, cu, 0.25)
+    assert torch.equal(cuda_sdpa.fresh_causal_attention(q, k, v, cu, 0.25, gate=gate), plain * torch.sigmoid(gate))
 
 
 def test_chunk_over_prefix_with_gate(monkeypatch):
     """The gate replaces the final cast of the float32 merge; a float64 stand-in for cuDNN's attention."""
-    use_math_cudnn(monkeypatch, kernels)
-    monkeypatch.setattr(kernels, "SDPA_BUCKET", 16)
+    use_math_cudnn(monkeypatch, cuda_sdpa)
+    monkeypatch.setattr(cuda_sdpa, "SDPA_BUCKET", 16)
     gen = torch.Generator().manual_seed(8)
     prefix, length, block_size = 37, 11, 16
     keys, values = torch.randn(2, prefix + length, 2, 16, generator=gen).half()
@@ -102,5 +102,5 @@ def test_chunk_over_prefix_with_gate(monkeypatch):
     q = torch.randn(length, 6, 16, generator=gen).half()
     gate = gate_like(length, 6, 16, torch.float16, seed=9)
     args = (q, keys[prefix:], values[prefix:], k_cache, v_cache, table, prefix, 0.25)
-    plain = kernels.chunk_over_prefix_attention(*args)
-    assert torch.equal(kernels.chunk_over_prefix_attention(*args, gate=gate), plain * torch.sigmoid(gate))
+    plain = cuda_sdpa.chunk_over_prefix_attention(*args)
+    assert torch.equal(cuda_sdpa.chunk_over_prefix_attention(*args, gate=gate), plain * torch.sigmoid(gate))

@@ -43,16 +43,16 @@ def attention_output_gate(o, gate, out=None):
 
 def fresh_causal_attention(q, k, v, cu_seqlens_cpu, scale: float, gate=None):
     """GPU only: causal attention of prompts that all start at position 0, on their new K/V (see
-    `cuda.fresh_causal_attention`); the paged path computes the same (the reference is `paged_attention`).
+    `cuda_sdpa.fresh_causal_attention`); the paged path computes the same (the reference is `paged_attention`).
     gate: as in `paged_attention`."""
-    from deltaserve.ops.attention.cuda import fresh_causal_attention as cuda_fresh
+    from deltaserve.ops.attention.cuda_sdpa import fresh_causal_attention as cuda_fresh
     return cuda_fresh(q, k, v, cu_seqlens_cpu, scale, gate=gate)
 
 
 def chunk_over_prefix_attention(q, k, v, k_cache, v_cache, block_table_row, prefix_len: int, scale: float,
                                 gate=None):
     """GPU only: one sequence's chunk after prefix_len cached tokens through cuDNN (see
-    `cuda.chunk_over_prefix_attention`), or None where that is unavailable (use `paged_attention`).
+    `cuda_sdpa.chunk_over_prefix_attention`), or None where that is unavailable (use `paged_attention`).
     gate: as in `paged_attention`."""
-    from deltaserve.ops.attention.cuda import chunk_over_prefix_attention as cuda_chunk
+    from deltaserve.ops.attention.cuda_sdpa import chunk_over_prefix_attention as cuda_chunk
     return cuda_chunk(q, k, v, k_cache, v_cache, block_table_row, prefix_len, scale, gate=gate)

@@ -1,0 +1,209 @@
+"""The cuDNN attention paths for long prefill chunks (the GPU path of `ops.attention`'s
+`fresh_causal_attention` and `chunk_over_prefix_attention`), through PyTorch's SDPA.
+
+    fresh_causal_attention        prompts without a cached prefix: SDPA on the new K/V itself
+    chunk_over_prefix_attention   one long chunk after a cached prefix: cuDNN in parts, merged by log-sum-exp
+    warm_up_cudnn_attention       builds cuDNN's plans at startup
+
+cuDNN is about twice as fast as our paged kernel on long chunks (docs/performance.md) but builds an execution
+plan per shape: chunks are padded to multiples of SDPA_BUCKET and the plans built at startup. With `gate=`,
+the output is o * sigmoid(gate) through `cuda.attention_output_gate`, in place of the last copy or cast.
+"""
+
+import functools
+import logging
+import math
+
+import torch
+
+from deltaserve.ops.attention.cuda import attention_output_gate
+from deltaserve.ops.attention.reference import check_gate
+
+__all__ = ["chunk_over_prefix_attention", "fresh_causal_attention", "warm_up_cudnn_attention"]
+
+logger = logging.getLogger(__name__)
+
+# chunk_over_prefix_attention gathers the cached prefix about this many tokens (whole blocks) at a time
+PREFIX_PIECE_TOKENS = 32768
+# cuDNN builds an execution plan per shape: chunks are padded to a multiple of this so that few shapes occur
+SDPA_BUCKET = 1024
+_SDPA_BACKENDS = None  # None: cuDNN, else flash; CPU tests set PyTorch's math backend
+
+
+def fresh_causal_attention(q, k, v, cu_seqlens_cpu, scale: float, gate=None):
+    """Causal attention of prompts that all start at position 0, on their new K/V (no cache read), through
+    PyTorch's SDPA: cuDNN's fused kernel when it takes the shapes, else flash attention.
+
+    Measured on an H200 (`python -m deltaserve.bench.attention_probe`, 27B heads, 8,192 tokens): cuDNN 1.28 ms
+    (643 TFLOP/s) against 2.72 ms for our paged kernel. Each prompt is padded with zero rows to a multiple of
+    SDPA_BUCKET (causal: the real rows never see the padding), so that cuDNN meets few shapes (see
+    `warm_up_cudnn_attention`). q: [T, n_heads, hd]; k, v: [T, n_kv, hd], bf16 or float16, unit stride in hd;
+    cu_seqlens_cpu: [N+1] on the CPU (no device sync); gate: None or [T, n_heads, hd] in q.dtype, applied by
+    `attention_output_gate` in place of each prompt's copy into o. Returns o: [T, n_heads, hd] in q.dtype
+    (times sigmoid(gate)), or None if SDPA refused (logged; the caller runs the paged kernel).
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"fresh_causal_attention takes bf16 or float16 q, k, v of one dtype, got {q.dtype}, "
+                         f"{k.dtype}, {v.dtype}")
+    check_gate(gate, q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    bounds = cu_seqlens_cpu.tolist()
+    try:
+        with sdpa_kernel(_SDPA_BACKENDS or [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
+            for start, end in zip(bounds[:-1], bounds[1:]):
+                if end == start:
+                    continue
+                length = _bucket(end - start)
+                # [1, heads, L, hd]; SDPA's GQA serves each KV head's group of query heads
+                q_s, k_s, v_s = (_pad_rows(x[start:end], length).transpose(0, 1)[None] for x in (q, k, v))
+                o = torch.nn.functional.scaled_dot_product_attention(q_s, k_s, v_s, is_causal=True, scale=scale,
+                                                                     enable_gqa=True)
+                o = o[0].transpose(0, 1)[: end - start]  # [L, heads, hd]
+                if gate is None:
+                    out[start:end] = o
+                else:
+                    attention_output_gate(o, gate[start:end], out=out[start:end])
+    except RuntimeError as exc:
+        _warn_once(f"PyTorch SDPA refused a prompt's attention ({str(exc).splitlines()[0][:200]}); "
+                   "the paged kernel serves it")
+        return None
+    return out
+
+
+def warm_up_cudnn_attention(num_heads: int, num_kv_heads: int, head_dim: int, dtype, device,
+                            max_chunk_tokens: int) -> None:
+    """Build cuDNN's attention plans at startup: its first use in a process costs ~2.7 s and each new shape
+    ~50 ms (measured on the H200), which would otherwise land on the first requests. Covers every bucketed
+    fresh-prompt length up to max_chunk_tokens and the log-sum-exp check of `chunk_over_prefix_attention`."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return
+    _cudnn_lse_base(device, dtype, head_dim)
+    for length in range(SDPA_BUCKET, _bucket(max_chunk_tokens) + 1, SDPA_BUCKET):
+        q = torch.zeros(length, num_heads, head_dim, dtype=dtype, device=device)
+        kv = torch.zeros(length, num_kv_heads, head_dim, dtype=dtype, device=device)
+        if fresh_causal_attention(q, kv, kv, torch.tensor([0, length]), head_dim ** -0.5) is None:
+            return
+
+
+def _bucket(length: int) -> int:
+    """length rounded up to a multiple of SDPA_BUCKET."""
+    return -(-length // SDPA_BUCKET) * SDPA_BUCKET
+
+
+def _pad_rows(x, length: int):
+    """x [L, ...] followed by zero rows up to `length` (x itself when L == length)."""
+    if x.shape[0] == length:
+        return x
+    padded = x.new_zeros((length, *x.shape[1:]))
+    padded[: x.shape[0]] = x
+    return padded
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    logger.warning(message)
+
+
+def chunk_over_prefix_attention(q, k, v, k_cache, v_cache, block_table_row, prefix_len: int, scale: float,
+                                gate=None):
+    """Causal attention of ONE sequence's chunk (queries and new K/V) after prefix_len cached tokens, through
+    cuDNN in parts merged by their log-sum-exp: the queries against the prefix (no mask: every query sees all
+    of it), in pieces of PREFIX_PIECE_TOKENS whose K/V are gathered from the paged cache into a contiguous
+    copy, then against the chunk itself (causal).
+
+    Measured on an H200 (bench/attention_probe.py, 27B heads, 8,192 queries): cuDNN runs ~640 TFLOP/s without
+    a mask and with a plain causal one, our paged kernel ~300, and cuDNN with a bottom-right causal mask over
+    prefix + chunk only ~220; hence the parts. Pieces bound the transient copies (27B: 134 MB of K/V per
+    piece, and two float32 [L, heads, hd] buffers), which stay below the activation peak the startup profile
+    measures (sampling's buffers, freed before the next forward). Returns None where cuDNN's log-sum-exp
+    cannot be had; the caller then runs the paged kernel.
+    The chunk is padded to a multiple of SDPA_BUCKET (causal: its padding rows come last and are dropped).
+    q: [L, n_heads, hd]; k, v: [L, n_kv, hd] (q's dtype, bf16 or float16); caches: [blocks, bs, n_kv, hd] of
+    q's dtype; block_table_row: [>= ceil(prefix_len / bs)] int32; gate: None or [L, n_heads, hd] in q.dtype,
+    applied by `attention_output_gate` in place of the final cast. Returns o: [L, n_heads, hd] (times
+    sigmoid(gate)).
+    """
+    check_gate(gate, q)
+    if not _cudnn_lse_base(q.device, q.dtype, q.shape[-1]):
+        return None
+    try:
+        return _chunk_over_prefix(q, k, v, k_cache, v_cache, block_table_row, prefix_len, scale, gate)
+    except RuntimeError as exc:
+        _warn_once(f"cuDNN attention refused a chunk after a cached prefix ({str(exc).splitlines()[0][:200]}); "
+                   "the paged kernel serves it")
+        return None
+
+
+def _chunk_over_prefix(q, k, v, k_cache, v_cache, block_table_row, prefix_len: int, scale: float, gate):
+    """`chunk_over_prefix_attention` once cuDNN's log-sum-exp convention is known."""
+    real_length = q.shape[0]
+    q, k, v = (_pad_rows(x, _bucket(real_length)) for x in (q, k, v))  # causal: padding rows come last
+    length, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    # Against the prefix rows need no order: fold each KV head's G query heads into its rows (GQA for free).
+    q_folded = q.view(length, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(
+        1, num_kv_heads, group * length, head_dim)
+    acc = lse_acc = None  # running output (float32 [L, n_heads, hd]) and log-sum-exp ([L, n_heads])
+    piece_blocks = PREFIX_PIECE_TOKENS // block_size
+    for first_block in range(0, -(-prefix_len // block_size), piece_blocks):
+        tokens = min(prefix_len - first_block * block_size, piece_blocks * block_size)
+        blocks = block_table_row[first_block:first_block + -(-tokens // block_size)].long()
+        k_piece = k_cache[blocks].flatten(0, 1)[:tokens].permute(1, 0, 2)[None]  # [1, n_kv, tokens, hd]
+        v_piece = v_cache[blocks].flatten(0, 1)[:tokens].permute(1, 0, 2)[None]
+        out, lse = _cudnn_attention(q_folded, k_piece, v_piece, scale, causal=False)  # [1, n_kv, G*L, hd]
+        out = out.reshape(num_kv_heads, group, length, head_dim).permute(2, 0, 1, 3).reshape(length, num_heads,
+                                                                                            head_dim)
+        lse = lse.reshape(num_kv_heads, group, length).permute(2, 0, 1).reshape(length, num_heads)
+        acc, lse_acc = _merge_parts(acc, lse_acc, out, lse)
+    # Against the chunk: causal, K/V repeated per query head (the chunk's K/V are small)
+    out, lse = _cudnn_attention(q.transpose(0, 1)[None], k.repeat_interleave(group, 1).transpose(0, 1)[None],
+                                v.repeat_interleave(group, 1).transpose(0, 1)[None], scale, causal=True)
+    acc, _ = _merge_parts(acc, lse_acc, out[0].transpose(0, 1), lse.reshape(num_heads, length).transpose(0, 1))
+    if gate is None:
+        return acc[:real_length].to(q.dtype)
+    return attention_output_gate(acc[:real_length], gate)  # float32 acc, rounded to q.dtype first
+
+
+def _merge_parts(acc, lse_acc, out, lse):
+    """Fold one part's softmax-normalized output out [L, H, hd] and log-sum-exp lse [L, H] into the running
+    (acc, lse_acc) (None at first): the weights of two parts are exp(lse_part - lse_total)."""
+    if acc is None:
+        return out.float(), lse.float()
+    total = torch.logaddexp(lse_acc, lse)
+    acc = acc.mul_((lse_acc - total).exp()[..., None]).add_(out.float() * (lse - total).exp()[..., None])
+    return acc, total
+
+
+def _cudnn_attention(q, k, v, scale: float, causal: bool):
+    """cuDNN's fused attention on [1, heads, rows, hd] tensors; returns (out, natural-log lse [1, heads, rows])."""
+    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, 0.0, causal, False, scale=scale)[:2]
+    if _cudnn_lse_base(q.device, q.dtype, q.shape[-1]) == "log2":
+        lse = lse * math.log(2.0)
+    return out, lse
+
+
+@functools.cache
+def _cudnn_lse_base(device, dtype, head_dim: int) -> str | None:
+    """What cuDNN's log-sum-exp holds on this build, found once: with all scores 0 over 64 keys it is ln 64
+    (natural) or 6 (base 2). None when the op fails or gives anything else: callers fall back."""
+    q = torch.zeros(1, 1, 16, head_dim, dtype=dtype, device=device)
+    kv = torch.randn(1, 1, 64, head_dim, device=device).to(dtype)
+    try:
+        _, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, kv, kv, None, True, 0.0, False, False,
+                                                                     scale=1.0)[:2]
+        value = lse.float().flatten()[0].item()
+    except (RuntimeError, NotImplementedError) as exc:
+        logger.warning("cuDNN attention with log-sum-exp is unavailable (%s); long chunks over cached prefixes "
+                       "use the paged kernel", str(exc).splitlines()[0][:200])
+        return None
+    if abs(value - math.log(64)) < 1e-2:
+        return "natural"
+    if abs(value - 6.0) < 1e-2:
+        return "log2"
+    logger.warning("cuDNN attention's log-sum-exp is neither natural nor base 2 (%s for ln 64); long chunks over "
+                   "cached prefixes use the paged kernel", value)
+    return None
