@@ -16,6 +16,7 @@ import functools
 import itertools
 import json
 import os
+from pathlib import Path
 
 import torch
 
@@ -86,9 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     default_dir = next((d for d in (".gpu_configs/qwen3.5-27b", "../shared/configs/qwen3.5-27b") if os.path.isdir(d)),
                        None)
     parser.add_argument("model", nargs="?", default=default_dir, help="config.json directory")
-    parser.add_argument("--out", default="gemv_configs.json", help="write the tuned table here")
-    parser.add_argument("--only", help="probe only this prologue (rms_norm, silu_mul, gated_norm, none); the "
-                                       "table written then holds that prologue's shapes alone")
+    parser.add_argument("--out", default="gemv_configs.json",
+                        help="merge the tuned shapes into this table (deltaserve/ops/linear/configs.json to keep them)")
+    parser.add_argument("--only", help="probe only this prologue (rms_norm, silu_mul, gated_norm, none)")
     args = parser.parse_args(argv)
     cfg = ModelConfig.from_pretrained(args.model)
     device = torch.device("cuda")
@@ -117,10 +118,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{prologue:>10} N={n:>6} K={k:>6} ({megabytes:.0f} MB): unfused {unfused:.1f} us "
               f"({megabytes / unfused:.2f} TB/s); fused best {best_time:.1f} us ({megabytes / best_time:.2f} TB/s) "
               f"{best}; top 4: " + ", ".join(f"{t:.1f} {c}" for t, c in sorted(results)[:4]), flush=True)
-    with open(args.out, "w") as f:
-        json.dump(table, f, indent=1)
+    write_table(args.out, table)
     print(json.dumps(table))
     return 0
+
+
+def write_table(path: str, measured: dict) -> None:
+    """Merge `measured` into the table at `path` (other models' shapes are kept), one entry a line."""
+    table = json.loads(Path(path).read_text()) if Path(path).exists() else {}
+    table.update(measured)
+    Path(path).write_text("{\n" + ",\n".join(f" {json.dumps(key)}: {json.dumps(value)}"
+                                              for key, value in sorted(table.items())) + "\n}\n")
 
 
 if __name__ == "__main__":

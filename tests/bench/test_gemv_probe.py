@@ -1,0 +1,30 @@
+"""The GEMV probe's table file: measured shapes merge into an existing table, which the kernel module reads."""
+
+import json
+
+from deltaserve.bench.gemv_probe import write_table
+from deltaserve.ops.linear import cuda as linear_cuda
+
+
+def test_measured_shapes_merge_into_the_table(tmp_path, monkeypatch):
+    path = tmp_path / "configs.json"
+    write_table(str(path), {"silu_mul:8:16": [8, 1024, 4, 1], "none:8:16": None})
+    write_table(str(path), {"silu_mul:8:16": [16, 256, 4, 1], "rms_norm:32:8": [4, 512, 4, 1]})
+    assert json.loads(path.read_text()) == {"none:8:16": None, "rms_norm:32:8": [4, 512, 4, 1],
+                                            "silu_mul:8:16": [16, 256, 4, 1]}
+    monkeypatch.setenv("DELTASERVE_GEMV_CONFIGS", str(path))
+    linear_cuda._tuned_configs.cache_clear()
+    try:
+        assert linear_cuda.config_for("silu_mul", 8, 16) == (16, 256, 4, 1)
+        assert linear_cuda.config_for("none", 8, 16) is None  # measured slower: unfused
+        assert linear_cuda.config_for("gated_norm", 8, 16) is None  # not measured: unfused
+    finally:
+        linear_cuda._tuned_configs.cache_clear()
+
+
+def test_the_packaged_table_is_well_formed():
+    table = json.loads(linear_cuda.CONFIGS_FILE.read_text())
+    for key, config in table.items():
+        prologue, n, k = key.split(":")
+        assert prologue in ("rms_norm", "silu_mul", "gated_norm", "none") and int(n) > 0 and int(k) > 0
+        assert config is None or (len(config) == 4 and all(isinstance(v, int) and v > 0 for v in config))
