@@ -102,6 +102,8 @@ def test_n_samples_and_logprobs(make_checkpoint):
         for token, entry in zip(o.token_ids, o.logprobs):
             assert token in entry and len(entry) <= 3 and entry[token].logprob <= 0
         assert o.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(o.token_ids, o.logprobs)))
+    plain = llm.generate([prompts(1024)[1]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]
+    assert plain.outputs[0].cumulative_logprob is None and plain.outputs[0].logprobs is None  # as in vLLM
 
 
 def test_stop_strings_and_stop_token_ids(make_checkpoint):

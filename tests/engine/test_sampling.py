@@ -80,6 +80,23 @@ def test_greedy_is_argmax_with_lowest_id_on_ties():
     assert bf16.token_ids == logits.bfloat16().float().argmax(dim=-1).tolist()
 
 
+def test_greedy_without_logprobs_skips_only_the_logprobs():
+    """Greedy rows that ask for no logprobs take the argmax of the logits as given (no float32 copy, no
+    softmax): the same tokens as the full path (forced here by one row asking for logprobs), logprobs None."""
+    torch.manual_seed(1)
+    logits = torch.randn(6, 40).bfloat16()
+    logits[2, 5] = logits[2, 9] = logits[2].max() + 1  # a tie
+    fast = run(logits, [SamplingParams(temperature=0.0)] * 6)
+    full = run(logits, [SamplingParams(temperature=0.0)] * 5 + [SamplingParams(temperature=0.0, logprobs=0)])
+    assert fast.token_ids == full.token_ids and fast.token_ids[2] == 5
+    assert fast.logprobs == [None] * 6 and all(lp is not None for lp in full.logprobs)
+    # a row whose logits a penalty edits keeps the full path
+    penalised = run(logits, [SamplingParams(temperature=0.0)] * 5 + [SamplingParams(temperature=0.0,
+                                                                                      presence_penalty=2.0)],
+                    outputs=[[]] * 5 + [[int(full.token_ids[5])]])
+    assert all(lp is not None for lp in penalised.logprobs)
+
+
 def test_top_k_1_equals_greedy():
     torch.manual_seed(1)
     logits = torch.randn(64, 100) * 3
