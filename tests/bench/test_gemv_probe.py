@@ -1,6 +1,9 @@
 """The GEMV probe's table file: measured shapes merge into an existing table, which the kernel module reads."""
 
 import json
+import re
+
+import pytest
 
 from deltaserve.bench.gemv_probe import write_table
 from deltaserve.ops.linear import cuda as linear_cuda
@@ -28,3 +31,19 @@ def test_the_packaged_table_is_well_formed():
         prologue, n, k = key.split(":")
         assert prologue in ("rms_norm", "silu_mul", "gated_norm", "none") and int(n) > 0 and int(k) > 0
         assert config is None or (len(config) == 4 and all(isinstance(v, int) and v > 0 for v in config))
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "no such file"), ("{not json", "not JSON"), ('{"silu_mul:8:16": [8, 0, 4, 1]}', "entry 'silu_mul:8:16'"),
+    ('{"silu_mul": [8, 8, 4, 1]}', "entry 'silu_mul'"), ("[1, 2]", "must be a JSON object")])
+def test_a_bad_table_named_by_the_environment_is_refused_by_name(tmp_path, monkeypatch, content, message):
+    path = tmp_path / "table.json"
+    if content is not None:
+        path.write_text(content)
+    monkeypatch.setenv("DELTASERVE_GEMV_CONFIGS", str(path))
+    linear_cuda._tuned_configs.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=f"DELTASERVE_GEMV_CONFIGS=.*{re.escape(message)}"):
+            linear_cuda.config_for("silu_mul", 8, 16)
+    finally:
+        linear_cuda._tuned_configs.cache_clear()

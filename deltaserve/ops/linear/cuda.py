@@ -46,8 +46,28 @@ CONFIGS_FILE = Path(__file__).with_name("configs.json")
 
 @functools.cache
 def _tuned_configs() -> dict:
-    path = os.environ.get("DELTASERVE_GEMV_CONFIGS") or CONFIGS_FILE
-    return json.loads(Path(path).read_text()) if Path(path).exists() else {}
+    """The table, checked: a file named by DELTASERVE_GEMV_CONFIGS must exist and hold "prologue:N:K" keys with
+    [BLOCK_N, BLOCK_K, warps, stages] of positive ints or null."""
+    named = os.environ.get("DELTASERVE_GEMV_CONFIGS")
+    path = Path(named or CONFIGS_FILE)
+    where = f"DELTASERVE_GEMV_CONFIGS={named!r}" if named else str(path)
+    if not path.exists():
+        if named:
+            raise ValueError(f"{where}: no such file")
+        return {}
+    try:
+        table = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where}: not JSON ({exc})") from None
+    if not isinstance(table, dict):
+        raise ValueError(f"{where}: the table must be a JSON object, got {type(table).__name__}")
+    for key, config in table.items():
+        is_config = isinstance(config, list) and len(config) == 4 and all(isinstance(v, int) and v > 0
+                                                                          for v in config)
+        if key.count(":") != 2 or not (config is None or is_config):
+            raise ValueError(f"{where}: entry {key!r}: {config!r} is not a [BLOCK_N, BLOCK_K, warps, stages] list "
+                             "of positive ints or null under a \"prologue:N:K\" key")
+    return table
 
 
 def config_for(prologue: str, n: int, k: int) -> tuple[int, int, int, int] | None:
@@ -134,7 +154,7 @@ def _gemv_kernel(
 
 def supports(x: torch.Tensor) -> bool:
     """Whether the fused kernel serves this input (else the caller runs the unfused ops)."""
-    return x.shape[0] <= GEMV_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
+    return 1 <= x.shape[0] <= GEMV_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
 
 
 def _launch(prologue, x, weight, *, res=None, res_out=None, gate=None, norm_w=None, eps=0.0, group=1,
