@@ -100,14 +100,17 @@ def run_workload(engine: LLMEngine, input_len: int, output_len: int, num_prompts
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     pending = list(enumerate(prompts))
     started, first, done = {}, {}, {}
+    steps = StepTimes()
     t0 = time.perf_counter()
     while pending or engine.has_unfinished():
         while pending and engine.get_num_unfinished() < concurrency:
             i, prompt = pending.pop(0)
             engine.add_request(str(i), prompt, params)
             started[str(i)] = time.perf_counter()
-        for out in engine.step():
-            now = time.perf_counter()
+        outputs = engine.step()
+        now = time.perf_counter()
+        steps.add(engine.last_scheduled, now)
+        for out in outputs:
             first.setdefault(out.request_id, now)
             if out.finished:
                 done[out.request_id] = now
@@ -121,7 +124,38 @@ def run_workload(engine: LLMEngine, input_len: int, output_len: int, num_prompts
         "median_tpot_ms": 1e3 * statistics.median(tpot) if tpot else None,
         "p99_tpot_ms": 1e3 * max(tpot) if tpot else None,
         **({"ttft_ms": [round(1e3 * t, 1) for t in ttft]} if num_prompts <= 8 else {}),
+        "steps": steps.summary(),
     }
+
+
+class StepTimes:
+    """Where a run's wall time went, by the kind of step: steps that compute prompt tokens (with or without
+    decodes) and decode-only steps. The time between two step() calls is charged to the step the first one
+    launched: with async scheduling the second call waits for that step's samples."""
+
+    def __init__(self):
+        self.kinds: dict[str, list[float]] = {"decode": [], "prefill": []}
+        self.prefill_tokens = 0
+        self._previous: tuple[str, float] | None = None
+
+    def add(self, scheduled, now: float) -> None:
+        if self._previous is not None:
+            kind, launched_at = self._previous
+            self.kinds[kind].append(now - launched_at)
+        if scheduled is None or scheduled.is_empty:
+            self._previous = None
+            return
+        prompt_tokens = sum(len(row.token_ids) for row in scheduled.sequences if len(row.token_ids) > 1)
+        self.prefill_tokens += prompt_tokens
+        self._previous = ("prefill" if prompt_tokens else "decode", now)
+
+    def summary(self) -> dict:
+        out = {"prefill_tokens": self.prefill_tokens}
+        for kind, times in self.kinds.items():
+            out[f"{kind}_steps"] = len(times)
+            out[f"{kind}_s"] = round(sum(times), 3)
+            out[f"{kind}_median_ms"] = round(1e3 * statistics.median(times), 2) if times else None
+        return out
 
 
 def _run_one(engine: LLMEngine, request_id: str, prompt: list[int], output_len: int) -> tuple[float, list[int], int]:
@@ -230,10 +264,12 @@ def profile_decode_batch(engine: LLMEngine, batch: int = 64, input_len: int = 10
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     gen = torch.Generator().manual_seed(8)
-    params = SamplingParams(temperature=0, max_tokens=decode_steps + 8, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"profile-b{i}", torch.randint(0, engine.model_config.vocab_size, (input_len,),
-                                                          generator=gen).tolist(), params)
+    # long enough that the first prompts still decode when the last ones have been prefilled; aborted after
+    params = SamplingParams(temperature=0, max_tokens=input_len, ignore_eos=True)
+    ids = [f"profile-b{i}" for i in range(batch)]
+    for request_id in ids:
+        engine.add_request(request_id, torch.randint(0, engine.model_config.vocab_size, (input_len,),
+                                                     generator=gen).tolist(), params)
     started = set()
     while len(started) < batch:  # until every prompt is prefilled and decoding
         started |= {out.request_id for out in engine.step()}
@@ -247,6 +283,7 @@ def profile_decode_batch(engine: LLMEngine, batch: int = 64, input_len: int = 10
         wall = time.perf_counter() - t
     print_profile(prof, f"{decode_steps} decode steps, batch {batch}", decode_steps, wall,
                   save_dir and f"{save_dir}/profile_batch{batch}.txt")
+    engine.abort_request(ids)
     while engine.has_unfinished():
         engine.step()
 
@@ -315,6 +352,11 @@ def main(argv: list[str] | None = None) -> int:
                          f"{r['tpot_limit_ms'] / r['median_tpot_ms']:.0%}); {r['output_throughput']:.0f} output tok/s")
             if "ttft_ms" in r:
                 line += f"; TTFT each {r['ttft_ms']} ms"
+            if conc > 1:
+                st = r["steps"]
+                line += (f"; steps with prompt tokens {st['prefill_steps']} ({st['prefill_s']} s, median "
+                         f"{st['prefill_median_ms']} ms), decode-only {st['decode_steps']} ({st['decode_s']} s, "
+                         f"median {st['decode_median_ms']} ms)")
             print(line, flush=True)
             if args.out:
                 with open(args.out, "a") as f:

@@ -64,6 +64,7 @@ class LLMEngine:
         self.eos_token_ids = setup.eos_token_ids
         self._parents: dict[str, _Parent] = {}
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None  # launched, samples not read yet
+        self.last_scheduled: SchedulerOutput | None = None  # what the latest step() launched (benchmarks read it)
         self._child_parent: dict[str, str] = {}
 
     # -- requests ------------------------------------------------------------------------------------------
@@ -145,7 +146,7 @@ class LLMEngine:
         if previous is not None and self._must_wait():
             self._process(*previous, touched)
             previous = None
-        scheduled = self.scheduler.schedule()
+        scheduled = self.last_scheduled = self.scheduler.schedule()
         launched = None if scheduled.is_empty else (scheduled, self.runner.launch(scheduled))
         if self.config.async_scheduling:
             self._in_flight = launched

@@ -128,11 +128,12 @@ def test_gdn_decode_matches_reference(pool_dtype, block_v):
 
 
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("pass_cpu_offsets", [False, True])
-def test_gdn_prefill_matches_reference(pool_dtype, pass_cpu_offsets):
+@pytest.mark.parametrize("pass_cpu_offsets", [False, True])  # with them, sequences <= 128 tokens skip fla
+@pytest.mark.parametrize("lengths", [LENGTHS, [300, 1, 1000, 63, 65, 64]])  # long ones adjacent, or apart
+def test_gdn_prefill_matches_reference(pool_dtype, pass_cpu_offsets, lengths):
     pytest.importorskip("fla")
     gen = torch.Generator(DEVICE).manual_seed(2)
-    cu, slots, has_initial = varlen_batch()
+    cu, slots, has_initial = varlen_batch(lengths)
     q, k, v, g, beta = gdn_inputs(int(cu[-1]), gen)
     pool = fresh_nan(torch.randn(NUM_SLOTS, VALUE_HEADS, HEAD_DIM, HEAD_DIM, generator=gen, device=DEVICE)
                      .to(pool_dtype))

@@ -371,6 +371,48 @@ def test_gdn_prefill_with_raw_gates_matches_gates_computed_first(monkeypatch, ma
     assert_pools_match(actual_pool, expected_pool, torch.float32)
 
 
+@pytest.mark.parametrize("lengths", [
+    [1, 20, 1, 3, 12, 0, 1],  # the long sequences apart: their rows are gathered
+    [1, 0, 3, 1, 20, 12],  # adjacent at the end (a new prompt's chunk after decoding sequences): a view
+])
+@pytest.mark.parametrize("raw_gates", [False, True])
+def test_gdn_prefill_splits_short_and_long_sequences(monkeypatch, lengths, raw_gates):
+    """With the offsets on the host, sequences of at most RECURRENT_PREFILL_MAX_LEN tokens take the recurrent
+    kernel and only the longer ones go to fla (a stand-in that records what it gets): the result is the
+    reference's, fresh slots' NaN does not leak, and slots of nobody stay bit-identical."""
+    monkeypatch.setattr(gdn_kernels, "RECURRENT_PREFILL_MAX_LEN", 8)
+    fla_calls = []
+    fake = fake_fla_module()
+    reference_fla = fake.chunk_gated_delta_rule
+
+    def recording_fla(q, k, v, g, beta, initial_state, cu_seqlens, **kwargs):
+        fla_calls.append(kwargs["cu_seqlens_cpu"].tolist())
+        return reference_fla(q, k, v, g, beta, initial_state, cu_seqlens, **kwargs)
+
+    fake.chunk_gated_delta_rule = recording_fla
+    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", fake)
+    gen = torch.Generator().manual_seed(len(lengths) + raw_gates)
+    slots = [5, 0, 8, 2, 7, 3, 6][:len(lengths)]
+    has_initial = [True, False, True, True, False, True, True][:len(lengths)]
+    cu, slots_t, has_initial_t = varlen_batch(lengths, slots, has_initial)
+    pool = random_pool((10, 6, 16, 16), torch.float32, slots, has_initial, gen)
+    expected_pool, actual_pool = pool.clone(), pool.clone()
+    q, k, v, g, beta = prefill_inputs(lengths, 2, 6, 16, 16, torch.float32, gen)
+    gates = {}
+    if raw_gates:
+        g, beta = torch.randn(q.shape[0], 6, generator=gen), torch.randn(q.shape[0], 6, generator=gen)
+        gates = {"A_log": torch.randn(6, generator=gen), "dt_bias": torch.randn(6, generator=gen)}
+    expected = gdn.gdn_prefill(q, k, v, *(gdn.gdn_gates(g, beta, gates["A_log"], gates["dt_bias"]) if raw_gates
+                                         else (g, beta)), expected_pool, slots_t, has_initial_t, cu)
+    actual = gdn_kernels.gdn_prefill(q, k, v, g, beta, actual_pool, slots_t, has_initial_t, cu, cu_seqlens_cpu=cu,
+                                     max_query_len=max(lengths), **gates)
+    assert fla_calls == [[0, 20, 32]]  # the two long sequences, nothing else
+    torch.testing.assert_close(actual, expected, **TOLERANCES[torch.float32])
+    assert_pools_match(actual_pool, expected_pool, torch.float32)
+    untouched = [s for s in range(10) if s not in slots]
+    assert torch.equal(actual_pool[untouched].nan_to_num(), pool[untouched].nan_to_num())
+
+
 def test_gdn_recurrent_prefill_of_single_tokens_equals_decode():
     """One token per sequence with an initial state: the varlen loop and the decode step are the same math."""
     gen = torch.Generator().manual_seed(5)

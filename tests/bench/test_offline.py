@@ -1,0 +1,22 @@
+"""bench/offline.py's bookkeeping, without a GPU: where a run's wall time went, by the kind of step."""
+
+from types import SimpleNamespace
+
+from deltaserve.bench.offline import StepTimes
+
+
+def scheduled(*query_lens):
+    """A stand-in SchedulerOutput: one row per sequence with that many tokens to compute."""
+    rows = [SimpleNamespace(token_ids=[0] * n) for n in query_lens]
+    return SimpleNamespace(sequences=rows, is_empty=not rows)
+
+
+def test_step_times_charge_each_interval_to_the_step_launched_before_it():
+    steps = StepTimes()
+    steps.add(scheduled(100, 1), 0.0)  # a prompt chunk beside a decode: runs until the next call
+    steps.add(scheduled(1, 1), 0.5)
+    steps.add(scheduled(1, 1), 0.52)
+    steps.add(scheduled(), 0.56)  # nothing launched: the next interval belongs to no step
+    steps.add(scheduled(1), 1.0)
+    assert steps.summary() == {"prefill_tokens": 100, "decode_steps": 2, "decode_s": 0.06, "decode_median_ms": 30.0,
+                               "prefill_steps": 1, "prefill_s": 0.5, "prefill_median_ms": 500.0}
