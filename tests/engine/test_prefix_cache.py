@@ -9,6 +9,7 @@ import random
 import pytest
 
 from deltaserve import LLM, SamplingParams
+from deltaserve.cache import kv_manager
 
 BS = 4
 VOCAB = 1024
@@ -99,7 +100,9 @@ def test_shared_system_prompt_is_exact_and_hit_by_later_questions(make_checkpoin
     assert_cache_idle(on)
 
 
-def test_multi_turn_conversations_continue_from_the_previous_turn(make_checkpoint):
+@pytest.mark.parametrize("interval", [BS, 16])  # decode checkpoints at every block, or every 4 blocks
+def test_multi_turn_conversations_continue_from_the_previous_turn(make_checkpoint, monkeypatch, interval):
+    monkeypatch.setattr(kv_manager, "DECODE_CHECKPOINT_INTERVAL", interval)
     on, off = engines(make_checkpoint("qwen3_5"))
     rng = random.Random(2)
     conversations = [tokens(rng, n) for n in (11, 26, 5)]
@@ -109,11 +112,13 @@ def test_multi_turn_conversations_continue_from_the_previous_turn(make_checkpoin
         cached, _ = run_waves(on, [wave])
         assert_exact(cached, run_waves(off, [wave])[0])
         for i, out in enumerate(cached):
-            # the previous turn left a checkpoint at its last computed block boundary (its last token is
-            # sampled, never computed): this turn starts there
+            # the previous turn left a checkpoint at the last multiple of the interval it computed past its
+            # prompt's end checkpoint (its last token is sampled, never computed): this turn starts there, or at
+            # that prompt-end checkpoint
             assert out.num_cached_tokens == previous_ends[i]
+            prompt_end = (len(out.prompt_token_ids) - 1) // BS * BS
             finished = out.prompt_token_ids + out.outputs[0].token_ids
-            previous_ends[i] = (len(finished) - 1) // BS * BS
+            previous_ends[i] = max(prompt_end, (len(finished) - 1) // interval * interval)
             conversations[i] = finished + tokens(rng, rng.randint(2, 9))
     assert_cache_idle(on)
 

@@ -19,11 +19,13 @@ EOS = 99
 
 
 def make_scheduler(num_blocks=64, block_size=4, slots=8, max_num_seqs=4, budget=16, max_model_len=1000,
-                   checkpoints=None):
-    """checkpoints None: prefix caching off; else its checkpoint slot budget."""
+                   checkpoints=None, decode_checkpoint_interval=None):
+    """checkpoints None: prefix caching off; else its checkpoint slot budget. Decode checkpoints at every block
+    boundary unless decode_checkpoint_interval says otherwise."""
     blocks, states = BlockPool(num_blocks, block_size), StatePool(slots, checkpoints or 0)
     prefix = None if checkpoints is None else PrefixCache(blocks, states, "test-model")
-    return Scheduler(CacheManager(blocks, states, prefix), max_num_seqs, budget, max_model_len)
+    cache = CacheManager(blocks, states, prefix, decode_checkpoint_interval or block_size)
+    return Scheduler(cache, max_num_seqs, budget, max_model_len)
 
 
 def make_request(rid, prompt_len, max_tokens=4, prompt=None):
@@ -261,6 +263,20 @@ def test_decode_keeps_one_checkpoint_at_its_latest_boundary_for_the_next_turn():
     out, _ = fake_step(sched)
     row = out.sequences[0]
     assert b.num_cached_tokens == 12 and row.token_ids == turn2[12:18] and row.mid_save[0] == 4  # its end at 16
+
+
+def test_decode_checkpoints_go_at_multiples_of_the_interval():
+    sched = make_scheduler(checkpoints=8, decode_checkpoint_interval=10)  # rounded up to 3 blocks: 12 tokens
+    a = make_request("a", 6, max_tokens=25)  # 6 + 25 tokens, 30 computed when it finishes
+    sched.add_request(a)
+    steps = run_to_end(sched)
+    saved_at = [s.sequences[0].num_computed + len(s.sequences[0].token_ids) for s in steps if s.state_saves]
+    assert saved_at == [12, 24]  # not at 8, 16, 20, 28
+    turn2 = a.all_token_ids + [40, 41, 42]
+    b = make_request("b", 0, max_tokens=1, prompt=turn2)
+    sched.add_request(b)
+    fake_step(sched)
+    assert b.num_cached_tokens == 24
 
 
 def test_concurrent_requests_share_blocks_once_computed_and_state_once_saved():
