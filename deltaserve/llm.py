@@ -32,6 +32,10 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (as vLLM's LLM.reset_prefix_cache); False while requests run."""
+        return self.engine.reset_prefix_cache()
+
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for a prompt or a list of prompts (text, token-id lists, or {"prompt_token_ids": [...]}).

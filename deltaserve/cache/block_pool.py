@@ -86,6 +86,15 @@ class BlockPool:
                 else:
                     self._free.append(b)
 
+    def forget_cached(self) -> None:
+        """Empty the prefix index: every cached block becomes free. Only while no request holds a block."""
+        if any(self.ref_counts):
+            raise RuntimeError("the prefix index can only be emptied while no request holds a KV block")
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+        self._block_of_hash.clear()
+        self._hash_of_block.clear()
+
     # -- the prefix index ----------------------------------------------------------------------------------
 
     def cached_block(self, block_hash: bytes) -> int | None:

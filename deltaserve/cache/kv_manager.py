@@ -126,6 +126,12 @@ class CacheManager:
         """Of those, tokens served from the cache (vllm:prefix_cache_hits)."""
         return self.prefix_cache.hits if self.prefix_cache is not None else 0
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached KV block and GDN checkpoint (no request may hold cache)."""
+        if self.prefix_cache is not None:
+            self.block_pool.forget_cached()
+            self.prefix_cache.clear()
+
     def find_hit(self, request: Request) -> PrefixHit:
         """The longest prefix a waiting request can reuse, capped at num_tokens - 1 (invariant 2). Also sets
         the request's checkpoint targets for this run (divergence point and prompt end). Takes nothing."""

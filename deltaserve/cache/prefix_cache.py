@@ -180,6 +180,15 @@ class PrefixCache:
             if checkpoint.owner == request_id:
                 checkpoint.owner = None
 
+    def clear(self) -> None:
+        """Drop every checkpoint and zero the counters (nothing may be running: no pending saves, no owners)."""
+        if self._pending or self._pending_deferred or self._decode_owners:
+            raise RuntimeError("the prefix cache can only be cleared while no request runs")
+        for checkpoint in self._checkpoints.values():
+            self.state_pool.free_checkpoint(checkpoint.slot)
+        self._checkpoints.clear()
+        self.queries = self.hits = self.num_evictions = 0
+
     def drop(self, key: bytes) -> None:
         self.state_pool.free_checkpoint(self._checkpoints.pop(key).slot)
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import time
+
+import torch
 from dataclasses import dataclass, field
 
 from deltaserve.config import EngineConfig, ModelConfig
@@ -66,6 +68,48 @@ class LLMEngine:
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None  # launched, samples not read yet
         self.last_scheduled: SchedulerOutput | None = None  # what the latest step() launched (benchmarks read it)
         self._child_parent: dict[str, str] = {}
+        if torch.device(self.runner.device).type == "cuda":
+            self.warm_up()
+
+    def warm_up(self) -> None:
+        """Run once, before serving, the kind of steps whose kernels compile (Triton) or get planned (cuDNN)
+        at their first use, so that no user's first request pays for it (seconds on an H200): a prompt of two
+        full chunks and a short tail (chunks over a cached prefix, a checkpoint inside the step), a short
+        prompt that joins while it decodes (a mixed step), then a resend of that prompt with a new ending (a
+        prefix-cache hit). Their outputs are dropped and the prefix cache is emptied after them."""
+        longest = self.max_model_len - 8  # room for the outputs and for the resend's longer ending
+        if longest < 16:
+            return
+        start = time.perf_counter()
+        vocab, budget, block = self.model_config.vocab_size, self.config.max_num_batched_tokens, self.config.block_size
+
+        def prompt(length: int, salt: int) -> list[int]:
+            return [(i * 7919 + salt * 104729) % vocab for i in range(length)]
+
+        def run_until(done) -> None:
+            while self.has_unfinished() and not done(self.step()):
+                pass
+
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        short = prompt(min(300, longest), 2)
+        self.add_request("deltaserve-warm-up-long", prompt(min(2 * budget + 2 * block + 3, longest), 1), params)
+        run_until(lambda outputs: bool(outputs))  # its first token: it decodes from now on
+        self.add_request("deltaserve-warm-up-short", short, params)
+        run_until(lambda outputs: False)
+        self.add_request("deltaserve-warm-up-hit", short[:-5] + prompt(9, 3), params)
+        run_until(lambda outputs: False)
+        self.reset_prefix_cache()
+        logger.info("warm-up (the first use of each kind of step) took %.1f s", time.perf_counter() - start)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (KV blocks and GDN checkpoints) and zero the hit counters, as vLLM's
+        reset_prefix_cache. False, and nothing changes, while requests are unfinished."""
+        if self.has_unfinished():
+            return False
+        while self._in_flight is not None:  # the last step's checkpoints are committed when it is read back
+            self.step()
+        self.cache_manager.reset_prefix_cache()
+        return True
 
     # -- requests ------------------------------------------------------------------------------------------
 

@@ -176,3 +176,47 @@ def test_cuda_graphs_only_where_capturable(make_checkpoint):
                                   ("qwen3_next", torch.float32, False), ("qwen3_5_moe", torch.bfloat16, True)):
         model = build_model(ModelConfig.from_pretrained(make_checkpoint(arch)), dtype, "cpu")
         assert graphs_supported(model) is expected, (arch, dtype)
+
+
+def test_warm_up_runs_each_kind_of_step_and_leaves_the_engine_as_it_found_it(make_checkpoint):
+    """The warm-up (run at startup on the GPU) takes a chunk over a cached prefix, a mixed step and a prefix
+    hit; afterwards no cache is held or indexed, the counters are zero and outputs are a fresh engine's."""
+    path, settings = str(make_checkpoint("qwen3_5")), dict(max_num_seqs=4, max_num_batched_tokens=64, block_size=4)
+    expected = LLM(path, **settings).generate(prompts(1024), GREEDY)
+    llm = LLM(path, **settings)
+    engine, steps = llm.engine, []
+    schedule = engine.scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        steps.append([(row.num_computed, len(row.token_ids)) for row in out.sequences])
+        return out
+
+    engine.scheduler.schedule = recording_schedule
+    engine.warm_up()
+    assert any(computed > 0 and n > 1 for step in steps for computed, n in step)  # a chunk after a prefix
+    assert any({n == 1 for _, n in step} == {True, False} for step in steps)  # decode rows beside a prompt chunk
+    assert engine.cache_manager.prefix_cache_queries == 0  # the hit happened, then the counters were zeroed
+    cache = engine.cache_manager
+    assert not engine.has_unfinished() and not engine.scheduler.has_unfinished()
+    assert cache.block_pool.num_free_blocks == cache.block_pool.num_usable_blocks
+    assert cache.block_pool.num_cached_blocks == 0 and cache.prefix_cache.num_checkpoints == 0
+    assert cache.state_pool.num_free_slots == cache.state_pool.num_slots - 1
+    outputs = llm.generate(prompts(1024), GREEDY)
+    assert token_ids(outputs) == token_ids(expected)
+    assert [o.num_cached_tokens for o in outputs] == [o.num_cached_tokens for o in expected]
+
+
+def test_reset_prefix_cache_forgets_prefixes_only_when_idle(make_checkpoint):
+    llm = LLM(str(make_checkpoint("qwen3_5")), max_num_seqs=4, block_size=4)
+    prompt = prompts(1024, lengths=(30,))[0]
+    llm.generate([prompt], GREEDY)
+    assert llm.generate([prompt], GREEDY)[0].num_cached_tokens == 28  # the resend hits its prompt-end checkpoint
+    engine = llm.engine
+    engine.add_request("running", prompt, GREEDY)
+    assert not engine.reset_prefix_cache()  # a request is unfinished: nothing changes
+    while engine.has_unfinished():
+        engine.step()
+    assert llm.reset_prefix_cache()
+    assert engine.cache_manager.prefix_cache_hits == 0
+    assert llm.generate([prompt], GREEDY)[0].num_cached_tokens == 0
