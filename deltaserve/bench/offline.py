@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
 import time
 import zlib
@@ -311,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [w for w in names if w not in WORKLOADS and w not in PREFIX_WORKLOADS]
     if unknown:
         parser.error(f"--workloads: unknown {unknown}; known {sorted(WORKLOADS)}")
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # the engine's plan and warm-up
     bandwidth, flops = measure_device()
     print(f"device: {torch.cuda.get_device_name()}  copy bandwidth {bandwidth / 1e12:.2f} TB/s  "
           f"bf16 matmul {flops / 1e12:.0f} TFLOP/s", flush=True)
