@@ -128,10 +128,11 @@ def test_gdn_decode_matches_reference(pool_dtype, block_v):
 
 
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("pass_cpu_offsets", [False, True])  # with them, sequences <= 128 tokens skip fla
+@pytest.mark.parametrize("pass_cpu_offsets", [False, True])  # with them, the short sequences skip fla
 @pytest.mark.parametrize("lengths", [LENGTHS, [300, 1, 1000, 63, 65, 64]])  # long ones adjacent, or apart
-def test_gdn_prefill_matches_reference(pool_dtype, pass_cpu_offsets, lengths):
+def test_gdn_prefill_matches_reference(pool_dtype, pass_cpu_offsets, lengths, monkeypatch):
     pytest.importorskip("fla")
+    monkeypatch.setattr(gdn_kernels, "SPLIT_MIN_SHORT_SEQS", 1)  # these batches have 4 short sequences
     gen = torch.Generator(DEVICE).manual_seed(2)
     cu, slots, has_initial = varlen_batch(lengths)
     q, k, v, g, beta = gdn_inputs(int(cu[-1]), gen)
@@ -311,3 +312,34 @@ def test_print_recurrent_prefill_against_fla(num_seqs, q_len, monkeypatch, capsy
         torch.cuda.synchronize()
         report(capsys, f"gdn_prefill {num_seqs} x {q_len} tokens, {name}: {gpu_ms * 1e3:.1f} us GPU, "
                        f"{host_ms * 1e3:.1f} us host per call")
+
+
+def test_print_chunked_prefill_keeps_the_gpu_busy(capsys):
+    """An 8,192-token prompt's GDN call between two matmuls (the rest of a layer, ~2 ms), as a prefill step
+    queues them: with the host offsets the chunk index is built and copied without a sync, and the GPU never
+    waits for fla's launches; without them fla reads the offsets back (a sync) and it does, every layer."""
+    pytest.importorskip("fla")
+    gen = torch.Generator(DEVICE).manual_seed(9)
+    q, k, v, g, beta = gdn_inputs(8192, gen)
+    pool = torch.zeros(2, VALUE_HEADS, HEAD_DIM, HEAD_DIM, device=DEVICE)
+    slots, has_initial = torch.tensor([1], device=DEVICE), torch.tensor([True], device=DEVICE)
+    cu_cpu = torch.tensor([0, 8192])
+    cu = cu_cpu.to(DEVICE)
+    a = torch.randn(8192, 5120, device=DEVICE, dtype=torch.bfloat16)
+    w = torch.randn(5120, 17408, device=DEVICE, dtype=torch.bfloat16)
+    for name, offsets in (("host offsets", cu_cpu), ("device offsets only", None)):
+        def layer(offsets=offsets):
+            a @ w
+            gdn_kernels.gdn_prefill(q, k, v, g, beta, pool, slots, has_initial, cu, cu_seqlens_cpu=offsets)
+
+        for _ in range(3):
+            layer()
+        torch.cuda.synchronize()
+        start, layers = time.perf_counter(), 20
+        for _ in range(layers):
+            layer()
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - start) / layers * 1e3
+        gpu_ms = triton.testing.do_bench(layer)
+        report(capsys, f"matmul + gdn_prefill 1 x 8192, {name}: {wall_ms:.3f} ms wall per layer, "
+                       f"{gpu_ms:.3f} ms by do_bench")

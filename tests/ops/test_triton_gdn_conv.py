@@ -13,6 +13,7 @@ import os
 import sys
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -381,12 +382,15 @@ def test_gdn_prefill_splits_short_and_long_sequences(monkeypatch, lengths, raw_g
     kernel and only the longer ones go to fla (a stand-in that records what it gets): the result is the
     reference's, fresh slots' NaN does not leak, and slots of nobody stay bit-identical."""
     monkeypatch.setattr(gdn_kernels, "RECURRENT_PREFILL_MAX_LEN", 8)
+    monkeypatch.setattr(gdn_kernels, "SPLIT_MIN_SHORT_SEQS", 4)  # these batches have 4 and 5 short sequences
     fla_calls = []
     fake = fake_fla_module()
     reference_fla = fake.chunk_gated_delta_rule
 
     def recording_fla(q, k, v, g, beta, initial_state, cu_seqlens, **kwargs):
         fla_calls.append(kwargs["cu_seqlens_cpu"].tolist())
+        # the chunk index comes built (fla would copy it from pageable memory: a sync)
+        assert torch.equal(kwargs["chunk_indices"], torch.tensor([[0, 0], [1, 0]]))  # 20 and 12 tokens, chunk 64
         return reference_fla(q, k, v, g, beta, initial_state, cu_seqlens, **kwargs)
 
     fake.chunk_gated_delta_rule = recording_fla
@@ -411,6 +415,35 @@ def test_gdn_prefill_splits_short_and_long_sequences(monkeypatch, lengths, raw_g
     assert_pools_match(actual_pool, expected_pool, torch.float32)
     untouched = [s for s in range(10) if s not in slots]
     assert torch.equal(actual_pool[untouched].nan_to_num(), pool[untouched].nan_to_num())
+
+
+def test_gdn_prefill_keeps_a_few_short_sequences_in_the_fla_call(monkeypatch):
+    """Below SPLIT_MIN_SHORT_SEQS short sequences (a prompt's checkpointed tail beside its head) fla takes all."""
+    calls = []
+
+    def chunk_gated_delta_rule(q, k, v, g, beta, initial_state, **kwargs):
+        calls.append(kwargs["cu_seqlens_cpu"].tolist())
+        return v.clone()[None], initial_state
+
+    fake_fla = types.ModuleType("fla.ops.gated_delta_rule")
+    fake_fla.chunk_gated_delta_rule = chunk_gated_delta_rule
+    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", fake_fla)
+    lengths = [gdn_kernels.RECURRENT_PREFILL_MAX_LEN + 100] + [16] * (gdn_kernels.SPLIT_MIN_SHORT_SEQS - 1)
+    gen = torch.Generator().manual_seed(8)
+    inputs = prefill_inputs(lengths, 1, 2, 16, 16, torch.float32, gen)
+    cu, slots, has_initial = varlen_batch(lengths, list(range(len(lengths))), [True] * len(lengths))
+    pool = torch.randn(len(lengths), 2, 16, 16, generator=gen)
+    gdn_kernels.gdn_prefill(*inputs, pool, slots, has_initial, cu, cu_seqlens_cpu=cu, max_query_len=max(lengths))
+    assert calls == [cu.tolist()]
+
+
+def test_fla_chunk_index_lists_every_chunk_of_every_sequence():
+    """As fla's prepare_chunk_indices: (sequence, chunk within it) for each 64-token chunk, none for an empty
+    sequence (checked against fla 0.6's own on these offsets)."""
+    offsets = [0, 1, 65, 65, 200, 8392]
+    expected = [(n, c) for n, (a, b) in enumerate(zip(offsets, offsets[1:])) for c in range(-(-(b - a) // 64))]
+    index = gdn_kernels.fla_chunk_indices(np.array(offsets))
+    assert index.dtype == np.int64 and [tuple(row) for row in index.tolist()] == expected
 
 
 def test_gdn_recurrent_prefill_of_single_tokens_equals_decode():

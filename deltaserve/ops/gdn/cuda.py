@@ -12,9 +12,10 @@ Same contract as `deltaserve.ops.gdn.gdn_prefill` / `gdn_decode` (see `reference
   RECURRENT_PREFILL_MAX_LEN tokens (a prefix-cache hit's short chunk) take the decode kernel's varlen form
   instead: the same program steps through its sequence's tokens with the state tile held in registers.
   A batch that mixes both (decoding sequences beside a prompt chunk: one token each) is split when the
-  offsets are known on the host: the short sequences take the recurrent kernel in place, and only the long
-  ones go through fla, whose gather, masking and scatter of 3 MiB states and whose per-sequence chunk work
-  cost ~40 ms a step on 27B with 63 decoding sequences.
+  offsets are known on the host and the short sequences are many: they take the recurrent kernel in place,
+  and only the long ones go through fla, whose gather, masking and scatter of 3 MiB states and whose
+  per-sequence chunk work cost ~35 ms of GPU a step on 27B with 63 decoding sequences (measured under the
+  profiler, 2026-11-30).
 """
 
 import numpy as np
@@ -35,6 +36,13 @@ _DECODE_BLOCK_V = 16
 # heads, 2026-11-30): 1 x 16 tokens 35 us, 1 x 128 233 us, 8 x 64 397 us; fla's chunked path ~950 us GPU and
 # ~950 us of host time per call at any of these sizes, so the recurrent kernel wins up to at least 128.
 RECURRENT_PREFILL_MAX_LEN = 128
+# A batch with long sequences sends its short ones (<= RECURRENT_PREFILL_MAX_LEN tokens) to the recurrent kernel
+# when there are at least this many: each short one costs fla a 3 MiB state gather, mask and scatter (27B) and a
+# chunk of its own, but the split costs a few host operations and an output copy per layer. A prompt checkpointed
+# inside its step (one 16-token tail beside its head) stays in one fla call.
+SPLIT_MIN_SHORT_SEQS = 8
+# Tokens per chunk of fla's chunked gated delta rule (its default).
+FLA_CHUNK_SIZE = 64
 
 
 @triton.jit
@@ -193,7 +201,8 @@ def gdn_prefill(q, k, v, g, beta, state_pool, state_slots, has_initial_state, cu
     on the GPU. max_query_len: the longest sequence's token count, if known; at most RECURRENT_PREFILL_MAX_LEN
     runs our recurrent kernel (one launch), otherwise fla-core's chunked kernels. cu_seqlens_cpu: the same
     offsets on the CPU, optional: without it fla reads cu_seqlens back to the host once (a device sync) to
-    build its chunk index; with it, a batch mixing short and long sequences sends only the long ones to fla. With A_log and dt_bias ([HV] each), g and beta are the raw projections a and b (as
+    build its chunk index; with it, a batch with long sequences and at least SPLIT_MIN_SHORT_SEQS short ones
+    (decoding sequences beside a prompt chunk) sends only the long ones to fla. With A_log and dt_bias ([HV] each), g and beta are the raw projections a and b (as
     in `gdn_decode`): the recurrent kernel computes the gates itself, the fla path first. Returns o: [T, HV, V]
     in v.dtype."""
     if (A_log is None) != (dt_bias is None):
@@ -217,7 +226,8 @@ def gdn_prefill(q, k, v, g, beta, state_pool, state_slots, has_initial_state, cu
         return out
 
     lengths = None if cu_seqlens_cpu is None else np.diff(cu_seqlens_cpu.numpy())  # [N]
-    if lengths is not None and lengths.size and lengths.min() <= RECURRENT_PREFILL_MAX_LEN < lengths.max():
+    num_short = 0 if lengths is None else int((lengths <= RECURRENT_PREFILL_MAX_LEN).sum())
+    if SPLIT_MIN_SHORT_SEQS <= num_short < len(lengths):
         return _split_prefill(q, k, v, g, beta, state_pool, state_slots, has_initial_state, cu_seqlens,
                               cu_seqlens_cpu.numpy(), lengths, A_log, dt_bias)
     if A_log is not None:
@@ -269,6 +279,12 @@ def _chunked_prefill(q, k, v, g, beta, state_pool, state_slots, has_initial_stat
         _zero_fresh_slots(state_pool, state_slots, has_initial_state)
         return v.new_empty(v.shape)
 
+    # fla builds its chunk index from the host offsets and copies it to the GPU from pageable memory: a
+    # synchronous copy, after which the GPU idles while the host launches fla's kernels (~0.5-1 ms a layer).
+    # Built here and copied from pinned memory, it is queued like any other input.
+    chunk_indices = None
+    if cu_seqlens_cpu is not None:
+        chunk_indices = to_device(fla_chunk_indices(cu_seqlens_cpu.numpy()), v.device)  # [NT, 2] int64
     # index_select copies, so the in-place masking never touches the pool; .float() is a no-op on float32.
     initial = state_pool.index_select(0, state_slots).float()  # [N, HV, K, V]
     # masked_fill, not a multiply: a fresh slot may hold NaN garbage, and NaN * 0 is NaN.
@@ -282,9 +298,19 @@ def _chunked_prefill(q, k, v, g, beta, state_pool, state_slots, has_initial_stat
         use_qk_l2norm_in_kernel=True,  # l2norm eps 1e-6, default scale K ** -0.5
         cu_seqlens=cu_seqlens,
         cu_seqlens_cpu=cu_seqlens_cpu,
+        chunk_indices=chunk_indices,
     )
     state_pool.index_copy_(0, state_slots, final.to(state_pool.dtype))  # final: [N, HV, K, V] float32
     return out[0].to(v.dtype)  # fla returns q.dtype
+
+
+def fla_chunk_indices(offsets: np.ndarray, chunk_size: int = FLA_CHUNK_SIZE) -> np.ndarray:
+    """fla's chunk index of a varlen batch: [NT, 2] int64 rows (sequence, chunk within it), chunk by chunk.
+    offsets: [N+1] token offsets (cu_seqlens) on the host."""
+    counts = -(-np.diff(offsets) // chunk_size)  # [N] chunks per sequence; none for an empty one
+    sequence = np.repeat(np.arange(len(counts), dtype=np.int64), counts)  # [NT]
+    first = np.repeat(np.cumsum(counts) - counts, counts)  # [NT] index of its sequence's first chunk
+    return np.stack([sequence, np.arange(len(sequence), dtype=np.int64) - first], axis=1)
 
 
 def _decode_block_v(num_seqs: int) -> int:
