@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 
 import torch
-from dataclasses import dataclass, field
 
 from deltaserve.config import EngineConfig, ModelConfig
 from deltaserve.engine.detokenize import IncrementalDetokenizer
@@ -74,9 +74,12 @@ class LLMEngine:
     def warm_up(self) -> None:
         """Run once, before serving, the kind of steps whose kernels compile (Triton) or get planned (cuDNN)
         at their first use, so that no user's first request pays for it (seconds on an H200): a prompt of two
-        full chunks and a short tail (chunks over a cached prefix, a checkpoint inside the step), a short
-        prompt that joins while it decodes (a mixed step), then a resend of that prompt with a new ending (a
-        prefix-cache hit). Their outputs are dropped and the prefix cache is emptied after them."""
+        full chunks and a short tail (chunks over a cached prefix, a checkpoint inside the step), a few short
+        requests, then a prompt that joins while they all decode (a mixed step, with enough decoding sequences
+        for the GDN op to split it), then a resend of that prompt with a new ending (a prefix-cache hit).
+        Their outputs are dropped and the prefix cache is emptied after them."""
+        from deltaserve.ops.gdn.cuda import SPLIT_MIN_SHORT_SEQS
+
         longest = self.max_model_len - 8  # room for the outputs and for the resend's longer ending
         if longest < 16:
             return
@@ -90,13 +93,16 @@ class LLMEngine:
             while self.has_unfinished() and not done(self.step()):
                 pass
 
-        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-        short = prompt(min(300, longest), 2)
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         self.add_request("deltaserve-warm-up-long", prompt(min(2 * budget + 2 * block + 3, longest), 1), params)
         run_until(lambda outputs: bool(outputs))  # its first token: it decodes from now on
-        self.add_request("deltaserve-warm-up-short", short, params)
+        for i in range(SPLIT_MIN_SHORT_SEQS):
+            self.add_request(f"deltaserve-warm-up-decode-{i}", prompt(min(20, longest), 10 + i), params)
+        run_until(lambda outputs: len(outputs) > 1)  # the short ones decode too
+        joining = prompt(min(300, longest), 2)
+        self.add_request("deltaserve-warm-up-joining", joining, params)
         run_until(lambda outputs: False)
-        self.add_request("deltaserve-warm-up-hit", short[:-5] + prompt(9, 3), params)
+        self.add_request("deltaserve-warm-up-hit", joining[:-5] + prompt(9, 3), params)
         run_until(lambda outputs: False)
         self.reset_prefix_cache()
         logger.info("warm-up (the first use of each kind of step) took %.1f s", time.perf_counter() - start)

@@ -202,9 +202,9 @@ def gdn_prefill(q, k, v, g, beta, state_pool, state_slots, has_initial_state, cu
     runs our recurrent kernel (one launch), otherwise fla-core's chunked kernels. cu_seqlens_cpu: the same
     offsets on the CPU, optional: without it fla reads cu_seqlens back to the host once (a device sync) to
     build its chunk index; with it, a batch with long sequences and at least SPLIT_MIN_SHORT_SEQS short ones
-    (decoding sequences beside a prompt chunk) sends only the long ones to fla. With A_log and dt_bias ([HV] each), g and beta are the raw projections a and b (as
-    in `gdn_decode`): the recurrent kernel computes the gates itself, the fla path first. Returns o: [T, HV, V]
-    in v.dtype."""
+    (decoding sequences beside a prompt chunk) sends only the long ones to fla. With A_log and dt_bias ([HV]
+    each), g and beta are the raw projections a and b (as in `gdn_decode`): the recurrent kernel computes the
+    gates itself, the fla path first. Returns o: [T, HV, V] in v.dtype."""
     if (A_log is None) != (dt_bias is None):
         raise ValueError("A_log and dt_bias come together (raw gates) or not at all")
     num_tokens, _, _ = _check_gdn_inputs(q, k, v, g, beta, state_pool, state_slots)
