@@ -437,6 +437,35 @@ def test_gdn_prefill_keeps_a_few_short_sequences_in_the_fla_call(monkeypatch):
     assert calls == [cu.tolist()]
 
 
+def test_gdn_prefill_derives_its_host_plan_once_per_step(monkeypatch):
+    """Every GDN layer of a step passes the same offsets tensor: the split plan and fla's chunk index are built
+    for the first layer and reused (the same tensors reach fla); a new step's offsets build new ones."""
+    monkeypatch.setattr(gdn_kernels, "RECURRENT_PREFILL_MAX_LEN", 8)
+    monkeypatch.setattr(gdn_kernels, "SPLIT_MIN_SHORT_SEQS", 2)
+    monkeypatch.setattr(gdn_kernels, "_per_step", gdn_kernels._PerStepCache())
+    seen = []
+
+    def chunk_gated_delta_rule(q, k, v, g, beta, initial_state, **kwargs):
+        seen.append((kwargs["cu_seqlens_cpu"], kwargs["chunk_indices"]))
+        return v.clone(), initial_state
+
+    fake_fla = types.ModuleType("fla.ops.gated_delta_rule")
+    fake_fla.chunk_gated_delta_rule = chunk_gated_delta_rule
+    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", fake_fla)
+    lengths = [1, 20, 1]
+    gen = torch.Generator().manual_seed(12)
+    inputs = prefill_inputs(lengths, 1, 2, 16, 16, torch.float32, gen)
+    pool = torch.randn(3, 2, 16, 16, generator=gen)
+    _, slots, has_initial = varlen_batch(lengths, [0, 1, 2], [True] * 3)
+    for step in range(2):
+        cu, _, _ = varlen_batch(lengths, [0, 1, 2], [True] * 3)  # each step builds its own offsets
+        for _layer in range(2):
+            gdn_kernels.gdn_prefill(*inputs, pool, slots, has_initial, cu, cu_seqlens_cpu=cu, max_query_len=20)
+    assert seen[0][0] is seen[1][0] and seen[0][1] is seen[1][1]  # layers of one step
+    assert seen[2][0] is not seen[1][0] and seen[2][1] is not seen[1][1]  # the next step
+    assert seen[0][0].tolist() == [0, 20] and seen[0][1].tolist() == [[0, 0]]
+
+
 def test_fla_chunk_index_lists_every_chunk_of_every_sequence():
     """As fla's prepare_chunk_indices: (sequence, chunk within it) for each 64-token chunk, none for an empty
     sequence (checked against fla 0.6's own on these offsets)."""

@@ -18,6 +18,9 @@ Same contract as `deltaserve.ops.gdn.gdn_prefill` / `gdn_decode` (see `reference
   profiler, 2026-11-30).
 """
 
+from collections import deque
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 import triton
@@ -229,7 +232,7 @@ def gdn_prefill(q, k, v, g, beta, state_pool, state_slots, has_initial_state, cu
     num_short = 0 if lengths is None else int((lengths <= RECURRENT_PREFILL_MAX_LEN).sum())
     if SPLIT_MIN_SHORT_SEQS <= num_short < len(lengths):
         return _split_prefill(q, k, v, g, beta, state_pool, state_slots, has_initial_state, cu_seqlens,
-                              cu_seqlens_cpu.numpy(), lengths, A_log, dt_bias)
+                              cu_seqlens_cpu, A_log, dt_bias)
     if A_log is not None:
         from deltaserve.ops.gdn import gdn_gates
         g, beta = gdn_gates(g, beta, A_log, dt_bias)
@@ -237,34 +240,70 @@ def gdn_prefill(q, k, v, g, beta, state_pool, state_slots, has_initial_state, cu
                             cu_seqlens_cpu)
 
 
-def _split_prefill(q, k, v, g, beta, state_pool, state_slots, has_initial_state, cu_seqlens, offsets, lengths,
-                   A_log, dt_bias):
-    """gdn_prefill of a batch with sequences on both sides of RECURRENT_PREFILL_MAX_LEN: the short ones by the
-    recurrent kernel, in place; the long ones by fla, on their rows (a view when they are adjacent, as a new
-    prompt's chunk after the decoding sequences is). offsets: [N+1] and lengths: [N], on the host."""
-    device = v.device
-    out = torch.empty(v.shape, dtype=v.dtype, device=device)
+@dataclass(frozen=True)
+class _SplitPlan:
+    """How `_split_prefill` divides a batch, from its host offsets (the same for every GDN layer of a step)."""
+    short_ids: torch.Tensor  # [S] the sequences the recurrent kernel runs
+    long_ids: torch.Tensor  # [L] the sequences fla runs
+    rows: slice | torch.Tensor  # the long sequences' token rows: a slice when they are adjacent
+    long_offsets: torch.Tensor  # [L+1] their token offsets on the device
+    long_offsets_cpu: torch.Tensor  # [L+1] the same on the host
+
+
+def _plan_split(offsets: np.ndarray, device) -> _SplitPlan:
+    lengths = np.diff(offsets)
     short = lengths <= RECURRENT_PREFILL_MAX_LEN
-    short_ids = to_device(np.flatnonzero(short), device)
-    _launch_recurrent(q, k, v, _unit_last_stride(g), _unit_last_stride(beta), out, state_pool,
-                      state_slots, has_initial_state, cu_seqlens, _decode_block_v(len(short_ids)), A_log, dt_bias,
-                      seq_ids=short_ids)
     long = np.flatnonzero(~short)
     starts, ends = offsets[long], offsets[long + 1]
-    if (starts[1:] == ends[:-1]).all():  # adjacent: one slice of rows, no copy
+    if (starts[1:] == ends[:-1]).all():  # adjacent (a new prompt's chunk after the decoding sequences): a view
         rows = slice(int(starts[0]), int(ends[-1]))
     else:
         rows = to_device(np.concatenate([np.arange(a, b) for a, b in zip(starts, ends)]), device)
     long_offsets = np.zeros(len(long) + 1, dtype=np.int64)
     np.cumsum(lengths[long], out=long_offsets[1:])
-    long_ids = to_device(long, device)
+    return _SplitPlan(to_device(np.flatnonzero(short), device), to_device(long, device), rows,
+                      to_device(long_offsets, device), torch.from_numpy(long_offsets))
+
+
+class _PerStepCache:
+    """Values derived from a batch's host offsets tensor, built once and reused by every GDN layer that passes
+    the same tensor object: the layers of one step (fla caches its own index the same way). The tensor is
+    held, so its id cannot be reused while it is cached."""
+
+    def __init__(self, size: int = 4):
+        self._entries: deque = deque(maxlen=size)  # (kind, offsets tensor, device, value)
+
+    def get(self, kind: str, offsets_cpu: torch.Tensor, device, build):
+        for entry_kind, key, entry_device, value in self._entries:
+            if entry_kind == kind and key is offsets_cpu and entry_device == device:
+                return value
+        value = build()
+        self._entries.append((kind, offsets_cpu, device, value))
+        return value
+
+
+_per_step = _PerStepCache()
+
+
+def _split_prefill(q, k, v, g, beta, state_pool, state_slots, has_initial_state, cu_seqlens, cu_seqlens_cpu,
+                   A_log, dt_bias):
+    """gdn_prefill of a batch with sequences on both sides of RECURRENT_PREFILL_MAX_LEN: the short ones by the
+    recurrent kernel, in place; the long ones by fla, on their rows."""
+    device = v.device
+    plan = _per_step.get("split", cu_seqlens_cpu, device, lambda: _plan_split(cu_seqlens_cpu.numpy(), device))
+    out = torch.empty(v.shape, dtype=v.dtype, device=device)
+    _launch_recurrent(q, k, v, _unit_last_stride(g), _unit_last_stride(beta), out, state_pool,
+                      state_slots, has_initial_state, cu_seqlens, _decode_block_v(len(plan.short_ids)), A_log,
+                      dt_bias, seq_ids=plan.short_ids)
+    rows = plan.rows
     g_long, beta_long = g[rows], beta[rows]
     if A_log is not None:
         from deltaserve.ops.gdn import gdn_gates
         g_long, beta_long = gdn_gates(g_long, beta_long, A_log, dt_bias)
     out[rows] = _chunked_prefill(q[rows], k[rows], v[rows], g_long, beta_long, state_pool,
-                                 state_slots.index_select(0, long_ids), has_initial_state.index_select(0, long_ids),
-                                 to_device(long_offsets, device), torch.from_numpy(long_offsets))
+                                 state_slots.index_select(0, plan.long_ids),
+                                 has_initial_state.index_select(0, plan.long_ids), plan.long_offsets,
+                                 plan.long_offsets_cpu)
     return out
 
 
@@ -279,12 +318,13 @@ def _chunked_prefill(q, k, v, g, beta, state_pool, state_slots, has_initial_stat
         _zero_fresh_slots(state_pool, state_slots, has_initial_state)
         return v.new_empty(v.shape)
 
-    # fla builds its chunk index from the host offsets and copies it to the GPU from pageable memory: a
-    # synchronous copy, after which the GPU idles while the host launches fla's kernels (~0.5-1 ms a layer).
-    # Built here and copied from pinned memory, it is queued like any other input.
+    # fla builds its chunk index from the host offsets and copies it to the GPU from pageable memory: a stream
+    # sync, after which the GPU idles while the host launches fla's kernels (~1 ms). Built here (once a step)
+    # and copied from pinned memory, it is queued like any other input.
     chunk_indices = None
     if cu_seqlens_cpu is not None:
-        chunk_indices = to_device(fla_chunk_indices(cu_seqlens_cpu.numpy()), v.device)  # [NT, 2] int64
+        chunk_indices = _per_step.get("chunks", cu_seqlens_cpu, v.device, lambda: to_device(
+            fla_chunk_indices(cu_seqlens_cpu.numpy()), v.device))  # [NT, 2] int64
     # index_select copies, so the in-place masking never touches the pool; .float() is a no-op on float32.
     initial = state_pool.index_select(0, state_slots).float()  # [N, HV, K, V]
     # masked_fill, not a multiply: a fresh slot may hold NaN garbage, and NaN * 0 is NaN.
