@@ -51,6 +51,8 @@ class CacheManager:
         self.prefix_cache = prefix_cache
         self.block_size = block_pool.block_size
         interval = DECODE_CHECKPOINT_INTERVAL if decode_checkpoint_interval is None else decode_checkpoint_interval
+        if interval < 1:
+            raise ValueError(f"decode_checkpoint_interval must be a positive number of tokens, got {interval}")
         # decode checkpoints go at multiples of this many tokens (whole blocks)
         self.decode_checkpoint_stride = -(-interval // self.block_size) * self.block_size
 

@@ -279,6 +279,12 @@ def test_decode_checkpoints_go_at_multiples_of_the_interval():
     assert b.num_cached_tokens == 24
 
 
+def test_a_decode_checkpoint_interval_below_one_token_is_refused():
+    blocks, states = BlockPool(8, 4), StatePool(4, 2)
+    with pytest.raises(ValueError, match="decode_checkpoint_interval must be a positive number of tokens, got 0"):
+        CacheManager(blocks, states, PrefixCache(blocks, states, "test-model"), decode_checkpoint_interval=0)
+
+
 def test_concurrent_requests_share_blocks_once_computed_and_state_once_saved():
     sched = make_scheduler(checkpoints=8, budget=8)
     prompt = list(range(1, 25))
