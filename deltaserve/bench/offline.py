@@ -137,18 +137,20 @@ class StepTimes:
     def __init__(self):
         self.kinds: dict[str, list[float]] = {"decode": [], "prefill": []}
         self.prefill_tokens = 0
-        self._previous: tuple[str, float] | None = None
+        self.slowest: list[tuple[float, int, int]] = []  # the slowest steps: (seconds, prompt tokens, rows)
+        self._previous: tuple[str, float, int, int] | None = None
 
     def add(self, scheduled, now: float) -> None:
         if self._previous is not None:
-            kind, launched_at = self._previous
+            kind, launched_at, prompt_tokens, rows = self._previous
             self.kinds[kind].append(now - launched_at)
+            self.slowest = sorted(self.slowest + [(now - launched_at, prompt_tokens, rows)], reverse=True)[:5]
         if scheduled is None or scheduled.is_empty:
             self._previous = None
             return
         prompt_tokens = sum(len(row.token_ids) for row in scheduled.sequences if len(row.token_ids) > 1)
         self.prefill_tokens += prompt_tokens
-        self._previous = ("prefill" if prompt_tokens else "decode", now)
+        self._previous = ("prefill" if prompt_tokens else "decode", now, prompt_tokens, len(scheduled.sequences))
 
     def summary(self) -> dict:
         out = {"prefill_tokens": self.prefill_tokens}
@@ -156,7 +158,35 @@ class StepTimes:
             out[f"{kind}_steps"] = len(times)
             out[f"{kind}_s"] = round(sum(times), 3)
             out[f"{kind}_median_ms"] = round(1e3 * statistics.median(times), 2) if times else None
+        out["slowest"] = [f"{1e3 * t:.0f} ms ({tokens} prompt tokens, {rows} rows)" for t, tokens, rows in self.slowest]
         return out
+
+
+class CompileLog:
+    """Triton kernel variants compiled (or loaded from the disk cache) while a workload ran: a step that meets
+    a new specialisation of a kernel (a new constexpr, or an integer argument newly divisible by 16) pays for
+    it there, which a benchmark should show rather than average away."""
+
+    def __init__(self):
+        self.names: list[str] = []
+
+    def install(self) -> None:
+        import triton
+
+        triton.knobs.runtime.jit_cache_hook = self._hook
+
+    def _hook(self, *, fn, repr, **_):
+        self.names.append(fn.name)
+        logging.getLogger(__name__).debug("compiling %s", repr)
+        return False  # go on and compile
+
+    def take(self) -> str:
+        """The variants compiled since the last call, as 'kernel x count, ...'."""
+        counts: dict[str, int] = {}
+        for name in self.names:
+            counts[name] = counts.get(name, 0) + 1
+        self.names = []
+        return ", ".join(f"{name} x{count}" for name, count in sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
 def _run_one(engine: LLMEngine, request_id: str, prompt: list[int], output_len: int) -> tuple[float, list[int], int]:
@@ -324,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
         async_scheduling=args.async_scheduling))
     print(f"engine ready in {time.perf_counter() - t:.1f} s", flush=True)
     limits = Limits(engine, bandwidth, flops)
+    compiles = CompileLog()
+    compiles.install()
     if args.profile:
         profile(engine, save_dir=args.profile_dir)
     for name in names:
@@ -341,7 +373,9 @@ def main(argv: list[str] | None = None) -> int:
             # tokens, and the prefix cache would serve the second from the first.
             seed = zlib.crc32(f"{name} {input_len} {output_len} {conc}".encode())
             run_workload(engine, min(input_len, 256), 4, 1, 1, seed=seed + 1)  # warm-up
+            compiles.take()
             r = run_workload(engine, input_len, output_len, num, conc, seed=seed)
+            r["triton_compiles"] = compiles.take()
             r["workload"] = name
             r["ttft_limit_ms"] = 1e3 * limits.prefill(input_len)
             if r["median_tpot_ms"] is not None:
@@ -358,7 +392,9 @@ def main(argv: list[str] | None = None) -> int:
                 st = r["steps"]
                 line += (f"; steps with prompt tokens {st['prefill_steps']} ({st['prefill_s']} s, median "
                          f"{st['prefill_median_ms']} ms), decode-only {st['decode_steps']} ({st['decode_s']} s, "
-                         f"median {st['decode_median_ms']} ms)")
+                         f"median {st['decode_median_ms']} ms); slowest steps: {', '.join(st['slowest'])}")
+            if r["triton_compiles"]:
+                line += f"; Triton kernels compiled during it: {r['triton_compiles']}"
             print(line, flush=True)
             if args.out:
                 with open(args.out, "a") as f:

@@ -19,4 +19,6 @@ def test_step_times_charge_each_interval_to_the_step_launched_before_it():
     steps.add(scheduled(), 0.56)  # nothing launched: the next interval belongs to no step
     steps.add(scheduled(1), 1.0)
     assert steps.summary() == {"prefill_tokens": 100, "decode_steps": 2, "decode_s": 0.06, "decode_median_ms": 30.0,
-                               "prefill_steps": 1, "prefill_s": 0.5, "prefill_median_ms": 500.0}
+                               "prefill_steps": 1, "prefill_s": 0.5, "prefill_median_ms": 500.0,
+                               "slowest": ["500 ms (100 prompt tokens, 2 rows)", "40 ms (0 prompt tokens, 2 rows)",
+                                           "20 ms (0 prompt tokens, 2 rows)"]}

@@ -83,14 +83,14 @@ def _conv_decode_kernel(
 
 
 @triton.jit
-def _sequence_of(tokens, cu_seqlens, num_seqs, SEARCH_STEPS: tl.constexpr):
+def _sequence_of(tokens, cu_seqlens, num_seqs, search_steps):
     """[BLOCK_T] index of the sequence owning each token: the largest n < N with cu_seqlens[n] <= token.
 
     Binary search keeping cu_seqlens[lo] <= token < cu_seqlens[hi]; empty sequences are skipped because a
     later start equal to theirs wins. Tokens past the end land on N-1 (callers mask them)."""
     lo = tl.zeros_like(tokens)
     hi = tl.zeros_like(tokens) + num_seqs
-    for _ in tl.static_range(SEARCH_STEPS):
+    for _ in range(search_steps):
         mid = (lo + hi) // 2
         go_right = tl.load(cu_seqlens + mid) <= tokens
         lo = tl.where(go_right, mid, lo)
@@ -151,11 +151,13 @@ def _store_segment(y, acc, tokens, tok_ok, chans, chan_ok, lo, hi, num_tokens, S
     tl.store(out, acc.to(y.dtype.element_ty), mask=tok_ok[:, None] & chan_ok[None, :])
 
 
-@triton.jit
+# The batch's sizes are not specialised on (Triton would compile a variant per divisibility of each): one
+# kernel serves every batch, compiled at warm-up instead of at the first batch of a new shape (~0.5 s each).
+@triton.jit(do_not_specialize=["num_tokens", "num_seqs", "search_steps"])
 def _conv_prefill_kernel(
     x, weight, y, state_pool, state_slots, has_initial_state, cu_seqlens,
-    num_tokens, channels, split1, split2, num_seqs, stride_x_row, stride_pool_slot,
-    WIDTH: tl.constexpr, SILU: tl.constexpr, SEARCH_STEPS: tl.constexpr, BLOCK_T: tl.constexpr,
+    num_tokens, channels, split1, split2, num_seqs, search_steps, stride_x_row, stride_pool_slot,
+    WIDTH: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr, HEAD_T: tl.constexpr,
 ):
     """y[t] = act(sum_tap w[tap] * input(t - (W-1) + tap)), grid (N + token blocks, channel blocks).
@@ -182,7 +184,7 @@ def _conv_prefill_kernel(
         # int64 token ids: token * row stride can pass 2^31 for long prompts with D = 10240
         tokens = ((row - num_seqs) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # [BLOCK_T]
         tok_ok = tokens < num_tokens
-        seq = _sequence_of(tokens, cu_seqlens, num_seqs, SEARCH_STEPS)  # [BLOCK_T]
+        seq = _sequence_of(tokens, cu_seqlens, num_seqs, search_steps)  # [BLOCK_T]
         start = tl.load(cu_seqlens + seq)  # [BLOCK_T], first token of each token's sequence
         acc = _conv_taps(x, weight, state_pool, state_slots, has_initial_state, seq, start, tokens, tok_ok, chans,
                          chan_ok, stride_x_row, stride_pool_slot, WIDTH, False, BLOCK_T, BLOCK_D)
@@ -275,14 +277,13 @@ def conv_prefill(x, weight, state_pool, state_slots, has_initial_state, cu_seqle
     if num_seqs == 0:
         return y
     if num_tokens > 0:
-        # ceil(log2(N)) halvings of [0, N); a compile-time count, so one kernel variant per power of two of N
-        search_steps = max(1, (num_seqs - 1).bit_length())
+        search_steps = max(1, (num_seqs - 1).bit_length())  # ceil(log2(N)) halvings of [0, N)
         token_blocks = triton.cdiv(num_tokens, _PREFILL_BLOCK_T)
         channel_blocks = sum(triton.cdiv(d, _PREFILL_BLOCK_D) for d in segments)
         _conv_prefill_kernel[(num_seqs + token_blocks, channel_blocks)](
             x, weight, flat, state_pool, state_slots, has_initial_state, cu_seqlens,
-            num_tokens, channels, split1, split2, num_seqs, x.stride(0), state_pool.stride(0),
-            WIDTH=width, SILU=activation == "silu", SEARCH_STEPS=search_steps, BLOCK_T=_PREFILL_BLOCK_T,
+            num_tokens, channels, split1, split2, num_seqs, search_steps, x.stride(0), state_pool.stride(0),
+            WIDTH=width, SILU=activation == "silu", BLOCK_T=_PREFILL_BLOCK_T,
             BLOCK_D=_PREFILL_BLOCK_D, HEAD_T=triton.next_power_of_2(width - 1), num_warps=_PREFILL_WARPS,
         )
     # Launched after the first kernel on the same stream, so every initial-state read is done.

@@ -32,8 +32,6 @@ from deltaserve.ops.varlen import check_state_pool
 
 # Added under the square root of the L2 norm, as in fla's l2norm and the reference.
 _L2NORM_EPS = 1e-6
-# Value columns per decode program: 48 heads x 8 blocks = 384 programs at batch 1 for 27B (K = V = 128).
-_DECODE_BLOCK_V = 16
 # gdn_prefill runs the recurrent kernel when no sequence has more new tokens than this: one launch and no
 # state gather/scatter, but one token after another (fla's chunks are matmuls). Measured on an H200 (27B
 # heads, 2026-11-30): 1 x 16 tokens 35 us, 1 x 128 233 us, 8 x 64 397 us; fla's chunked path ~950 us GPU and
@@ -44,6 +42,9 @@ RECURRENT_PREFILL_MAX_LEN = 128
 # chunk of its own, but the split costs a few host operations and an output copy per layer. A prompt checkpointed
 # inside its step (one 16-token tail beside its head) stays in one fla call.
 SPLIT_MIN_SHORT_SEQS = 8
+# Value columns per program of the split's recurrent kernel: one width whatever the count of short sequences
+# (decode's width for 16 and more), so one kernel variant, compiled at warm-up rather than in a served step.
+SPLIT_BLOCK_V = 64
 # Tokens per chunk of fla's chunked gated delta rule (its default).
 FLA_CHUNK_SIZE = 64
 
@@ -151,8 +152,7 @@ def gdn_decode(q, k, v, g, beta, state_pool, state_slots, block_v: int | None = 
     are fine); g: [N, HV] float32 log decay; beta: [N, HV]; state_pool: [S, HV, K, V] float32 or bf16,
     contiguous; state_slots: [N] int64, distinct. With A_log and dt_bias ([HV] each), g and beta are instead
     the raw projections a and b, and the gates are computed in the kernel (one launch instead of seven).
-    block_v: value columns per program (a power of two; default by batch size, measured on an H200:
-    16 at small batches, 32 from 8 sequences on). Returns o: [N, HV, V] in v.dtype."""
+    block_v: value columns per program (a power of two; default by batch size, see `_decode_block_v`). Returns o: [N, HV, V] in v.dtype."""
     num_seqs, key_heads, key_dim = _check_gdn_inputs(q, k, v, g, beta, state_pool, state_slots)
     value_heads, value_dim = v.shape[1], v.shape[2]
     if num_seqs != state_slots.shape[0]:
@@ -173,9 +173,9 @@ def gdn_decode(q, k, v, g, beta, state_pool, state_slots, block_v: int | None = 
 
 
 def _launch_recurrent(q, k, v, g, beta, out, state_pool, state_slots, has_initial_state, cu_seqlens, block_v,
-                      A_log=None, dt_bias=None, seq_ids=None):
+                      A_log=None, dt_bias=None, seq_ids=None, num_warps=None):
     """Run `_gdn_recurrent_kernel` over N = len(state_slots) sequences (varlen when cu_seqlens is given), or
-    over the sequences numbered in seq_ids [n] (varlen only)."""
+    over the sequences numbered in seq_ids [n] (varlen only). num_warps: by default ~32 state values a thread."""
     key_heads, key_dim = q.shape[1:]
     value_heads, value_dim = v.shape[1:]
     raw_gates = A_log is not None
@@ -191,7 +191,7 @@ def _launch_recurrent(q, k, v, g, beta, out, state_pool, state_slots, has_initia
         HV=value_heads, GROUP=value_heads // key_heads, K=key_dim, V=value_dim, BK=block_k, BV=block_v,
         RAW_GATES=raw_gates, VARLEN=cu_seqlens is not None, SUBSET=seq_ids is not None,
         # about 32 state values per thread (fla's fused_recurrent kernel runs [128, 8] tiles on one warp)
-        num_warps=max(1, min(4, block_k * block_v // 1024)),
+        num_warps=num_warps or max(1, min(4, block_k * block_v // 1024)),
     )
 
 
@@ -293,8 +293,7 @@ def _split_prefill(q, k, v, g, beta, state_pool, state_slots, has_initial_state,
     plan = _per_step.get("split", cu_seqlens_cpu, device, lambda: _plan_split(cu_seqlens_cpu.numpy(), device))
     out = torch.empty(v.shape, dtype=v.dtype, device=device)
     _launch_recurrent(q, k, v, _unit_last_stride(g), _unit_last_stride(beta), out, state_pool,
-                      state_slots, has_initial_state, cu_seqlens, _decode_block_v(len(plan.short_ids)), A_log,
-                      dt_bias, seq_ids=plan.short_ids)
+                      state_slots, has_initial_state, cu_seqlens, SPLIT_BLOCK_V, A_log, dt_bias, seq_ids=plan.short_ids)
     rows = plan.rows
     g_long, beta_long = g[rows], beta[rows]
     if A_log is not None:
@@ -354,8 +353,13 @@ def fla_chunk_indices(offsets: np.ndarray, chunk_size: int = FLA_CHUNK_SIZE) -> 
 
 
 def _decode_block_v(num_seqs: int) -> int:
-    """Value columns per program, measured on an H200 for decode: 16 at small batches, 32 from 8 sequences."""
-    return _DECODE_BLOCK_V if num_seqs < 8 else 2 * _DECODE_BLOCK_V
+    """Value columns per program, measured on an H200 for decode (27B heads, float32 state,
+    `python -m deltaserve.bench.batch_probe`): 16 below 8 sequences (48 heads x 8 blocks = 384 programs at
+    batch 1), 32 from 8, 64 from 16 (batch 64: 109 us a layer, 3.68 TB/s, against 125 us with 32; batch 16:
+    32 against 34 us)."""
+    if num_seqs < 8:
+        return 16
+    return 32 if num_seqs < 16 else 64
 
 
 def _unit_last_stride(tensor):
