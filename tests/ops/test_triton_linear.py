@@ -6,7 +6,9 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from deltaserve.ops.linear import cuda as linear_cuda, reference  # noqa: E402
+from deltaserve.ops.linear import cuda as linear_cuda  # noqa: E402
+from deltaserve.ops.linear import cuda_skinny as linear_skinny  # noqa: E402
+from deltaserve.ops.linear import reference  # noqa: E402
 from tests.ops.interpreter import patch_interpreter_index  # noqa: E402
 
 patch_interpreter_index()
@@ -88,3 +90,58 @@ def test_small_bf16_batches_take_the_kernel():
     assert linear_cuda.supports(torch.zeros(linear_cuda.GEMV_MAX_ROWS, 8, dtype=torch.bfloat16))
     assert not linear_cuda.supports(torch.zeros(linear_cuda.GEMV_MAX_ROWS + 1, 8, dtype=torch.bfloat16))
     assert not linear_cuda.supports(torch.zeros(1, 8, dtype=torch.float32))
+
+
+# The skinny tensor-core GEMM (ops/linear/cuda_skinny.py): small tiles for the interpreter, one and two K splits.
+SKINNY_TILES = [(16, 32, 1, 4, 1), (16, 32, 2, 4, 1)] + ([(64, 128, 1, 4, 4), (128, 128, 2, 4, 4)]
+                                                          if DEVICE == "cuda" else [])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tile", SKINNY_TILES)
+@pytest.mark.parametrize("rows", [1, 3, 17, 64])
+def test_skinny_matches_cublas(dtype, tile, rows):
+    """N = 40 and K = 100 that no tile divides; 17 rows pad to a 32-row tile."""
+    gen = torch.Generator().manual_seed(rows)
+    x, weight = _rand(rows, 100, dtype=dtype, gen=gen), _rand(40, 100, dtype=dtype, gen=gen, scale=0.1)
+    torch.testing.assert_close(linear_skinny.linear(x, weight, tile), torch.nn.functional.linear(x, weight),
+                               **_tol(dtype))
+
+
+def test_skinny_table_and_buckets():
+    assert [linear_skinny.row_bucket(r) for r in (1, 2, 16, 17, 32, 33, 64)] == [1, 16, 16, 32, 32, 64, 64]
+    assert linear_skinny.config_for(8, 16, linear_skinny.SKINNY_MAX_ROWS + 1) is None
+    for key, tile in linear_skinny._tuned_configs().items():  # the packaged table: tiles the kernel can take
+        assert int(key.split(":")[2]) in linear_skinny.ROW_BUCKETS, key
+        assert tile is None or (tile[0] >= 16 and tile[1] >= 16 and tile[2] >= 1), key
+    with pytest.raises(ValueError, match="x must be"):
+        linear_skinny.linear(torch.zeros(65, 16), torch.zeros(8, 16), (16, 16, 1, 4, 1))
+
+
+def test_gpu_projections_take_the_tuned_kernel(monkeypatch):
+    """ops.linear's dispatch (the interpreter standing in for the GPU, the table and the device check patched):
+    a product whose (N, K, row bucket) is in the skinny table runs the prologue op and then the skinny GEMM, in
+    place of the fused GEMV too; others keep the GEMV at one row (where tuned) or cuBLAS."""
+    import deltaserve.ops.linear as ops_linear
+
+    calls = []
+    real_linear = linear_skinny.linear
+    monkeypatch.setattr(linear_skinny, "linear", lambda x, w, tile: calls.append((x.shape[0], *w.shape)) or
+                        real_linear(x, w, tile))
+    monkeypatch.setattr(linear_skinny, "_tuned_configs", lambda: {"40:96:16": [16, 32, 1, 4, 1],
+                                                                 "24:72:1": [16, 32, 2, 4, 1]})
+    monkeypatch.setattr(linear_cuda, "config_for", lambda prologue, n, k: (8, 32, 1, 1))  # the GEMV everywhere
+    monkeypatch.setattr(ops_linear, "_on_gpu", lambda x: True)
+    gen = torch.Generator().manual_seed(5)
+    x, norm_w, weight = (_rand(3, 96, dtype=torch.float32, gen=gen), _rand(96, dtype=torch.float32, gen=gen),
+                         _rand(40, 96, dtype=torch.float32, gen=gen))
+    torch.testing.assert_close(ops_linear.rms_norm_linear(x, norm_w, 1e-6, weight),
+                               reference.rms_norm_linear(x, norm_w, 1e-6, weight), **_tol(torch.float32))
+    gate_up, down = _rand(1, 144, dtype=torch.float32, gen=gen), _rand(24, 72, dtype=torch.float32, gen=gen)
+    torch.testing.assert_close(ops_linear.silu_mul_linear(gate_up, down),  # the skinny GEMM beat the GEMV here
+                               reference.silu_mul_linear(gate_up, down), **_tol(torch.float32))
+    assert calls == [(3, 40, 96), (1, 24, 72)]
+    torch.testing.assert_close(ops_linear.rms_norm_linear(x[:1], norm_w, 1e-6, weight),  # the GEMV (bucket 1)
+                               reference.rms_norm_linear(x[:1], norm_w, 1e-6, weight), **_tol(torch.float32))
+    ops_linear.silu_mul_linear(gate_up.expand(20, 144).contiguous(), down)  # bucket 32: not in the table, cuBLAS
+    assert len(calls) == 2

@@ -10,21 +10,24 @@ from deltaserve.ops.activation import silu_and_mul
 from deltaserve.ops.norm import gated_rms_norm, rms_norm
 
 
-def rms_norm_linear(x, norm_weight, eps: float, weight, residual=None):
+# matmul: the product after the prologue op, F.linear or one with its contract (ops.linear.matmul on the GPU).
+
+
+def rms_norm_linear(x, norm_weight, eps: float, weight, residual=None, matmul=F.linear):
     """x: [M, K]; norm_weight: [K]; weight: [N, K]; residual: [M, K] or None.
     Returns W @ rms_norm(x + residual) ([M, N]) and, with a residual, also h = x + residual."""
     if residual is None:
-        return F.linear(rms_norm(x, norm_weight, eps), weight)
+        return matmul(rms_norm(x, norm_weight, eps), weight)
     normed, h = rms_norm(x, norm_weight, eps, residual)
-    return F.linear(normed, weight), h
+    return matmul(normed, weight), h
 
 
-def silu_mul_linear(x, weight):
+def silu_mul_linear(x, weight, matmul=F.linear):
     """x: [M, 2K] (gate | up); weight: [N, K]. Returns W @ (silu(gate) * up): [M, N]."""
-    return F.linear(silu_and_mul(x), weight)
+    return matmul(silu_and_mul(x), weight)
 
 
-def gated_norm_linear(x, gate, norm_weight, eps: float, weight):
+def gated_norm_linear(x, gate, norm_weight, eps: float, weight, matmul=F.linear):
     """x, gate: [M, H, D]; norm_weight: [D]; weight: [N, H*D]. Returns W @ gated_rms_norm(x, gate): [M, N]."""
     normed = gated_rms_norm(x, gate, norm_weight, eps)
-    return F.linear(normed.reshape(x.shape[0], -1), weight)
+    return matmul(normed.reshape(x.shape[0], -1), weight)

@@ -1,0 +1,155 @@
+"""Decode projections on the skinny Triton GEMM (ops/linear/cuda_skinny.py) beside what they run otherwise, and
+the GDN decode kernel's tiles at a batch of many sequences.
+
+    python -m deltaserve.bench.batch_probe [CONFIG_DIR] [--out deltaserve/ops/linear/skinny_configs.json]
+
+For every projection of a decode step of the model in CONFIG_DIR (default: the published Qwen3.5-27B shape),
+inside CUDA graphs as decode runs them, each call on another copy of the weight so that none is served from L2:
+at one row, the prologue op and then the skinny kernel against the best of the fused GEMV
+(ops/linear/configs.json) and the prologue op + cuBLAS; at 16, 32 and 64 rows, the skinny kernel against cuBLAS.
+Writes the table cuda_skinny.py reads (the best tile where it won by 2%, else null) and prints each result
+with its bandwidth; then times the GDN decode step over (block_v, num_warps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import json
+import os
+
+import torch
+
+from deltaserve.bench.gemv_probe import COPIES_BYTES, decode_projections, graph_time_us, inputs, write_table
+from deltaserve.config import ModelConfig
+from deltaserve.ops.gdn import cuda as gdn_cuda
+from deltaserve.ops.linear import cuda as gemv_cuda
+from deltaserve.ops.linear import cuda_skinny, reference
+
+# (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages): the tiles that won somewhere in a wider sweep on an H200
+SWEEP = [(64, 64, 1, 4, 4), (128, 128, 1, 4, 4), (128, 128, 1, 8, 4), (64, 128, 1, 4, 3), (64, 128, 1, 4, 4),
+         (64, 128, 1, 4, 6), (128, 128, 2, 4, 4), (64, 64, 4, 4, 4), (32, 256, 1, 4, 4), (64, 256, 1, 4, 4),
+         (64, 128, 2, 4, 4), (64, 256, 1, 4, 3)]
+GDN_SWEEP = [(bv, warps) for bv, warps in itertools.product((16, 32, 64, 128), (1, 2, 4, 8))
+             if 8 <= 128 * bv // (32 * warps) <= 128]
+# 1% of noise between two graph timings of the same kernel; a tile must win by more than this
+MIN_GAIN = 0.98
+
+
+def best_tile(calls_for) -> tuple[float, tuple, list]:
+    """(microseconds, tile, top 3) of the fastest tile of SWEEP; calls_for(tile) -> the graph's calls."""
+    results = []
+    for tile in SWEEP:
+        try:
+            results.append((graph_time_us(calls_for(tile)), tile))
+        except Exception as exc:  # a tile Triton cannot build (shared memory): skip it
+            print(f"  {tile}: failed ({type(exc).__name__})", flush=True)
+    best_time, best = min(results)
+    return best_time, best, [(round(t, 1), tile) for t, tile in sorted(results)[:3]]
+
+
+def _plain(x, weight, matmul=torch.nn.functional.linear):
+    """The "none" prologue in the unfused ops' call shape."""
+    return matmul(x, weight)
+
+
+def probe_one_row(cfg: ModelConfig, device) -> dict:
+    """Bucket 1: the prologue op + the skinny GEMM against the fused GEMV and the prologue op + cuBLAS. A
+    weight shape shared by two projections gets a tile only where it wins for both."""
+    unfused_fns = {"rms_norm": reference.rms_norm_linear, "silu_mul": reference.silu_mul_linear,
+                   "gated_norm": reference.gated_norm_linear, "none": _plain}
+    gemv_fns = {"rms_norm": gemv_cuda.rms_norm_linear, "silu_mul": gemv_cuda.silu_mul_linear,
+                "gated_norm": gemv_cuda.gated_norm_linear, "none": gemv_cuda.linear}
+    table = {}
+    for prologue, n, k in decode_projections(cfg):
+        weights, call = inputs(prologue, n, k, cfg.gdn_v_dim, device)
+        megabytes = 2 * n * k / 1e6
+        unfused = unfused_fns[prologue]
+        baseline = graph_time_us([functools.partial(call, unfused, w) for w in weights])
+        if gemv_cuda.config_for(prologue, n, k) is not None:
+            baseline = min(baseline, graph_time_us([functools.partial(call, gemv_fns[prologue], w) for w in weights]))
+        best_time, best, top = best_tile(lambda tile: [
+            functools.partial(call, unfused, w, matmul=functools.partial(cuda_skinny.linear, config=tile))
+            for w in weights])
+        key = f"{n}:{k}:1"
+        wins = best_time < MIN_GAIN * baseline
+        table[key] = list(best) if wins and table.get(key, list(best)) is not None else None
+        print(f"rows 1 {prologue:>10} N={n:>6} K={k:>6} ({megabytes:.0f} MB): fused GEMV or unfused "
+              f"{baseline:.1f} us ({megabytes / baseline:.2f} TB/s); op + skinny {best_time:.1f} us "
+              f"({megabytes / best_time:.2f} TB/s) {best}; top: {top}", flush=True)
+    return table
+
+
+def probe_rows(cfg: ModelConfig, rows: int, device) -> dict:
+    """Buckets 16-64 (at their largest batch): the product after the prologue op, skinny against cuBLAS."""
+    table = {}
+    for n, k in sorted({(n, k) for _, n, k in decode_projections(cfg)}):
+        copies = max(2, int(COPIES_BYTES // (2 * n * k)))
+        weights = [0.02 * torch.randn(n, k, device=device, dtype=torch.bfloat16) for _ in range(copies)]
+        x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+        megabytes = 2 * n * k / 1e6
+        cublas = graph_time_us([functools.partial(torch.nn.functional.linear, x, w) for w in weights])
+        best_time, best, top = best_tile(lambda tile: [functools.partial(cuda_skinny.linear, x, w, tile)
+                                                       for w in weights])
+        table[f"{n}:{k}:{cuda_skinny.row_bucket(rows)}"] = list(best) if best_time < MIN_GAIN * cublas else None
+        print(f"rows {rows:>2} N={n:>6} K={k:>6} ({megabytes:.0f} MB): cuBLAS {cublas:.1f} us "
+              f"({megabytes / cublas:.2f} TB/s); skinny {best_time:.1f} us ({megabytes / best_time:.2f} TB/s) "
+              f"{best}; top: {top}", flush=True)
+    return table
+
+
+def probe_gdn_decode(cfg: ModelConfig, rows: int, device) -> None:
+    hk, hv, kd, vd = cfg.gdn_num_k_heads, cfg.gdn_num_v_heads, cfg.gdn_k_dim, cfg.gdn_v_dim
+    pools = [torch.zeros(rows + 1, hv, kd, vd, device=device, dtype=torch.float32) for _ in range(3)]
+    slots = torch.arange(1, rows + 1, device=device)
+    q, k = (torch.randn(rows, hk, kd, device=device, dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(rows, hv, vd, device=device, dtype=torch.bfloat16)
+    a, b = (torch.randn(rows, hv, device=device, dtype=torch.bfloat16) for _ in range(2))
+    A_log, dt_bias = torch.zeros(hv, device=device), torch.zeros(hv, device=device)
+    megabytes = 2 * rows * hv * kd * vd * 4 / 1e6
+
+    def step(pool, bv, warps):
+        out = torch.empty_like(v)
+        gdn_cuda._launch_recurrent(q, k, v, a, b, out, pool, slots, None, None, bv, A_log, dt_bias,
+                                   num_warps=warps)
+
+    default = graph_time_us([functools.partial(gdn_cuda.gdn_decode, q, k, v, a, b, p, slots, A_log=A_log,
+                                               dt_bias=dt_bias) for p in pools])
+    results = []
+    for bv, warps in GDN_SWEEP:
+        try:
+            results.append((graph_time_us([functools.partial(step, p, bv, warps) for p in pools]), bv, warps))
+        except Exception as exc:
+            print(f"  bv {bv} warps {warps}: failed ({type(exc).__name__})", flush=True)
+    print(f"GDN decode batch {rows} ({megabytes:.0f} MB of state read + written): default {default:.1f} us "
+          f"({megabytes / default:.2f} TB/s); " + ", ".join(f"bv {bv} w {w}: {t:.1f} us ({megabytes / t:.2f})"
+                                                             for t, bv, w in sorted(results)), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m deltaserve.bench.batch_probe", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    default_dir = next((d for d in (".gpu_configs/qwen3.5-27b", "../shared/configs/qwen3.5-27b") if os.path.isdir(d)),
+                       None)
+    parser.add_argument("model", nargs="?", default=default_dir, help="config.json directory")
+    parser.add_argument("--out", default="skinny_configs.json",
+                        help="merge the tuned shapes into this table (deltaserve/ops/linear/skinny_configs.json to "
+                             "keep them)")
+    parser.add_argument("--rows", default="1,16,32,64", help="comma-separated row buckets to probe")
+    parser.add_argument("--gdn-batches", default="64,16", help="comma-separated batch sizes for the GDN sweep")
+    args = parser.parse_args(argv)
+    cfg = ModelConfig.from_pretrained(args.model)
+    device = torch.device("cuda")
+    table = {}
+    for rows in (int(r) for r in args.rows.split(",")):
+        table.update(probe_one_row(cfg, device) if rows == 1 else probe_rows(cfg, rows, device))
+    write_table(args.out, table)
+    print(json.dumps(table), flush=True)
+    for batch in (int(b) for b in args.gdn_batches.split(",") if b):
+        probe_gdn_decode(cfg, batch, device)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

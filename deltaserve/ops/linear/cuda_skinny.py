@@ -1,0 +1,122 @@
+"""Triton GEMM for decode batches (1 to SKINNY_MAX_ROWS rows): y [M, N] = x [M, K] @ W [N, K]^T.
+
+A decode step is bound by reading the weights once (27B: ~50 GB), but cuBLAS picks tiles for such skinny
+products that leave the GPU short of loads in flight (27B's in-projections at 64 rows: 3.5-3.6 TB/s on an
+H200). Here the weight is the wide side of a tensor-core product (W tile [BLOCK_N, BLOCK_K] times x^T tile
+[BLOCK_K, BLOCK_M], the rows padded to 16, tl.dot's least), its loads pipelined over num_stages; K may be split
+among SPLIT_K programs whose float32 partial sums a second kernel adds in a fixed order, so the result does
+not depend on timing. The table `skinny_configs.json` (measured by `python -m deltaserve.bench.batch_probe`)
+names the tile per (N, K, row bucket) and holds only the shapes where the kernel beat cuBLAS (and, at one row,
+the fused GEMV of cuda.py) by 2%. (A version with the RMS-norm / silu-mul prologue fused in lost to the GEMV at
+one row, 2.9-3.4 TB/s: each program re-reads and normalises the activation; it was not kept.)
+"""
+
+import functools
+import json
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+# Rows (sequences) up to which the kernel may serve; larger batches run cuBLAS.
+SKINNY_MAX_ROWS = 64
+# Row buckets of the table: one row (against the GEMV), then up to 16, 32 and 64 rows (BLOCK_M).
+ROW_BUCKETS = (1, 16, 32, 64)
+CONFIGS_FILE = Path(__file__).with_name("skinny_configs.json")
+
+
+def row_bucket(rows: int) -> int:
+    """The table's bucket of a batch of `rows` (1 <= rows <= SKINNY_MAX_ROWS)."""
+    return next(bucket for bucket in ROW_BUCKETS if rows <= bucket)
+
+
+@functools.cache
+def _tuned_configs() -> dict:
+    if not CONFIGS_FILE.exists():
+        return {}
+    table = json.loads(CONFIGS_FILE.read_text())
+    for key, config in table.items():
+        if key.count(":") != 2 or not (config is None or (isinstance(config, list) and len(config) == 5)):
+            raise ValueError(f"{CONFIGS_FILE}: entry {key!r}: {config!r} is not a [BLOCK_N, BLOCK_K, SPLIT_K, warps, "
+                             "stages] list or null under an \"N:K:rows\" key")
+    return table
+
+
+def config_for(n: int, k: int, rows: int) -> tuple[int, int, int, int, int] | None:
+    """The tuned tile of W [n, k] at `rows` rows, or None where the kernel does not serve."""
+    if not 1 <= rows <= SKINNY_MAX_ROWS:
+        return None
+    config = _tuned_configs().get(f"{n}:{k}:{row_bucket(rows)}")
+    return tuple(config) if config is not None else None
+
+
+@triton.jit
+def _skinny_kernel(
+    x, weight, out, partial, M, N, K, k_iters, stride_x_m, stride_w_n, stride_out_m,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Grid (cdiv(N, BLOCK_N), SPLIT_K): program (n, s) computes out[:, n block] over the s-th range of k_iters
+    K blocks (into partial [SPLIT_K, M, N] float32 when SPLIT_K > 1)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output columns = weight rows
+    ms = tl.arange(0, BLOCK_M)  # [BM] rows of x
+    n_ok = ns < N
+    m_ok = ms < M
+    w_rows = weight + ns[:, None].to(tl.int64) * stride_w_n  # [BN, 1]
+    x_cols = x + ms[None, :] * stride_x_m  # [1, BM]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for i in range(0, k_iters):
+        ks = (pid_k * k_iters + i) * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK]
+        k_ok = ks < K
+        if EVEN_N and EVEN_K:
+            w = tl.load(w_rows + ks[None, :])  # [BN, BK]
+        else:
+            w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        xt = tl.load(x_cols + ks[:, None], mask=k_ok[:, None] & m_ok[None, :], other=0.0)  # [BK, BM]
+        acc = tl.dot(w, xt, acc, input_precision=PRECISION)  # [BN, BM]
+    out_ok = m_ok[None, :] & n_ok[:, None]
+    if SPLIT_K == 1:
+        tl.store(out + ms[None, :] * stride_out_m + ns[:, None], acc.to(out.dtype.element_ty), mask=out_ok)
+    else:
+        tl.store(partial + (pid_k * M + ms[None, :]).to(tl.int64) * N + ns[:, None], acc, mask=out_ok)
+
+
+@triton.jit
+def _sum_splits_kernel(partial, out, total, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    """out [M * N] = the sum of partial [SPLIT_K, M * N] over its first axis, in order."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < total
+    acc = tl.load(partial + offs, mask=ok, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(partial + s * total + offs, mask=ok, other=0.0)
+    tl.store(out + offs, acc.to(out.dtype.element_ty), mask=ok)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int, int]) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T -> [M, N] in x.dtype, 1 <= M <= SKINNY_MAX_ROWS, unit last strides.
+    config: (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages)."""
+    N, K = weight.shape
+    M = x.shape[0]
+    if x.dim() != 2 or x.shape[1] != K or not 1 <= M <= SKINNY_MAX_ROWS:
+        raise ValueError(f"x must be [1..{SKINNY_MAX_ROWS}, {K}], got {tuple(x.shape)}")
+    if x.dtype != weight.dtype:
+        raise ValueError(f"x dtype {x.dtype} differs from the weight's {weight.dtype}")
+    if weight.stride(1) != 1 or x.stride(1) != 1:
+        raise ValueError(f"x and weight need unit last strides, got {tuple(x.stride())} and {tuple(weight.stride())}")
+    block_n, block_k, split_k, num_warps, num_stages = config
+    block_m = max(16, triton.next_power_of_2(M))  # tl.dot's least side
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    partial = torch.empty(split_k, M, N, dtype=torch.float32, device=x.device) if split_k > 1 else out
+    _skinny_kernel[(triton.cdiv(N, block_n), split_k)](
+        x, weight, out, partial, M, N, K, triton.cdiv(K, split_k * block_k), x.stride(0), weight.stride(0),
+        out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+        EVEN_N=N % block_n == 0, EVEN_K=K % (block_k * split_k) == 0,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages,
+    )
+    if split_k > 1:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(M * N, block),)](partial, out, M * N, SPLIT_K=split_k, BLOCK=block)
+    return out
