@@ -346,16 +346,17 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth, flops = measure_device()
     print(f"device: {torch.cuda.get_device_name()}  copy bandwidth {bandwidth / 1e12:.2f} TB/s  "
           f"bf16 matmul {flops / 1e12:.0f} TFLOP/s", flush=True)
+    compiles = CompileLog()
+    compiles.install()
     t = time.perf_counter()
     engine = LLMEngine(EngineConfig(
         model=args.model, load_format=args.load_format, skip_tokenizer_init=True, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
         async_scheduling=args.async_scheduling))
-    print(f"engine ready in {time.perf_counter() - t:.1f} s", flush=True)
+    print(f"engine ready in {time.perf_counter() - t:.1f} s; Triton kernel variants compiled: {compiles.take()}",
+          flush=True)
     limits = Limits(engine, bandwidth, flops)
-    compiles = CompileLog()
-    compiles.install()
     if args.profile:
         profile(engine, save_dir=args.profile_dir)
     for name in names:

@@ -51,7 +51,9 @@ def config_for(n: int, k: int, rows: int) -> tuple[int, int, int, int, int] | No
     return tuple(config) if config is not None else None
 
 
-@triton.jit
+# Not specialised on the row count (Triton compiles a variant per "M == 1" and "M % 16 == 0" otherwise): the
+# decode graphs' 1 to 64 rows share one variant per tile and row bucket, fewer compiles at startup.
+@triton.jit(do_not_specialize=["M"])
 def _skinny_kernel(
     x, weight, out, partial, M, N, K, k_iters, stride_x_m, stride_w_n, stride_out_m,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
