@@ -13,15 +13,14 @@ with its bandwidth; then times the GDN decode step over (block_v, num_warps).
 
 from __future__ import annotations
 
-import argparse
 import functools
 import itertools
 import json
-import os
 
 import torch
 
-from deltaserve.bench.gemv_probe import COPIES_BYTES, decode_projections, graph_time_us, inputs, write_table
+from deltaserve.bench.gemv_probe import (COPIES_BYTES, decode_projections, graph_time_us, inputs, probe_parser,
+                                         write_table)
 from deltaserve.config import ModelConfig
 from deltaserve.ops.gdn import cuda as gdn_cuda
 from deltaserve.ops.linear import cuda as gemv_cuda
@@ -128,14 +127,7 @@ def probe_gdn_decode(cfg: ModelConfig, rows: int, device) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deltaserve.bench.batch_probe", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    default_dir = next((d for d in (".gpu_configs/qwen3.5-27b", "../shared/configs/qwen3.5-27b") if os.path.isdir(d)),
-                       None)
-    parser.add_argument("model", nargs="?", default=default_dir, help="config.json directory")
-    parser.add_argument("--out", default="skinny_configs.json",
-                        help="merge the tuned shapes into this table (deltaserve/ops/linear/skinny_configs.json to "
-                             "keep them)")
+    parser = probe_parser("batch_probe", __doc__, "skinny_configs.json", "skinny_configs.json")
     parser.add_argument("--rows", default="1,16,32,64", help="comma-separated row buckets to probe")
     parser.add_argument("--gdn-batches", default="64,16", help="comma-separated batch sizes for the GDN sweep")
     args = parser.parse_args(argv)

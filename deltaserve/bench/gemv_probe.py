@@ -81,14 +81,20 @@ def inputs(prologue: str, n: int, k: int, head_dim: int, device):
     return weights, (lambda fn, weight, **kw: fn(x, weight, **kw))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deltaserve.bench.gemv_probe", description=__doc__,
+def probe_parser(module: str, doc: str, default_out: str, package_table: str) -> argparse.ArgumentParser:
+    """The arguments every probe takes: the model's config directory and the table to merge results into."""
+    parser = argparse.ArgumentParser(prog=f"python -m deltaserve.bench.{module}", description=doc,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     default_dir = next((d for d in (".gpu_configs/qwen3.5-27b", "../shared/configs/qwen3.5-27b") if os.path.isdir(d)),
                        None)
     parser.add_argument("model", nargs="?", default=default_dir, help="config.json directory")
-    parser.add_argument("--out", default="gemv_configs.json",
-                        help="merge the tuned shapes into this table (deltaserve/ops/linear/configs.json to keep them)")
+    parser.add_argument("--out", default=default_out,
+                        help=f"merge the tuned shapes into this table (deltaserve/ops/linear/{package_table} to keep them)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = probe_parser("gemv_probe", __doc__, "gemv_configs.json", "configs.json")
     parser.add_argument("--only", help="probe only this prologue (rms_norm, silu_mul, gated_norm, none)")
     args = parser.parse_args(argv)
     cfg = ModelConfig.from_pretrained(args.model)
