@@ -99,8 +99,9 @@ class LLMEngine:
         for i in range(SPLIT_MIN_SHORT_SEQS):
             self.add_request(f"deltaserve-warm-up-decode-{i}", prompt(min(20, longest), 10 + i), params)
         run_until(lambda outputs: len(outputs) > 1)  # the short ones decode too
-        # long enough that its attention fills the GPU unsplit (the kernel variant of a batch of prompts)
-        joining = prompt(min(budget // 2, longest), 2)
+        # longer than the recurrent GDN path takes, and enough to fill the GPU with unsplit attention programs (the
+        # kernel variant a batch of prompts meets)
+        joining = prompt(min(max(300, budget // 2), longest), 2)
         self.add_request("deltaserve-warm-up-joining", joining, params)
         run_until(lambda outputs: False)
         self.add_request("deltaserve-warm-up-hit", joining[:-5] + prompt(9, 3), params)

@@ -144,4 +144,6 @@ def test_gpu_projections_take_the_tuned_kernel(monkeypatch):
     torch.testing.assert_close(ops_linear.rms_norm_linear(x[:1], norm_w, 1e-6, weight),  # the GEMV (bucket 1)
                                reference.rms_norm_linear(x[:1], norm_w, 1e-6, weight), **_tol(torch.float32))
     ops_linear.silu_mul_linear(gate_up.expand(20, 144).contiguous(), down)  # bucket 32: not in the table, cuBLAS
+    x_columns = x.T.contiguous().T  # [3, 96] with a column stride of 3: the kernel needs unit strides, cuBLAS runs
+    torch.testing.assert_close(ops_linear.matmul(x_columns, weight), x @ weight.T, **_tol(torch.float32))
     assert len(calls) == 2

@@ -22,8 +22,8 @@ def _on_gpu(x) -> bool:
 
 
 def _skinny_config(x, weight):
-    """The skinny GEMM's tuned tile for x @ weight^T, or None."""
-    if not _on_gpu(x):
+    """The skinny GEMM's tuned tile for x @ weight^T, or None (also for an x without a unit last stride)."""
+    if not _on_gpu(x) or x.stride(-1) != 1:
         return None
     from deltaserve.ops.linear import cuda_skinny
     return cuda_skinny.config_for(*weight.shape, x.shape[0])
