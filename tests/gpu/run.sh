@@ -2,7 +2,9 @@
 # Everything GPU in one command, on an H200 machine: GPU tests, then the benchmarks.
 #   tests/gpu/run.sh OUTDIR [full|quick|tests|bench]
 #   full: every GPU test, then all benchmarks; quick: every GPU test, a profile and a short benchmark;
-#   tests: the tests alone; bench: the benchmarks alone; TESTS=... narrows the test paths
+#   tests: the tests alone; bench: the benchmarks alone; TESTS=... narrows the test paths, WORKLOADS=W1,W3
+#   the benchmarks of full/bench, PROFILE=0 leaves out their kernel profiles (a device call lasts at most 10
+#   minutes: the tests take ~5, every benchmark with profiles ~8, without ~6)
 # Wheels the machine lacks (fla-core, the server stack) are installed from .whl/ when present
 # (../shared/tools/gpu-wheels.sh .whl); the published configs are read from .gpu_configs/ (a copy of
 # ../shared/configs) or ../shared/configs.
@@ -30,7 +32,9 @@ if [ "$MODE" = quick ]; then
   python3 -m deltaserve.bench.offline "$CONFIGS/qwen3.5-27b" --workloads W1,W3,W4 --scale 0.34 --profile \
     --profile-dir "$OUT" --max-model-len 140000 --out "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench.log"
 elif [ "$MODE" = full ] || [ "$MODE" = bench ]; then
-  python3 -m deltaserve.bench.offline "$CONFIGS/qwen3.5-27b" --workloads W4,W1,W3,W2,W6,W5 --profile \
-    --profile-dir "$OUT" --max-model-len 140000 --out "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench.log"
+  profile=(--profile --profile-dir "$OUT")
+  [ "${PROFILE:-1}" = 0 ] && profile=()
+  python3 -m deltaserve.bench.offline "$CONFIGS/qwen3.5-27b" --workloads "${WORKLOADS:-W4,W1,W3,W2,W6,W5}" \
+    ${profile[@]+"${profile[@]}"} --max-model-len 140000 --out "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench.log"
 fi
 exit $status
