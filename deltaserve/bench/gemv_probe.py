@@ -89,7 +89,8 @@ def probe_parser(module: str, doc: str, default_out: str, package_table: str) ->
                        None)
     parser.add_argument("model", nargs="?", default=default_dir, help="config.json directory")
     parser.add_argument("--out", default=default_out,
-                        help=f"merge the tuned shapes into this table (deltaserve/ops/linear/{package_table} to keep them)")
+                        help=f"merge the tuned shapes into this table (deltaserve/ops/linear/{package_table} to "
+                             "keep them)")
     return parser
 
 

@@ -152,7 +152,8 @@ def gdn_decode(q, k, v, g, beta, state_pool, state_slots, block_v: int | None = 
     are fine); g: [N, HV] float32 log decay; beta: [N, HV]; state_pool: [S, HV, K, V] float32 or bf16,
     contiguous; state_slots: [N] int64, distinct. With A_log and dt_bias ([HV] each), g and beta are instead
     the raw projections a and b, and the gates are computed in the kernel (one launch instead of seven).
-    block_v: value columns per program (a power of two; default by batch size, see `_decode_block_v`). Returns o: [N, HV, V] in v.dtype."""
+    block_v: value columns per program (a power of two; default by batch size, see `_decode_block_v`).
+    Returns o: [N, HV, V] in v.dtype."""
     num_seqs, key_heads, key_dim = _check_gdn_inputs(q, k, v, g, beta, state_pool, state_slots)
     value_heads, value_dim = v.shape[1], v.shape[2]
     if num_seqs != state_slots.shape[0]:
