@@ -22,6 +22,7 @@ the same tokens whatever else shares the batch and in whatever order.
 
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass, field
 
@@ -40,6 +41,14 @@ def _is_int(value) -> bool:
 
 def _is_real(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _is_finite_real(value) -> bool:
+    """A real number that is neither inf nor NaN, nor an int too large for a float."""
+    try:
+        return _is_real(value) and math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _require(ok: bool, name: str, value, requirement: str) -> None:
@@ -73,7 +82,7 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             value = getattr(self, name)
-            _require(_is_real(value), name, value, "a number")
+            _require(_is_finite_real(value), name, value, "a finite number")
             setattr(self, name, float(value))
         for name in ("n", "top_k", "min_tokens"):
             _require(_is_int(getattr(self, name)), name, getattr(self, name), "an integer")

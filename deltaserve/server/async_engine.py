@@ -64,6 +64,7 @@ class _Tracked:
     stream: _RequestStream
     arrival: float
     num_prompt_tokens: int
+    num_choices: int = 1  # the request's n: a finished or aborted request counts once per choice
     last_token_time: float = 0.0
     num_tokens: int = 0  # output tokens seen, all choices together
     num_tokens_sent: int = 0  # output tokens already handed to the stream
@@ -195,7 +196,7 @@ class AsyncEngine:
             self.engine.abort_request(command.request_id)
             if tracked is not None:
                 tracked.stream.put(_ABORTED)
-                self._record_finish(tracked, ["abort"])
+                self._record_finish(tracked, ["abort"] * tracked.num_choices)
             return
         try:
             self.engine.add_request(command.request_id, command.prompt_token_ids, command.params)
@@ -207,7 +208,7 @@ class AsyncEngine:
             command.stream.put(EngineError(f"the engine failed to add the request: {exc}"))
             return
         self._tracked[command.request_id] = _Tracked(command.stream, command.arrival,
-                                                     len(command.prompt_token_ids))
+                                                     len(command.prompt_token_ids), command.params.n)
 
     def _step(self) -> None:
         try:
@@ -237,7 +238,7 @@ class AsyncEngine:
         for request_id in request_ids:
             tracked = self._tracked.pop(request_id)
             tracked.stream.put(item)
-            self._record_finish(tracked, ["abort"])
+            self._record_finish(tracked, ["abort"] * tracked.num_choices)
         try:
             self.engine.abort_request(request_ids)
         except Exception:  # already failing; the log says why

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,6 +136,15 @@ def tool_call_prefill(tool_parser: str, tool_choice: str | NamedToolChoice,
         raise bad_request(f"tool_choice {tool_choice!r} needs a tool-call parser that supports forced calls "
                           f"({sorted(_CALL_PREFIXES)}); this server runs {tool_parser!r}", "tool_choice")
     named, required = _CALL_PREFIXES[tool_parser]
-    call_prefix = required if tool_choice == "required" else named.format(name=tool_choice.function.name)
+    if tool_choice == "required":
+        call_prefix = required
+    else:
+        name = tool_choice.function.name
+        if tool_parser == "hermes":  # inside a JSON string
+            name = json.dumps(name)[1:-1]
+        elif re.search(r"[<>\s]", name):
+            raise bad_request(f"tool_choice names function {name!r}, which a {tool_parser} tool call cannot carry "
+                              "(no '<', '>' or whitespace)", "tool_choice")
+        call_prefix = named.format(name=name)
     think_close = THINK_END + "\n\n" if thinking_open else ""
     return think_close + call_prefix, call_prefix

@@ -8,6 +8,8 @@ api_server.py turns it into the response. The server keeps serving after any of 
 
 from __future__ import annotations
 
+import re
+
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
@@ -18,6 +20,9 @@ _SAMPLING_FIELDS = frozenset({
     "repetition_penalty", "seed", "max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos",
     "logprobs", "skip_special_tokens", "include_stop_str_in_output",
 })
+
+# Request fields other than sampling parameters that a ValueError message may start with.
+_REQUEST_FIELDS = frozenset({"tools", "tool_choice", "messages"})
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error",
@@ -35,7 +40,10 @@ class APIError(Exception):
         self.code = code
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": _TYPES.get(self.status, "invalid_request_error"),
+        # A message may quote the client's input, lone surrogates (valid JSON escapes, not UTF-8) included:
+        # escaped here, or rendering the response would fail.
+        message = self.message.encode("utf-8", "backslashreplace").decode("utf-8")
+        return {"error": {"message": message, "type": _TYPES.get(self.status, "invalid_request_error"),
                           "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
@@ -58,8 +66,8 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 def from_value_error(error: ValueError) -> APIError:
     """A 400 for a ValueError raised by SamplingParams or the engine, naming the parameter when it can."""
     message = str(error)
-    first_word = message.split(" ", 1)[0]
-    param = first_word if first_word in _SAMPLING_FIELDS else None
+    first_word = re.match(r"[a-z_]*", message).group()  # "temperature must be ...", "tools[0].function ..."
+    param = first_word if first_word in _SAMPLING_FIELDS or first_word in _REQUEST_FIELDS else None
     code = "context_length_exceeded" if "maximum context length" in message else None
     return APIError(400, message, param, code)
 

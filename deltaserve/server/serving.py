@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -115,7 +116,9 @@ async def parse_body(raw_request: Request, model: type[Model]) -> Model:
         raise bad_request(f"the request body is not valid UTF-8 (byte {exc.start})") from exc
     try:
         data = json.loads(text)
-    except json.JSONDecodeError as exc:
+    except RecursionError as exc:
+        raise bad_request("the request body is nested too deeply to parse") from exc
+    except ValueError as exc:  # malformed JSON, or an integer past Python's 4,300-digit conversion limit
         raise bad_request(f"the request body is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}")
@@ -184,6 +187,15 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usa
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
+# A logprob JSON can carry: -inf (a token the sampler masked out) and NaN (logits that overflowed) become this
+# floor, as in vLLM, instead of failing the response after the request has run.
+MIN_LOGPROB = -9999.0
+
+
+def _json_logprob(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else MIN_LOGPROB
+
+
 def completion_logprobs(state: ServerState, output: CompletionOutput, start: int, end: int,
                         text_offset: int) -> CompletionLogprobs:
     """Legacy-completions logprobs of output tokens [start, end); offsets count from `text_offset`."""
@@ -191,8 +203,8 @@ def completion_logprobs(state: ServerState, output: CompletionOutput, start: int
     for token_id, entry in zip(output.token_ids[start:end], output.logprobs[start:end]):
         text = state.token_text(token_id)
         result.tokens.append(text)
-        result.token_logprobs.append(entry[token_id].logprob)
-        result.top_logprobs.append({state.token_text(t): lp.logprob for t, lp in entry.items()})
+        result.token_logprobs.append(_json_logprob(entry[token_id].logprob))
+        result.top_logprobs.append({state.token_text(t): _json_logprob(lp.logprob) for t, lp in entry.items()})
         result.text_offset.append(text_offset)
         text_offset += len(text)
     return result
@@ -212,7 +224,7 @@ def chat_logprobs(state: ServerState, output: CompletionOutput, start: int, end:
 
 def _top_logprob(state: ServerState, token_id: int, logprob: float) -> TopLogprob:
     text = state.token_text(token_id)
-    return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8", errors="replace")))
+    return TopLogprob(token=text, logprob=_json_logprob(logprob), bytes=list(text.encode("utf-8", errors="replace")))
 
 
 def sse(payload: BaseModel | dict) -> str:

@@ -74,7 +74,13 @@ def parameter_schemas(tools: list[Mapping] | None) -> dict[str, dict[str, Any]]:
         if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
             raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}, "
                              f"got {tool!r}")
-        properties = (function.get("parameters") or {}).get("properties") or {}
+        parameters = function.get("parameters") or {}
+        if not isinstance(parameters, Mapping):
+            raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object, got {parameters!r}")
+        properties = parameters.get("properties") or {}
+        if not isinstance(properties, Mapping):
+            raise ValueError(f"tools[{i}].function.parameters.properties must be an object of parameter schemas, "
+                             f"got {properties!r}")
         schemas[function["name"]] = dict(properties)
     return schemas
 

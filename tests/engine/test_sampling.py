@@ -24,8 +24,10 @@ def run(logits, params, generators=None, prompts=None, outputs=None, eos=None):
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(temperature=-1.0), "temperature must be >= 0, got -1.0"),
-    (dict(temperature=float("nan")), "temperature must be >= 0, got nan"),
-    (dict(temperature="hot"), "temperature must be a number, got 'hot'"),
+    (dict(temperature=float("nan")), "temperature must be a finite number, got nan"),
+    (dict(temperature=float("inf")), "temperature must be a finite number, got inf"),
+    (dict(repetition_penalty=10**400), "repetition_penalty must be a finite number, got 1000"),
+    (dict(temperature="hot"), "temperature must be a finite number, got 'hot'"),
     (dict(top_p=0.0), "top_p must be in (0, 1], got 0.0"),
     (dict(top_p=1.5), "top_p must be in (0, 1], got 1.5"),
     (dict(top_k=-2), "top_k must be -1, 0 (disabled) or >= 1, got -2"),

@@ -173,6 +173,27 @@ def test_tokenize_detokenize(server):
     assert server.post("/detokenize", json={"tokens": [10**6]}).status_code == 400
 
 
+def test_non_finite_logprobs_are_reported_as_the_floor():
+    """A token the sampler masked out has logprob -inf, and overflowing logits give NaN; JSON carries neither, so
+    both are reported as MIN_LOGPROB (as vLLM does) rather than failing the response after the request ran."""
+    from types import SimpleNamespace
+
+    from deltaserve.outputs import CompletionOutput, Logprob
+    from deltaserve.server.serving import MIN_LOGPROB, chat_logprobs, completion_logprobs
+
+    state = SimpleNamespace(token_text=lambda token_id: f"t{token_id}")
+    output = CompletionOutput(0, "t1t2", [1, 2], None, [
+        {1: Logprob(float("-inf"), 1), 3: Logprob(float("nan"), 2)},
+        {2: Logprob(-0.5, 1)},
+    ])
+    legacy = completion_logprobs(state, output, 0, 2, 0)
+    assert legacy.token_logprobs == [MIN_LOGPROB, -0.5]
+    assert legacy.top_logprobs[0] == {"t1": MIN_LOGPROB, "t3": MIN_LOGPROB}
+    chat = chat_logprobs(state, output, 0, 2, top_n=2)
+    assert [entry.logprob for entry in chat] == [MIN_LOGPROB, -0.5]
+    assert [top.logprob for top in chat[0].top_logprobs] == [MIN_LOGPROB, MIN_LOGPROB]
+
+
 _LONG = "word " * 2100  # > MAX_MODEL_LEN tokens
 
 ERROR_CASES = [
@@ -209,6 +230,10 @@ ERROR_CASES = [
      "response_format", "not supported yet"),
     ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 50, "logprobs": True}, 400,
      "top_logprobs", ""),
+    ("/v1/completions", b'{"prompt": "hi", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, None, "nested too deeply"),
+    ("/v1/completions", b'{"prompt": "hi", "seed": ' + b"7" * 5000 + b"}", 400, None, "not valid JSON"),
+    ("/v1/completions", b'{"prompt": "hi", "temperature": 1e999}', 400, "temperature", "finite number"),
+    ("/v1/completions", b'{"prompt": "hi", "model": "\\ud800"}', 404, "model", "\\ud800"),  # echoed, escaped
     ("/v1/nowhere", {}, 404, None, "Not Found"),
 ]
 
@@ -244,11 +269,12 @@ def test_stream_disconnect_aborts_and_frees_blocks(server):
 
 
 def test_non_streaming_disconnect_aborts_and_frees_blocks(server):
+    """With n = 2 the aborted request counts twice, as a finished one counts each choice."""
     aborted_before = server.metric("vllm:request_success_total", 'finished_reason="abort"')
-    body = {"prompt": PROMPT, "max_tokens": LONG_RUN, "ignore_eos": True}
+    body = {"prompt": PROMPT, "max_tokens": LONG_RUN, "ignore_eos": True, "n": 2}
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
         httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.3))
-    wait_until(lambda: server.metric("vllm:request_success_total", 'finished_reason="abort"') == aborted_before + 1,
+    wait_until(lambda: server.metric("vllm:request_success_total", 'finished_reason="abort"') == aborted_before + 2,
                20, what="the request aborted")
     assert server.metric("vllm:num_requests_running") == 0
     assert server.metric("vllm:kv_cache_usage_perc") == 0

@@ -149,6 +149,12 @@ def test_required_tool_choice(engine, client):
     (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), "not in tools"),
     (dict(tool_choice="required"), "needs a non-empty `tools`"),
     (dict(extra_body={"chat_template_kwargs": {"tokenize": True}}), "may not set"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"properties": [1, 2]}}}]),
+     "tools[0].function.parameters.properties must be an object"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"properties": 5}}}]),
+     "got 5"),
+    (dict(tools=[{"type": "function", "function": {"name": "a b>"}}],
+          tool_choice={"type": "function", "function": {"name": "a b>"}}), "cannot carry"),
 ])
 def test_bad_tool_requests(engine, client, kwargs, fragment):
     with pytest.raises(openai.BadRequestError) as error:
@@ -262,3 +268,13 @@ def test_default_chat_template_kwargs_and_custom_template(tokenizer):
     assert on.prompt.endswith("<think>\n") and on.thinking_enabled and on.thinking_open
     custom = ChatRenderer(tokenizer, chat_template="{% for m in messages %}[{{ m.role }}] {{ m.content }}{% endfor %}")
     assert custom.render(messages, None).prompt == "[user] Hi"
+
+
+def test_forced_hermes_call_escapes_the_name():
+    """A forced call's name goes into the prompt inside a JSON string: quotes and newlines are escaped."""
+    from deltaserve.server.chat import tool_call_prefill
+    from deltaserve.server.protocol import NamedToolChoice
+
+    choice = NamedToolChoice.model_validate({"type": "function", "function": {"name": 'a"b\n}'}})
+    prefill, _ = tool_call_prefill("hermes", choice, thinking_open=False)
+    assert json.loads(prefill.removeprefix("<tool_call>\n") + "{}}") == {"name": 'a"b\n}', "arguments": {}}
