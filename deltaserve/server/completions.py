@@ -79,14 +79,14 @@ def _tokenize_prompts(state: ServerState, request: CompletionRequest) -> list[_P
     if not items:
         raise bad_request("prompt must not be empty", "prompt")
     prompts = []
-    for item in items:
+    for i, item in enumerate(items):
         if isinstance(item, str):
             ids = state.encode(item, request.add_special_tokens)
             text = item
         else:
             ids = list(item)
             text = state.tokenizer.decode(ids) if request.echo and state.tokenizer is not None else ""
-        state.check_token_ids(ids, "prompt")
+        state.check_token_ids(ids, "prompt", f"prompt[{i}]" if len(items) > 1 else "prompt")
         prompts.append(_Prompt(text, ids))
     return prompts
 

@@ -86,13 +86,15 @@ class ServerState:
         except (UnicodeError, TypeError, ValueError) as exc:  # e.g. lone surrogates from "\ud800"
             raise bad_request(f"{param} could not be tokenized: {exc}", param) from exc
 
-    def check_token_ids(self, ids: list[int], param: str) -> None:
+    def check_token_ids(self, ids: list[int], param: str, label: str | None = None) -> None:
+        """400 naming `label` (the element, e.g. prompt[2]; default the field) for empty or out-of-vocab ids."""
+        label = label or param
         if not ids:
-            raise bad_request(f"{param} must not be empty", param)
+            raise bad_request(f"{label} must not be empty", param)
         vocab = self.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise bad_request(f"{param}: token id {bad} is out of range [0, {vocab})", param)
+            raise bad_request(f"{label}: token id {bad} is out of range [0, {vocab})", param)
 
     def token_text(self, token_id: int) -> str:
         """The text of one token (cached), as logprobs report it."""

@@ -212,6 +212,7 @@ ERROR_CASES = [
     ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p", "top_p must be in (0, 1]"),
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature", "temperature must be >= 0"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt", "must not be empty"),
+    ("/v1/completions", {"prompt": ["a", ""]}, 400, "prompt", "prompt[1] must not be empty"),
     ("/v1/completions", {"prompt": [5, 10**7]}, 400, "prompt", "out of range"),
     ("/v1/completions", b'{"prompt": "\\ud800 lone surrogate"}', 400, "prompt", "tokenized"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 1}}, 400, "logit_bias", "not supported"),
