@@ -5,6 +5,7 @@ sampling parameters, logprobs and usage formatting, SSE framing and client-disco
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import uuid
@@ -79,8 +80,19 @@ class ServerState:
             raise bad_request("this model has no tokenizer: send token ids instead of text", param)
         return self.tokenizer
 
+    @functools.cached_property
+    def _max_chars_per_token(self) -> int:
+        """Twice the longest vocabulary entry: no token covers more characters of a text."""
+        return 2 * max((len(token) for token in self.tokenizer.get_vocab()), default=1)
+
     def encode(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
         tokenizer = self.require_tokenizer(param)
+        # A text too long for the context whatever its tokens is refused before tokenizing it: tokenizing tens of
+        # megabytes takes the tokenizer thread, which every request shares, for tens of seconds.
+        if len(text) > self.max_model_len * self._max_chars_per_token:
+            raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens, and {param} has "
+                              f"{len(text):,} characters: more than that many tokens can hold", param,
+                              "context_length_exceeded")
         try:
             return tokenizer.encode(text, add_special_tokens=add_special_tokens)
         except (UnicodeError, TypeError, ValueError) as exc:  # e.g. lone surrogates from "\ud800"

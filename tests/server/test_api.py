@@ -255,6 +255,20 @@ def test_errors_are_openai_shaped_and_the_server_keeps_serving(server, client, p
     assert client.completions.create(model="tiny", prompt="Hi", max_tokens=2).choices[0].text is not None
 
 
+def test_a_text_too_long_for_any_tokenization_is_refused_before_tokenizing(server, checkpoint):
+    """More characters than max_model_len tokens can hold (twice the longest vocabulary entry each): refused at
+    once, chat messages included; a text just under that bound is tokenized (and refused for its tokens)."""
+    from transformers import AutoTokenizer
+
+    bound = MAX_MODEL_LEN * 2 * max(len(token) for token in AutoTokenizer.from_pretrained(checkpoint).get_vocab())
+    for path, body in [("/v1/completions", {"prompt": "a" * (bound + 1)}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a" * (bound + 1)}]})]:
+        error = server.post(path, json=body).json()["error"]
+        assert error["code"] == "context_length_exceeded" and "characters" in error["message"]  # chat: + template
+    error = server.post("/v1/completions", json={"prompt": "a " * (bound // 2)}).json()["error"]
+    assert "characters" not in error["message"] and "you requested" in error["message"]
+
+
 def test_stream_disconnect_aborts_and_frees_blocks(server):
     aborted_before = server.metric("vllm:request_success_total", 'finished_reason="abort"')
     body = {"prompt": PROMPT, "max_tokens": LONG_RUN, "ignore_eos": True, "stream": True}
