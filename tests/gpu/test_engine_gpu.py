@@ -116,18 +116,24 @@ def test_cudnn_attention_paths_agree_with_the_paged_path(make_checkpoint, monkey
             assert worst < 0.05
 
 
-@pytest.fixture
-def every_projection_fused(monkeypatch):
-    """The fused small-batch projections (ops/linear) for every shape, not only the tuned table's."""
+@pytest.fixture(params=["gemv", "skinny"])
+def every_projection_fused(request, monkeypatch):
+    """The small-batch projection kernels (ops/linear) for every shape, not only the tuned tables': the fused
+    GEMV at one row, or the skinny GEMM (a split-K tile: its partial sums too) at every row count up to 64."""
     from deltaserve.ops.linear import cuda as linear_cuda
+    from deltaserve.ops.linear import cuda_skinny
 
-    monkeypatch.setattr(linear_cuda, "config_for", lambda prologue, n, k: linear_cuda.DEFAULT_CONFIG)
+    if request.param == "gemv":
+        monkeypatch.setattr(linear_cuda, "config_for", lambda prologue, n, k: linear_cuda.DEFAULT_CONFIG)
+    else:
+        monkeypatch.setattr(cuda_skinny, "config_for", lambda n, k, rows: (32, 64, 2, 4, 3))
+    return request.param
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_fused_projections_match_reference_and_replay_exactly(arch, tmp_path, every_projection_fused, capsys):
-    """bf16 decode steps (one row: the fused kernels) against the CPU float32 reference, as above; then graphs
-    == eager with batches of 1 and 3 sequences (both within GEMV_MAX_ROWS)."""
+    """bf16 decode steps (one row: the GEMV or skinny kernels) against the CPU float32 reference, as above; then
+    graphs == eager with batches of 1 and 3 sequences."""
     path = build_checkpoint(tmp_path, arch, matrix_gain=0.5)
     ids = prompt(200, 2)
     chunks = [150]  # then 50 decode steps, each a fused step
@@ -136,7 +142,7 @@ def test_fused_projections_match_reference_and_replay_exactly(arch, tmp_path, ev
     agreement = (ref.argmax(-1) == bf16.argmax(-1)).float().mean().item()
     rel = ((ref - bf16).abs().mean() / ref.abs().mean()).item()
     with capsys.disabled():
-        print(f"\n[fused projections] {arch}: bf16 decode top-1 agreement {agreement:.4f}, "
+        print(f"\n[fused projections, {every_projection_fused}] {arch}: bf16 decode top-1 agreement {agreement:.4f}, "
               f"mean|diff|/mean|logit| {rel:.4f}")
     assert agreement >= 0.9 and rel <= 0.05
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
