@@ -201,8 +201,8 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usa
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
 
 
-# A logprob JSON can carry: -inf (a token the sampler masked out) and NaN (logits that overflowed) become this
-# floor, as in vLLM, instead of failing the response after the request has run.
+# JSON has no -inf or NaN: a logprob of -inf (a token the sampler masked out) or NaN (logits that overflowed) is
+# reported as this floor, as in vLLM, instead of failing the response after the request has run.
 MIN_LOGPROB = -9999.0
 
 
