@@ -1,5 +1,5 @@
 """Decode projections on the skinny Triton GEMM (ops/linear/cuda_skinny.py) beside what they run otherwise, and
-the GDN decode kernel's tiles at a batch of many sequences.
+the GDN decode kernel's tiles at a batch of many sequences, and the GDN recurrent prefill's tiles on one chunk.
 
     python -m deltaserve.bench.batch_probe [CONFIG_DIR] [--out deltaserve/ops/linear/skinny_configs.json]
 
@@ -8,7 +8,8 @@ inside CUDA graphs as decode runs them, each call on another copy of the weight 
 at one row, the prologue op and then the skinny kernel against the best of the fused GEMV
 (ops/linear/configs.json) and the prologue op + cuBLAS; at 16, 32 and 64 rows, the skinny kernel against cuBLAS.
 Writes the table cuda_skinny.py reads (the best tile where it won by 2%, else null) and prints each result
-with its bandwidth; then times the GDN decode step over (block_v, num_warps).
+with its bandwidth; then times the GDN decode step over (block_v, num_warps), and the recurrent prefill of one
+sequence of 16 to 256 tokens (CHUNK_TILE in ops/gdn/cuda.py).
 """
 
 from __future__ import annotations
@@ -126,20 +127,59 @@ def probe_gdn_decode(cfg: ModelConfig, rows: int, device) -> None:
                                                              for t, bv, w in sorted(results)), flush=True)
 
 
+CHUNK_SWEEP = [(bv, warps) for bv, warps in itertools.product((8, 16, 32, 64), (1, 2, 4))
+               if 128 * bv // (32 * warps) <= 128]
+
+
+def probe_gdn_chunk(cfg: ModelConfig, length: int, device) -> None:
+    """The recurrent prefill of one sequence of `length` tokens (a prompt chunk of a mixed step) over
+    (block_v, num_warps): its time is `length` steps of latency."""
+    hk, hv, kd, vd = cfg.gdn_num_k_heads, cfg.gdn_num_v_heads, cfg.gdn_k_dim, cfg.gdn_v_dim
+    pools = [torch.zeros(2, hv, kd, vd, device=device, dtype=torch.float32) for _ in range(3)]
+    slots = torch.tensor([1], device=device)
+    has_initial = torch.tensor([True], device=device)
+    cu = torch.tensor([0, length], device=device)
+    q, k = (torch.randn(length, hk, kd, device=device, dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(length, hv, vd, device=device, dtype=torch.bfloat16)
+    a, b = (torch.randn(length, hv, device=device, dtype=torch.bfloat16) for _ in range(2))
+    A_log, dt_bias = torch.zeros(hv, device=device), torch.zeros(hv, device=device)
+
+    def step(pool, bv, warps):
+        out = torch.empty_like(v)
+        gdn_cuda._launch_recurrent(q, k, v, a, b, out, pool, slots, has_initial, cu, bv, A_log, dt_bias,
+                                   num_warps=warps)
+
+    results = []
+    for bv, warps in CHUNK_SWEEP:
+        try:
+            results.append((graph_time_us([functools.partial(step, p, bv, warps) for p in pools]), bv, warps))
+        except Exception as exc:
+            print(f"  bv {bv} warps {warps}: failed ({type(exc).__name__})", flush=True)
+    default = next(t for t, bv, w in results if (bv, w) == gdn_cuda.CHUNK_TILE)
+    print(f"GDN recurrent prefill 1 x {length} tokens: CHUNK_TILE {gdn_cuda.CHUNK_TILE} {default:.1f} us "
+          f"({default / length * 1e3:.0f} ns a token); " + ", ".join(f"bv {bv} w {w}: {t:.1f} us"
+                                                                    for t, bv, w in sorted(results)), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = probe_parser("batch_probe", __doc__, "skinny_configs.json", "skinny_configs.json")
     parser.add_argument("--rows", default="1,16,32,64", help="comma-separated row buckets to probe")
     parser.add_argument("--gdn-batches", default="64,16", help="comma-separated batch sizes for the GDN sweep")
+    parser.add_argument("--gdn-chunks", default="16,128,256",
+                        help="comma-separated chunk lengths for the GDN recurrent-prefill sweep")
     args = parser.parse_args(argv)
     cfg = ModelConfig.from_pretrained(args.model)
     device = torch.device("cuda")
     table = {}
-    for rows in (int(r) for r in args.rows.split(",")):
+    for rows in (int(r) for r in args.rows.split(",") if r):
         table.update(probe_one_row(cfg, device) if rows == 1 else probe_rows(cfg, rows, device))
-    write_table(args.out, table)
-    print(json.dumps(table), flush=True)
+    if table:  # --rows "" probes the GDN kernels alone
+        write_table(args.out, table)
+        print(json.dumps(table), flush=True)
     for batch in (int(b) for b in args.gdn_batches.split(",") if b):
         probe_gdn_decode(cfg, batch, device)
+    for length in (int(n) for n in args.gdn_chunks.split(",") if n):
+        probe_gdn_chunk(cfg, length, device)
     return 0
 
 

@@ -24,6 +24,9 @@ from deltaserve.ops import gdn as gdn_ops  # noqa: E402
 from deltaserve.ops.conv1d import cuda as conv_kernels  # noqa: E402
 from deltaserve.ops.norm import cuda as norm_kernels  # noqa: E402
 from tests.model.helpers import gdn_layer_with_random_states  # noqa: E402
+from tests.ops.interpreter import patch_interpreter_index  # noqa: E402
+
+patch_interpreter_index()  # the recurrent prefill loops over tokens cu_seqlens[n] .. cu_seqlens[n+1]
 
 COPIES = {"aten.copy_.default", "aten.clone.default", "aten._to_copy.default", "aten.cat.default"}
 

@@ -45,29 +45,46 @@ SPLIT_MIN_SHORT_SEQS = 8
 # Value columns per program of the split's recurrent kernel: one width whatever the count of short sequences
 # (decode's width for 16 and more), so one kernel variant, compiled at warm-up rather than in a served step.
 SPLIT_BLOCK_V = 64
+# (value columns, warps) of a recurrent-prefill program when fewer than 8 sequences share the launch (a
+# prefix-cache hit's chunk, a prompt chunk of a mixed CUDA-graph step): each program steps through its
+# sequence's tokens one after another, so the time is the number of tokens times one step's latency, which
+# narrow tiles on one warp keep short (their reductions stay inside the warp).
+CHUNK_TILE = (16, 1)
 # Tokens per chunk of fla's chunked gated delta rule (its default).
 FLA_CHUNK_SIZE = 64
 
 
 @triton.jit
 def _load_token(
-    q, k, v, g, beta, A_log, dt_bias, token, head, key_head, keys, cols, key_ok, col_ok,
+    q, k, v, g, beta, token, head, key_head, keys, cols, key_ok, col_ok,
     stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-    stride_g_tok, stride_beta_tok, scale, eps, RAW_GATES: tl.constexpr,
+    stride_g_tok, stride_beta_tok, present,
 ):
-    """One token's inputs for (value head, value columns), in float32: q [BK] and k [BK] L2-normalised (q also
-    scaled by 1/sqrt(K)), v [BV], the decay exp(g) and the write strength beta.
+    """One token's raw inputs for (value head, value columns): q [BK], k [BK], v [BV], g and beta as stored
+    (zeros where `present` is false: a prefetch past the sequence's end)."""
+    q_raw = tl.load(q + token * stride_q_tok + key_head * stride_q_head + keys, mask=key_ok & present, other=0.0)
+    k_raw = tl.load(k + token * stride_k_tok + key_head * stride_k_head + keys, mask=key_ok & present, other=0.0)
+    v_raw = tl.load(v + token * stride_v_tok + head * stride_v_head + cols, mask=col_ok & present, other=0.0)
+    g_raw = tl.load(g + token * stride_g_tok + head, mask=present, other=0.0)
+    beta_raw = tl.load(beta + token * stride_beta_tok + head, mask=present, other=0.0)
+    return q_raw, k_raw, v_raw, g_raw, beta_raw
+
+
+@triton.jit
+def _prepare_token(q_raw, k_raw, v_raw, g_raw, beta_raw, A_log, dt_bias, head, scale, eps, RAW_GATES: tl.constexpr):
+    """A token's inputs in float32, ready for `_delta_step`: q [BK] and k [BK] L2-normalised (q also scaled by
+    1/sqrt(K)), v [BV], the decay exp(g) and the write strength beta.
 
     RAW_GATES: g and beta hold the raw projections a and b; the gates are computed here, as the reference
     does: g = -exp(A_log) * softplus(a + dt_bias) (softplus linear above 20, like torch's), beta = sigmoid(b).
     """
-    q_vec = tl.load(q + token * stride_q_tok + key_head * stride_q_head + keys, mask=key_ok, other=0.0).to(tl.float32)
-    k_vec = tl.load(k + token * stride_k_tok + key_head * stride_k_head + keys, mask=key_ok, other=0.0).to(tl.float32)
+    q_vec = q_raw.to(tl.float32)
+    k_vec = k_raw.to(tl.float32)
     q_vec = q_vec / tl.sqrt(tl.sum(q_vec * q_vec) + eps) * scale  # [BK]
     k_vec = k_vec / tl.sqrt(tl.sum(k_vec * k_vec) + eps)  # [BK]
-    v_vec = tl.load(v + token * stride_v_tok + head * stride_v_head + cols, mask=col_ok, other=0.0).to(tl.float32)
-    g_val = tl.load(g + token * stride_g_tok + head).to(tl.float32)
-    write = tl.load(beta + token * stride_beta_tok + head).to(tl.float32)
+    v_vec = v_raw.to(tl.float32)
+    g_val = g_raw.to(tl.float32)
+    write = beta_raw.to(tl.float32)
     if RAW_GATES:
         x = g_val + tl.load(dt_bias + head).to(tl.float32)
         softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
@@ -124,17 +141,25 @@ def _gdn_recurrent_kernel(
         # and NaN * 0 is NaN).
         has_state = tl.load(has_initial_state + seq) != 0
         state = tl.load(tile_ptr, mask=tile_mask & has_state, other=0.0).to(tl.float32)  # [BK, BV]
-        for token in range(tl.load(cu_seqlens + seq), tl.load(cu_seqlens + seq + 1)):
-            q_vec, k_vec, v_vec, decay, write = _load_token(
-                q, k, v, g, beta, A_log, dt_bias, token, head, key_head, keys, cols, key_ok, col_ok, *strides,
-                scale, eps, RAW_GATES)
+        start = tl.load(cu_seqlens + seq)
+        end = tl.load(cu_seqlens + seq + 1)
+        # Each token's inputs are loaded one step ahead, so that their memory latency overlaps the previous
+        # token's math instead of stalling every step of this sequential loop.
+        q_raw, k_raw, v_raw, g_raw, beta_raw = _load_token(
+            q, k, v, g, beta, start, head, key_head, keys, cols, key_ok, col_ok, *strides, start < end)
+        for token in range(start, end):
+            q_vec, k_vec, v_vec, decay, write = _prepare_token(
+                q_raw, k_raw, v_raw, g_raw, beta_raw, A_log, dt_bias, head, scale, eps, RAW_GATES)
+            q_raw, k_raw, v_raw, g_raw, beta_raw = _load_token(
+                q, k, v, g, beta, token + 1, head, key_head, keys, cols, key_ok, col_ok, *strides, token + 1 < end)
             state, o_vec = _delta_step(state, q_vec, k_vec, v_vec, decay, write)
             tl.store(out + (token * HV + head) * V + cols, o_vec.to(out.dtype.element_ty), mask=col_ok)
     else:
         # Decode, in the order it always had: the token's small loads, then the state tile's.
-        q_vec, k_vec, v_vec, decay, write = _load_token(
-            q, k, v, g, beta, A_log, dt_bias, seq, head, key_head, keys, cols, key_ok, col_ok, *strides,
-            scale, eps, RAW_GATES)
+        q_raw, k_raw, v_raw, g_raw, beta_raw = _load_token(
+            q, k, v, g, beta, seq, head, key_head, keys, cols, key_ok, col_ok, *strides, seq >= 0)
+        q_vec, k_vec, v_vec, decay, write = _prepare_token(
+            q_raw, k_raw, v_raw, g_raw, beta_raw, A_log, dt_bias, head, scale, eps, RAW_GATES)
         state = tl.load(tile_ptr, mask=tile_mask, other=0.0).to(tl.float32)  # [BK, BV]
         state, o_vec = _delta_step(state, q_vec, k_vec, v_vec, decay, write)
         tl.store(out + (seq * HV + head) * V + cols, o_vec.to(out.dtype.element_ty), mask=col_ok)
@@ -225,8 +250,9 @@ def gdn_prefill(q, k, v, g, beta, state_pool, state_slots, has_initial_state, cu
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
         if num_seqs > 0:  # also with no tokens: fresh slots still become zeros
             g, beta = _unit_last_stride(g), _unit_last_stride(beta)
+            block_v, num_warps = _recurrent_prefill_tile(num_seqs)
             _launch_recurrent(q, k, v, g, beta, out, state_pool, state_slots, has_initial_state, cu_seqlens,
-                              _decode_block_v(num_seqs), A_log, dt_bias)
+                              block_v, A_log, dt_bias, num_warps=num_warps)
         return out
 
     lengths = None if cu_seqlens_cpu is None else np.diff(cu_seqlens_cpu.numpy())  # [N]
@@ -361,6 +387,14 @@ def _decode_block_v(num_seqs: int) -> int:
     if num_seqs < 8:
         return 16
     return 32 if num_seqs < 16 else 64
+
+
+def _recurrent_prefill_tile(num_seqs: int) -> tuple[int, int | None]:
+    """(value columns, warps) a program of the recurrent prefill: as decode for many sequences; for a few, whose
+    tokens one program steps through one after another, CHUNK_TILE (latency, not bandwidth, bounds them)."""
+    if num_seqs < 8:
+        return CHUNK_TILE
+    return _decode_block_v(num_seqs), None
 
 
 def _unit_last_stride(tensor):
