@@ -8,6 +8,7 @@ memory). Pure arithmetic: no tensors, no CUDA. The memory plan (planner.py) adds
 from __future__ import annotations
 
 import math
+import os
 
 from deltaserve.config import ConfigError, ModelConfig
 
@@ -144,9 +145,49 @@ def graph_capture_sizes(max_num_seqs: int, performance_mode: str = "balanced") -
     return sorted(sizes | {max_num_seqs})
 
 
-def estimate_cuda_graph_bytes(cfg: ModelConfig, dtype: str, max_num_seqs: int, performance_mode: str = "balanced") -> int:
-    """Memory of the decode graphs: the largest graph's intermediates (smaller ones reuse its pool), plus
-    the one static float32 logits output [max_num_seqs, V] that every graph writes."""
+# Mixed CUDA-graph steps (worker/cuda_graph.py), opt-in: a decode batch of MIXED_MIN_DECODES to
+# MIXED_MAX_DECODES sequences plus one prompt chunk of up to mixed_chunk_tokens() tokens, replayed as one graph.
+# A decode step of 27B at batch 64 is bound by reading the weights (its tensor cores ~1/3 busy: the H200's
+# matmul rate over its bandwidth is ~190 rows), so the chunk's matmuls ride along nearly free; past ~128 decodes
+# they are compute-bound and a chunk costs as much either way. Off by default: on W6 (64 in flight) a 128-token
+# chunk still cost 8.9 ms a step (the recurrent GDN kernel steps through its tokens one by one), and the prompts
+# queued behind one chunk a step kept ~10 requests from decoding: 1,724 output tok/s against 1,915 without
+# (docs/performance.md, sixth session).
+MIXED_MIN_DECODES = 8
+MIXED_MAX_DECODES = 128
+
+
+def mixed_chunk_tokens() -> int:
+    """Prompt tokens a mixed graph carries: DELTASERVE_MIXED_CHUNK_TOKENS, 0 (no mixed graphs) when unset; at
+    most 128, the longest chunk the recurrent GDN kernel takes."""
+    value = os.environ.get("DELTASERVE_MIXED_CHUNK_TOKENS", "").strip()
+    if not value:
+        return 0
+    if not value.isdigit() or int(value) > 128:
+        raise ValueError(f"DELTASERVE_MIXED_CHUNK_TOKENS must be an integer in 0..128, got {value!r}")
+    return int(value)
+
+
+def mixed_graph_sizes(max_num_seqs: int, performance_mode: str = "balanced") -> list[int]:
+    """The decode batch sizes that also get a mixed graph (none when mixed_chunk_tokens() is 0)."""
+    if not mixed_chunk_tokens():
+        return []
     sizes = graph_capture_sizes(max_num_seqs, performance_mode)
-    largest = _forward_bytes(cfg, dtype, sizes[-1], decode=True) + sizes[-1] * cfg.vocab_size * DTYPE_BYTES[dtype]
-    return largest + sizes[-1] * cfg.vocab_size * 4 + len(sizes) * _GRAPH_FIXED_BYTES
+    largest = next(s for s in sizes if s >= min(MIXED_MAX_DECODES, max_num_seqs))  # fits MIXED_MAX_DECODES
+    return [s for s in sizes if MIXED_MIN_DECODES <= s <= largest]
+
+
+def cuda_graph_count(max_num_seqs: int, performance_mode: str = "balanced") -> int:
+    return len(graph_capture_sizes(max_num_seqs, performance_mode)) + len(mixed_graph_sizes(max_num_seqs,
+                                                                                            performance_mode))
+
+
+def estimate_cuda_graph_bytes(cfg: ModelConfig, dtype: str, max_num_seqs: int, performance_mode: str = "balanced") -> int:
+    """Memory of the decode and mixed graphs: the largest graph's intermediates (smaller ones reuse its pool),
+    plus the one static float32 logits output [max_num_seqs + 1, V] that every graph writes."""
+    sizes = graph_capture_sizes(max_num_seqs, performance_mode)
+    mixed = mixed_graph_sizes(max_num_seqs, performance_mode)
+    rows = max(sizes[-1], mixed[-1] + mixed_chunk_tokens()) if mixed else sizes[-1]
+    largest = _forward_bytes(cfg, dtype, rows, decode=True) + (sizes[-1] + 1) * cfg.vocab_size * DTYPE_BYTES[dtype]
+    return (largest + (sizes[-1] + 1) * cfg.vocab_size * 4
+            + cuda_graph_count(max_num_seqs, performance_mode) * _GRAPH_FIXED_BYTES)

@@ -146,11 +146,12 @@ class CacheManager:
         request.checkpoint_targets = sorted({t for t in (hit.num_chain_tokens, last_boundary) if t > hit.num_tokens})
         return hit
 
-    def cut_chunk(self, request: Request, start: int, num_new_tokens: int) -> int:
+    def cut_chunk(self, request: Request, start: int, num_new_tokens: int, save_inside: bool = True) -> int:
         """`num_new_tokens`, or fewer so that the chunk from `start` ends at the request's next checkpoint
-        target that is not cached yet (invariant 3), unless that target can be saved inside the step."""
+        target that is not cached yet (invariant 3), unless that target can be saved inside the step (and
+        save_inside allows it)."""
         target = self._uncached_target(request, start, start + num_new_tokens)
-        if target is None or self._saves_mid_chunk(start, target, start + num_new_tokens):
+        if target is None or (save_inside and self._saves_mid_chunk(start, target, start + num_new_tokens)):
             return num_new_tokens
         return target - start
 

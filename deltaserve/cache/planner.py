@@ -31,8 +31,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from deltaserve.cache.footprint import (DTYPE_BYTES, WEIGHT_FORMATS, count_parameters, estimate_activation_bytes,
-                                        estimate_cuda_graph_bytes, graph_capture_sizes, kv_bytes_per_token,
+from deltaserve.cache.footprint import (DTYPE_BYTES, WEIGHT_FORMATS, count_parameters, cuda_graph_count,
+                                        estimate_activation_bytes, estimate_cuda_graph_bytes, kv_bytes_per_token,
                                         kv_cache_dtype, model_dtype, ssm_cache_dtype, state_bytes_per_slot,
                                         weight_bytes)
 from deltaserve.config import ConfigError, EngineConfig, ModelConfig
@@ -295,7 +295,7 @@ def plan(cfg: ModelConfig, engine: EngineConfig, *, device_memory_bytes: int | N
         conv_state_dtype=dtype, ssm_state_dtype=ssm_dtype, weight_format=weight_format,
         num_parameters=sum(count_parameters(cfg).values()), weight_bytes_by_format=weights,
         activation_bytes=activation, activation_measured=on_gpu and activation_bytes is not None,
-        cuda_graph_bytes=graphs, num_cuda_graphs=len(graph_capture_sizes(num_seqs, engine.performance_mode)) if graphs else 0,
+        cuda_graph_bytes=graphs, num_cuda_graphs=cuda_graph_count(num_seqs, engine.performance_mode) if graphs else 0,
         overhead_bytes=overhead, overhead_measured=on_gpu and overhead_bytes is not None,
         cache_memory_bytes=budget.cache_memory(num_seqs), cache_memory_source=budget.source,
         conv_bytes_per_slot=conv_bytes, ssm_bytes_per_slot=ssm_bytes, num_working_slots=num_seqs + 1,

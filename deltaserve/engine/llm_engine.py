@@ -62,7 +62,7 @@ class LLMEngine:
         self.runner = setup.runner
         self.cache_manager = setup.cache_manager
         self.scheduler = Scheduler(setup.cache_manager, setup.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len)
+                                   self.max_model_len, mixed_chunk_tokens=self.runner.mixed_chunk_tokens)
         self.eos_token_ids = setup.eos_token_ids
         self._parents: dict[str, _Parent] = {}
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None  # launched, samples not read yet
@@ -103,7 +103,10 @@ class LLMEngine:
         # kernel variant a batch of prompts meets)
         joining = prompt(min(max(300, budget // 2), longest), 2)
         self.add_request("deltaserve-warm-up-joining", joining, params)
+        # in one step, not in mixed steps' capped chunks (their graphs are compiled already)
+        cap, self.scheduler.mixed_chunk_tokens = self.scheduler.mixed_chunk_tokens, 0
         run_until(lambda outputs: False)
+        self.scheduler.mixed_chunk_tokens = cap
         self.add_request("deltaserve-warm-up-hit", joining[:-5] + prompt(9, 3), params)
         run_until(lambda outputs: False)
         self.reset_prefix_cache()

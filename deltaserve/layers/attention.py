@@ -62,6 +62,21 @@ class GatedAttention(nn.Module):
         """The input projection [q | k | v] rows, applied by the decoder layer together with its norm."""
         return self.qkv_weight
 
+    def _attend(self, q, k, v, gate, batch: ForwardBatch, k_scale: float, v_scale: float) -> torch.Tensor:
+        """q, gate: [T, nH, hd]; k, v: [T, nKV, hd], already in the cache -> o * sigmoid(gate): [T, nH, hd]."""
+        if self._sdpa_path(q, batch):
+            if batch.prefix_free:  # nothing cached to read: attend the new K/V directly
+                return fresh_causal_attention(q, k, v.contiguous(), batch.cu_seqlens_cpu, self.scale, gate=gate)
+            if batch.num_seqs == 1 and batch.num_computed_cpu[0] % SDPA_PREFIX_ALIGN == 0:
+                # one long chunk after its cached prefix (long prompts, chunk after chunk)
+                o = chunk_over_prefix_attention(q, k, v, self.k_cache, self.v_cache, batch.block_tables[0],
+                                                batch.num_computed_cpu[0], self.scale, gate=gate)
+                if o is not None:
+                    return o
+        return paged_attention(q, self.k_cache, self.v_cache, batch.block_tables, batch.cu_seqlens_q, batch.seq_lens,
+                               self.scale, batch.max_query_len, k_scale=k_scale, v_scale=v_scale,
+                               gate=gate)  # [T, nH, hd], already times sigmoid(gate)
+
     def forward(self, qkv: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """qkv: [T, 2 nH hd + 2 nKV hd], the input projection's output -> [T, hidden]. Writes this step's K/V
         into the cache, then attends over it."""
@@ -78,16 +93,11 @@ class GatedAttention(nn.Module):
         q, k = qk_norm_rope_write_kv(q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, rot.cos,
                                      rot.sin, batch.positions, rot.rotary_dim, self.k_cache, self.v_cache,
                                      batch.slot_mapping, k_scale=k_scale, v_scale=v_scale)
-        o = None
-        if self._sdpa_path(q, batch):
-            if batch.prefix_free:  # nothing cached to read: attend the new K/V directly
-                o = fresh_causal_attention(q, k, v.contiguous(), batch.cu_seqlens_cpu, self.scale, gate=gate)
-            elif batch.num_seqs == 1 and batch.num_computed_cpu[0] % SDPA_PREFIX_ALIGN == 0:
-                # one long chunk after its cached prefix (long prompts, chunk after chunk)
-                o = chunk_over_prefix_attention(q, k, v, self.k_cache, self.v_cache, batch.block_tables[0],
-                                                batch.num_computed_cpu[0], self.scale, gate=gate)
-        if o is None:
-            o = paged_attention(q, self.k_cache, self.v_cache, batch.block_tables, batch.cu_seqlens_q,
-                                batch.seq_lens, self.scale, batch.max_query_len, k_scale=k_scale,
-                                v_scale=v_scale, gate=gate)  # [T, nH, hd], already times sigmoid(gate)
+        if batch.parts is not None:  # decode rows first, on the decode kernel; then the prefill rows
+            decode, prefill = batch.parts
+            n = decode.num_seqs
+            o = torch.cat([self._attend(q[:n], k[:n], v[:n], gate[:n], decode, k_scale, v_scale),
+                           self._attend(q[n:], k[n:], v[n:], gate[n:], prefill, k_scale, v_scale)])
+        else:
+            o = self._attend(q, k, v, gate, batch, k_scale, v_scale)
         return linear(o.reshape(T, self.num_heads * self.head_dim), self.o_proj.weight)

@@ -105,8 +105,22 @@ class GatedDeltaNet(nn.Module):
     def forward(self, projected: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """projected: [T, conv_dim + value_dim + 2 HV], the output of `in_weight` -> [T, H]. Reads and writes
         this batch's slots of the conv and recurrent state pools."""
-        T = projected.shape[0]
         mixed, z, b, a = self._split_projection(projected)
+        if batch.parts is not None:  # decode rows first, on the decode kernels; then the prefill rows
+            decode, prefill = batch.parts
+            n = decode.num_seqs
+            o = torch.cat([self._conv_and_delta_rule(mixed[:n], a[:n], b[:n], decode),
+                           self._conv_and_delta_rule(mixed[n:], a[n:], b[n:], prefill)])
+        else:
+            o = self._conv_and_delta_rule(mixed, a, b, batch)
+        # out_proj(norm(o, z)); z: a strided view of the projection (ops/linear fuses the two for batch-1 decode
+        # where its tuned table says it pays)
+        return gated_norm_linear(o, z, self.norm.weight, self.norm.eps, self.out_proj.weight)
+
+    def _conv_and_delta_rule(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                             batch: ForwardBatch) -> torch.Tensor:
+        """mixed: [T, conv_dim] pre-conv q|k|v; a, b: [T, HV] raw gate projections -> o: [T, HV, V]."""
+        T = mixed.shape[0]
         conv_w = self.conv1d.weight.squeeze(1)  # [conv_dim, W]
         slots = batch.state_slots
         qkv_dims = (self.key_dim, self.key_dim, self.value_dim)
@@ -121,13 +135,9 @@ class GatedDeltaNet(nn.Module):
         k = k.view(T, self.num_k_heads, self.k_dim)
         v = v.view(T, self.num_v_heads, self.v_dim)
         if batch.is_decode:
-            o = gdn_decode(q, k, v, a, b, self.A_log, self.dt_bias, self.ssm_state, slots)
-        elif batch.mid_saves is not None:
-            o = self._prefill_with_checkpoints(q, k, v, a, b, batch.mid_saves)
-        else:  # raw gates: the GPU's recurrent kernel for short chunks computes them itself
-            o = gdn_prefill(q, k, v, a, b, self.ssm_state, slots, batch.has_initial_state, batch.cu_seqlens_q,
-                            batch.cu_seqlens_cpu, batch.max_query_len, A_log=self.A_log, dt_bias=self.dt_bias)
-
-        # out_proj(norm(o, z)); z: a strided view of the projection (ops/linear fuses the two for batch-1 decode
-        # where its tuned table says it pays)
-        return gated_norm_linear(o, z, self.norm.weight, self.norm.eps, self.out_proj.weight)
+            return gdn_decode(q, k, v, a, b, self.A_log, self.dt_bias, self.ssm_state, slots)
+        if batch.mid_saves is not None:
+            return self._prefill_with_checkpoints(q, k, v, a, b, batch.mid_saves)
+        # raw gates: the GPU's recurrent kernel for short chunks computes them itself
+        return gdn_prefill(q, k, v, a, b, self.ssm_state, slots, batch.has_initial_state, batch.cu_seqlens_q,
+                           batch.cu_seqlens_cpu, batch.max_query_len, A_log=self.A_log, dt_bias=self.dt_bias)

@@ -1,12 +1,23 @@
-"""Decode steps on static, padded buffers; replayed as CUDA graphs unless --enforce-eager.
+"""Decode steps, and decode steps carrying one prompt chunk, on static padded buffers; replayed as CUDA graphs
+unless --enforce-eager.
 
-One graph per batch size in `graph_capture_sizes(max_num_seqs)` (1, 2, 4, 8, then every 8; every size up to 32
-with --performance-mode interactivity), captured largest first
-into one shared memory pool. Each graph reads static input buffers sized for the largest batch; a step of n
-sequences is padded to the next captured size, and its padding rows point at the dummy state slot 0, the
-null KV block 0 (context length 1) and KV slot -1 (no cache write), so they change nothing a request owns.
-With --enforce-eager the same padded batch runs eagerly, so both modes compute exactly the same numbers
-(the shapes decide which GEMM and attention-split kernels run, and so the rounding).
+Decode graphs: one per batch size in `graph_capture_sizes(max_num_seqs)` (1, 2, 4, 8, then every 8; every size
+up to 32 with --performance-mode interactivity), captured largest first into one shared memory pool. Each graph
+reads static input buffers sized for the largest batch; a step of n sequences is padded to the next captured
+size, and its padding rows point at the dummy state slot 0, the null KV block 0 (context length 1) and KV slot
+-1 (no cache write), so they change nothing a request owns.
+
+Mixed graphs (`mixed_graph_sizes`; opt-in, DELTASERVE_MIXED_CHUNK_TOKENS=128: measured slower on W6, see
+cache/footprint.py): the same decode rows, padded to a captured size s >= 8, then C rows
+(`mixed_chunk_tokens()`, 128) for one prompt chunk of L <= C tokens. The chunk rows hold two sequences: the
+chunk, and padding of C - L tokens (maybe none) on the dummy slot, starting from zero state, with the null block
+and no cache writes. The batch runs in two parts (`ForwardBatch.parts`): decode kernels on the first s rows,
+prefill kernels (the recurrent GDN kernel, the paged attention kernel) on the chunk rows. A decode step of a
+large model is bound by reading its weights, so the chunk's tokens cost a fraction of what they do in a step of
+their own, but the prompts queued behind one chunk a step do not decode meanwhile (docs/performance.md).
+
+With --enforce-eager the same padded batches run eagerly, so both modes compute exactly the same numbers (the
+shapes decide which GEMM and attention-split kernels run, and so the rounding).
 """
 
 from __future__ import annotations
@@ -15,79 +26,188 @@ import logging
 
 import torch
 
-from deltaserve.cache.footprint import graph_capture_sizes
+from deltaserve.cache.footprint import graph_capture_sizes, mixed_chunk_tokens, mixed_graph_sizes
 from deltaserve.layers.batch import ForwardBatch
 from deltaserve.model.qwen3_5 import HybridForCausalLM
 
 logger = logging.getLogger(__name__)
 
 
+class _StaticBatch:
+    """Input buffers of one kind of graph: `rows` token rows and `seqs` sequences, padding values where unset."""
+
+    def __init__(self, rows: int, seqs: int, block_table_width: int, device):
+        i64 = dict(dtype=torch.int64, device=device)
+        self.input_ids = torch.zeros(rows, **i64)
+        self.positions = torch.zeros(rows, **i64)
+        self.slot_mapping = torch.full((rows,), -1, **i64)
+        self.seq_lens = torch.ones(seqs, **i64)
+        self.state_slots = torch.zeros(seqs, **i64)
+        self.block_tables = torch.zeros(seqs, block_table_width, dtype=torch.int32, device=device)
+        self.has_initial_state = torch.ones(seqs, dtype=torch.bool, device=device)
+        self.cu_seqlens = torch.arange(seqs + 1, **i64)  # decode rows: one token each
+
+
 class DecodeGraphs:
     def __init__(self, model: HybridForCausalLM, max_num_seqs: int, block_table_width: int, device,
-                 use_graphs: bool = True, performance_mode: str = "balanced"):
+                 use_graphs: bool = True, performance_mode: str = "balanced", block_size: int = 16):
         self.model = model
         self.use_graphs = use_graphs
         self.sizes = graph_capture_sizes(max_num_seqs, performance_mode)
-        n = self.sizes[-1]
-        i64 = dict(dtype=torch.int64, device=device)
-        # static inputs, sized for the largest batch; rows beyond a step's batch hold padding values
-        self.input_ids = torch.zeros(n, **i64)
-        self.positions = torch.zeros(n, **i64)
-        self.slot_mapping = torch.full((n,), -1, **i64)
-        self.seq_lens = torch.ones(n, **i64)
-        self.state_slots = torch.zeros(n, **i64)
-        self.block_tables = torch.zeros(n, block_table_width, dtype=torch.int32, device=device)
-        self.cu_seqlens = torch.arange(n + 1, **i64)
-        self.has_initial_state = torch.ones(n, dtype=torch.bool, device=device)
+        self.mixed_sizes = mixed_graph_sizes(max_num_seqs, performance_mode)
+        self.chunk_tokens = mixed_chunk_tokens() if self.mixed_sizes else 0  # C
+        n, C = self.sizes[-1], self.chunk_tokens
+        block_table_width = max(block_table_width, -(-C // block_size))  # the chunk's padding sequence reads C
+        self.decode = _StaticBatch(n, n, block_table_width, device)
+        # mixed: decode rows [0, s), chunk rows [s, s + C); sequences: s decodes, the chunk, its padding
+        self.mixed = _StaticBatch(n + C, n + 2, block_table_width, device) if C else None
+        self.chunk_cu_seqlens = torch.tensor([0, C, C], dtype=torch.int64, device=device)  # within the chunk rows
+        # rows whose logits a mixed step computes: its n decodes, the chunk's last row, then padding rows
+        self.mixed_logit_rows = torch.zeros(n + 1, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # one static output shared by every graph (a per-graph output would hold [size, V] float32 each)
-        self.logits = torch.empty(n, model.config.vocab_size, dtype=torch.float32, device=device)
+        self.logits = torch.empty(n + 1, model.config.vocab_size, dtype=torch.float32, device=device)
 
     def _batch(self, size: int) -> ForwardBatch:
+        d = self.decode
         return ForwardBatch(
-            positions=self.positions[:size], cu_seqlens_q=self.cu_seqlens[: size + 1], seq_lens=self.seq_lens[:size],
-            block_tables=self.block_tables[:size], slot_mapping=self.slot_mapping[:size],
-            state_slots=self.state_slots[:size], has_initial_state=self.has_initial_state[:size],
-            logits_indices=self.cu_seqlens[:size], max_query_len=1, cu_seqlens_cpu=None, is_decode=True)
+            positions=d.positions[:size], cu_seqlens_q=d.cu_seqlens[: size + 1], seq_lens=d.seq_lens[:size],
+            block_tables=d.block_tables[:size], slot_mapping=d.slot_mapping[:size],
+            state_slots=d.state_slots[:size], has_initial_state=d.has_initial_state[:size],
+            logits_indices=d.cu_seqlens[:size], max_query_len=1, cu_seqlens_cpu=None, is_decode=True)
+
+    def _mixed_batch(self, size: int) -> ForwardBatch:
+        """The mixed graph's batch at `size` decode rows, in its two parts."""
+        m, rows = self.mixed, size + self.chunk_tokens
+        decode = ForwardBatch(
+            positions=m.positions[:size], cu_seqlens_q=m.cu_seqlens[: size + 1], seq_lens=m.seq_lens[:size],
+            block_tables=m.block_tables[:size], slot_mapping=m.slot_mapping[:size], state_slots=m.state_slots[:size],
+            has_initial_state=m.has_initial_state[:size], logits_indices=m.cu_seqlens[:size], max_query_len=1,
+            cu_seqlens_cpu=None, is_decode=True)
+        seqs = slice(size, size + 2)
+        chunk = ForwardBatch(
+            positions=m.positions[size:rows], cu_seqlens_q=self.chunk_cu_seqlens, seq_lens=m.seq_lens[seqs],
+            block_tables=m.block_tables[seqs], slot_mapping=m.slot_mapping[size:rows],
+            state_slots=m.state_slots[seqs], has_initial_state=m.has_initial_state[seqs],
+            logits_indices=self.chunk_cu_seqlens[1:2] - 1, max_query_len=self.chunk_tokens, cu_seqlens_cpu=None,
+            is_decode=False)
+        # The whole batch's per-sequence fields are the parts' (the layers read those); its rows are all rows.
+        return ForwardBatch(
+            positions=m.positions[:rows], cu_seqlens_q=m.cu_seqlens[: size + 1], seq_lens=m.seq_lens[:size],
+            block_tables=m.block_tables[:size], slot_mapping=m.slot_mapping[:rows], state_slots=m.state_slots[:size],
+            has_initial_state=m.has_initial_state[:size], logits_indices=self.mixed_logit_rows[: size + 1],
+            max_query_len=self.chunk_tokens, cu_seqlens_cpu=None, is_decode=False, parts=(decode, chunk))
+
+    def _forward_decode(self, size: int) -> torch.Tensor:
+        return self.model.compute_logits(self.model(self.decode.input_ids[:size], self._batch(size)))
+
+    def _set_chunk(self, size: int, chunk_len: int, seq_len: int, state_slot, has_initial) -> None:
+        """The chunk part's two sequences at `size` decode rows: the chunk (chunk_len tokens, KV length seq_len
+        after the step) and its padding (the rest of the chunk rows, from zero state on the dummy slot)."""
+        m = self.mixed
+        for buffer, value in ((m.seq_lens, seq_len), (m.state_slots, state_slot), (m.has_initial_state, has_initial)):
+            if isinstance(value, torch.Tensor):
+                buffer[size].copy_(value)  # a device scalar: no sync
+            else:
+                buffer[size].fill_(value)
+        m.seq_lens[size + 1].fill_(self.chunk_tokens - chunk_len)
+        m.state_slots[size + 1].fill_(0)
+        m.has_initial_state[size + 1].fill_(False)
+        m.block_tables[size + 1].fill_(0)
+        m.slot_mapping[size + chunk_len: size + self.chunk_tokens].fill_(-1)
+        self.chunk_cu_seqlens[1].fill_(chunk_len)
+
+    def _forward_mixed(self, size: int) -> torch.Tensor:
+        batch = self._mixed_batch(size)
+        hidden = self.model(self.mixed.input_ids[: size + self.chunk_tokens], batch)
+        return self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
 
     @torch.inference_mode()
     def capture(self) -> None:
         if not self.use_graphs:
             return
         pool = torch.cuda.graph_pool_handle()
-        for size in reversed(self.sizes):  # largest first: smaller graphs reuse its pool memory
-            batch = self._batch(size)
+        # largest first: smaller graphs reuse its pool memory (a mixed graph is the larger at each size)
+        kinds = [(self.mixed_graphs, self._forward_mixed, s) for s in self.mixed_sizes]
+        kinds += [(self.graphs, self._forward_decode, s) for s in self.sizes]
+        for graphs, forward, size in sorted(kinds, key=lambda kind: -kind[2]):
+            if graphs is self.mixed_graphs:  # a fresh chunk of C tokens on the dummy slot and the null block
+                self.mixed.block_tables[size].fill_(0)
+                self._set_chunk(size, self.chunk_tokens, self.chunk_tokens, 0, False)
             for _ in range(2):  # warm up: Triton compiles, cuBLAS picks its kernels
-                self.model.compute_logits(self.model(self.input_ids[:size], batch))
+                forward(size)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[:size].copy_(self.model.compute_logits(self.model(self.input_ids[:size], batch)))
-            self.graphs[size] = graph
+                logits = forward(size)
+                self.logits[: logits.shape[0]].copy_(logits)
+            graphs[size] = graph
         torch.cuda.synchronize()
         logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
+        if self.mixed_sizes:
+            logger.info("captured CUDA graphs for decode batch sizes %s with a %d-token prompt chunk",
+                        self.mixed_sizes, self.chunk_tokens)
 
     def padded_size(self, n: int) -> int | None:
         """The captured size to run n sequences at, or None if n is larger than every graph."""
         return next((s for s in self.sizes if s >= n), None)
 
+    def mixed_size(self, num_decodes: int, chunk_len: int) -> int | None:
+        """The mixed graph's size for num_decodes decode rows and a chunk of chunk_len tokens, or None."""
+        if not 1 <= chunk_len <= self.chunk_tokens:
+            return None
+        return next((s for s in self.mixed_sizes if s >= num_decodes), None)
+
     def run(self, batch: ForwardBatch, input_ids: torch.Tensor) -> torch.Tensor:
         """Replay the graph for this decode batch; returns logits [n, V] (a view of the static output)."""
         n = batch.num_seqs
         size = self.padded_size(n)
-        width = batch.block_tables.shape[1]
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(batch.positions)
-        self.slot_mapping[:n].copy_(batch.slot_mapping)
-        self.seq_lens[:n].copy_(batch.seq_lens)
-        self.state_slots[:n].copy_(batch.state_slots)
-        self.block_tables[:n, :width].copy_(batch.block_tables)
-        if size > n:  # padding rows: dummy slot, null block, no cache write
-            self.slot_mapping[n:size].fill_(-1)
-            self.seq_lens[n:size].fill_(1)
-            self.state_slots[n:size].fill_(0)
-            self.block_tables[n:size].fill_(0)
+        _fill_decode_rows(self.decode, batch, input_ids, n, size)
         if not self.use_graphs:
-            return self.model.compute_logits(self.model(self.input_ids[:size], self._batch(size)))[:n]
+            return self._forward_decode(size)[:n]
         self.graphs[size].replay()
         return self.logits[:n]
+
+    def run_mixed(self, batch: ForwardBatch, input_ids: torch.Tensor, chunk_samples: bool) -> torch.Tensor:
+        """Replay the mixed graph for a batch of n decodes then one prompt chunk (built by ForwardBatch.build).
+        Returns logits [n + 1, V] (the chunk's last) or [n, V] when the chunk does not sample."""
+        n = batch.num_seqs - 1
+        chunk_len = batch.cu_seqlens_cpu[-1].item() - n
+        size = self.mixed_size(n, chunk_len)
+        m = self.mixed
+        _fill_decode_rows(m, batch, input_ids, n, size)
+        m.has_initial_state[:size].fill_(True)
+        rows = slice(size, size + chunk_len)  # the chunk's rows in the graph
+        m.input_ids[rows].copy_(input_ids[n:])
+        m.positions[rows].copy_(batch.positions[n:])
+        m.slot_mapping[rows].copy_(batch.slot_mapping[n:])
+        width = batch.block_tables.shape[1]
+        m.block_tables[size, :width].copy_(batch.block_tables[n])
+        m.block_tables[size, width:].fill_(0)
+        self._set_chunk(size, chunk_len, batch.seq_lens[n], batch.state_slots[n], batch.has_initial_state[n])
+        self.mixed_logit_rows[:n].copy_(m.cu_seqlens[:n])  # 0 .. n-1
+        self.mixed_logit_rows[n].fill_(size + chunk_len - 1)
+        self.mixed_logit_rows[n + 1: size + 1].fill_(0)
+        if not self.use_graphs:
+            logits = self._forward_mixed(size)
+        else:
+            self.mixed_graphs[size].replay()
+            logits = self.logits
+        return logits[: n + 1] if chunk_samples else logits[:n]
+
+
+def _fill_decode_rows(buffers: _StaticBatch, batch: ForwardBatch, input_ids: torch.Tensor, n: int, size: int):
+    """Copy the batch's first n sequences (one token each) into the buffers' first rows; pad to `size`."""
+    width = batch.block_tables.shape[1]
+    buffers.input_ids[:n].copy_(input_ids[:n])
+    buffers.positions[:n].copy_(batch.positions[:n])
+    buffers.slot_mapping[:n].copy_(batch.slot_mapping[:n])
+    buffers.seq_lens[:n].copy_(batch.seq_lens[:n])
+    buffers.state_slots[:n].copy_(batch.state_slots[:n])
+    buffers.block_tables[:n, :width].copy_(batch.block_tables[:n])
+    if size > n:  # padding rows: dummy slot, null block, no cache write
+        buffers.slot_mapping[n:size].fill_(-1)
+        buffers.seq_lens[n:size].fill_(1)
+        buffers.state_slots[n:size].fill_(0)
+        buffers.block_tables[n:size].fill_(0)

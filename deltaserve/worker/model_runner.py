@@ -4,8 +4,9 @@
 both). Between the two the engine may schedule and launch the next step (async scheduling): a row whose last
 input is a sample still on the device (`pending_input`) takes it from the previous launch's token ids.
 
-On CUDA, decode-only steps run on static padded buffers (see cuda_graph.py), replayed as CUDA graphs unless
-enforce_eager; every other step, and every step on the CPU, runs the model eagerly on its own tensors.
+On CUDA, decode-only steps, and decode steps with one prompt chunk after their decodes (mixed steps), run on
+static padded buffers (see cuda_graph.py), replayed as CUDA graphs unless enforce_eager; every other step, and
+every step on the CPU, runs the model eagerly on its own tensors.
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ class ModelRunner:
                 use_graphs = False
             # the graphs' block table is wide enough for the longest sequence; eager steps use their own width
             self.graphs = DecodeGraphs(model, max_num_seqs, -(-max_model_len // self.block_size), device,
-                                       use_graphs=use_graphs, performance_mode=performance_mode)
+                                       use_graphs=use_graphs, performance_mode=performance_mode,
+                                       block_size=self.block_size)
             self.graphs.capture()
             from deltaserve.ops.attention.cuda_sdpa import warm_up_cudnn_attention  # GPU only
 
@@ -102,6 +104,21 @@ class ModelRunner:
                                   previous_tokens.index_select(0, to_device(sources, self.device)))
         return input_ids, batch
 
+    @property
+    def mixed_chunk_tokens(self) -> int:
+        """The prompt tokens a mixed step (decodes + one chunk, worker/cuda_graph.py) may carry; 0: none. The
+        scheduler caps its chunks to it; with --enforce-eager the same padded steps run eagerly."""
+        return self.graphs.chunk_tokens if self.graphs is not None else 0
+
+    def _mixed_graph_serves(self, rows) -> bool:
+        """Whether a mixed graph runs this step: every row but the last a sampled decode (one token after cached
+        state), the last a chunk that fits, and no checkpoint inside the step."""
+        if self.graphs is None or len(rows) < 2 or rows[-1].mid_save is not None:
+            return False
+        if any(len(r.token_ids) != 1 or r.num_computed == 0 or not r.sample or r.mid_save for r in rows[:-1]):
+            return False
+        return self.graphs.mixed_size(len(rows) - 1, len(rows[-1].token_ids)) is not None
+
     @torch.inference_mode()
     def execute(self, scheduled: SchedulerOutput) -> ModelOutput:
         """Run one step and wait for its samples."""
@@ -116,6 +133,8 @@ class ModelRunner:
         restore_checkpoints(self.model, scheduled)  # prefix hits: checkpoint -> working slot
         if self.graphs is not None and batch.is_decode and self.graphs.padded_size(len(rows)) is not None:
             logits = self.graphs.run(batch, input_ids)  # [N, V]; in a decode batch every row samples
+        elif self._mixed_graph_serves(rows):  # decodes, then one prompt chunk
+            logits = self.graphs.run_mixed(batch, input_ids, chunk_samples=rows[-1].sample)  # [S, V]
         else:
             hidden = self.model(input_ids, batch)  # [T, H]
             if sampling_rows:

@@ -1,0 +1,138 @@
+"""Mixed steps (opt-in: DELTASERVE_MIXED_CHUNK_TOKENS): decodes plus one capped prompt chunk (engine/scheduler.py),
+run on the CUDA-graph runner's static padded buffers (worker/cuda_graph.py). On the CPU the runner's buffers run eagerly, as with --enforce-eager on the
+GPU: the same padded batch, the same numbers as the graphs (tests/gpu/test_engine_gpu.py replays them)."""
+
+import pytest
+import torch
+
+from deltaserve.cache import footprint
+from deltaserve.config import ModelConfig
+from deltaserve.engine import scheduler as scheduler_module
+from deltaserve.layers.batch import ForwardBatch
+from deltaserve.model.loader import load_model
+from deltaserve.worker.cuda_graph import DecodeGraphs
+from deltaserve.worker.kv_cache import CacheShape, bind_caches
+from tests.engine.test_scheduler import fake_step, make_request, make_scheduler
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture
+def few_decodes(monkeypatch):
+    """Mixed steps from 2 decoding requests (8 in production) up to 8 (128)."""
+    monkeypatch.setattr(scheduler_module, "MIXED_MIN_DECODES", 2)
+    monkeypatch.setattr(scheduler_module, "MIXED_MAX_DECODES", 8)
+
+
+def decoding(sched, n):
+    """n requests of 4 prompt tokens, each past its prompt."""
+    for i in range(n):
+        sched.add_request(make_request(f"d{i}", 4, max_tokens=50))
+    fake_step(sched)
+
+
+def layout(out):
+    return [(row.request_id, len(row.token_ids)) for row in out.sequences]
+
+
+def test_a_mostly_decoding_step_takes_one_capped_prompt_chunk_after_its_decodes(few_decodes):
+    decodes = [(f"d{i}", 1) for i in range(6)]
+    sched = make_scheduler(max_num_seqs=10, budget=64, slots=12, num_blocks=128)
+    sched.mixed_chunk_tokens = 8
+    decoding(sched, 6)
+    for rid, length in (("p", 21), ("q", 5), ("r", 5)):
+        sched.add_request(make_request(rid, length))
+    out, _ = fake_step(sched)  # 6 decoding of 9 with work: below 0.75, the budget decides
+    assert layout(out) == decodes + [("p", 21), ("q", 5), ("r", 5)]
+
+    sched = make_scheduler(max_num_seqs=10, budget=64, slots=12, num_blocks=128)
+    sched.mixed_chunk_tokens = 8
+    decoding(sched, 6)
+    sched.add_request(make_request("p", 21))
+    out, _ = fake_step(sched)  # 6 of 7: capped, one chunk, after the decodes
+    assert layout(out) == decodes + [("p", 8)]
+    sched.add_request(make_request("q", 5))
+    out, _ = fake_step(sched)  # 6 of 8: p goes on (running, listed after the decodes); q waits its turn
+    assert layout(out) == decodes + [("p", 8)]
+    assert [r.request_id for r in sched.waiting] == ["q"]
+    out, _ = fake_step(sched)
+    assert layout(out) == decodes + [("p", 5)] and out.sequences[-1].sample
+    out, _ = fake_step(sched)  # p decodes now, before q's chunk
+    assert layout(out) == decodes + [("p", 1), ("q", 5)]
+
+
+def test_no_cap_with_too_few_or_too_many_decodes(few_decodes):
+    for count in (1, 9):
+        sched = make_scheduler(max_num_seqs=10, budget=64, slots=12, num_blocks=128)
+        sched.mixed_chunk_tokens = 8
+        decoding(sched, count)
+        sched.add_request(make_request("p", 21))
+        out, _ = fake_step(sched)
+        assert layout(out)[-1] == ("p", 21)
+
+
+def test_a_capped_chunk_ends_at_the_prompt_checkpoint_instead_of_saving_inside(few_decodes):
+    sched = make_scheduler(max_num_seqs=8, budget=32, slots=10, checkpoints=4)
+    sched.mixed_chunk_tokens = 8
+    decoding(sched, 4)
+    sched.add_request(make_request("p", 13, prompt=list(range(50, 63))))  # block 4: prompt checkpoint at 12
+    out, _ = fake_step(sched)
+    assert layout(out)[-1] == ("p", 8)
+    out, _ = fake_step(sched)  # uncapped, 8..13 would save at 12 inside the step; capped, it stops there
+    assert layout(out)[-1] == ("p", 4) and out.sequences[-1].mid_save is None
+    assert len(out.state_saves) == 1
+    out, _ = fake_step(sched)
+    assert layout(out)[-1] == ("p", 1) and out.sequences[-1].sample
+
+
+def test_mixed_graphs_are_opt_in(monkeypatch):
+    monkeypatch.delenv("DELTASERVE_MIXED_CHUNK_TOKENS", raising=False)
+    assert footprint.mixed_graph_sizes(256) == [] and footprint.cuda_graph_count(256) == 35
+    monkeypatch.setenv("DELTASERVE_MIXED_CHUNK_TOKENS", "128")
+    assert footprint.mixed_graph_sizes(256) == list(range(8, 129, 8)) and footprint.mixed_graph_sizes(4) == []
+    assert footprint.mixed_graph_sizes(13) == [8, 13] and footprint.cuda_graph_count(256) == 35 + 16
+    for bad in ("129", "-1", "x"):
+        monkeypatch.setenv("DELTASERVE_MIXED_CHUNK_TOKENS", bad)
+        with pytest.raises(ValueError, match="DELTASERVE_MIXED_CHUNK_TOKENS"):
+            footprint.mixed_chunk_tokens()
+
+
+def test_mixed_padded_step_computes_what_the_plain_step_does(ckpt_qwen3_5, monkeypatch):
+    """The mixed graph's buffers (decodes padded to 8 rows, the chunk padded to 128 rows with a second sequence
+    on the dummy slot), run eagerly: the same logits as the step run plainly, and the same caches except the
+    dummy state slot 0 and the null KV block 0."""
+    monkeypatch.setenv("DELTASERVE_MIXED_CHUNK_TOKENS", "128")
+    cfg = ModelConfig.from_pretrained(ckpt_qwen3_5)
+    model = load_model(ckpt_qwen3_5, cfg, torch.float32, "cpu")
+    block_size, width = 4, 16
+    bind_caches(model, CacheShape(num_blocks=64, block_size=block_size, num_state_slots=8,
+                                  kv_dtype=torch.float32, ssm_dtype=torch.float32), "cpu")
+    graphs = DecodeGraphs(model, max_num_seqs=8, block_table_width=width, device="cpu", use_graphs=False,
+                          block_size=block_size)
+    assert graphs.mixed_sizes == [8] and graphs.chunk_tokens == 128
+    gen = torch.Generator().manual_seed(4)
+    blocks = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12, 13, 14]]
+    slots, prompt_lens = [1, 2, 3, 4], [7, 11, 5, 6]
+    with torch.no_grad():
+        model(torch.randint(0, cfg.vocab_size, (sum(prompt_lens),), generator=gen),
+              ForwardBatch.build([0] * 4, prompt_lens, blocks, slots, block_size))
+    caches = [t for layer in model.attention_layers for t in (layer.k_cache, layer.v_cache)]
+    caches += [model.conv_states, model.ssm_states]
+    before = [t.clone() for t in caches]
+    # three decodes, then sequence 4's chunk of 9 tokens after its 6 cached ones
+    batch = ForwardBatch.build([7, 11, 5, 6], [1, 1, 1, 9], blocks, slots, block_size, block_table_width=width)
+    ids = torch.randint(0, cfg.vocab_size, (12,), generator=gen)
+    with torch.no_grad():
+        plain = model.compute_logits(model(ids, batch))[batch.logits_indices]
+    plain_caches = [t.clone() for t in caches]
+    for chunk_samples in (True, False):
+        for tensor, saved in zip(caches, before):
+            tensor.copy_(saved)
+        with torch.no_grad():
+            mixed = graphs.run_mixed(batch, ids, chunk_samples=chunk_samples)
+        torch.testing.assert_close(mixed, plain[: 4 if chunk_samples else 3], atol=1e-4, rtol=1e-4)
+        for tensor, expected in zip(caches, plain_caches):
+            if tensor.dim() == 4 and tensor.shape[0] == 64:  # KV: [blocks, block_size, heads, hd]
+                torch.testing.assert_close(tensor[1:], expected[1:], atol=1e-5, rtol=1e-5)
+            else:  # GDN pools: [layers, slots, ...]
+                torch.testing.assert_close(tensor[:, 1:], expected[:, 1:], atol=1e-5, rtol=1e-5)
