@@ -526,3 +526,18 @@ def test_gdn_prefill_takes_fla_for_long_or_unknown_lengths(monkeypatch):
     # At the threshold the recurrent kernel runs (it would run this batch correctly whatever its lengths).
     gdn_kernels.gdn_prefill(*inputs, pool, slots, has_initial, cu, max_query_len=longest)
     assert len(calls) == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_l2_normalize_matches_fla_formula(dtype):
+    """q and k before fla's chunked rule: each head row over its L2 norm, eps 1e-6 under the root, in float32;
+    rows beyond a program's block (37 rows of 16) and a zero row (no NaN) included."""
+    x = torch.randn(37, 3, 32, generator=torch.Generator().manual_seed(8)).to(dtype)
+    x[5, 1] = 0
+    x32 = x.float()
+    expected = (x32 * (1 / torch.sqrt((x32 * x32).sum(-1, keepdim=True) + 1e-6))).to(dtype)
+    actual = gdn_kernels.l2_normalize(x)
+    assert actual.dtype == dtype and not actual.isnan().any()
+    torch.testing.assert_close(actual, expected, atol=1e-6, rtol=1e-6)  # float32: one ulp (summation order)
+    with pytest.raises(ValueError, match="contiguous"):
+        gdn_kernels.l2_normalize(x.transpose(0, 1))

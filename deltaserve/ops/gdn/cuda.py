@@ -32,6 +32,8 @@ from deltaserve.ops.varlen import check_state_pool
 
 # Added under the square root of the L2 norm, as in fla's l2norm and the reference.
 _L2NORM_EPS = 1e-6
+# Rows of q or k a program of `l2_normalize` scales.
+_L2NORM_ROWS = 16
 # gdn_prefill runs the recurrent kernel when no sequence has more new tokens than this: one launch and no
 # state gather/scatter, but one token after another (fla's chunks are matmuls). Measured on an H200 (27B
 # heads, 2026-11-30): 1 x 16 tokens 35 us, 1 x 128 233 us, 8 x 64 397 us; fla's chunked path ~950 us GPU and
@@ -356,18 +358,48 @@ def _chunked_prefill(q, k, v, g, beta, state_pool, state_slots, has_initial_stat
     # masked_fill, not a multiply: a fresh slot may hold NaN garbage, and NaN * 0 is NaN.
     initial.masked_fill_(~has_initial_state[:, None, None, None], 0.0)
     # fla wants time-major [B, T, H, D] with B = 1 for varlen input. Its input_guard makes every tensor argument
-    # contiguous: strided q/k/v views would be copied here (the layer's conv writes them contiguous).
+    # contiguous: strided q/k/v views would be copied here (the layer's conv writes them contiguous). q and k are
+    # L2-normalised by our kernel rather than fla's (use_qk_l2norm_in_kernel), whose autotuning compiles dozens
+    # of variants.
     out, final = chunk_gated_delta_rule(
-        q[None], k[None], v[None], g[None], beta[None],
+        l2_normalize(q.contiguous())[None], l2_normalize(k.contiguous())[None], v[None], g[None], beta[None],
         initial_state=initial,
         output_final_state=True,
-        use_qk_l2norm_in_kernel=True,  # l2norm eps 1e-6, default scale K ** -0.5
+        use_qk_l2norm_in_kernel=False,  # default scale K ** -0.5
         cu_seqlens=cu_seqlens,
         cu_seqlens_cpu=cu_seqlens_cpu,
         chunk_indices=chunk_indices,
     )
     state_pool.index_copy_(0, state_slots, final.to(state_pool.dtype))  # final: [N, HV, K, V] float32
     return out[0].to(v.dtype)  # fla returns q.dtype
+
+
+@triton.jit
+def _l2norm_kernel(x, out, num_rows, eps, D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
+    """Grid (cdiv(num_rows, ROWS),): rows of D contiguous values scaled to unit L2 norm, in float32, as fla's
+    l2norm_fwd computes them (x / sqrt(sum x^2 + eps) as x * (1 / sqrt(...)))."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [R]
+    cols = tl.arange(0, BLOCK_D)  # [BD]
+    mask = (rows < num_rows)[:, None] & (cols < D)[None, :]
+    offsets = rows.to(tl.int64)[:, None] * D + cols[None, :]
+    values = tl.load(x + offsets, mask=mask, other=0.0).to(tl.float32)  # [R, BD]
+    inverse_norm = 1 / tl.sqrt(tl.sum(values * values, axis=1) + eps)  # [R]
+    tl.store(out + offsets, (values * inverse_norm[:, None]).to(out.dtype.element_ty), mask=mask)
+
+
+def l2_normalize(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D] contiguous -> each [D] row over its L2 norm (eps 1e-6 under the root), in x.dtype. What fla's
+    chunked rule does with use_qk_l2norm_in_kernel, in one kernel variant: fla's own autotunes 25 launch
+    configurations per power-of-two band of T * H (50 compiles at startup, more at a larger token budget)."""
+    if not x.is_contiguous():
+        raise ValueError(f"x must be contiguous, got strides {x.stride()} for shape {tuple(x.shape)}")
+    out = torch.empty_like(x)
+    num_rows, dim = x.numel() // x.shape[-1], x.shape[-1]
+    if num_rows:
+        _l2norm_kernel[(triton.cdiv(num_rows, _L2NORM_ROWS),)](
+            x, out, num_rows, _L2NORM_EPS, D=dim, BLOCK_D=triton.next_power_of_2(dim), ROWS=_L2NORM_ROWS,
+            num_warps=4)
+    return out
 
 
 def fla_chunk_indices(offsets: np.ndarray, chunk_size: int = FLA_CHUNK_SIZE) -> np.ndarray:
