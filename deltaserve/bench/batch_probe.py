@@ -9,7 +9,7 @@ at one row, the prologue op and then the skinny kernel against the best of the f
 (ops/linear/configs.json) and the prologue op + cuBLAS; at 16, 32 and 64 rows, the skinny kernel against cuBLAS.
 Writes the table cuda_skinny.py reads (the best tile where it won by 2%, else null) and prints each result
 with its bandwidth; then times the GDN decode step over (block_v, num_warps), and the recurrent prefill of one
-sequence of 16 to 256 tokens (CHUNK_TILE in ops/gdn/cuda.py).
+sequence of 16 and 128 tokens (CHUNK_TILE in ops/gdn/cuda.py).
 """
 
 from __future__ import annotations
@@ -99,14 +99,32 @@ def probe_rows(cfg: ModelConfig, rows: int, device) -> dict:
     return table
 
 
-def probe_gdn_decode(cfg: ModelConfig, rows: int, device) -> None:
+def _gdn_inputs(cfg: ModelConfig, tokens: int, device):
+    """Random bf16 q, k [tokens, HK, K], v [tokens, HV, V], raw gates a, b [tokens, HV]; zero A_log, dt_bias."""
     hk, hv, kd, vd = cfg.gdn_num_k_heads, cfg.gdn_num_v_heads, cfg.gdn_k_dim, cfg.gdn_v_dim
+    q, k = (torch.randn(tokens, hk, kd, device=device, dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(tokens, hv, vd, device=device, dtype=torch.bfloat16)
+    a, b = (torch.randn(tokens, hv, device=device, dtype=torch.bfloat16) for _ in range(2))
+    return q, k, v, a, b, torch.zeros(hv, device=device), torch.zeros(hv, device=device)
+
+
+def _time_tiles(sweep, step, pools) -> list[tuple[float, int, int]]:
+    """(microseconds, block_v, num_warps) of step(pool, block_v, num_warps) for each tile of the sweep, fastest
+    first; each graph runs the step once on every pool (copies, so that none stays in L2)."""
+    results = []
+    for bv, warps in sweep:
+        try:
+            results.append((graph_time_us([functools.partial(step, p, bv, warps) for p in pools]), bv, warps))
+        except Exception as exc:  # a tile Triton cannot build
+            print(f"  bv {bv} warps {warps}: failed ({type(exc).__name__})", flush=True)
+    return sorted(results)
+
+
+def probe_gdn_decode(cfg: ModelConfig, rows: int, device) -> None:
+    hv, kd, vd = cfg.gdn_num_v_heads, cfg.gdn_k_dim, cfg.gdn_v_dim
     pools = [torch.zeros(rows + 1, hv, kd, vd, device=device, dtype=torch.float32) for _ in range(3)]
     slots = torch.arange(1, rows + 1, device=device)
-    q, k = (torch.randn(rows, hk, kd, device=device, dtype=torch.bfloat16) for _ in range(2))
-    v = torch.randn(rows, hv, vd, device=device, dtype=torch.bfloat16)
-    a, b = (torch.randn(rows, hv, device=device, dtype=torch.bfloat16) for _ in range(2))
-    A_log, dt_bias = torch.zeros(hv, device=device), torch.zeros(hv, device=device)
+    q, k, v, a, b, A_log, dt_bias = _gdn_inputs(cfg, rows, device)
     megabytes = 2 * rows * hv * kd * vd * 4 / 1e6
 
     def step(pool, bv, warps):
@@ -116,15 +134,10 @@ def probe_gdn_decode(cfg: ModelConfig, rows: int, device) -> None:
 
     default = graph_time_us([functools.partial(gdn_cuda.gdn_decode, q, k, v, a, b, p, slots, A_log=A_log,
                                                dt_bias=dt_bias) for p in pools])
-    results = []
-    for bv, warps in GDN_SWEEP:
-        try:
-            results.append((graph_time_us([functools.partial(step, p, bv, warps) for p in pools]), bv, warps))
-        except Exception as exc:
-            print(f"  bv {bv} warps {warps}: failed ({type(exc).__name__})", flush=True)
+    results = _time_tiles(GDN_SWEEP, step, pools)
     print(f"GDN decode batch {rows} ({megabytes:.0f} MB of state read + written): default {default:.1f} us "
           f"({megabytes / default:.2f} TB/s); " + ", ".join(f"bv {bv} w {w}: {t:.1f} us ({megabytes / t:.2f})"
-                                                             for t, bv, w in sorted(results)), flush=True)
+                                                             for t, bv, w in results), flush=True)
 
 
 CHUNK_SWEEP = [(bv, warps) for bv, warps in itertools.product((8, 16, 32, 64), (1, 2, 4))
@@ -132,40 +145,31 @@ CHUNK_SWEEP = [(bv, warps) for bv, warps in itertools.product((8, 16, 32, 64), (
 
 
 def probe_gdn_chunk(cfg: ModelConfig, length: int, device) -> None:
-    """The recurrent prefill of one sequence of `length` tokens (a prompt chunk of a mixed step) over
-    (block_v, num_warps): its time is `length` steps of latency."""
-    hk, hv, kd, vd = cfg.gdn_num_k_heads, cfg.gdn_num_v_heads, cfg.gdn_k_dim, cfg.gdn_v_dim
+    """The recurrent prefill of one sequence of `length` tokens (a prefix-cache hit's chunk, a mixed step's)
+    over (block_v, num_warps): its time is `length` steps of latency."""
+    hv, kd, vd = cfg.gdn_num_v_heads, cfg.gdn_k_dim, cfg.gdn_v_dim
     pools = [torch.zeros(2, hv, kd, vd, device=device, dtype=torch.float32) for _ in range(3)]
-    slots = torch.tensor([1], device=device)
-    has_initial = torch.tensor([True], device=device)
+    slots, has_initial = torch.tensor([1], device=device), torch.tensor([True], device=device)
     cu = torch.tensor([0, length], device=device)
-    q, k = (torch.randn(length, hk, kd, device=device, dtype=torch.bfloat16) for _ in range(2))
-    v = torch.randn(length, hv, vd, device=device, dtype=torch.bfloat16)
-    a, b = (torch.randn(length, hv, device=device, dtype=torch.bfloat16) for _ in range(2))
-    A_log, dt_bias = torch.zeros(hv, device=device), torch.zeros(hv, device=device)
+    q, k, v, a, b, A_log, dt_bias = _gdn_inputs(cfg, length, device)
 
     def step(pool, bv, warps):
         out = torch.empty_like(v)
         gdn_cuda._launch_recurrent(q, k, v, a, b, out, pool, slots, has_initial, cu, bv, A_log, dt_bias,
                                    num_warps=warps)
 
-    results = []
-    for bv, warps in CHUNK_SWEEP:
-        try:
-            results.append((graph_time_us([functools.partial(step, p, bv, warps) for p in pools]), bv, warps))
-        except Exception as exc:
-            print(f"  bv {bv} warps {warps}: failed ({type(exc).__name__})", flush=True)
+    results = _time_tiles(CHUNK_SWEEP, step, pools)
     default = next(t for t, bv, w in results if (bv, w) == gdn_cuda.CHUNK_TILE)
     print(f"GDN recurrent prefill 1 x {length} tokens: CHUNK_TILE {gdn_cuda.CHUNK_TILE} {default:.1f} us "
           f"({default / length * 1e3:.0f} ns a token); " + ", ".join(f"bv {bv} w {w}: {t:.1f} us"
-                                                                    for t, bv, w in sorted(results)), flush=True)
+                                                                    for t, bv, w in results), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = probe_parser("batch_probe", __doc__, "skinny_configs.json", "skinny_configs.json")
     parser.add_argument("--rows", default="1,16,32,64", help="comma-separated row buckets to probe")
     parser.add_argument("--gdn-batches", default="64,16", help="comma-separated batch sizes for the GDN sweep")
-    parser.add_argument("--gdn-chunks", default="16,128,256",
+    parser.add_argument("--gdn-chunks", default="16,128",
                         help="comma-separated chunk lengths for the GDN recurrent-prefill sweep")
     args = parser.parse_args(argv)
     cfg = ModelConfig.from_pretrained(args.model)

@@ -7,12 +7,12 @@ prefill chunks share the step with decode tokens. When KV blocks or state slots 
 running request is preempted: its cache is freed and it is recomputed later from its tokens, so nothing
 is dropped and greedy output is unchanged.
 
-Mixed steps (opt-in, DELTASERVE_MIXED_CHUNK_TOKENS; see cache/footprint.py): when most running requests decode (between MIXED_MIN_DECODES and MIXED_MAX_DECODES of them, and at
-least MIXED_DECODE_SHARE of the requests with work), a step carries at most `mixed_chunk_tokens` prompt tokens, in
-one chunk, after its decode rows: the runner replays such a step as one CUDA graph, whose decode batch is bound by
-reading the weights, so the chunk costs a fraction of a step of its own (worker/cuda_graph.py). Such a chunk is
-cut at a checkpoint target rather than saving the state inside the step. With fewer decoding requests (a burst of
-new prompts) or more (past the batch size where weights stop dominating), the budget alone decides.
+Mixed steps (opt-in: DELTASERVE_MIXED_CHUNK_TOKENS, see cache/footprint.py): when most running requests decode
+(MIXED_MIN_DECODES to MIXED_MAX_DECODES of them, and at least MIXED_DECODE_SHARE of the requests with work), a
+step carries at most `mixed_chunk_tokens` prompt tokens, in one chunk, after its decode rows, and the runner
+replays it as one CUDA graph (worker/cuda_graph.py). Such a chunk is cut at a checkpoint target rather than
+saving the state inside the step. With fewer decoding requests (a burst of new prompts) or more (past the batch
+size where the weights stop dominating a step), the budget alone decides.
 
 With prefix caching on, a waiting request starts at its prefix hit (cached KV blocks plus a GDN state
 checkpoint, copied into its working slot before the forward: `state_restores`), and prefill chunks are cut

@@ -7,7 +7,6 @@ cu_seqlens_q[n] : cu_seqlens_q[n+1] of every [T, ...] activation. The model runn
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -105,33 +104,6 @@ class ForwardBatch:
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
-
-    @property
-    def num_decode_rows(self) -> int:
-        """Rows (= sequences) of the decode part when the batch is run in two parts."""
-        return self.parts[0].num_seqs if self.parts is not None else 0
-
-    def split_decodes(self, num_decodes: int) -> "ForwardBatch":
-        """This batch with `parts` set: its first num_decodes sequences (one token each, with cached state, no
-        checkpoint inside the step) as the decode part, the others as the prefill part."""
-        if self.mid_saves is not None:
-            raise ValueError("a batch with checkpoints inside the step runs in one part")
-        cu = self.cu_seqlens_q
-        decode = ForwardBatch(
-            positions=self.positions[:num_decodes], cu_seqlens_q=cu[:num_decodes + 1],
-            seq_lens=self.seq_lens[:num_decodes], block_tables=self.block_tables[:num_decodes],
-            slot_mapping=self.slot_mapping[:num_decodes], state_slots=self.state_slots[:num_decodes],
-            has_initial_state=self.has_initial_state[:num_decodes], logits_indices=cu[:num_decodes],
-            max_query_len=1, cu_seqlens_cpu=None, is_decode=True)
-        rest_cpu = None if self.cu_seqlens_cpu is None else self.cu_seqlens_cpu[num_decodes:] - num_decodes
-        rest_cu = cu[num_decodes:] - num_decodes  # [P+1] offsets within the prefill part's rows
-        prefill = ForwardBatch(
-            positions=self.positions[num_decodes:], cu_seqlens_q=rest_cu, seq_lens=self.seq_lens[num_decodes:],
-            block_tables=self.block_tables[num_decodes:], slot_mapping=self.slot_mapping[num_decodes:],
-            state_slots=self.state_slots[num_decodes:], has_initial_state=self.has_initial_state[num_decodes:],
-            logits_indices=rest_cu[1:] - 1, max_query_len=self.max_query_len, cu_seqlens_cpu=rest_cpu,
-            is_decode=False, num_computed_cpu=self.num_computed_cpu[num_decodes:])
-        return dataclasses.replace(self, parts=(decode, prefill))
 
     @property
     def prefix_free(self) -> bool:

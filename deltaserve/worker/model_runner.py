@@ -113,7 +113,7 @@ class ModelRunner:
     def _mixed_graph_serves(self, rows) -> bool:
         """Whether a mixed graph runs this step: every row but the last a sampled decode (one token after cached
         state), the last a chunk that fits, and no checkpoint inside the step."""
-        if self.graphs is None or len(rows) < 2 or rows[-1].mid_save is not None:
+        if self.graphs is None or not self.graphs.mixed_sizes or len(rows) < 2 or rows[-1].mid_save is not None:
             return False
         if any(len(r.token_ids) != 1 or r.num_computed == 0 or not r.sample or r.mid_save for r in rows[:-1]):
             return False

@@ -1,6 +1,8 @@
-"""A batch run in two parts (ForwardBatch.split_decodes: its decoding sequences on the decode kernels, the rest on
-the prefill ones, as the CUDA-graph runner's mixed steps do) computes what the same batch computes in one part:
+"""A batch run in two parts (ForwardBatch.parts: its decoding sequences on the decode kernels, the rest on the
+prefill ones, as the CUDA-graph runner's mixed steps do) computes what the same batch computes in one part:
 logits, KV cache and both GDN state pools, on every architecture (float32, CPU reference ops)."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -14,6 +16,27 @@ from tests.model.helpers import BLOCK_SIZE
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
+def split_decodes(batch: ForwardBatch, num_decodes: int) -> ForwardBatch:
+    """`batch` with `parts` set: its first num_decodes sequences (one token each, with cached state) as the decode
+    part, the others as the prefill part (what worker/cuda_graph.py builds on its static buffers)."""
+    cu = batch.cu_seqlens_q
+    decode = ForwardBatch(
+        positions=batch.positions[:num_decodes], cu_seqlens_q=cu[:num_decodes + 1],
+        seq_lens=batch.seq_lens[:num_decodes], block_tables=batch.block_tables[:num_decodes],
+        slot_mapping=batch.slot_mapping[:num_decodes], state_slots=batch.state_slots[:num_decodes],
+        has_initial_state=batch.has_initial_state[:num_decodes], logits_indices=cu[:num_decodes],
+        max_query_len=1, cu_seqlens_cpu=None, is_decode=True)
+    rest_cu = cu[num_decodes:] - num_decodes  # [P+1] offsets within the prefill part's rows
+    prefill = ForwardBatch(
+        positions=batch.positions[num_decodes:], cu_seqlens_q=rest_cu, seq_lens=batch.seq_lens[num_decodes:],
+        block_tables=batch.block_tables[num_decodes:], slot_mapping=batch.slot_mapping[num_decodes:],
+        state_slots=batch.state_slots[num_decodes:], has_initial_state=batch.has_initial_state[num_decodes:],
+        logits_indices=rest_cu[1:] - 1, max_query_len=batch.max_query_len,
+        cu_seqlens_cpu=batch.cu_seqlens_cpu[num_decodes:] - num_decodes, is_decode=False,
+        num_computed_cpu=batch.num_computed_cpu[num_decodes:])
+    return dataclasses.replace(batch, parts=(decode, prefill))
+
+
 def cache_tensors(model) -> list[torch.Tensor]:
     """Every tensor a step writes besides its outputs: KV caches and the stacked GDN pools."""
     kv = [t for layer in model.attention_layers for t in (layer.k_cache, layer.v_cache)]
@@ -21,10 +44,10 @@ def cache_tensors(model) -> list[torch.Tensor]:
 
 
 def test_split_layout():
-    batch = ForwardBatch.build([5, 9, 3, 0], [1, 1, 6, 4], [[1, 2], [3, 4, 5], [6, 7, 8], [9]], [4, 2, 3, 1],
-                               BLOCK_SIZE).split_decodes(2)
+    batch = split_decodes(ForwardBatch.build([5, 9, 3, 0], [1, 1, 6, 4], [[1, 2], [3, 4, 5], [6, 7, 8], [9]],
+                                             [4, 2, 3, 1], BLOCK_SIZE), 2)
     decode, prefill = batch.parts
-    assert batch.num_decode_rows == 2 and decode.is_decode and not prefill.is_decode
+    assert decode.num_seqs == 2 and decode.is_decode and not prefill.is_decode
     assert decode.cu_seqlens_q.tolist() == [0, 1, 2] and decode.state_slots.tolist() == [4, 2]
     assert prefill.cu_seqlens_q.tolist() == [0, 6, 10] and prefill.cu_seqlens_cpu.tolist() == [0, 6, 10]
     assert prefill.positions.tolist() == [3, 4, 5, 6, 7, 8, 0, 1, 2, 3]
@@ -60,7 +83,7 @@ def test_two_parts_compute_what_one_part_does(tiny_checkpoint):
 
     whole = ForwardBatch.build(computed, lengths, blocks, slots, BLOCK_SIZE)
     one_logits, one_caches = run(whole)
-    two_logits, two_caches = run(whole.split_decodes(3))
+    two_logits, two_caches = run(split_decodes(whole, 3))
     torch.testing.assert_close(two_logits, one_logits, atol=1e-4, rtol=1e-4)
     for two, one in zip(two_caches, one_caches):
         torch.testing.assert_close(two, one, atol=1e-5, rtol=1e-5)
