@@ -86,12 +86,6 @@ def test_bad_inputs_name_themselves():
                                       torch.ones(16, device=DEVICE), 1e-6, weight)
 
 
-def test_small_bf16_batches_take_the_kernel():
-    assert linear_cuda.supports(torch.zeros(linear_cuda.GEMV_MAX_ROWS, 8, dtype=torch.bfloat16))
-    assert not linear_cuda.supports(torch.zeros(linear_cuda.GEMV_MAX_ROWS + 1, 8, dtype=torch.bfloat16))
-    assert not linear_cuda.supports(torch.zeros(1, 8, dtype=torch.float32))
-
-
 # The skinny tensor-core GEMM (ops/linear/cuda_skinny.py): small tiles for the interpreter, one and two K splits.
 SKINNY_TILES = [(16, 32, 1, 4, 1), (16, 32, 2, 4, 1)] + ([(64, 128, 1, 4, 4), (128, 128, 2, 4, 4)]
                                                           if DEVICE == "cuda" else [])

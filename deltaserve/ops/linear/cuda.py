@@ -1,4 +1,5 @@
-"""Triton matrix-vector products with a fused prologue, for batch-1 decode (GEMV_MAX_ROWS).
+"""Triton matrix-vector products with a fused prologue, for batch-1 decode (one row; the dispatch in
+`ops/linear/__init__.py` sends larger batches to the skinny GEMM or cuBLAS).
 
 y[n] = sum_k a[k] * W[n, k], where a is the prologue's output computed on the fly from its inputs:
   PROLOGUE_NONE        a = x
@@ -26,9 +27,6 @@ import triton
 import triton.language as tl
 
 from deltaserve.ops.linear import reference
-
-# Only single-row inputs (batch-1 decode) take the fused kernel; larger batches run the prologue op and cuBLAS.
-GEMV_MAX_ROWS = 1
 
 PROLOGUE_NONE: tl.constexpr = tl.constexpr(0)
 PROLOGUE_RMS_NORM: tl.constexpr = tl.constexpr(1)
@@ -150,11 +148,6 @@ def _gemv_kernel(
                 w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             acc += w.to(tl.float32) * a[None, :]
         tl.store(out + ns, tl.sum(acc, axis=1).to(dtype), mask=n_ok)
-
-
-def supports(x: torch.Tensor) -> bool:
-    """Whether the fused kernel serves this input (else the caller runs the unfused ops)."""
-    return 1 <= x.shape[0] <= GEMV_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16)
 
 
 def _launch(prologue, x, weight, *, res=None, res_out=None, gate=None, norm_w=None, eps=0.0, group=1,
