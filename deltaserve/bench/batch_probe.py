@@ -9,7 +9,9 @@ at one row, the prologue op and then the skinny kernel against the best of the f
 (ops/linear/configs.json) and the prologue op + cuBLAS; at 16, 32 and 64 rows, the skinny kernel against cuBLAS.
 Writes the table cuda_skinny.py reads (the best tile where it won by 2%, else null) and prints each result
 with its bandwidth; then times the GDN decode step over (block_v, num_warps), and the recurrent prefill of one
-sequence of 16 and 128 tokens (CHUNK_TILE in ops/gdn/cuda.py).
+sequence of 16 and 128 tokens (CHUNK_TILE in ops/gdn/cuda.py). `--rows "" --gdn-batches "" --gdn-chunks ""
+--compare-specialization 64` times the tuned skinny tiles at 64 rows with and without Triton's specialisation on
+the row count, and nothing else.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import itertools
 import json
 
 import torch
+import triton
 
 from deltaserve.bench.gemv_probe import (COPIES_BYTES, decode_projections, graph_time_us, inputs, probe_parser,
                                          write_table)
@@ -99,6 +102,29 @@ def probe_rows(cfg: ModelConfig, rows: int, device) -> dict:
     return table
 
 
+def probe_row_specialization(cfg: ModelConfig, rows: int, device) -> None:
+    """The skinny GEMM at its tuned tiles as the engine runs it (not specialised on the row count) beside the same
+    kernel specialised by Triton on it (M == 1, M % 16 == 0: more variants to compile at startup)."""
+    specialised = triton.jit(cuda_skinny._skinny_kernel.fn)  # the same kernel, Triton's default specialisation
+    for n, k in sorted({(n, k) for _, n, k in decode_projections(cfg)}):
+        tile = cuda_skinny.config_for(n, k, rows)
+        if tile is None:
+            continue
+        copies = max(2, int(COPIES_BYTES // (2 * n * k)))
+        weights = [0.02 * torch.randn(n, k, device=device, dtype=torch.bfloat16) for _ in range(copies)]
+        x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+        times = {}
+        for label, kernel in (("as run", cuda_skinny._skinny_kernel), ("specialised", specialised)):
+            original, cuda_skinny._skinny_kernel = cuda_skinny._skinny_kernel, kernel
+            try:
+                times[label] = graph_time_us([functools.partial(cuda_skinny.linear, x, w, tile) for w in weights])
+            finally:
+                cuda_skinny._skinny_kernel = original
+        megabytes = 2 * n * k / 1e6
+        print(f"rows {rows:>2} N={n:>6} K={k:>6} {tuple(tile)}: " + ", ".join(
+            f"{label} {t:.1f} us ({megabytes / t:.2f} TB/s)" for label, t in times.items()), flush=True)
+
+
 def _gdn_inputs(cfg: ModelConfig, tokens: int, device):
     """Random bf16 q, k [tokens, HK, K], v [tokens, HV, V], raw gates a, b [tokens, HV]; zero A_log, dt_bias."""
     hk, hv, kd, vd = cfg.gdn_num_k_heads, cfg.gdn_num_v_heads, cfg.gdn_k_dim, cfg.gdn_v_dim
@@ -171,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gdn-batches", default="64,16", help="comma-separated batch sizes for the GDN sweep")
     parser.add_argument("--gdn-chunks", default="16,128",
                         help="comma-separated chunk lengths for the GDN recurrent-prefill sweep")
+    parser.add_argument("--compare-specialization", default="",
+                        help="comma-separated row counts: time the tuned skinny tiles with and without Triton's "
+                             "specialisation on the row count")
     args = parser.parse_args(argv)
     cfg = ModelConfig.from_pretrained(args.model)
     device = torch.device("cuda")
@@ -184,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         probe_gdn_decode(cfg, batch, device)
     for length in (int(n) for n in args.gdn_chunks.split(",") if n):
         probe_gdn_chunk(cfg, length, device)
+    for rows in (int(r) for r in args.compare_specialization.split(",") if r):
+        probe_row_specialization(cfg, rows, device)
     return 0
 
 
