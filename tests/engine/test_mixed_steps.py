@@ -97,31 +97,38 @@ def test_mixed_graphs_are_opt_in(monkeypatch):
             footprint.mixed_chunk_tokens()
 
 
-def test_mixed_padded_step_computes_what_the_plain_step_does(ckpt_qwen3_5, monkeypatch):
+@pytest.mark.parametrize("num_decodes, chunk_len", [(3, 9), (8, 128)])  # padded rows; none and a full chunk
+def test_mixed_padded_step_computes_what_the_plain_step_does(ckpt_qwen3_5, monkeypatch, num_decodes, chunk_len):
     """The mixed graph's buffers (decodes padded to 8 rows, the chunk padded to 128 rows with a second sequence
-    on the dummy slot), run eagerly: the same logits as the step run plainly, and the same caches except the
-    dummy state slot 0 and the null KV block 0."""
+    on the dummy slot, empty for a full chunk), run eagerly: the same logits as the step run plainly, and the
+    same caches except the dummy state slot 0 and the null KV block 0."""
     monkeypatch.setenv("DELTASERVE_MIXED_CHUNK_TOKENS", "128")
     cfg = ModelConfig.from_pretrained(ckpt_qwen3_5)
     model = load_model(ckpt_qwen3_5, cfg, torch.float32, "cpu")
-    block_size, width = 4, 16
-    bind_caches(model, CacheShape(num_blocks=64, block_size=block_size, num_state_slots=8,
+    block_size, width, num_blocks = 4, 40, 128
+    bind_caches(model, CacheShape(num_blocks=num_blocks, block_size=block_size, num_state_slots=10,
                                   kv_dtype=torch.float32, ssm_dtype=torch.float32), "cpu")
     graphs = DecodeGraphs(model, max_num_seqs=8, block_table_width=width, device="cpu", use_graphs=False,
                           block_size=block_size)
     assert graphs.mixed_sizes == [8] and graphs.chunk_tokens == 128
     gen = torch.Generator().manual_seed(4)
-    blocks = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12, 13, 14]]
-    slots, prompt_lens = [1, 2, 3, 4], [7, 11, 5, 6]
+    prompt_lens = [7, 11, 5, 9, 6, 10, 3, 8][:num_decodes] + [6]  # the last one continues with the chunk
+    slots = list(range(1, len(prompt_lens) + 1))
+    blocks, next_block = [], 1
+    for length in prompt_lens[:-1] + [prompt_lens[-1] + chunk_len]:
+        count = -(-(length + 1) // block_size)
+        blocks.append(list(range(next_block, next_block + count)))
+        next_block += count
     with torch.no_grad():
         model(torch.randint(0, cfg.vocab_size, (sum(prompt_lens),), generator=gen),
-              ForwardBatch.build([0] * 4, prompt_lens, blocks, slots, block_size))
+              ForwardBatch.build([0] * len(prompt_lens), prompt_lens, blocks, slots, block_size))
     caches = [t for layer in model.attention_layers for t in (layer.k_cache, layer.v_cache)]
     caches += [model.conv_states, model.ssm_states]
     before = [t.clone() for t in caches]
-    # three decodes, then sequence 4's chunk of 9 tokens after its 6 cached ones
-    batch = ForwardBatch.build([7, 11, 5, 6], [1, 1, 1, 9], blocks, slots, block_size, block_table_width=width)
-    ids = torch.randint(0, cfg.vocab_size, (12,), generator=gen)
+    # the decodes, then the last sequence's chunk after its cached prompt
+    batch = ForwardBatch.build(prompt_lens, [1] * num_decodes + [chunk_len], blocks, slots, block_size,
+                               block_table_width=width)
+    ids = torch.randint(0, cfg.vocab_size, (num_decodes + chunk_len,), generator=gen)
     with torch.no_grad():
         plain = model.compute_logits(model(ids, batch))[batch.logits_indices]
     plain_caches = [t.clone() for t in caches]
@@ -130,9 +137,10 @@ def test_mixed_padded_step_computes_what_the_plain_step_does(ckpt_qwen3_5, monke
             tensor.copy_(saved)
         with torch.no_grad():
             mixed = graphs.run_mixed(batch, ids, chunk_samples=chunk_samples)
-        torch.testing.assert_close(mixed, plain[: 4 if chunk_samples else 3], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(mixed, plain[: num_decodes + chunk_samples], atol=1e-4, rtol=1e-4)
+        # float32 rounding differs by path (the decode rows' GDN step vs the chunked rule) and grows layer by layer
         for tensor, expected in zip(caches, plain_caches):
-            if tensor.dim() == 4 and tensor.shape[0] == 64:  # KV: [blocks, block_size, heads, hd]
-                torch.testing.assert_close(tensor[1:], expected[1:], atol=1e-5, rtol=1e-5)
+            if tensor.dim() == 4 and tensor.shape[0] == num_blocks:  # KV: [blocks, block_size, heads, hd]
+                torch.testing.assert_close(tensor[1:], expected[1:], atol=1e-4, rtol=1e-4)
             else:  # GDN pools: [layers, slots, ...]
-                torch.testing.assert_close(tensor[:, 1:], expected[:, 1:], atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(tensor[:, 1:], expected[:, 1:], atol=1e-4, rtol=1e-4)
