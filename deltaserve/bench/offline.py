@@ -137,20 +137,24 @@ class StepTimes:
     def __init__(self):
         self.kinds: dict[str, list[float]] = {"decode": [], "prefill": []}
         self.prefill_tokens = 0
+        self.samples = 0  # tokens sampled by the timed steps: over their count, how full the steps were
         self.slowest: list[tuple[float, int, int]] = []  # the slowest steps: (seconds, prompt tokens, rows)
-        self._previous: tuple[str, float, int, int] | None = None
+        self._previous: tuple[str, float, int, int, int] | None = None
 
     def add(self, scheduled, now: float) -> None:
         if self._previous is not None:
-            kind, launched_at, prompt_tokens, rows = self._previous
+            kind, launched_at, prompt_tokens, rows, samples = self._previous
             self.kinds[kind].append(now - launched_at)
+            self.samples += samples
             self.slowest = sorted(self.slowest + [(now - launched_at, prompt_tokens, rows)], reverse=True)[:5]
         if scheduled is None or scheduled.is_empty:
             self._previous = None
             return
         prompt_tokens = sum(len(row.token_ids) for row in scheduled.sequences if len(row.token_ids) > 1)
         self.prefill_tokens += prompt_tokens
-        self._previous = ("prefill" if prompt_tokens else "decode", now, prompt_tokens, len(scheduled.sequences))
+        samples = sum(row.sample for row in scheduled.sequences)
+        self._previous = ("prefill" if prompt_tokens else "decode", now, prompt_tokens, len(scheduled.sequences),
+                          samples)
 
     def summary(self) -> dict:
         out = {"prefill_tokens": self.prefill_tokens}
@@ -158,6 +162,8 @@ class StepTimes:
             out[f"{kind}_steps"] = len(times)
             out[f"{kind}_s"] = round(sum(times), 3)
             out[f"{kind}_median_ms"] = round(1e3 * statistics.median(times), 2) if times else None
+        steps = sum(map(len, self.kinds.values()))
+        out["samples_per_step"] = round(self.samples / steps, 1) if steps else None
         out["slowest"] = [f"{1e3 * t:.0f} ms ({tokens} prompt tokens, {rows} rows)" for t, tokens, rows in self.slowest]
         return out
 
@@ -393,7 +399,8 @@ def main(argv: list[str] | None = None) -> int:
                 st = r["steps"]
                 line += (f"; steps with prompt tokens {st['prefill_steps']} ({st['prefill_s']} s, median "
                          f"{st['prefill_median_ms']} ms), decode-only {st['decode_steps']} ({st['decode_s']} s, "
-                         f"median {st['decode_median_ms']} ms); slowest steps: {', '.join(st['slowest'])}")
+                         f"median {st['decode_median_ms']} ms), {st['samples_per_step']} tokens sampled a step; "
+                         f"slowest steps: {', '.join(st['slowest'])}")
             if r["triton_compiles"]:
                 line += f"; Triton kernels compiled during it: {r['triton_compiles']}"
             print(line, flush=True)

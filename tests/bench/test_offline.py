@@ -6,8 +6,9 @@ from deltaserve.bench.offline import StepTimes
 
 
 def scheduled(*query_lens):
-    """A stand-in SchedulerOutput: one row per sequence with that many tokens to compute."""
-    rows = [SimpleNamespace(token_ids=[0] * n) for n in query_lens]
+    """A stand-in SchedulerOutput: one row per sequence with that many tokens to compute; rows of one token
+    sample (decodes), longer ones do not (prompt chunks short of their end)."""
+    rows = [SimpleNamespace(token_ids=[0] * n, sample=n == 1) for n in query_lens]
     return SimpleNamespace(sequences=rows, is_empty=not rows)
 
 
@@ -20,5 +21,6 @@ def test_step_times_charge_each_interval_to_the_step_launched_before_it():
     steps.add(scheduled(1), 1.0)
     assert steps.summary() == {"prefill_tokens": 100, "decode_steps": 2, "decode_s": 0.06, "decode_median_ms": 30.0,
                                "prefill_steps": 1, "prefill_s": 0.5, "prefill_median_ms": 500.0,
+                               "samples_per_step": 1.7,  # (1 + 2 + 2) / 3: the last launch is not timed
                                "slowest": ["500 ms (100 prompt tokens, 2 rows)", "40 ms (0 prompt tokens, 2 rows)",
                                            "20 ms (0 prompt tokens, 2 rows)"]}
