@@ -184,10 +184,12 @@ def cuda_graph_count(max_num_seqs: int, performance_mode: str = "balanced") -> i
 
 def estimate_cuda_graph_bytes(cfg: ModelConfig, dtype: str, max_num_seqs: int, performance_mode: str = "balanced") -> int:
     """Memory of the decode and mixed graphs: the largest graph's intermediates (smaller ones reuse its pool),
-    plus the one static float32 logits output [max_num_seqs + 1, V] that every graph writes."""
+    plus the one static float32 logits output [max_num_seqs (+ 1 with mixed graphs), V] that every graph
+    writes."""
     sizes = graph_capture_sizes(max_num_seqs, performance_mode)
     mixed = mixed_graph_sizes(max_num_seqs, performance_mode)
     rows = max(sizes[-1], mixed[-1] + mixed_chunk_tokens()) if mixed else sizes[-1]
-    largest = _forward_bytes(cfg, dtype, rows, decode=True) + (sizes[-1] + 1) * cfg.vocab_size * DTYPE_BYTES[dtype]
-    return (largest + (sizes[-1] + 1) * cfg.vocab_size * 4
-            + cuda_graph_count(max_num_seqs, performance_mode) * _GRAPH_FIXED_BYTES)
+    logit_rows = sizes[-1] + (1 if mixed else 0)
+    largest = _forward_bytes(cfg, dtype, rows, decode=True) + logit_rows * cfg.vocab_size * DTYPE_BYTES[dtype]
+    fixed = cuda_graph_count(max_num_seqs, performance_mode) * _GRAPH_FIXED_BYTES
+    return largest + logit_rows * cfg.vocab_size * 4 + fixed

@@ -59,15 +59,17 @@ class DecodeGraphs:
         n, C = self.sizes[-1], self.chunk_tokens
         block_table_width = max(block_table_width, -(-C // block_size))  # the chunk's padding sequence reads C
         self.decode = _StaticBatch(n, n, block_table_width, device)
-        # mixed: decode rows [0, s), chunk rows [s, s + C); sequences: s decodes, the chunk, its padding
-        self.mixed = _StaticBatch(n + C, n + 2, block_table_width, device) if C else None
-        self.chunk_cu_seqlens = torch.tensor([0, C, C], dtype=torch.int64, device=device)  # within the chunk rows
-        # rows whose logits a mixed step computes: its n decodes, the chunk's last row, then padding rows
-        self.mixed_logit_rows = torch.zeros(n + 1, dtype=torch.int64, device=device)
+        if C:
+            # mixed: decode rows [0, s), chunk rows [s, s + C); sequences: s decodes, the chunk, its padding
+            self.mixed = _StaticBatch(n + C, n + 2, block_table_width, device)
+            self.chunk_cu_seqlens = torch.tensor([0, C, C], dtype=torch.int64, device=device)  # in the chunk rows
+            # rows whose logits a mixed step computes: its n decodes, the chunk's last row, then padding rows
+            self.mixed_logit_rows = torch.zeros(n + 1, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        # one static output shared by every graph (a per-graph output would hold [size, V] float32 each)
-        self.logits = torch.empty(n + 1, model.config.vocab_size, dtype=torch.float32, device=device)
+        # one static output shared by every graph (a per-graph output would hold [size, V] float32 each); a
+        # mixed step's has one row more than its decodes
+        self.logits = torch.empty(n + (1 if C else 0), model.config.vocab_size, dtype=torch.float32, device=device)
 
     def _batch(self, size: int) -> ForwardBatch:
         d = self.decode

@@ -7,7 +7,8 @@ Same contract as `deltaserve.ops.gdn.gdn_prefill` / `gdn_decode` (see `reference
   the tile back in place. Decode is memory-bound (27B: 48 heads x 128 x 128 x 4 B = 3 MiB of float32 state
   per layer per sequence, read once and written once), so the kernel touches nothing else of size.
 - `gdn_prefill` calls fla-core 0.6's `chunk_gated_delta_rule` (varlen, B = 1). fla takes and returns dense
-  [N, HV, K, V] float32 states, so the slots are gathered before and scattered after. Its Python wrapper
+  [N, HV, K, V] float32 states, so the slots are gathered before and scattered after; q and k are
+  L2-normalised by our `l2_normalize` first (fla's own autotunes dozens of variants). Its Python wrapper
   costs ~0.8 ms of CPU per call whatever the chunk size, so batches whose longest sequence has at most
   RECURRENT_PREFILL_MAX_LEN tokens (a prefix-cache hit's short chunk) take the decode kernel's varlen form
   instead: the same program steps through its sequence's tokens with the state tile held in registers.
@@ -36,8 +37,9 @@ _L2NORM_EPS = 1e-6
 _L2NORM_ROWS = 16
 # gdn_prefill runs the recurrent kernel when no sequence has more new tokens than this: one launch and no
 # state gather/scatter, but one token after another (fla's chunks are matmuls). Measured on an H200 (27B
-# heads, 2026-11-30): 1 x 16 tokens 35 us, 1 x 128 233 us, 8 x 64 397 us; fla's chunked path ~950 us GPU and
-# ~950 us of host time per call at any of these sizes, so the recurrent kernel wins up to at least 128.
+# heads, 2026-11-30, CHUNK_TILE): 1 x 16 tokens 13 us and 1 x 128 77 us in a CUDA graph, 8 x 64 313 us by
+# do_bench; fla's chunked path ~1 ms of host time per call at any of these sizes, so the recurrent kernel wins
+# up to at least 128.
 RECURRENT_PREFILL_MAX_LEN = 128
 # A batch with long sequences sends its short ones (<= RECURRENT_PREFILL_MAX_LEN tokens) to the recurrent kernel
 # when there are at least this many: each short one costs fla a 3 MiB state gather, mask and scatter (27B) and a
