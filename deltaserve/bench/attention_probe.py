@@ -1,6 +1,7 @@
-"""Long-prefill attention: our Triton paged kernel beside PyTorch's SDPA backends, on the GPU.
+"""Long-prefill attention: our Triton paged kernel beside PyTorch's SDPA backends, on the GPU; and (with
+--decode-sweep) the decode kernel's tiles over bf16 and fp8 caches.
 
-    python -m deltaserve.bench.attention_probe
+    python -m deltaserve.bench.attention_probe [--decode-sweep]
 
 Times one 27B attention layer (24 query / 4 KV heads, head_dim 256, bf16) for an 8,192-token chunk after
 0, 24,576 and 122,880 cached tokens (the last chunk of W3's 32K prompt and of W2's 131K prompt), causal with
@@ -11,12 +12,15 @@ prefill path should call SDPA instead of our kernel.
 
 from __future__ import annotations
 
+import argparse
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
-from deltaserve.ops.attention import paged_attention
+from deltaserve.ops.attention import cuda_decode, paged_attention
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 24, 4, 256, 16
 
@@ -33,6 +37,18 @@ def timed(fn, repeats: int = 5) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return sorted(times)[len(times) // 2]
+
+
+def timed_in_graph(fn, calls: int = 10, repeats: int = 5) -> float:
+    """Median milliseconds of one fn() replayed in a CUDA graph of `calls` calls: no host launch time, as the
+    decode graphs run it."""
+    fn()  # compiles outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return timed(graph.replay, repeats) / calls
 
 
 def main() -> None:
@@ -85,5 +101,53 @@ def main() -> None:
                           flush=True)
 
 
+def decode_sweep() -> None:
+    """The split-KV decode kernel at W2's context (1 x 131,072) and W6's batch (64 x 1,536) for each cache
+    dtype and tile: (KV positions per step, warps, pipeline stages, programs per SM), GB/s of KV read. An fp8
+    cache also runs with float16 queries (its upcast to the dot's dtype is then the hardware's e4m3 -> f16)."""
+    device = torch.device("cuda")
+    table_width = 262144 // BLOCK  # serving's block_tables width (max_model_len 262,144): sets the planned splits
+    tiles = list(itertools.product((64, 128), (4, 8), (2, 3, 4), (2, 4)))
+    for num_seqs, context in ((1, 131072), (64, 1536)):
+        blocks = num_seqs * context // BLOCK
+        table = torch.zeros(num_seqs, table_width, dtype=torch.int32, device=device)
+        table[:, :context // BLOCK] = torch.randperm(blocks, device=device, dtype=torch.int32).view(num_seqs, -1) + 1
+        cu = torch.arange(num_seqs + 1, device=device)
+        seq_lens = torch.full((num_seqs,), context, device=device)
+        q_bf16 = torch.randn(num_seqs, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
+        k_bf16 = torch.randn(blocks + 1, BLOCK, KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
+        v_bf16 = torch.randn_like(k_bf16)
+        cases = [("bf16", q_bf16, k_bf16, v_bf16)]
+        k_fp8, v_fp8 = k_bf16.to(torch.float8_e4m3fn), v_bf16.to(torch.float8_e4m3fn)
+        cases += [("fp8", q_bf16, k_fp8, v_fp8), ("fp8 q-fp16", q_bf16.half(), k_fp8, v_fp8)]
+        for name, q, k_cache, v_cache in cases:
+            size = k_cache.element_size()
+            defaults = (*cuda_decode.DECODE_TILES[size], cuda_decode.DECODE_PROGRAMS_PER_SM)
+            kv_bytes = 2 * num_seqs * context * KV_HEADS * HEAD_DIM * size
+            results = []
+            for tile in tiles:
+                cuda_decode.DECODE_TILES[size] = cuda_decode.DecodeTile(*tile[:3])
+                cuda_decode.DECODE_PROGRAMS_PER_SM = tile[3]
+                try:
+                    ms = timed_in_graph(lambda: paged_attention(q, k_cache, v_cache, table, cu, seq_lens,
+                                                                HEAD_DIM ** -0.5, 1))
+                except Exception as exc:  # a tile that does not fit says so
+                    print(f"  {num_seqs} x {context} {name} {tile}: failed: {str(exc).splitlines()[0][:120]}")
+                    continue
+                results.append((ms, tile))
+            cuda_decode.DECODE_TILES[size] = cuda_decode.DecodeTile(*defaults[:3])
+            cuda_decode.DECODE_PROGRAMS_PER_SM = defaults[3]
+            results.sort()
+            default_ms = next((ms for ms, tile in results if tile == defaults), float("nan"))
+            best = ", ".join(f"{tile} {1e3 * ms:.1f} us {kv_bytes / ms / 1e6:.0f} GB/s" for ms, tile in results[:4])
+            print(f"decode {num_seqs} x {context} {name}: default {defaults} {1e3 * default_ms:.1f} us "
+                  f"({kv_bytes / default_ms / 1e6:.0f} GB/s); best: {best}", flush=True)
+
+
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--decode-sweep", action="store_true", help="sweep the decode kernel's tiles instead")
+    if parser.parse_args().decode_sweep:
+        decode_sweep()
+    else:
+        main()

@@ -9,8 +9,12 @@ prefill time >= FLOPs / matmul rate. Bandwidth and matmul rate are measured on t
 from __future__ import annotations
 
 import argparse
+import gc
+import gzip
 import json
 import logging
+import os
+import shutil
 import statistics
 import time
 import zlib
@@ -93,8 +97,9 @@ class Limits:
 
 
 def run_workload(engine: LLMEngine, input_len: int, output_len: int, num_prompts: int, concurrency: int,
-                 seed: int = 0) -> dict:
-    """Random token prompts, greedy, ignore_eos; at most `concurrency` in flight. Per-request TTFT and TPOT."""
+                 seed: int = 0, step_records: bool = False) -> dict:
+    """Random token prompts, greedy, ignore_eos; at most `concurrency` in flight. Per-request TTFT and TPOT;
+    with step_records, every step's (kind, ms, prompt tokens, rows) too."""
     gen = torch.Generator().manual_seed(seed)
     vocab = engine.model_config.vocab_size
     prompts = [torch.randint(0, vocab, (input_len,), generator=gen).tolist() for _ in range(num_prompts)]
@@ -103,18 +108,19 @@ def run_workload(engine: LLMEngine, input_len: int, output_len: int, num_prompts
     started, first, done = {}, {}, {}
     steps = StepTimes()
     t0 = time.perf_counter()
-    while pending or engine.has_unfinished():
-        while pending and engine.get_num_unfinished() < concurrency:
-            i, prompt = pending.pop(0)
-            engine.add_request(str(i), prompt, params)
-            started[str(i)] = time.perf_counter()
-        outputs = engine.step()
-        now = time.perf_counter()
-        steps.add(engine.last_scheduled, now)
-        for out in outputs:
-            first.setdefault(out.request_id, now)
-            if out.finished:
-                done[out.request_id] = now
+    with GcPauses() as gc_pauses:
+        while pending or engine.has_unfinished():
+            while pending and engine.get_num_unfinished() < concurrency:
+                i, prompt = pending.pop(0)
+                engine.add_request(str(i), prompt, params)
+                started[str(i)] = time.perf_counter()
+            outputs = engine.step()
+            now = time.perf_counter()
+            steps.add(engine.last_scheduled, now)
+            for out in outputs:
+                first.setdefault(out.request_id, now)
+                if out.finished:
+                    done[out.request_id] = now
     duration = time.perf_counter() - t0
     ttft = [first[r] - started[r] for r in started]
     tpot = [(done[r] - first[r]) / (output_len - 1) for r in started if output_len > 1]
@@ -125,26 +131,60 @@ def run_workload(engine: LLMEngine, input_len: int, output_len: int, num_prompts
         "median_tpot_ms": 1e3 * statistics.median(tpot) if tpot else None,
         "p99_tpot_ms": 1e3 * max(tpot) if tpot else None,
         **({"ttft_ms": [round(1e3 * t, 1) for t in ttft]} if num_prompts <= 8 else {}),
-        "steps": steps.summary(),
+        "steps": {**steps.summary(), **gc_pauses.summary()},
+        **({"step_records": steps.records} if step_records else {}),
     }
+
+
+class GcPauses:
+    """The garbage collector's full (generation 2) collections while a workload runs: how many and how long.
+    A collection inside step() delays the next launch, and the device waits."""
+
+    def __init__(self):
+        self.pauses: list[float] = []
+        self._started = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if info.get("generation") != 2:
+            return
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.pauses.append(time.perf_counter() - self._started)
+
+    def __enter__(self) -> "GcPauses":
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def summary(self) -> dict:
+        return {"gc_full_collections": len(self.pauses), "gc_full_ms": round(1e3 * sum(self.pauses), 1),
+                "gc_full_max_ms": round(1e3 * max(self.pauses, default=0.0), 1)}
 
 
 class StepTimes:
     """Where a run's wall time went, by the kind of step: steps that compute prompt tokens (with or without
     decodes) and decode-only steps. The time between two step() calls is charged to the step the first one
-    launched: with async scheduling the second call waits for that step's samples."""
+    launched: with async scheduling the second call waits for that step's samples. An eager step's launch
+    blocks the host once the device's launch queue is full, so the step before a run of prompt steps is
+    charged with most of the first one's time and the last prompt step with little (W6: a ~490 ms "decode
+    step" before each cohort of prompts, a ~70 ms prompt step after it); sums over a run are right."""
 
     def __init__(self):
         self.kinds: dict[str, list[float]] = {"decode": [], "prefill": []}
         self.prefill_tokens = 0
         self.samples = 0  # tokens sampled by the timed steps: over their count, how full the steps were
         self.slowest: list[tuple[float, int, int]] = []  # the slowest steps: (seconds, prompt tokens, rows)
+        self.records: list[tuple[str, float, int, int]] = []  # every step: (kind, ms, prompt tokens, rows)
         self._previous: tuple[str, float, int, int, int] | None = None
 
     def add(self, scheduled, now: float) -> None:
         if self._previous is not None:
             kind, launched_at, prompt_tokens, rows, samples = self._previous
             self.kinds[kind].append(now - launched_at)
+            self.records.append((kind, round(1e3 * (now - launched_at), 2), prompt_tokens, rows))
             self.samples += samples
             self.slowest = sorted(self.slowest + [(now - launched_at, prompt_tokens, rows)], reverse=True)[:5]
         if scheduled is None or scheduled.is_empty:
@@ -162,6 +202,12 @@ class StepTimes:
             out[f"{kind}_steps"] = len(times)
             out[f"{kind}_s"] = round(sum(times), 3)
             out[f"{kind}_median_ms"] = round(1e3 * statistics.median(times), 2) if times else None
+            if len(times) >= 10:  # the tail: how much of the kind's time lies above its median step
+                ordered = sorted(times)
+                out[f"{kind}_p90_ms"] = round(1e3 * ordered[len(ordered) * 9 // 10], 2)
+                out[f"{kind}_max_ms"] = round(1e3 * ordered[-1], 2)
+                median = statistics.median(times)
+                out[f"{kind}_above_median_s"] = round(sum(t - median for t in times if t > median), 3)
         steps = sum(map(len, self.kinds.values()))
         out["samples_per_step"] = round(self.samples / steps, 1) if steps else None
         out["slowest"] = [f"{1e3 * t:.0f} ms ({tokens} prompt tokens, {rows} rows)" for t, tokens, rows in self.slowest]
@@ -293,6 +339,11 @@ def print_profile(prof, title: str, steps: int, wall: float, save_as: str | None
         with open(save_as, "w") as f:
             f.write(heading + "\n" + events.table(sort_by="self_cuda_time_total", row_limit=-1,
                                                   max_name_column_width=120))
+        trace = save_as.removesuffix(".txt") + ".trace.json"
+        prof.export_chrome_trace(trace)  # the timeline: where the GPU waits for the host (bench/trace_gaps.py)
+        with open(trace, "rb") as raw, gzip.open(trace + ".gz", "wb") as packed:
+            shutil.copyfileobj(raw, packed)
+        os.remove(trace)
 
 
 def profile_decode_batch(engine: LLMEngine, batch: int = 64, input_len: int = 1024, decode_steps: int = 8,
@@ -342,7 +393,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale", type=float, default=1.0, help="multiply prompt counts (quick runs: 0.34)")
     parser.add_argument("--out", help="append JSON lines of results here")
     parser.add_argument("--profile", action="store_true", help="print the top GPU kernels of a prefill and a decode")
-    parser.add_argument("--profile-dir", help="with --profile, also write every kernel's line to files here")
+    parser.add_argument("--profile-dir", help="with --profile, also write every kernel's line to files here, and "
+                        "each profile's timeline (Chrome trace, gzipped)")
+    parser.add_argument("--concurrency", type=int, default=None,
+                        help="run only the workloads' entries at this concurrency (W6: 64 or 256)")
+    parser.add_argument("--step-records", action="store_true",
+                        help="with --out, also write every step of the concurrent workloads: kind, ms, prompt "
+                             "tokens, rows")
     args = parser.parse_args(argv)
     names = [w.strip() for w in args.workloads.split(",") if w.strip()]
     unknown = [w for w in names if w not in WORKLOADS and w not in PREFIX_WORKLOADS]
@@ -375,13 +432,16 @@ def main(argv: list[str] | None = None) -> int:
                     f.write(json.dumps(r) + "\n")
             continue
         for input_len, output_len, num, conc in WORKLOADS[name]:
+            if args.concurrency is not None and conc != args.concurrency:
+                continue
             num = max(1, round(num * args.scale))
             # Every prompt set draws from its own seed: two runs sharing a seed would share their first
             # tokens, and the prefix cache would serve the second from the first.
             seed = zlib.crc32(f"{name} {input_len} {output_len} {conc}".encode())
             run_workload(engine, min(input_len, 256), 4, 1, 1, seed=seed + 1)  # warm-up
             compiles.take()
-            r = run_workload(engine, input_len, output_len, num, conc, seed=seed)
+            r = run_workload(engine, input_len, output_len, num, conc, seed=seed,
+                             step_records=args.step_records and conc > 1)
             r["triton_compiles"] = compiles.take()
             r["workload"] = name
             r["ttft_limit_ms"] = 1e3 * limits.prefill(input_len)
@@ -399,7 +459,10 @@ def main(argv: list[str] | None = None) -> int:
                 st = r["steps"]
                 line += (f"; steps with prompt tokens {st['prefill_steps']} ({st['prefill_s']} s, median "
                          f"{st['prefill_median_ms']} ms), decode-only {st['decode_steps']} ({st['decode_s']} s, "
-                         f"median {st['decode_median_ms']} ms), {st['samples_per_step']} tokens sampled a step; "
+                         f"median {st['decode_median_ms']} ms, p90 {st.get('decode_p90_ms')}, max "
+                         f"{st.get('decode_max_ms')}, {st.get('decode_above_median_s')} s above the median), "
+                         f"{st['samples_per_step']} tokens sampled a step; {st['gc_full_collections']} full "
+                         f"garbage collections ({st['gc_full_ms']} ms, longest {st['gc_full_max_ms']}); "
                          f"slowest steps: {', '.join(st['slowest'])}")
             if r["triton_compiles"]:
                 line += f"; Triton kernels compiled during it: {r['triton_compiles']}"

@@ -11,6 +11,7 @@ A request with n > 1 runs as n child sequences ("{id}#{i}"), reported together a
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -50,6 +51,20 @@ class _Parent:
     first_token_time: float | None = None
 
 
+def freeze_startup_objects() -> None:
+    """Move every object alive after the first engine's start-up (torch, transformers, the model's modules:
+    millions) out of the garbage collector's reach, once per process. Otherwise each full collection walks
+    them all while serving (see docs/performance.md). Objects made later are collected as usual."""
+    global _startup_frozen
+    if not _startup_frozen:
+        _startup_frozen = True
+        gc.collect()
+        gc.freeze()
+
+
+_startup_frozen = False
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         setup = EngineSetup(config)
@@ -70,6 +85,7 @@ class LLMEngine:
         self._child_parent: dict[str, str] = {}
         if torch.device(self.runner.device).type == "cuda":
             self.warm_up()
+        freeze_startup_objects()
 
     def warm_up(self) -> None:
         """Run once, before serving, the kind of steps whose kernels compile (Triton) or get planned (cuDNN)

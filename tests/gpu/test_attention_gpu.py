@@ -346,9 +346,8 @@ def test_print_tile_sweep(monkeypatch, capsys):
     kv_bytes = 2 * 131072 * NUM_KV_HEADS * HEAD_DIM * 2
     for block_n, warps, stages, per_sm in [(64, 8, 2, 2), (32, 4, 2, 2), (64, 4, 2, 2), (32, 4, 3, 4),
                                            (64, 8, 3, 4), (128, 8, 2, 2)]:
-        for name, value in [("DECODE_BLOCK_N", block_n), ("DECODE_NUM_WARPS", warps),
-                            ("DECODE_NUM_STAGES", stages), ("DECODE_PROGRAMS_PER_SM", per_sm)]:
-            monkeypatch.setattr(cuda_decode, name, value)
+        monkeypatch.setattr(cuda_decode, "DECODE_TILES", {2: cuda_decode.DecodeTile(block_n, warps, stages)})
+        monkeypatch.setattr(cuda_decode, "DECODE_PROGRAMS_PER_SM", per_sm)
         ms = time_ms(lambda: decode.run(max_query_len=1))
         report(capsys, f"decode 128K block_n={block_n} warps={warps} stages={stages} programs/SM={per_sm}: "
                        f"{ms * 1e3:.1f} us, {kv_bytes / ms / 1e6:.0f} GB/s")

@@ -54,8 +54,9 @@ def small_tiles(monkeypatch):
     as short as one tile, so that the short test sequences use several."""
     monkeypatch.setattr(cuda_prefill, "PREFILL_TILES", {64: SMALL_TILES})
     monkeypatch.setattr(cuda_prefill, "PREFILL_TILES_FLOAT32", SMALL_TILES)
-    monkeypatch.setattr(cuda_decode, "DECODE_BLOCK_N", 16)
-    monkeypatch.setattr(cuda_decode, "DECODE_BLOCK_N_FLOAT32", 16)
+    small = cuda_decode.DecodeTile(16, 8, 2)
+    monkeypatch.setattr(cuda_decode, "DECODE_TILES", {2: small, 1: small})
+    monkeypatch.setattr(cuda_decode, "DECODE_TILE_FLOAT32", small)
     monkeypatch.setattr(cuda_decode, "DECODE_MIN_TOKENS_PER_SPLIT", 16)
 
 
@@ -160,7 +161,7 @@ def test_decode_splits_follow_each_sequence_length(monkeypatch, num_splits, acti
     actual = kernels.paged_attention(**batch, max_query_len=1, num_splits=num_splits)
 
     _, partial_lse = fake_torch.made  # [N, n_heads, num_splits]
-    block_n = cuda_decode.DECODE_BLOCK_N_FLOAT32
+    block_n = cuda_decode.DECODE_TILE_FLOAT32.block_n
     for seq, (kv_len, q_len) in enumerate(DECODE_SPANS):
         active = active_splits(kv_len, num_splits, block_n) if q_len else 0
         assert not partial_lse[seq, :, :active].isnan().any(), (seq, active)

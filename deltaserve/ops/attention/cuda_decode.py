@@ -20,6 +20,8 @@ CUDA graphs: the launches depend only on shapes. num_splits is fixed for a captu
 block_tables width); the active splits are found on the device from seq_lens, so no host read is needed.
 """
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -35,15 +37,24 @@ from deltaserve.ops.attention.cuda_prefill import (
 
 __all__ = ["decode_num_splits", "launch_decode"]
 
-# Tile and split sizes: starting points for an H100/H200, to be tuned there. The query tile is G heads padded
-# to >= 16 rows (the minimum tl.dot size); decode is bound by reading K/V, so the padding costs nothing.
-DECODE_BLOCK_N = 64  # KV positions per loop step
-DECODE_BLOCK_N_FLOAT32 = 16  # float32 dots (CUDA cores, 4-byte tiles): a correctness path, kept small
-DECODE_NUM_WARPS = 8
-DECODE_NUM_STAGES = 2
+
+class DecodeTile(NamedTuple):
+    block_n: int  # KV positions per loop step
+    num_warps: int
+    num_stages: int
+
+
+# Tiles by the cache's bytes per element (16-bit dots), measured on an H200 with `python -m
+# deltaserve.bench.attention_probe --decode-sweep` (27B heads, CUDA graphs, 2026-11-30): bf16 at 1 x 131,072
+# 139.6 us (3.85 TB/s; (64, 8, 2) took 143.5) and 64 x 1,536 110.6 us; fp8 145.8 us at 1 x 131,072 and 116.1 us
+# at 64 x 1,536 ((64, 8, 2) took 155.0 and 117.1). fp8 reads half the bytes in about the same time (1.84 TB/s):
+# not memory bound but by its upcast to bf16 and the dots (float16 queries, whose upcast from e4m3 is one
+# instruction, took 127 us). The query tile is G heads padded to >= 16 rows (the minimum tl.dot size).
+DECODE_TILES = {2: DecodeTile(64, 4, 3), 1: DecodeTile(128, 4, 4)}
+DECODE_TILE_FLOAT32 = DecodeTile(16, 8, 2)  # float32 dots (CUDA cores, 4-byte tiles): a correctness path
 DECODE_PROGRAMS_PER_SM = 2  # split until about this many programs per SM are launched
 DECODE_MIN_TOKENS_PER_SPLIT = 256  # planning: no more splits than the table's capacity / this
-DECODE_ACTIVE_SPLIT_MIN_TOKENS = DECODE_BLOCK_N  # per sequence: an active split reads at least one KV tile
+DECODE_ACTIVE_SPLIT_MIN_TOKENS = 64  # per sequence: an active split reads at least this many positions
 DECODE_MAX_SPLITS = 128
 
 
@@ -121,7 +132,7 @@ def launch_decode(q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens
         max_kv_len = block_tables.shape[1] * block_size
         num_splits = decode_num_splits(num_seqs, num_kv_heads, max_kv_len, q.device)
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs every dimension >= 16
-    block_n = DECODE_BLOCK_N_FLOAT32 if dot_dtype == tl.float32 else DECODE_BLOCK_N
+    tile = DECODE_TILE_FLOAT32 if dot_dtype == tl.float32 else DECODE_TILES[k_cache.element_size()]
     # float32 partials: each split's output normalized by its own sum, and that sum's log2-sum-exp; only the
     # active splits of each sequence are written.
     partial_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
@@ -132,12 +143,12 @@ def launch_decode(q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens
         num_heads, num_splits, qk_scale, v_scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEADS_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
+        HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_N=tile.block_n,
         MIN_TOKENS_PER_SPLIT=DECODE_ACTIVE_SPLIT_MIN_TOKENS, DOT_DTYPE=dot_dtype, PRECISION=precision,
-        num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     merge_splits_kernel[(num_seqs, num_heads)](
         out, partial_out, partial_lse, cu_seqlens_q, seq_lens, gate, num_heads, num_splits,
         out.stride(0), out.stride(1), *gate_strides, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        MIN_TOKENS_PER_SPLIT=DECODE_ACTIVE_SPLIT_MIN_TOKENS, BLOCK_N=block_n, num_warps=MERGE_NUM_WARPS,
+        MIN_TOKENS_PER_SPLIT=DECODE_ACTIVE_SPLIT_MIN_TOKENS, BLOCK_N=tile.block_n, num_warps=MERGE_NUM_WARPS,
     )
