@@ -223,3 +223,22 @@ def test_reset_prefix_cache_forgets_prefixes_only_when_idle(make_checkpoint):
     assert llm.reset_prefix_cache()
     assert engine.cache_manager.prefix_cache_hits == 0
     assert llm.generate([prompt], GREEDY)[0].num_cached_tokens == 0
+
+
+def test_startup_objects_are_frozen_out_of_the_collector_once(make_checkpoint, monkeypatch):
+    """The first engine of a process freezes what is alive after its start-up (so full collections while serving
+    skip torch's objects); a second engine does not freeze again (its predecessor's garbage stays collectable)."""
+    import gc
+
+    from deltaserve.engine import llm_engine
+
+    monkeypatch.setattr(llm_engine, "_startup_frozen", False)
+    gc.unfreeze()
+    try:
+        LLM(str(make_checkpoint("qwen3_5")), max_num_seqs=2)
+        frozen = gc.get_freeze_count()
+        assert frozen > 10_000  # torch and the model's objects, at least
+        LLM(str(make_checkpoint("qwen3_5")), max_num_seqs=2)
+        assert gc.get_freeze_count() <= frozen  # not grown: frozen objects may still be freed by refcount
+    finally:
+        gc.unfreeze()
