@@ -14,8 +14,13 @@ Where checkpoints go (each is a chunk end: invariant 3, "a prefill chunk must en
 when L is at most one block before the chunk's end and at least one block after its start, a save inside
 the step: the GDN layers copy the state out after the chunk's first L - start tokens and go on; a 16-token
 tail would otherwise cost a whole step, a pass over the weights):
-    divergence   when a prompt matches a cached KV chain of length M past its longest checkpoint, at M (capped
-                 as below): the next prompt that branches off that chain hits there
+    divergence   when a prompt matches a cached KV chain of length M at least one decode-checkpoint interval
+                 past its longest checkpoint, at M (capped as below): the next prompt that branches off that
+                 chain hits there. Closer than that it would spare a later branch fewer tokens than decode
+                 checkpoints already leave to recompute, and cost this prompt a step of its own (its chunk
+                 must end there): a conversation's resend, whose KV chain ends a few blocks past its last
+                 decode checkpoint, took a 16-48-token step before its new message (W5 on 27B: ~60-100 ms
+                 of a ~250 ms turn)
     prompt end   at floor((P-1)/bs)*bs, the longest hit a resend of the same P-token prompt can use
     decode       at the latest multiple of DECODE_CHECKPOINT_INTERVAL tokens (a whole number of blocks) a running
                  request has passed past its prompt end: one per request, replaced as it passes the next, so that
@@ -143,7 +148,9 @@ class CacheManager:
         last_boundary = (request.num_tokens - 1) // self.block_size * self.block_size
         hit = self.prefix_cache.find_hit(request.block_hashes, last_boundary // self.block_size)
         request.last_prompt_boundary = last_boundary
-        request.checkpoint_targets = sorted({t for t in (hit.num_chain_tokens, last_boundary) if t > hit.num_tokens})
+        chain = hit.num_chain_tokens
+        divergence = chain if chain - hit.num_tokens >= self.decode_checkpoint_stride else 0  # see the module
+        request.checkpoint_targets = sorted({t for t in (divergence, last_boundary) if t > hit.num_tokens})
         return hit
 
     def cut_chunk(self, request: Request, start: int, num_new_tokens: int, save_inside: bool = True) -> int:

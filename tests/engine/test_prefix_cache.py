@@ -10,6 +10,7 @@ import pytest
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.cache import kv_manager
+from deltaserve.cache.kv_manager import DECODE_CHECKPOINT_INTERVAL
 
 BS = 4
 VOCAB = 1024
@@ -124,26 +125,33 @@ def test_multi_turn_conversations_continue_from_the_previous_turn(make_checkpoin
 
 
 def test_hit_granularity_for_prompts_diverging_at_random_positions(make_checkpoint):
-    """base (60 tokens) runs first. For each N, B_N shares base's first N tokens and creates the checkpoint
-    at floor(N/4)*4 (the divergence point; it starts from the longest checkpoint below); C_N, sharing the same
-    N tokens with a different tail, then reuses exactly floor(N/4)*4 tokens."""
+    """base (200 tokens) runs first. For each N, B_N shares base's first N tokens: it hits the longest
+    checkpoint at or below floor(N/4)*4 (the divergence point) and creates one there when that point lies at
+    least a decode-checkpoint interval past its hit (nearer, a later branch would gain less than decode
+    checkpoints already leave); C_N, sharing the same N tokens with a different tail, then reuses the longest
+    checkpoint at or below that point."""
     on, off = engines(make_checkpoint("qwen3_5"))
     rng = random.Random(3)
-    base = tokens(rng, 60)
+    base = tokens(rng, 200)
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=1)
-    divergences = [3, 9, 22, 45, 58] + rng.sample(range(1, 60), 6)
+    divergences = [3, 22, 58, 70, 90, 131, 150, 190] + rng.sample(range(1, 200), 6)
     waves = [[(base, params)]]
     for n in divergences:
         waves += [[(branch(rng, base, n, 5), params)], [(branch(rng, base, n, 7), params)]]
     cached, _ = run_waves(on, waves)
     assert_exact(cached, run_waves(off, waves)[0])
-    checkpoints_on_base = {(len(base) - 1) // BS * BS}  # base's prompt-end checkpoint, 56
+    checkpoints_on_base = {(len(base) - 1) // BS * BS}  # base's prompt-end checkpoint, 196
+    created = 0
     for i, n in enumerate(divergences):
         b, c = cached[1 + 2 * i], cached[2 + 2 * i]
         point = n // BS * BS
-        assert b.num_cached_tokens == max([0] + [p for p in checkpoints_on_base if p <= point]), f"B_{n}"
-        assert c.num_cached_tokens == point, f"C_{n}"
-        checkpoints_on_base.add(point)
+        below = max([0] + [p for p in checkpoints_on_base if p <= point])
+        assert b.num_cached_tokens == below, f"B_{n}"
+        if point - below >= DECODE_CHECKPOINT_INTERVAL:
+            checkpoints_on_base.add(point)
+            created += 1
+        assert c.num_cached_tokens == max(p for p in checkpoints_on_base | {0} if p <= point), f"C_{n}"
+    assert 3 <= created < len(divergences)  # both sides of the rule are exercised
 
 
 @pytest.mark.parametrize("setting", ["small cache", "preemption", "chunked prefill"])

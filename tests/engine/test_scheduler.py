@@ -265,6 +265,32 @@ def test_decode_keeps_one_checkpoint_at_its_latest_boundary_for_the_next_turn():
     assert b.num_cached_tokens == 12 and row.token_ids == turn2[12:18] and row.mid_save[0] == 4  # its end at 16
 
 
+def test_a_conversation_turn_computes_its_new_message_in_one_step():
+    """Each turn resends the conversation: its KV chain ends a few blocks past the last decode checkpoint, too
+    close for a divergence checkpoint there to pay, so the turn is one prompt step from its hit to its end
+    (with its prompt-end checkpoint saved inside), not a short step to the chain's end first. Farther than an
+    interval, a divergence point still gets its own chunk end."""
+    sched = make_scheduler(num_blocks=256, checkpoints=8, budget=64, decode_checkpoint_interval=16)
+    conversation = list(range(1, 21))
+    for turn in range(4):
+        request = make_request(f"t{turn}", 0, max_tokens=7, prompt=conversation)
+        sched.add_request(request)
+        prompt_steps = [s for s in run_to_end(sched) if len(s.sequences[0].token_ids) > 1]
+        if turn:
+            assert request.num_cached_tokens > 0, turn
+            assert len(prompt_steps) == 1, (turn, [len(s.sequences[0].token_ids) for s in prompt_steps])
+            assert prompt_steps[0].sequences[0].mid_save is not None, turn  # the prompt end, inside
+        conversation = request.all_token_ids + [50 + turn] * 9
+    # a branch 24 tokens (> 16) past the hit still cuts at its divergence point
+    base = list(range(100, 140))
+    sched.add_request(make_request("base", 0, max_tokens=1, prompt=base))
+    run_to_end(sched)
+    branch = make_request("branch", 0, max_tokens=1, prompt=base[:26] + [9] * 8)  # chain 24, hit 0
+    sched.add_request(branch)
+    out, _ = fake_step(sched)
+    assert branch.num_cached_tokens == 0 and len(out.sequences[0].token_ids) == 24
+
+
 def test_decode_checkpoints_go_at_multiples_of_the_interval():
     sched = make_scheduler(checkpoints=8, decode_checkpoint_interval=10)  # rounded up to 3 blocks: 12 tokens
     a = make_request("a", 6, max_tokens=25)  # 6 + 25 tokens, 30 computed when it finishes

@@ -331,6 +331,25 @@ def test_fp8_cache_round_trip_with_scales():
     torch.testing.assert_close(actual, expected, **FP32_TOL)
 
 
+def test_bf16_decode_over_fp8_cache_dots_in_float16_and_saturates_q(small_tiles):
+    """bf16 queries over an fp8 cache decode with float16 dots (the cheaper upcast): the result matches the
+    float32 reference within float16 rounding of q and of the probabilities, and a query beyond float16's
+    range saturates instead of turning the output into NaN."""
+    fp8 = torch.float8_e4m3fn
+    if not interpreter_casts_to(fp8):
+        pytest.skip("this Triton's interpreter has no float8 casts")
+    batch = make_batch([(37, 1), (64, 1), (5, 1)], block_size=16, head_dim=16, cache_dtype=fp8,
+                       q_dtype=torch.bfloat16, seed=5)
+    expected = reference.paged_attention(**dict(batch, q=batch["q"].float(), k_cache=batch["k_cache"].float(),
+                                                v_cache=batch["v_cache"].float()))
+    actual = kernels.paged_attention(**batch, max_query_len=1, num_splits=2)
+    assert actual.dtype == torch.bfloat16
+    torch.testing.assert_close(actual.float(), expected, atol=1e-2, rtol=1e-2)
+    huge = dict(batch, q=batch["q"].clone())
+    huge["q"][0, 0, 0] = 1e6  # bf16 holds it, float16 does not
+    assert torch.isfinite(kernels.paged_attention(**huge, max_query_len=1, num_splits=2).float()).all()
+
+
 def test_num_splits_fill_the_device_from_static_sizes(monkeypatch):
     monkeypatch.setattr(cuda_decode, "_sm_count", lambda device: 132)
     cpu = torch.device("cpu")

@@ -46,11 +46,11 @@ class DecodeTile(NamedTuple):
 
 # Tiles by the cache's bytes per element (16-bit dots), measured on an H200 with `python -m
 # deltaserve.bench.attention_probe --decode-sweep` (27B heads, CUDA graphs, 2026-11-30): bf16 at 1 x 131,072
-# 139.6 us (3.85 TB/s; (64, 8, 2) took 143.5) and 64 x 1,536 110.6 us; fp8 145.8 us at 1 x 131,072 and 116.1 us
-# at 64 x 1,536 ((64, 8, 2) took 155.0 and 117.1). fp8 reads half the bytes in about the same time (1.84 TB/s):
-# not memory bound but by its upcast to bf16 and the dots (float16 queries, whose upcast from e4m3 is one
-# instruction, took 127 us). The query tile is G heads padded to >= 16 rows (the minimum tl.dot size).
-DECODE_TILES = {2: DecodeTile(64, 4, 3), 1: DecodeTile(128, 4, 4)}
+# 139.6 us (3.85 TB/s; (64, 8, 2) took 143.5) and 64 x 1,536 110.6 us; fp8 (dots in float16, see cuda.py)
+# 127.1 us at 1 x 131,072 and 101.3 us at 64 x 1,536 ((64, 8, 2) with bf16 dots took 155.0 and 117.1). fp8 reads
+# half the bytes in about the same time (2.1 TB/s): bound by the upcast and the dots, not by memory. The query
+# tile is G heads padded to >= 16 rows (the minimum tl.dot size).
+DECODE_TILES = {2: DecodeTile(64, 4, 3), 1: DecodeTile(64, 4, 2)}
 DECODE_TILE_FLOAT32 = DecodeTile(16, 8, 2)  # float32 dots (CUDA cores, 4-byte tiles): a correctness path
 DECODE_PROGRAMS_PER_SM = 2  # split until about this many programs per SM are launched
 DECODE_MIN_TOKENS_PER_SPLIT = 256  # planning: no more splits than the table's capacity / this
@@ -101,7 +101,10 @@ def _decode_split_kernel(
     dim_ok = dims < HEAD_DIM
     q_rows = q_start.to(tl.int64) * stride_q_tok + heads * stride_q_head  # [HP]
     q_mask = row_ok[:, None] & dim_ok[None, :]
-    q_tile = tl.load(q + q_rows[:, None] + dims[None, :], mask=q_mask, other=0.0).to(DOT_DTYPE)  # [HP, D]
+    q_tile = tl.load(q + q_rows[:, None] + dims[None, :], mask=q_mask, other=0.0)  # [HP, D]
+    if DOT_DTYPE == tl.float16:  # bf16 queries over an fp8 cache dot in float16 (see cuda.py): saturate
+        q_tile = tl.minimum(tl.maximum(q_tile.to(tl.float32), -65504.0), 65504.0)
+    q_tile = q_tile.to(DOT_DTYPE)
     # The one query sits at position seq_len - 1 and sees the whole sequence; kv_hi bounds the split.
     row_pos = tl.zeros([HEADS_PAD], dtype=tl.int32) + seq_len - 1
 
