@@ -52,11 +52,12 @@ def load_events(path: str) -> tuple[list[Event], list[Event], dict[int, Event]]:
 
 
 def report(path: str, min_gap_us: float = 20.0, top: int = 15) -> str:
+    """The trace's GPU span and idle time, and its `top` largest gaps of at least min_gap_us, as text."""
     gpu, host, launches = load_events(path)
     if not gpu:
         return f"{path}: no GPU events"
     lines = []
-    span = gpu[-1].end - gpu[0].start
+    span = max(e.end for e in gpu) - gpu[0].start
     busy_until = gpu[0].end
     small_idle, gaps = 0.0, []
     for event in gpu[1:]:
@@ -76,7 +77,7 @@ def report(path: str, min_gap_us: float = 20.0, top: int = 15) -> str:
         launched = (f"launched {launch.start - start:+.0f} us after the gap began" if launch is not None
                     else "launch not found")
         during = [h for h in host if h.start < after.start and h.end > start]
-        # the innermost-first list of host operations overlapping the gap, longest overlap first
+        # the host operations that overlap the gap, the longest overlap first
         during.sort(key=lambda h: -(min(h.end, after.start) - max(h.start, start)))
         names = ", ".join(dict.fromkeys(h.name[:60] for h in during[:6]))
         lines.append(f"  {gap:8.0f} us at +{(start - gpu[0].start) / 1e3:8.2f} ms before {after.name[:50]} "
