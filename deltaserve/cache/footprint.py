@@ -177,18 +177,35 @@ def mixed_graph_sizes(max_num_seqs: int, performance_mode: str = "balanced") -> 
     return [s for s in sizes if MIXED_MIN_DECODES <= s <= largest]
 
 
+# Single-chunk CUDA graphs (worker/cuda_graph.py), opt-in (DELTASERVE_CHUNK_GRAPHS=1) until measured on the GPU: a
+# step of one sequence computing 2 to 128 new tokens with no checkpoint inside it (a prefix-cache hit's short
+# suffix, a short prompt alone), padded to the next of these sizes. Such a step is bound by launching its
+# kernels one by one (W4's hit on 27B: 47-82 ms of host time for ~19 ms of GPU work, docs/performance.md).
+CHUNK_GRAPH_TOKENS = (16, 32, 64, 128)
+
+
+def chunk_graph_sizes() -> list[int]:
+    """The token counts that get a single-chunk graph: CHUNK_GRAPH_TOKENS with DELTASERVE_CHUNK_GRAPHS=1, else
+    none."""
+    value = os.environ.get("DELTASERVE_CHUNK_GRAPHS", "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"DELTASERVE_CHUNK_GRAPHS must be 0 or 1, got {value!r}")
+    return list(CHUNK_GRAPH_TOKENS) if value == "1" else []
+
+
 def cuda_graph_count(max_num_seqs: int, performance_mode: str = "balanced") -> int:
-    return len(graph_capture_sizes(max_num_seqs, performance_mode)) + len(mixed_graph_sizes(max_num_seqs,
-                                                                                            performance_mode))
+    return (len(graph_capture_sizes(max_num_seqs, performance_mode))
+            + len(mixed_graph_sizes(max_num_seqs, performance_mode)) + len(chunk_graph_sizes()))
 
 
 def estimate_cuda_graph_bytes(cfg: ModelConfig, dtype: str, max_num_seqs: int, performance_mode: str = "balanced") -> int:
-    """Memory of the decode and mixed graphs: the largest graph's intermediates (smaller ones reuse its pool),
-    plus the one static float32 logits output [max_num_seqs (+ 1 with mixed graphs), V] that every graph
-    writes."""
+    """Memory of the decode, mixed and single-chunk graphs: the largest graph's intermediates (smaller ones reuse
+    its pool), plus the one static float32 logits output [max_num_seqs (+ 1 with mixed graphs), V] that every
+    graph writes."""
     sizes = graph_capture_sizes(max_num_seqs, performance_mode)
     mixed = mixed_graph_sizes(max_num_seqs, performance_mode)
     rows = max(sizes[-1], mixed[-1] + mixed_chunk_tokens()) if mixed else sizes[-1]
+    rows = max([rows] + chunk_graph_sizes())
     logit_rows = sizes[-1] + (1 if mixed else 0)
     largest = _forward_bytes(cfg, dtype, rows, decode=True) + logit_rows * cfg.vocab_size * DTYPE_BYTES[dtype]
     fixed = cuda_graph_count(max_num_seqs, performance_mode) * _GRAPH_FIXED_BYTES

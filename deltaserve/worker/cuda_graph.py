@@ -16,6 +16,11 @@ prefill kernels (the recurrent GDN kernel, the paged attention kernel) on the ch
 large model is bound by reading its weights, so the chunk's tokens cost a fraction of what they do in a step of
 their own, but the prompts queued behind one chunk a step do not decode meanwhile (docs/performance.md).
 
+Single-chunk graphs (`chunk_graph_sizes`; opt-in, DELTASERVE_CHUNK_GRAPHS=1, until measured on the GPU): a step
+of one sequence computing 2 to 128 new tokens (a prefix-cache hit's short suffix, a short prompt), padded to
+the next of 16, 32, 64 or 128 rows by a second sequence on the dummy slot, as a mixed step's chunk part is; such
+a step is otherwise bound by launching its kernels one by one.
+
 With --enforce-eager the same padded batches run eagerly, so both modes compute exactly the same numbers (the
 shapes decide which GEMM and attention-split kernels run, and so the rounding).
 """
@@ -26,7 +31,7 @@ import logging
 
 import torch
 
-from deltaserve.cache.footprint import graph_capture_sizes, mixed_chunk_tokens, mixed_graph_sizes
+from deltaserve.cache.footprint import chunk_graph_sizes, graph_capture_sizes, mixed_chunk_tokens, mixed_graph_sizes
 from deltaserve.layers.batch import ForwardBatch
 from deltaserve.model.qwen3_5 import HybridForCausalLM
 
@@ -56,8 +61,10 @@ class DecodeGraphs:
         self.sizes = graph_capture_sizes(max_num_seqs, performance_mode)
         self.mixed_sizes = mixed_graph_sizes(max_num_seqs, performance_mode)
         self.chunk_tokens = mixed_chunk_tokens() if self.mixed_sizes else 0  # C
+        self.chunk_sizes = chunk_graph_sizes()  # single-chunk graphs: their token counts
         n, C = self.sizes[-1], self.chunk_tokens
-        block_table_width = max(block_table_width, -(-C // block_size))  # the chunk's padding sequence reads C
+        longest_chunk = max([C] + self.chunk_sizes)
+        block_table_width = max(block_table_width, -(-longest_chunk // block_size))  # a padding sequence reads it
         self.decode = _StaticBatch(n, n, block_table_width, device)
         if C:
             # mixed: decode rows [0, s), chunk rows [s, s + C); sequences: s decodes, the chunk, its padding
@@ -65,8 +72,13 @@ class DecodeGraphs:
             self.chunk_cu_seqlens = torch.tensor([0, C, C], dtype=torch.int64, device=device)  # in the chunk rows
             # rows whose logits a mixed step computes: its n decodes, the chunk's last row, then padding rows
             self.mixed_logit_rows = torch.zeros(n + 1, dtype=torch.int64, device=device)
+        if self.chunk_sizes:
+            # rows [0, size): the chunk's L tokens, then padding; sequences: the chunk and its padding
+            self.single = _StaticBatch(self.chunk_sizes[-1], 2, block_table_width, device)
+            self.single_cu_seqlens = torch.zeros(3, dtype=torch.int64, device=device)  # [0, L, size]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.chunk_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # one static output shared by every graph (a per-graph output would hold [size, V] float32 each); a
         # mixed step's has one row more than its decodes
         self.logits = torch.empty(n + (1 if C else 0), model.config.vocab_size, dtype=torch.float32, device=device)
@@ -120,6 +132,37 @@ class DecodeGraphs:
         m.slot_mapping[size + chunk_len: size + self.chunk_tokens].fill_(-1)
         self.chunk_cu_seqlens[1].fill_(chunk_len)
 
+    def _single_batch(self, size: int) -> ForwardBatch:
+        """The single-chunk graph's batch at `size` rows: the chunk, then its padding sequence."""
+        c, cu = self.single, self.single_cu_seqlens
+        return ForwardBatch(
+            positions=c.positions[:size], cu_seqlens_q=cu, seq_lens=c.seq_lens, block_tables=c.block_tables,
+            slot_mapping=c.slot_mapping[:size], state_slots=c.state_slots, has_initial_state=c.has_initial_state,
+            logits_indices=cu[1:2] - 1, max_query_len=size, cu_seqlens_cpu=None, is_decode=False)
+
+    def _forward_single(self, size: int) -> torch.Tensor:
+        batch = self._single_batch(size)
+        hidden = self.model(self.single.input_ids[:size], batch)
+        return self.model.compute_logits(hidden.index_select(0, batch.logits_indices))  # [1, V]
+
+    def _set_single(self, size: int, chunk_len: int, seq_len, state_slot, has_initial) -> None:
+        """The single-chunk buffers at `size` rows: the chunk (chunk_len tokens, KV length seq_len after the
+        step) and its padding (size - chunk_len tokens, maybe none, from zero state on the dummy slot, the null
+        block and no cache writes)."""
+        c = self.single
+        for buffer, value in ((c.seq_lens, seq_len), (c.state_slots, state_slot), (c.has_initial_state, has_initial)):
+            if isinstance(value, torch.Tensor):
+                buffer[0].copy_(value)  # a device scalar: no sync
+            else:
+                buffer[0].fill_(value)
+        c.seq_lens[1].fill_(size - chunk_len)
+        c.state_slots[1].fill_(0)
+        c.has_initial_state[1].fill_(False)
+        c.block_tables[1].fill_(0)
+        c.slot_mapping[chunk_len:size].fill_(-1)
+        self.single_cu_seqlens[1].fill_(chunk_len)
+        self.single_cu_seqlens[2].fill_(size)
+
     def _forward_mixed(self, size: int) -> torch.Tensor:
         batch = self._mixed_batch(size)
         hidden = self.model(self.mixed.input_ids[: size + self.chunk_tokens], batch)
@@ -133,10 +176,14 @@ class DecodeGraphs:
         # largest first: smaller graphs reuse its pool memory (a mixed graph is the larger at each size)
         kinds = [(self.mixed_graphs, self._forward_mixed, s) for s in self.mixed_sizes]
         kinds += [(self.graphs, self._forward_decode, s) for s in self.sizes]
+        kinds += [(self.chunk_graphs, self._forward_single, s) for s in self.chunk_sizes]
         for graphs, forward, size in sorted(kinds, key=lambda kind: -kind[2]):
             if graphs is self.mixed_graphs:  # a fresh chunk of C tokens on the dummy slot and the null block
                 self.mixed.block_tables[size].fill_(0)
                 self._set_chunk(size, self.chunk_tokens, self.chunk_tokens, 0, False)
+            elif graphs is self.chunk_graphs:  # the same, `size` tokens
+                self.single.block_tables[0].fill_(0)
+                self._set_single(size, size, size, 0, False)
             for _ in range(2):  # warm up: Triton compiles, cuBLAS picks its kernels
                 forward(size)
             torch.cuda.synchronize()
@@ -150,6 +197,8 @@ class DecodeGraphs:
         if self.mixed_sizes:
             logger.info("captured CUDA graphs for decode batch sizes %s with a %d-token prompt chunk",
                         self.mixed_sizes, self.chunk_tokens)
+        if self.chunk_sizes:
+            logger.info("captured CUDA graphs for one prompt chunk of up to %s tokens", self.chunk_sizes)
 
     def padded_size(self, n: int) -> int | None:
         """The captured size to run n sequences at, or None if n is larger than every graph."""
@@ -160,6 +209,30 @@ class DecodeGraphs:
         if not 1 <= chunk_len <= self.chunk_tokens:
             return None
         return next((s for s in self.mixed_sizes if s >= num_decodes), None)
+
+    def single_size(self, chunk_len: int) -> int | None:
+        """The single-chunk graph's row count for a chunk of chunk_len tokens (2 or more), or None."""
+        if chunk_len < 2:
+            return None
+        return next((s for s in self.chunk_sizes if s >= chunk_len), None)
+
+    def run_single(self, batch: ForwardBatch, input_ids: torch.Tensor) -> torch.Tensor:
+        """Replay the single-chunk graph for a batch of one sequence's chunk (built by ForwardBatch.build);
+        returns the logits of its last token, [1, V]."""
+        chunk_len = input_ids.shape[0]
+        size = self.single_size(chunk_len)
+        c = self.single
+        c.input_ids[:chunk_len].copy_(input_ids)
+        c.positions[:chunk_len].copy_(batch.positions)
+        c.slot_mapping[:chunk_len].copy_(batch.slot_mapping)
+        width = batch.block_tables.shape[1]
+        c.block_tables[0, :width].copy_(batch.block_tables[0])
+        c.block_tables[0, width:].fill_(0)
+        self._set_single(size, chunk_len, batch.seq_lens[0], batch.state_slots[0], batch.has_initial_state[0])
+        if not self.use_graphs:
+            return self._forward_single(size)
+        self.chunk_graphs[size].replay()
+        return self.logits[:1]
 
     def run(self, batch: ForwardBatch, input_ids: torch.Tensor) -> torch.Tensor:
         """Replay the graph for this decode batch; returns logits [n, V] (a view of the static output)."""

@@ -119,6 +119,12 @@ class ModelRunner:
             return False
         return self.graphs.mixed_size(len(rows) - 1, len(rows[-1].token_ids)) is not None
 
+    def _single_graph_serves(self, rows) -> bool:
+        """Whether a single-chunk graph runs this step: one sequence computing 2 to 128 tokens (see
+        worker/cuda_graph.py) with no checkpoint inside the step."""
+        return (self.graphs is not None and bool(self.graphs.chunk_sizes) and len(rows) == 1
+                and rows[0].mid_save is None and self.graphs.single_size(len(rows[0].token_ids)) is not None)
+
     @torch.inference_mode()
     def execute(self, scheduled: SchedulerOutput) -> ModelOutput:
         """Run one step and wait for its samples."""
@@ -135,6 +141,8 @@ class ModelRunner:
             logits = self.graphs.run(batch, input_ids)  # [N, V]; in a decode batch every row samples
         elif self._mixed_graph_serves(rows):  # decodes, then one prompt chunk
             logits = self.graphs.run_mixed(batch, input_ids, chunk_samples=rows[-1].sample)  # [S, V]
+        elif self._single_graph_serves(rows):  # one short prompt chunk alone
+            logits = self.graphs.run_single(batch, input_ids)  # [1, V], read only if the chunk samples
         else:
             hidden = self.model(input_ids, batch)  # [T, H]
             if sampling_rows:

@@ -144,3 +144,60 @@ def test_mixed_padded_step_computes_what_the_plain_step_does(ckpt_qwen3_5, monke
                 torch.testing.assert_close(tensor[1:], expected[1:], atol=1e-4, rtol=1e-4)
             else:  # GDN pools: [layers, slots, ...]
                 torch.testing.assert_close(tensor[:, 1:], expected[:, 1:], atol=1e-4, rtol=1e-4)
+
+
+def test_chunk_graphs_are_opt_in(monkeypatch):
+    monkeypatch.delenv("DELTASERVE_CHUNK_GRAPHS", raising=False)
+    monkeypatch.delenv("DELTASERVE_MIXED_CHUNK_TOKENS", raising=False)
+    assert footprint.chunk_graph_sizes() == [] and footprint.cuda_graph_count(256) == 35
+    monkeypatch.setenv("DELTASERVE_CHUNK_GRAPHS", "1")
+    assert footprint.chunk_graph_sizes() == [16, 32, 64, 128] and footprint.cuda_graph_count(256) == 39
+    monkeypatch.setenv("DELTASERVE_CHUNK_GRAPHS", "yes")
+    with pytest.raises(ValueError, match="DELTASERVE_CHUNK_GRAPHS must be 0 or 1, got 'yes'"):
+        footprint.chunk_graph_sizes()
+
+
+@pytest.mark.parametrize("cached, chunk_len", [(9, 5), (0, 16), (6, 100)])  # padded; fresh and full; bucket 128
+def test_single_chunk_padded_step_computes_what_the_plain_step_does(ckpt_qwen3_5, monkeypatch, cached, chunk_len):
+    """The single-chunk graph's buffers (the chunk padded to 16-128 rows by a second sequence on the dummy slot),
+    run eagerly: the same logits as the step run plainly, and the same caches except the dummy state slot 0 and
+    the null KV block 0."""
+    monkeypatch.setenv("DELTASERVE_CHUNK_GRAPHS", "1")
+    monkeypatch.delenv("DELTASERVE_MIXED_CHUNK_TOKENS", raising=False)
+    cfg = ModelConfig.from_pretrained(ckpt_qwen3_5)
+    model = load_model(ckpt_qwen3_5, cfg, torch.float32, "cpu")
+    block_size, width, num_blocks = 4, 40, 128
+    bind_caches(model, CacheShape(num_blocks=num_blocks, block_size=block_size, num_state_slots=4,
+                                  kv_dtype=torch.float32, ssm_dtype=torch.float32), "cpu")
+    graphs = DecodeGraphs(model, max_num_seqs=4, block_table_width=width, device="cpu", use_graphs=False,
+                          block_size=block_size)
+    assert graphs.chunk_sizes == [16, 32, 64, 128] and graphs.single_size(1) is None
+    gen = torch.Generator().manual_seed(cached + chunk_len)
+    blocks = [list(range(1, 2 + (cached + chunk_len) // block_size))]
+    with torch.no_grad():
+        if cached:
+            model(torch.randint(0, cfg.vocab_size, (cached,), generator=gen),
+                  ForwardBatch.build([0], [cached], blocks, [2], block_size))
+    caches = [t for layer in model.attention_layers for t in (layer.k_cache, layer.v_cache)]
+    caches += [model.conv_states, model.ssm_states]
+    before = [t.clone() for t in caches]
+    batch = ForwardBatch.build([cached], [chunk_len], blocks, [2], block_size, block_table_width=width)
+    ids = torch.randint(0, cfg.vocab_size, (chunk_len,), generator=gen)
+    with torch.no_grad():
+        plain = model.compute_logits(model(ids, batch))[batch.logits_indices]
+    plain_caches = [t.clone() for t in caches]
+    for tensor, saved in zip(caches, before):
+        tensor.copy_(saved)
+    # what an earlier step may have left in the static buffers: real KV slots, the real state slot, real blocks
+    graphs.single.slot_mapping.copy_(torch.arange(4, 4 + graphs.single.slot_mapping.shape[0]))
+    graphs.single.state_slots.fill_(2)
+    graphs.single.block_tables.fill_(1)
+    graphs.single.has_initial_state.fill_(True)
+    with torch.no_grad():
+        single = graphs.run_single(batch, ids)
+    torch.testing.assert_close(single, plain, atol=1e-4, rtol=1e-4)
+    for tensor, expected in zip(caches, plain_caches):
+        if tensor.dim() == 4 and tensor.shape[0] == num_blocks:  # KV: [blocks, block_size, heads, hd]
+            torch.testing.assert_close(tensor[1:], expected[1:], atol=1e-4, rtol=1e-4)
+        else:  # GDN pools: [layers, slots, ...]
+            torch.testing.assert_close(tensor[:, 1:], expected[:, 1:], atol=1e-4, rtol=1e-4)

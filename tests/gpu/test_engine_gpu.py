@@ -132,6 +132,36 @@ def test_mixed_steps_match_steps_without_them(make_checkpoint, monkeypatch):
     assert outputs["128"] == outputs["0"]
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_single_chunk_steps_replay_exactly(arch, make_checkpoint, monkeypatch):
+    """Single-chunk graphs (opt-in: one short prompt chunk alone, a fresh short prompt or a prefix-cache hit's
+    suffix) against the same padded steps run eagerly, token for token."""
+    from deltaserve.worker.cuda_graph import DecodeGraphs
+
+    monkeypatch.setenv("DELTASERVE_CHUNK_GRAPHS", "1")
+    path = str(make_checkpoint(arch))
+    graphs = LLM(path, dtype="bfloat16", max_num_seqs=4, enforce_eager=False)
+    eager = LLM(path, dtype="bfloat16", max_num_seqs=4, enforce_eager=True)
+    assert sorted(graphs.engine.runner.graphs.chunk_graphs) == [16, 32, 64, 128]
+    assert not eager.engine.runner.graphs.chunk_graphs
+    calls, run_single = [], DecodeGraphs.run_single
+
+    def counted(self, batch, input_ids):
+        calls.append(input_ids.shape[0])
+        return run_single(self, batch, input_ids)
+
+    monkeypatch.setattr(DecodeGraphs, "run_single", counted)
+    base = prompt(200, 80)
+    # a fresh 10-token prompt; a long one (its prompt-end checkpoint at 192); two hits there, 7 and 12 new tokens
+    prompts = [prompt(10, 81), base, base[:192] + prompt(7, 82), base[:192] + prompt(12, 83)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = {}
+    for name, llm in (("graphs", graphs), ("eager", eager)):
+        outputs[name] = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert calls[:3] == [10, 7, 12], calls  # the graphs' run: the fresh prompt and both hits
+    assert outputs["graphs"] == outputs["eager"]
+
+
 def test_any_max_num_seqs_starts_and_serves(make_checkpoint):
     """Graph sizes follow max_num_seqs (here not a multiple of 8), and padding never touches real slots."""
     llm = LLM(str(make_checkpoint("qwen3_5")), dtype="bfloat16", max_num_seqs=13, enforce_eager=False)
