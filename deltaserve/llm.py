@@ -7,13 +7,17 @@ from dataclasses import fields
 from tqdm import tqdm
 
 from deltaserve.config import EngineConfig
-from deltaserve.engine.llm_engine import LLMEngine
+from deltaserve.engine.llm_engine import LLMEngine, freeze_startup_objects
 from deltaserve.generation_defaults import sampling_defaults
 from deltaserve.outputs import RequestOutput
 from deltaserve.sampling import SamplingParams
 
 
 class LLM:
+    def __new__(cls, *args, **kwargs):
+        freeze_startup_objects()  # as LLMEngine does: this object stays collectable
+        return super().__new__(cls)
+
     def __init__(self, model: str | None = None, **engine_args):
         known = {f.name for f in fields(EngineConfig)}
         unknown = sorted(set(engine_args) - known)

@@ -52,9 +52,10 @@ class _Parent:
 
 
 def freeze_startup_objects() -> None:
-    """Move every object alive after the first engine's start-up (torch, transformers, the model's modules:
-    millions) out of the garbage collector's reach, once per process. Otherwise each full collection walks
-    them all while serving (see docs/performance.md). Objects made later are collected as usual."""
+    """Move every object alive when the first engine starts (torch's, transformers' and Triton's modules and
+    functions: millions) out of the garbage collector's reach, once per process. Otherwise each full
+    collection walks them all while serving (see docs/performance.md). The engine's own objects, and all made
+    later, are collected as usual: an engine that is dropped is freed."""
     global _startup_frozen
     if not _startup_frozen:
         _startup_frozen = True
@@ -66,6 +67,10 @@ _startup_frozen = False
 
 
 class LLMEngine:
+    def __new__(cls, *args, **kwargs):
+        freeze_startup_objects()  # before the engine exists: it is collected like any object made later
+        return super().__new__(cls)
+
     def __init__(self, config: EngineConfig):
         setup = EngineSetup(config)
         self.config = config
@@ -85,7 +90,6 @@ class LLMEngine:
         self._child_parent: dict[str, str] = {}
         if torch.device(self.runner.device).type == "cuda":
             self.warm_up()
-        freeze_startup_objects()
 
     def warm_up(self) -> None:
         """Run once, before serving, the kind of steps whose kernels compile (Triton) or get planned (cuDNN)

@@ -226,18 +226,26 @@ def test_reset_prefix_cache_forgets_prefixes_only_when_idle(make_checkpoint):
 
 
 def test_startup_objects_are_frozen_out_of_the_collector_once(make_checkpoint, monkeypatch):
-    """The first engine of a process freezes what is alive after its start-up (so full collections while serving
-    skip torch's objects); a second engine does not freeze again (its predecessor's garbage stays collectable)."""
+    """The first engine of a process freezes what is alive when it starts (so full collections while serving
+    skip torch's objects), not its own objects: a dropped engine is freed. A second engine does not freeze
+    again."""
     import gc
+    import weakref
 
     from deltaserve.engine import llm_engine
 
     monkeypatch.setattr(llm_engine, "_startup_frozen", False)
     gc.unfreeze()
     try:
-        LLM(str(make_checkpoint("qwen3_5")), max_num_seqs=2)
+        llm = LLM(str(make_checkpoint("qwen3_5")), max_num_seqs=2)
         frozen = gc.get_freeze_count()
-        assert frozen > 10_000  # torch and the model's objects, at least
+        assert frozen > 10_000  # torch's objects, at least
+        refs = [weakref.ref(x) for x in (llm, llm.engine, llm.engine.runner.model)]
+        for obj in (llm, llm.engine):
+            obj.self_reference = obj  # cycles: only the collector frees them, and only if not frozen
+        del llm, obj
+        gc.collect()
+        assert all(ref() is None for ref in refs)
         LLM(str(make_checkpoint("qwen3_5")), max_num_seqs=2)
         assert gc.get_freeze_count() <= frozen  # not grown: frozen objects may still be freed by refcount
     finally:

@@ -19,6 +19,7 @@ Same contract as `deltaserve.ops.gdn.gdn_prefill` / `gdn_decode` (see `reference
   profiler, 2026-11-30).
 """
 
+import functools
 from collections import deque
 from dataclasses import dataclass
 
@@ -337,9 +338,18 @@ def _split_prefill(q, k, v, g, beta, state_pool, state_slots, has_initial_state,
     return out
 
 
+@functools.cache
+def _pin_fla_configs() -> bool:
+    """Once, before fla's first call: its pinned kernel configurations for this GPU, if any (fla_configs.py)."""
+    from deltaserve.ops.gdn.fla_configs import use_pinned_configs
+
+    return use_pinned_configs()
+
+
 def _chunked_prefill(q, k, v, g, beta, state_pool, state_slots, has_initial_state, cu_seqlens, cu_seqlens_cpu):
     """fla-core's chunked gated delta rule over the varlen batch (gates computed), states gathered from the
     pool and scattered back. Returns o: [T, HV, V] in v.dtype."""
+    _pin_fla_configs()
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # optional dependency, GPU only
 
     num_seqs, num_tokens = state_slots.shape[0], q.shape[0]
