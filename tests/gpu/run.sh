@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Everything GPU in one command, on an H200 machine: GPU tests, then the benchmarks.
-#   tests/gpu/run.sh OUTDIR [full|quick|tests|bench]
+#   tests/gpu/run.sh OUTDIR [full|quick|tests|bench|tune]
 #   full: every GPU test, then all benchmarks; quick: every GPU test, a profile and a short benchmark;
-#   tests: the tests alone; bench: the benchmarks alone; TESTS=... narrows the test paths, WORKLOADS=W1,W3
+#   tests: the tests alone; bench: the benchmarks alone; tune: the tables this GPU should ship (fla-core's
+#   pinned kernel configurations as OUTDIR/fla_configs.tgz, to unpack into deltaserve/ops/gdn/fla_configs/; the
+#   skinny GEMM's tiles as OUTDIR/skinny_configs.json, for deltaserve/ops/linear/); TESTS=... narrows the test
+#   paths, WORKLOADS=W1,W3
 #   the benchmarks of full/bench, PROFILE=0 leaves out their kernel profiles (a device call lasts at most 10
 #   minutes: the tests take ~5, every benchmark with profiles ~8, without ~6)
 # Wheels the machine lacks (fla-core, the server stack) are installed from .whl/ when present
@@ -10,7 +13,7 @@
 # ../shared/configs) or ../shared/configs.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-OUT=${1:?usage: tests/gpu/run.sh OUTDIR [quick|full|tests|bench]}
+OUT=${1:?usage: tests/gpu/run.sh OUTDIR [quick|full|tests|bench|tune]}
 MODE=${2:-full}
 mkdir -p "$OUT"
 export DELTASERVE_GPU_OUT="$(cd "$OUT" && pwd)"  # where GPU tests write their figures (memory_plan.json)
@@ -24,6 +27,15 @@ CONFIGS=.gpu_configs
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/device.txt" 2>&1
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)' >> "$OUT/device.txt" 2>&1
 status=0
+if [ "$MODE" = tune ]; then
+  rm -rf /tmp/fla_configs
+  python3 -m deltaserve.bench.fla_tune "$CONFIGS/qwen3.5-27b" --out /tmp/fla_configs 2>&1 | tee "$OUT/tune.log"
+  tar czf "$OUT/fla_configs.tgz" -C /tmp/fla_configs .
+  cp deltaserve/ops/linear/skinny_configs.json "$OUT/skinny_configs.json"
+  python3 -m deltaserve.bench.batch_probe "$CONFIGS/qwen3.5-27b" --gdn-batches "" --gdn-chunks "" \
+    --out "$OUT/skinny_configs.json" 2>&1 | tee -a "$OUT/tune.log"
+  exit 0
+fi
 if [ "$MODE" != bench ]; then
   python3 -m pytest ${TESTS:-tests/gpu tests/ops} -q -rs --timeout=300 -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
   status=${PIPESTATUS[0]}
