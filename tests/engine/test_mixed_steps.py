@@ -97,19 +97,42 @@ def test_mixed_graphs_are_opt_in(monkeypatch):
             footprint.mixed_chunk_tokens()
 
 
+BLOCK_SIZE, TABLE_WIDTH, NUM_BLOCKS = 4, 40, 128
+
+
+def padded_runner(checkpoint, max_num_seqs: int, slots: int):
+    """A float32 CPU model with bound caches and the CUDA-graph runner's buffers over it (run eagerly)."""
+    cfg = ModelConfig.from_pretrained(checkpoint)
+    model = load_model(checkpoint, cfg, torch.float32, "cpu")
+    bind_caches(model, CacheShape(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, num_state_slots=slots,
+                                  kv_dtype=torch.float32, ssm_dtype=torch.float32), "cpu")
+    graphs = DecodeGraphs(model, max_num_seqs=max_num_seqs, block_table_width=TABLE_WIDTH, device="cpu",
+                          use_graphs=False, block_size=BLOCK_SIZE)
+    return cfg, model, graphs
+
+
+def cache_tensors(model) -> list[torch.Tensor]:
+    caches = [t for layer in model.attention_layers for t in (layer.k_cache, layer.v_cache)]
+    return caches + [model.conv_states, model.ssm_states]
+
+
+def assert_caches_match(caches, expected_caches):
+    """Equal but for the null KV block 0 and the dummy state slot 0 (which padding may write)."""
+    for tensor, expected in zip(caches, expected_caches):
+        if tensor.dim() == 4 and tensor.shape[0] == NUM_BLOCKS:  # KV: [blocks, block_size, heads, hd]
+            torch.testing.assert_close(tensor[1:], expected[1:], atol=1e-4, rtol=1e-4)
+        else:  # GDN pools: [layers, slots, ...]
+            torch.testing.assert_close(tensor[:, 1:], expected[:, 1:], atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("num_decodes, chunk_len", [(3, 9), (8, 128)])  # padded rows; none and a full chunk
 def test_mixed_padded_step_computes_what_the_plain_step_does(ckpt_qwen3_5, monkeypatch, num_decodes, chunk_len):
     """The mixed graph's buffers (decodes padded to 8 rows, the chunk padded to 128 rows with a second sequence
     on the dummy slot, empty for a full chunk), run eagerly: the same logits as the step run plainly, and the
     same caches except the dummy state slot 0 and the null KV block 0."""
     monkeypatch.setenv("DELTASERVE_MIXED_CHUNK_TOKENS", "128")
-    cfg = ModelConfig.from_pretrained(ckpt_qwen3_5)
-    model = load_model(ckpt_qwen3_5, cfg, torch.float32, "cpu")
-    block_size, width, num_blocks = 4, 40, 128
-    bind_caches(model, CacheShape(num_blocks=num_blocks, block_size=block_size, num_state_slots=10,
-                                  kv_dtype=torch.float32, ssm_dtype=torch.float32), "cpu")
-    graphs = DecodeGraphs(model, max_num_seqs=8, block_table_width=width, device="cpu", use_graphs=False,
-                          block_size=block_size)
+    cfg, model, graphs = padded_runner(ckpt_qwen3_5, max_num_seqs=8, slots=10)
+    block_size, width = BLOCK_SIZE, TABLE_WIDTH
     assert graphs.mixed_sizes == [8] and graphs.chunk_tokens == 128
     gen = torch.Generator().manual_seed(4)
     prompt_lens = [7, 11, 5, 9, 6, 10, 3, 8][:num_decodes] + [6]  # the last one continues with the chunk
@@ -122,8 +145,7 @@ def test_mixed_padded_step_computes_what_the_plain_step_does(ckpt_qwen3_5, monke
     with torch.no_grad():
         model(torch.randint(0, cfg.vocab_size, (sum(prompt_lens),), generator=gen),
               ForwardBatch.build([0] * len(prompt_lens), prompt_lens, blocks, slots, block_size))
-    caches = [t for layer in model.attention_layers for t in (layer.k_cache, layer.v_cache)]
-    caches += [model.conv_states, model.ssm_states]
+    caches = cache_tensors(model)
     before = [t.clone() for t in caches]
     # the decodes, then the last sequence's chunk after its cached prompt
     batch = ForwardBatch.build(prompt_lens, [1] * num_decodes + [chunk_len], blocks, slots, block_size,
@@ -139,11 +161,7 @@ def test_mixed_padded_step_computes_what_the_plain_step_does(ckpt_qwen3_5, monke
             mixed = graphs.run_mixed(batch, ids, chunk_samples=chunk_samples)
         torch.testing.assert_close(mixed, plain[: num_decodes + chunk_samples], atol=1e-4, rtol=1e-4)
         # float32 rounding differs by path (the decode rows' GDN step vs the chunked rule) and grows layer by layer
-        for tensor, expected in zip(caches, plain_caches):
-            if tensor.dim() == 4 and tensor.shape[0] == num_blocks:  # KV: [blocks, block_size, heads, hd]
-                torch.testing.assert_close(tensor[1:], expected[1:], atol=1e-4, rtol=1e-4)
-            else:  # GDN pools: [layers, slots, ...]
-                torch.testing.assert_close(tensor[:, 1:], expected[:, 1:], atol=1e-4, rtol=1e-4)
+        assert_caches_match(caches, plain_caches)
 
 
 def test_chunk_graphs_are_opt_in(monkeypatch):
@@ -164,13 +182,8 @@ def test_single_chunk_padded_step_computes_what_the_plain_step_does(ckpt_qwen3_5
     the null KV block 0."""
     monkeypatch.setenv("DELTASERVE_CHUNK_GRAPHS", "1")
     monkeypatch.delenv("DELTASERVE_MIXED_CHUNK_TOKENS", raising=False)
-    cfg = ModelConfig.from_pretrained(ckpt_qwen3_5)
-    model = load_model(ckpt_qwen3_5, cfg, torch.float32, "cpu")
-    block_size, width, num_blocks = 4, 40, 128
-    bind_caches(model, CacheShape(num_blocks=num_blocks, block_size=block_size, num_state_slots=4,
-                                  kv_dtype=torch.float32, ssm_dtype=torch.float32), "cpu")
-    graphs = DecodeGraphs(model, max_num_seqs=4, block_table_width=width, device="cpu", use_graphs=False,
-                          block_size=block_size)
+    cfg, model, graphs = padded_runner(ckpt_qwen3_5, max_num_seqs=4, slots=4)
+    block_size, width = BLOCK_SIZE, TABLE_WIDTH
     assert graphs.chunk_sizes == [16, 32, 64, 128] and graphs.single_size(1) is None
     gen = torch.Generator().manual_seed(cached + chunk_len)
     blocks = [list(range(1, 2 + (cached + chunk_len) // block_size))]
@@ -178,8 +191,7 @@ def test_single_chunk_padded_step_computes_what_the_plain_step_does(ckpt_qwen3_5
         if cached:
             model(torch.randint(0, cfg.vocab_size, (cached,), generator=gen),
                   ForwardBatch.build([0], [cached], blocks, [2], block_size))
-    caches = [t for layer in model.attention_layers for t in (layer.k_cache, layer.v_cache)]
-    caches += [model.conv_states, model.ssm_states]
+    caches = cache_tensors(model)
     before = [t.clone() for t in caches]
     batch = ForwardBatch.build([cached], [chunk_len], blocks, [2], block_size, block_table_width=width)
     ids = torch.randint(0, cfg.vocab_size, (chunk_len,), generator=gen)
@@ -196,8 +208,4 @@ def test_single_chunk_padded_step_computes_what_the_plain_step_does(ckpt_qwen3_5
     with torch.no_grad():
         single = graphs.run_single(batch, ids)
     torch.testing.assert_close(single, plain, atol=1e-4, rtol=1e-4)
-    for tensor, expected in zip(caches, plain_caches):
-        if tensor.dim() == 4 and tensor.shape[0] == num_blocks:  # KV: [blocks, block_size, heads, hd]
-            torch.testing.assert_close(tensor[1:], expected[1:], atol=1e-4, rtol=1e-4)
-        else:  # GDN pools: [layers, slots, ...]
-            torch.testing.assert_close(tensor[:, 1:], expected[:, 1:], atol=1e-4, rtol=1e-4)
+    assert_caches_match(caches, plain_caches)
