@@ -209,3 +209,36 @@ def test_single_chunk_padded_step_computes_what_the_plain_step_does(ckpt_qwen3_5
         single = graphs.run_single(batch, ids)
     torch.testing.assert_close(single, plain, atol=1e-4, rtol=1e-4)
     assert_caches_match(caches, plain_caches)
+
+
+def test_engine_routes_single_short_chunks_to_the_chunk_graphs(ckpt_qwen3_5, monkeypatch):
+    """The runner's routing, on the CPU with the graph runner's buffers attached (run eagerly): a fresh short
+    prompt and a prefix-cache hit's short suffix run as single chunks, a long prompt and decodes do not, and
+    the first tokens' log-probabilities match an engine without the graph runner."""
+    from deltaserve import LLM, SamplingParams
+
+    monkeypatch.setenv("DELTASERVE_CHUNK_GRAPHS", "1")
+    monkeypatch.delenv("DELTASERVE_MIXED_CHUNK_TOKENS", raising=False)
+    padded = LLM(ckpt_qwen3_5, block_size=4, max_num_seqs=4)
+    plain = LLM(ckpt_qwen3_5, block_size=4, max_num_seqs=4)
+    runner = padded.engine.runner
+    runner.graphs = DecodeGraphs(runner.model, max_num_seqs=4, block_table_width=-(-padded.engine.max_model_len // 4),
+                                 device="cpu", use_graphs=False, block_size=4)
+    calls, run_single = [], runner.graphs.run_single
+    monkeypatch.setattr(runner.graphs, "run_single", lambda batch, ids: calls.append(ids.shape[0]) or
+                        run_single(batch, ids))
+    gen = torch.Generator().manual_seed(9)
+    base = torch.randint(0, 1000, (150,), generator=gen).tolist()
+    # fresh 3 tokens; fresh 150 (> 128); a hit at base's prompt-end checkpoint (148) with 4 new tokens (one
+    # block: no prompt-end checkpoint of its own inside the step); one with 6 saves one inside: not a graph's
+    prompts = [base[:3], base, base[:148] + [7, 8, 9, 10], base[:148] + [7, 8, 9, 10, 11, 12]]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=0)
+    for llm in (padded, plain):
+        outputs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+        if llm is padded:
+            first = outputs
+    assert calls == [3, 4], calls
+    assert first[2].num_cached_tokens == first[3].num_cached_tokens == 148
+    for a, b in zip(first, outputs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert abs(a.outputs[0].cumulative_logprob - b.outputs[0].cumulative_logprob) < 1e-3
