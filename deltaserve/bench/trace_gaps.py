@@ -69,8 +69,9 @@ def report(path: str, min_gap_us: float = 20.0, top: int = 15) -> str:
                 gaps.append((gap, busy_until, event))
         busy_until = max(busy_until, event.end)
     large_idle = sum(g for g, _, _ in gaps)
-    lines.append(f"{path}: GPU span {span / 1e3:.2f} ms, {len(gpu)} GPU events; idle {(small_idle + large_idle) / 1e3:.2f}"
-                 f" ms: {small_idle / 1e3:.2f} ms in gaps under {min_gap_us:g} us (launch latency), "
+    idle = small_idle + large_idle
+    lines.append(f"{path}: GPU span {span / 1e3:.2f} ms, {len(gpu)} GPU events; idle {idle / 1e3:.2f} ms: "
+                 f"{small_idle / 1e3:.2f} ms in gaps under {min_gap_us:g} us (launch latency), "
                  f"{large_idle / 1e3:.2f} ms in {len(gaps)} larger gaps")
     for gap, start, after in sorted(gaps, key=lambda g: -g[0])[:top]:
         launch = launches.get(after.correlation)

@@ -178,9 +178,10 @@ def mixed_graph_sizes(max_num_seqs: int, performance_mode: str = "balanced") -> 
 
 
 # Single-chunk CUDA graphs (worker/cuda_graph.py), opt-in (DELTASERVE_CHUNK_GRAPHS=1) until measured on the GPU: a
-# step of one sequence computing 2 to 128 new tokens with no checkpoint inside it (in practice a prefix-cache
-# hit whose new tokens fit in the block after it, or a prompt of one block), padded to the next of these sizes. Such a step is bound by launching its
-# kernels one by one (W4's hit on 27B: 47-82 ms of host time for ~19 ms of GPU work, docs/performance.md).
+# step of one sequence computing 2 to 128 new tokens with no checkpoint inside it (in practice a prefix-cache hit
+# whose new tokens fit in the block after it, or a prompt of one block), padded to the next of these sizes. Such a
+# step is bound by launching its kernels one by one (W4's hit on 27B: 47-82 ms of host time for ~19 ms of GPU work,
+# docs/performance.md).
 CHUNK_GRAPH_TOKENS = (16, 32, 64, 128)
 
 

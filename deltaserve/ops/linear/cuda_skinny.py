@@ -1,17 +1,17 @@
 """Triton GEMM for decode batches (1 to SKINNY_MAX_ROWS rows): y [M, N] = x [M, K] @ W [N, K]^T.
 
-A decode step is bound by reading the weights once (27B: ~50 GB), but cuBLAS picks tiles for such skinny
-products that leave the GPU short of loads in flight (27B's in-projections at 64 rows: 3.5-3.6 TB/s on an
-H200). Here the weight is the wide side of a tensor-core product (W tile [BLOCK_N, BLOCK_K] times x^T tile
-[BLOCK_K, BLOCK_M], the rows padded to 16, tl.dot's least), its loads pipelined over num_stages; K may be split
-among SPLIT_K programs whose float32 partial sums a second kernel adds in a fixed order, so the result does
-not depend on timing. SPLIT_K = 0 is stream-K: one program per SM shares out the (column block, K block)
-iterations evenly, so that a weight of few column blocks (27B's N = 5120 projections: 80 blocks of 64 for 132
-SMs) still keeps every SM loading; each program leaves one partial per column block it touched and a second
-kernel adds a block's partials in program order. The table `skinny_configs.json` (measured by `python -m deltaserve.bench.batch_probe`)
-names the tile per (N, K, row bucket) and holds only the shapes where the kernel beat cuBLAS (and, at one row,
-the fused GEMV of cuda.py) by 2%. (A version with the RMS-norm / silu-mul prologue fused in lost to the GEMV at
-one row, 2.9-3.4 TB/s: each program re-reads and normalises the activation; it was not kept.)
+A decode step is bound by reading the weights once (27B: ~50 GB), but cuBLAS picks tiles for such skinny products
+that leave the GPU short of loads in flight (27B's in-projections at 64 rows: 3.5-3.6 TB/s on an H200). Here the
+weight is the wide side of a tensor-core product (W tile [BLOCK_N, BLOCK_K] times x^T tile [BLOCK_K, BLOCK_M], the
+rows padded to 16, tl.dot's least), its loads pipelined over num_stages; K may be split among SPLIT_K programs
+whose float32 partial sums a second kernel adds in a fixed order, so the result does not depend on timing. A
+SPLIT_K of 0 means stream-K: one program per SM shares out the (column block, K block) iterations evenly, so that a
+weight of few column blocks (27B's N = 5120 projections: 80 blocks of 64 for 132 SMs) still keeps every SM loading;
+each program leaves one partial per column block it touched and a second kernel adds a block's partials in program
+order. The table `skinny_configs.json` (measured by `python -m deltaserve.bench.batch_probe`) names the tile per
+(N, K, row bucket) and holds only the shapes where the kernel beat cuBLAS (and, at one row, the fused GEMV of
+cuda.py) by 2%. (A version with the RMS-norm / silu-mul prologue fused in lost to the GEMV at one row, 2.9-3.4
+TB/s: each program re-reads and normalises the activation; it was not kept.)
 """
 
 import functools
