@@ -84,29 +84,11 @@ class DecodeGraphs:
         # mixed step's has one row more than its decodes
         self.logits = torch.empty(n + (1 if C else 0), model.config.vocab_size, dtype=torch.float32, device=device)
 
-    def _batch(self, size: int) -> ForwardBatch:
-        d = self.decode
-        return ForwardBatch(
-            positions=d.positions[:size], cu_seqlens_q=d.cu_seqlens[: size + 1], seq_lens=d.seq_lens[:size],
-            block_tables=d.block_tables[:size], slot_mapping=d.slot_mapping[:size],
-            state_slots=d.state_slots[:size], has_initial_state=d.has_initial_state[:size],
-            logits_indices=d.cu_seqlens[:size], max_query_len=1, cu_seqlens_cpu=None, is_decode=True)
-
     def _mixed_batch(self, size: int) -> ForwardBatch:
         """The mixed graph's batch at `size` decode rows, in its two parts."""
         m, rows = self.mixed, size + self.chunk_tokens
-        decode = ForwardBatch(
-            positions=m.positions[:size], cu_seqlens_q=m.cu_seqlens[: size + 1], seq_lens=m.seq_lens[:size],
-            block_tables=m.block_tables[:size], slot_mapping=m.slot_mapping[:size], state_slots=m.state_slots[:size],
-            has_initial_state=m.has_initial_state[:size], logits_indices=m.cu_seqlens[:size], max_query_len=1,
-            cu_seqlens_cpu=None, is_decode=True)
-        seqs = slice(size, size + 2)
-        chunk = ForwardBatch(
-            positions=m.positions[size:rows], cu_seqlens_q=self.chunk_cu_seqlens, seq_lens=m.seq_lens[seqs],
-            block_tables=m.block_tables[seqs], slot_mapping=m.slot_mapping[size:rows],
-            state_slots=m.state_slots[seqs], has_initial_state=m.has_initial_state[seqs],
-            logits_indices=self.chunk_cu_seqlens[1:2] - 1, max_query_len=self.chunk_tokens, cu_seqlens_cpu=None,
-            is_decode=False)
+        decode = _decode_part(m, size)
+        chunk = _chunk_part(m, self.chunk_cu_seqlens, size, self.chunk_tokens)
         # The whole batch's per-sequence fields are the parts' (the layers read those); its rows are all rows.
         return ForwardBatch(
             positions=m.positions[:rows], cu_seqlens_q=m.cu_seqlens[: size + 1], seq_lens=m.seq_lens[:size],
@@ -115,54 +97,12 @@ class DecodeGraphs:
             max_query_len=self.chunk_tokens, cu_seqlens_cpu=None, is_decode=False, parts=(decode, chunk))
 
     def _forward_decode(self, size: int) -> torch.Tensor:
-        return self.model.compute_logits(self.model(self.decode.input_ids[:size], self._batch(size)))
-
-    def _set_chunk(self, size: int, chunk_len: int, seq_len: int, state_slot, has_initial) -> None:
-        """The chunk part's two sequences at `size` decode rows: the chunk (chunk_len tokens, KV length seq_len
-        after the step) and its padding (the rest of the chunk rows, from zero state on the dummy slot)."""
-        m = self.mixed
-        for buffer, value in ((m.seq_lens, seq_len), (m.state_slots, state_slot), (m.has_initial_state, has_initial)):
-            if isinstance(value, torch.Tensor):
-                buffer[size].copy_(value)  # a device scalar: no sync
-            else:
-                buffer[size].fill_(value)
-        m.seq_lens[size + 1].fill_(self.chunk_tokens - chunk_len)
-        m.state_slots[size + 1].fill_(0)
-        m.has_initial_state[size + 1].fill_(False)
-        m.block_tables[size + 1].fill_(0)
-        m.slot_mapping[size + chunk_len: size + self.chunk_tokens].fill_(-1)
-        self.chunk_cu_seqlens[1].fill_(chunk_len)
-
-    def _single_batch(self, size: int) -> ForwardBatch:
-        """The single-chunk graph's batch at `size` rows: the chunk, then its padding sequence."""
-        c, cu = self.single, self.single_cu_seqlens
-        return ForwardBatch(
-            positions=c.positions[:size], cu_seqlens_q=cu, seq_lens=c.seq_lens, block_tables=c.block_tables,
-            slot_mapping=c.slot_mapping[:size], state_slots=c.state_slots, has_initial_state=c.has_initial_state,
-            logits_indices=cu[1:2] - 1, max_query_len=size, cu_seqlens_cpu=None, is_decode=False)
+        return self.model.compute_logits(self.model(self.decode.input_ids[:size], _decode_part(self.decode, size)))
 
     def _forward_single(self, size: int) -> torch.Tensor:
-        batch = self._single_batch(size)
+        batch = _chunk_part(self.single, self.single_cu_seqlens, 0, size)
         hidden = self.model(self.single.input_ids[:size], batch)
         return self.model.compute_logits(hidden.index_select(0, batch.logits_indices))  # [1, V]
-
-    def _set_single(self, size: int, chunk_len: int, seq_len, state_slot, has_initial) -> None:
-        """The single-chunk buffers at `size` rows: the chunk (chunk_len tokens, KV length seq_len after the
-        step) and its padding (size - chunk_len tokens, maybe none, from zero state on the dummy slot, the null
-        block and no cache writes)."""
-        c = self.single
-        for buffer, value in ((c.seq_lens, seq_len), (c.state_slots, state_slot), (c.has_initial_state, has_initial)):
-            if isinstance(value, torch.Tensor):
-                buffer[0].copy_(value)  # a device scalar: no sync
-            else:
-                buffer[0].fill_(value)
-        c.seq_lens[1].fill_(size - chunk_len)
-        c.state_slots[1].fill_(0)
-        c.has_initial_state[1].fill_(False)
-        c.block_tables[1].fill_(0)
-        c.slot_mapping[chunk_len:size].fill_(-1)
-        self.single_cu_seqlens[1].fill_(chunk_len)
-        self.single_cu_seqlens[2].fill_(size)
 
     def _forward_mixed(self, size: int) -> torch.Tensor:
         batch = self._mixed_batch(size)
@@ -181,10 +121,11 @@ class DecodeGraphs:
         for graphs, forward, size in sorted(kinds, key=lambda kind: -kind[2]):
             if graphs is self.mixed_graphs:  # a fresh chunk of C tokens on the dummy slot and the null block
                 self.mixed.block_tables[size].fill_(0)
-                self._set_chunk(size, self.chunk_tokens, self.chunk_tokens, 0, False)
+                _set_chunk(self.mixed, self.chunk_cu_seqlens, size, self.chunk_tokens, self.chunk_tokens,
+                           self.chunk_tokens, 0, False)
             elif graphs is self.chunk_graphs:  # the same, `size` tokens
                 self.single.block_tables[0].fill_(0)
-                self._set_single(size, size, size, 0, False)
+                _set_chunk(self.single, self.single_cu_seqlens, 0, size, size, size, 0, False)
             for _ in range(2):  # warm up: Triton compiles, cuBLAS picks its kernels
                 forward(size)
             torch.cuda.synchronize()
@@ -220,16 +161,8 @@ class DecodeGraphs:
     def run_single(self, batch: ForwardBatch, input_ids: torch.Tensor) -> torch.Tensor:
         """Replay the single-chunk graph for a batch of one sequence's chunk (built by ForwardBatch.build);
         returns the logits of its last token, [1, V]."""
-        chunk_len = input_ids.shape[0]
-        size = self.single_size(chunk_len)
-        c = self.single
-        c.input_ids[:chunk_len].copy_(input_ids)
-        c.positions[:chunk_len].copy_(batch.positions)
-        c.slot_mapping[:chunk_len].copy_(batch.slot_mapping)
-        width = batch.block_tables.shape[1]
-        c.block_tables[0, :width].copy_(batch.block_tables[0])
-        c.block_tables[0, width:].fill_(0)
-        self._set_single(size, chunk_len, batch.seq_lens[0], batch.state_slots[0], batch.has_initial_state[0])
+        size = self.single_size(input_ids.shape[0])
+        _load_chunk(self.single, self.single_cu_seqlens, 0, size, batch, input_ids, 0)
         if not self.use_graphs:
             return self._forward_single(size)
         self.chunk_graphs[size].replay()
@@ -254,14 +187,7 @@ class DecodeGraphs:
         m = self.mixed
         _fill_decode_rows(m, batch, input_ids, n, size)
         m.has_initial_state[:size].fill_(True)
-        rows = slice(size, size + chunk_len)  # the chunk's rows in the graph
-        m.input_ids[rows].copy_(input_ids[n:])
-        m.positions[rows].copy_(batch.positions[n:])
-        m.slot_mapping[rows].copy_(batch.slot_mapping[n:])
-        width = batch.block_tables.shape[1]
-        m.block_tables[size, :width].copy_(batch.block_tables[n])
-        m.block_tables[size, width:].fill_(0)
-        self._set_chunk(size, chunk_len, batch.seq_lens[n], batch.state_slots[n], batch.has_initial_state[n])
+        _load_chunk(m, self.chunk_cu_seqlens, size, self.chunk_tokens, batch, input_ids, n)
         self.mixed_logit_rows[:n].copy_(m.cu_seqlens[:n])  # 0 .. n-1
         self.mixed_logit_rows[n].fill_(size + chunk_len - 1)
         self.mixed_logit_rows[n + 1: size + 1].fill_(0)
@@ -287,3 +213,60 @@ def _fill_decode_rows(buffers: _StaticBatch, batch: ForwardBatch, input_ids: tor
         buffers.seq_lens[n:size].fill_(1)
         buffers.state_slots[n:size].fill_(0)
         buffers.block_tables[n:size].fill_(0)
+
+
+def _decode_part(buffers: _StaticBatch, size: int) -> ForwardBatch:
+    """The first `size` rows of a graph's buffers as decode rows: one token each, continuing its state."""
+    return ForwardBatch(
+        positions=buffers.positions[:size], cu_seqlens_q=buffers.cu_seqlens[: size + 1],
+        seq_lens=buffers.seq_lens[:size], block_tables=buffers.block_tables[:size],
+        slot_mapping=buffers.slot_mapping[:size], state_slots=buffers.state_slots[:size],
+        has_initial_state=buffers.has_initial_state[:size], logits_indices=buffers.cu_seqlens[:size],
+        max_query_len=1, cu_seqlens_cpu=None, is_decode=True)
+
+
+def _chunk_part(buffers: _StaticBatch, cu_seqlens: torch.Tensor, at: int, rows: int) -> ForwardBatch:
+    """The prompt-chunk part of a graph's buffers: `rows` rows and two sequences from index `at` (after `at`
+    one-token decode rows, or none): the chunk, then its padding; cu_seqlens [0, chunk length, rows]."""
+    seqs = slice(at, at + 2)
+    return ForwardBatch(
+        positions=buffers.positions[at:at + rows], cu_seqlens_q=cu_seqlens, seq_lens=buffers.seq_lens[seqs],
+        block_tables=buffers.block_tables[seqs], slot_mapping=buffers.slot_mapping[at:at + rows],
+        state_slots=buffers.state_slots[seqs], has_initial_state=buffers.has_initial_state[seqs],
+        logits_indices=cu_seqlens[1:2] - 1, max_query_len=rows, cu_seqlens_cpu=None, is_decode=False)
+
+
+def _set_chunk(buffers: _StaticBatch, cu_seqlens: torch.Tensor, at: int, rows: int, chunk_len: int, seq_len,
+               state_slot, has_initial) -> None:
+    """The chunk part's two sequences (see `_chunk_part`): the chunk (chunk_len tokens, KV length seq_len after
+    the step, its state slot and whether it continues a state) and its padding (the rest of the rows, maybe
+    none, from zero state on the dummy slot, the null block and no cache writes)."""
+    for buffer, value in ((buffers.seq_lens, seq_len), (buffers.state_slots, state_slot),
+                          (buffers.has_initial_state, has_initial)):
+        if isinstance(value, torch.Tensor):
+            buffer[at].copy_(value)  # a device scalar: no sync
+        else:
+            buffer[at].fill_(value)
+    buffers.seq_lens[at + 1].fill_(rows - chunk_len)
+    buffers.state_slots[at + 1].fill_(0)
+    buffers.has_initial_state[at + 1].fill_(False)
+    buffers.block_tables[at + 1].fill_(0)
+    buffers.slot_mapping[at + chunk_len: at + rows].fill_(-1)
+    cu_seqlens[1].fill_(chunk_len)
+    cu_seqlens[2].fill_(rows)
+
+
+def _load_chunk(buffers: _StaticBatch, cu_seqlens: torch.Tensor, at: int, rows: int, batch: ForwardBatch,
+                input_ids: torch.Tensor, n: int) -> None:
+    """Copy the batch's last sequence, number n (its rows start at n, after n one-token decodes), into the
+    chunk part at `at` (see `_chunk_part`), padded to `rows` rows."""
+    chunk_len = input_ids.shape[0] - n
+    span = slice(at, at + chunk_len)
+    buffers.input_ids[span].copy_(input_ids[n:])
+    buffers.positions[span].copy_(batch.positions[n:])
+    buffers.slot_mapping[span].copy_(batch.slot_mapping[n:])
+    width = batch.block_tables.shape[1]
+    buffers.block_tables[at, :width].copy_(batch.block_tables[n])
+    buffers.block_tables[at, width:].fill_(0)
+    _set_chunk(buffers, cu_seqlens, at, rows, chunk_len, batch.seq_lens[n], batch.state_slots[n],
+               batch.has_initial_state[n])
