@@ -351,7 +351,7 @@ def test_bf16_decode_over_fp8_cache_dots_in_float16_and_saturates_q(small_tiles)
 
 
 def test_num_splits_fill_the_device_from_static_sizes(monkeypatch):
-    monkeypatch.setattr(cuda_decode, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(cuda_decode, "sm_count", lambda device: 132)
     cpu = torch.device("cpu")
     # One sequence, 4 KV heads, 256K capacity: 2 programs per SM over 4 heads.
     assert cuda_decode.decode_num_splits(1, 4, 262144, cpu) == 66
@@ -361,7 +361,7 @@ def test_num_splits_fill_the_device_from_static_sizes(monkeypatch):
 
 
 def test_prefill_splits_only_small_grids_over_wide_tables(monkeypatch):
-    monkeypatch.setattr(cuda_prefill, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(cuda_prefill, "sm_count", lambda device: 132)
     cpu = torch.device("cpu")
     # 16 tokens after 36,864 cached at 27B shapes: 1 query block x 4 KV heads, 2 programs per SM wanted.
     assert cuda_prefill.prefill_num_splits(4, 36880, cpu) == 66

@@ -26,9 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.device import sm_count
 from deltaserve.ops.attention.cuda_prefill import (
     MERGE_NUM_WARPS,
-    _sm_count,
     attend_kv_range,
     merge_splits_kernel,
     split_share,
@@ -65,7 +65,7 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, device:
     max_kv_len: the longest sequence block_tables can describe (its width times block_size).
     """
     programs_per_split = max(1, num_seqs * num_kv_heads)
-    wanted = triton.cdiv(DECODE_PROGRAMS_PER_SM * _sm_count(device), programs_per_split)
+    wanted = triton.cdiv(DECODE_PROGRAMS_PER_SM * sm_count(device), programs_per_split)
     useful = triton.cdiv(max_kv_len, DECODE_MIN_TOKENS_PER_SPLIT)
     return max(1, min(wanted, useful, DECODE_MAX_SPLITS))
 

@@ -25,13 +25,14 @@ Output gate (gated attention): with `gate`, the stores write o * sigmoid(gate) r
 `o.to(dtype) * torch.sigmoid(gate)` (`output_gate`), saving the layer two elementwise launches.
 """
 
-import functools
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+
+from deltaserve.device import sm_count
 
 __all__ = ["TileConfig", "attend_kv_range", "launch_prefill", "merge_splits_kernel", "output_gate",
            "prefill_num_splits", "prefill_tiles", "split_share", "store_split_partial"]
@@ -79,24 +80,16 @@ def prefill_tiles(head_dim_pad: int, group: int, float32_dots: bool = False) -> 
     return tiles._replace(block_m=max(tiles.block_m, triton.next_power_of_2(group)))
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device; a stand-in of 4 for CPU tensors (the Triton interpreter)."""
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def prefill_num_splits(num_programs: int, max_kv_len: int, device: torch.device) -> int:
     """How many programs share one query block's KV, from static quantities only (graph-safe).
 
     num_programs: the unsplit grid's size; max_kv_len: the longest sequence block_tables can describe (its
     width times block_size). 1 (no split) for a grid that already fills the device or a narrow table.
     """
-    sm_count = _sm_count(device)
-    if num_programs >= sm_count:
+    sms = sm_count(device)
+    if num_programs >= sms:
         return 1
-    wanted = triton.cdiv(PREFILL_PROGRAMS_PER_SM * sm_count, max(1, num_programs))
+    wanted = triton.cdiv(PREFILL_PROGRAMS_PER_SM * sms, max(1, num_programs))
     useful = triton.cdiv(max_kv_len, PREFILL_MIN_TOKENS_PER_SPLIT)
     return max(1, min(wanted, useful, PREFILL_MAX_SPLITS))
 

@@ -43,7 +43,7 @@ def use_pinned_configs(root: Path = CONFIG_ROOT) -> bool:
         from fla.ops.utils import cache  # fla-core >= 0.5; an older one autotunes as before
     except ImportError:
         return False
-    folder = root / cache.get_gpu_info()
+    folder = gpu_folder(root)
     if not any(folder.glob("*.json")):
         return False
 
@@ -76,6 +76,7 @@ def dump_autotuned(folder: Path) -> list[str]:
     """Write the configurations fla's autotuners chose in this process into folder/{kernel}.json (fla's format:
     entries keyed by the hash of the autotune key), keeping the entries already there. Returns the kernels
     written."""
+    import triton
     from fla.ops.utils.cache import AutotuneKey
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -91,8 +92,6 @@ def dump_autotuned(folder: Path) -> list[str]:
                      "maxnreg": config.maxnreg, "kwargs": dict(config.kwargs)}
             data["autotune_entries"][AutotuneKey.key_hash(key)] = {
                 "autotune_key": AutotuneKey.normalize_autotune_key(key), "config": entry}
-        import triton
-
         data["triton_version"] = triton.__version__
         path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
         written.append(name)

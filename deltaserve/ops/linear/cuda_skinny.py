@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.device import sm_count
+
 # Rows (sequences) up to which the kernel may serve; larger batches run cuBLAS.
 SKINNY_MAX_ROWS = 64
 # Row buckets of the table: one row (against the GEMV), then up to 16, 32 and 64 rows (BLOCK_M).
@@ -158,18 +160,13 @@ def _stream_k_sum_kernel(partial, out, M, N, k_iters, iters_per_program, stride_
              mask=(ms < M)[:, None] & (ns < N)[None, :])
 
 
-def _num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device; 4 for CPU tensors (the Triton interpreter)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
 def _linear_stream_k(x, weight, out, block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int,
                      precision: str) -> None:
     """out = x @ weight^T by stream-K over one program per SM (see the module docstring)."""
     (M, K), N = x.shape, weight.shape[0]
     k_iters = triton.cdiv(K, block_k)
     total = triton.cdiv(N, block_n) * k_iters
-    programs = min(_num_sms(x.device), total)
+    programs = min(sm_count(x.device), total)
     iters_per_program = triton.cdiv(total, programs)
     programs = triton.cdiv(total, iters_per_program)  # none left without work
     segments = triton.cdiv(iters_per_program, k_iters) + 1  # the most column blocks one program's range meets
