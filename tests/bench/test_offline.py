@@ -24,3 +24,29 @@ def test_step_times_charge_each_interval_to_the_step_launched_before_it():
                                "samples_per_step": 1.7,  # (1 + 2 + 2) / 3: the last launch is not timed
                                "slowest": ["500 ms (100 prompt tokens, 2 rows)", "40 ms (0 prompt tokens, 2 rows)",
                                            "20 ms (0 prompt tokens, 2 rows)"]}
+
+
+def test_step_tails_and_records():
+    """From ten timed steps of a kind on: its p90, max and time above its median; every step's record."""
+    steps = StepTimes()
+    times = [0.02 * i for i in range(11)] + [0.4]  # ten 20 ms steps, then one of 200 ms
+    for t in times:
+        steps.add(scheduled(1, 1), t)
+    summary = steps.summary()
+    assert summary["decode_steps"] == 11 and summary["decode_median_ms"] == 20.0
+    assert summary["decode_p90_ms"] == 20.0 and summary["decode_max_ms"] == 200.0
+    assert summary["decode_above_median_s"] == 0.18
+    assert steps.records[-1] == ("decode", 200.0, 0, 2) and len(steps.records) == 11
+
+
+def test_gc_pauses_count_full_collections_only():
+    import gc
+
+    from deltaserve.bench.offline import GcPauses
+
+    with GcPauses() as pauses:
+        gc.collect(0)
+        gc.collect(2)
+    summary = pauses.summary()
+    assert summary["gc_full_collections"] == 1 and summary["gc_full_ms"] >= 0
+    assert pauses._callback not in gc.callbacks
