@@ -405,6 +405,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [w for w in names if w not in WORKLOADS and w not in PREFIX_WORKLOADS]
     if unknown:
         parser.error(f"--workloads: unknown {unknown}; known {sorted(WORKLOADS)}")
+    offered = {conc for name in names for *_, conc in WORKLOADS.get(name, [])}
+    if args.concurrency is not None and args.concurrency not in offered:
+        parser.error(f"--concurrency {args.concurrency}: no entry of {','.join(names)} runs at it "
+                     f"(they run at {sorted(offered)})")
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # the engine's plan and warm-up
     bandwidth, flops = measure_device()
     print(f"device: {torch.cuda.get_device_name()}  copy bandwidth {bandwidth / 1e12:.2f} TB/s  "

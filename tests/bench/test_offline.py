@@ -50,3 +50,13 @@ def test_gc_pauses_count_full_collections_only():
     summary = pauses.summary()
     assert summary["gc_full_collections"] == 1 and summary["gc_full_ms"] >= 0
     assert pauses._callback not in gc.callbacks
+
+
+def test_a_concurrency_no_workload_runs_at_is_refused_by_name(capsys):
+    import pytest
+
+    from deltaserve.bench.offline import main
+
+    with pytest.raises(SystemExit):
+        main(["config-dir", "--workloads", "W6", "--concurrency", "65"])
+    assert "--concurrency 65: no entry of W6 runs at it (they run at [64, 256])" in capsys.readouterr().err
