@@ -4,7 +4,7 @@
 #   full: every GPU test, then all benchmarks; quick: every GPU test, a profile and a short benchmark;
 #   tests: the tests alone; bench: the benchmarks alone; tune: the tables this GPU should ship (fla-core's
 #   pinned kernel configurations as OUTDIR/fla_configs.tgz, to unpack into deltaserve/ops/gdn/fla_configs/; the
-#   skinny GEMM's tiles as OUTDIR/skinny_configs.json, for deltaserve/ops/linear/); TESTS=... narrows the test
+#   skinny GEMM's tiles as OUTDIR/skinny_configs.json, for deltaserve/ops/linear/; TUNE=fla: fla's alone); TESTS=... narrows the test
 #   paths, WORKLOADS=W1,W3
 #   the benchmarks of full/bench, PROFILE=0 leaves out their kernel profiles (a device call lasts at most 10
 #   minutes: the tests take ~5, every benchmark with profiles ~8, without ~6)
@@ -31,6 +31,7 @@ if [ "$MODE" = tune ]; then
   rm -rf /tmp/fla_configs
   python3 -m deltaserve.bench.fla_tune "$CONFIGS/qwen3.5-27b" --out /tmp/fla_configs 2>&1 | tee "$OUT/tune.log"
   tar czf "$OUT/fla_configs.tgz" -C /tmp/fla_configs .
+  [ "${TUNE:-all}" = fla ] && exit 0
   cp deltaserve/ops/linear/skinny_configs.json "$OUT/skinny_configs.json"
   python3 -m deltaserve.bench.batch_probe "$CONFIGS/qwen3.5-27b" --gdn-batches "" --gdn-chunks "" \
     --out "$OUT/skinny_configs.json" 2>&1 | tee -a "$OUT/tune.log"

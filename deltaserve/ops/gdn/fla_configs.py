@@ -55,13 +55,16 @@ def use_pinned_configs(root: Path = CONFIG_ROOT) -> bool:
 
 
 def _autotuners() -> list:
-    """fla's autotuned kernels loaded in this process (module attributes of fla.*)."""
+    """fla's autotuned kernels loaded in this process: module attributes of fla.*, or inside one (most of fla's
+    kernels are `@triton.heuristics` over `@autotune`, so the module holds a Heuristics whose .fn is the tuner)."""
     from triton.runtime.autotuner import Autotuner
 
     found = {}
     for name, module in list(sys.modules.items()):
         if name == "fla" or name.startswith("fla."):
             for value in vars(module).values():
+                while value is not None and not isinstance(value, Autotuner) and hasattr(value, "arg_names"):
+                    value = getattr(value, "fn", None)  # Heuristics -> Autotuner -> JITFunction -> function
                 if isinstance(value, Autotuner):
                     found[id(value)] = value
     return list(found.values())
