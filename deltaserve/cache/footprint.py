@@ -177,21 +177,19 @@ def mixed_graph_sizes(max_num_seqs: int, performance_mode: str = "balanced") -> 
     return [s for s in sizes if MIXED_MIN_DECODES <= s <= largest]
 
 
-# Single-chunk CUDA graphs (worker/cuda_graph.py), opt-in (DELTASERVE_CHUNK_GRAPHS=1) until measured on the GPU: a
-# step of one sequence computing 2 to 128 new tokens with no checkpoint inside it (in practice a prefix-cache hit
-# whose new tokens fit in the block after it, or a prompt of one block), padded to the next of these sizes. Such a
-# step is bound by launching its kernels one by one (W4's hit on 27B: 47-82 ms of host time for ~19 ms of GPU work,
-# docs/performance.md).
+# Single-chunk CUDA graphs (worker/cuda_graph.py), on unless DELTASERVE_CHUNK_GRAPHS=0: a step of one sequence
+# computing 2 to 128 new tokens with no checkpoint inside it (in practice a prefix-cache hit whose new tokens fit in
+# the block after it, or a prompt of one block), padded to the next of these sizes. Run eagerly such a step is bound
+# by launching its kernels one by one: W4's hit on 27B took 47-82 ms eagerly, 23 ms as a graph (docs/performance.md).
 CHUNK_GRAPH_TOKENS = (16, 32, 64, 128)
 
 
 def chunk_graph_sizes() -> list[int]:
-    """The token counts that get a single-chunk graph: CHUNK_GRAPH_TOKENS with DELTASERVE_CHUNK_GRAPHS=1, else
-    none."""
+    """The token counts that get a single-chunk graph: CHUNK_GRAPH_TOKENS, or none with DELTASERVE_CHUNK_GRAPHS=0."""
     value = os.environ.get("DELTASERVE_CHUNK_GRAPHS", "").strip()
     if value not in ("", "0", "1"):
         raise ValueError(f"DELTASERVE_CHUNK_GRAPHS must be 0 or 1, got {value!r}")
-    return list(CHUNK_GRAPH_TOKENS) if value == "1" else []
+    return [] if value == "0" else list(CHUNK_GRAPH_TOKENS)
 
 
 def cuda_graph_count(max_num_seqs: int, performance_mode: str = "balanced") -> int:

@@ -16,7 +16,7 @@ prefill kernels (the recurrent GDN kernel, the paged attention kernel) on the ch
 large model is bound by reading its weights, so the chunk's tokens cost a fraction of what they do in a step of
 their own, but the prompts queued behind one chunk a step do not decode meanwhile (docs/performance.md).
 
-Single-chunk graphs (`chunk_graph_sizes`; opt-in, DELTASERVE_CHUNK_GRAPHS=1, until measured on the GPU): a step of
+Single-chunk graphs (`chunk_graph_sizes`; on unless DELTASERVE_CHUNK_GRAPHS=0): a step of
 one sequence computing 2 to 128 new tokens with no checkpoint saved inside it (a prefix-cache hit whose new tokens
 fit in the block after it, a prompt of one block), padded to the next of 16, 32, 64 or 128 rows by a second
 sequence on the dummy slot, as a mixed step's chunk part is; such a step is otherwise bound by launching its

@@ -87,6 +87,7 @@ def test_a_capped_chunk_ends_at_the_prompt_checkpoint_instead_of_saving_inside(f
 
 def test_mixed_graphs_are_opt_in(monkeypatch):
     monkeypatch.delenv("DELTASERVE_MIXED_CHUNK_TOKENS", raising=False)
+    monkeypatch.setenv("DELTASERVE_CHUNK_GRAPHS", "0")  # decode graphs alone: 35 at 256 sequences
     assert footprint.mixed_graph_sizes(256) == [] and footprint.cuda_graph_count(256) == 35
     monkeypatch.setenv("DELTASERVE_MIXED_CHUNK_TOKENS", "128")
     assert footprint.mixed_graph_sizes(256) == list(range(8, 129, 8)) and footprint.mixed_graph_sizes(4) == []
@@ -164,12 +165,14 @@ def test_mixed_padded_step_computes_what_the_plain_step_does(ckpt_qwen3_5, monke
         assert_caches_match(caches, plain_caches)
 
 
-def test_chunk_graphs_are_opt_in(monkeypatch):
+def test_chunk_graphs_are_on_unless_turned_off(monkeypatch):
     monkeypatch.delenv("DELTASERVE_CHUNK_GRAPHS", raising=False)
     monkeypatch.delenv("DELTASERVE_MIXED_CHUNK_TOKENS", raising=False)
+    assert footprint.chunk_graph_sizes() == [16, 32, 64, 128] and footprint.cuda_graph_count(256) == 39
+    monkeypatch.setenv("DELTASERVE_CHUNK_GRAPHS", "0")
     assert footprint.chunk_graph_sizes() == [] and footprint.cuda_graph_count(256) == 35
     monkeypatch.setenv("DELTASERVE_CHUNK_GRAPHS", "1")
-    assert footprint.chunk_graph_sizes() == [16, 32, 64, 128] and footprint.cuda_graph_count(256) == 39
+    assert footprint.chunk_graph_sizes() == [16, 32, 64, 128]
     monkeypatch.setenv("DELTASERVE_CHUNK_GRAPHS", "yes")
     with pytest.raises(ValueError, match="DELTASERVE_CHUNK_GRAPHS must be 0 or 1, got 'yes'"):
         footprint.chunk_graph_sizes()

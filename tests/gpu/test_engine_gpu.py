@@ -134,11 +134,11 @@ def test_mixed_steps_match_steps_without_them(make_checkpoint, monkeypatch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_single_chunk_steps_replay_exactly(arch, make_checkpoint, monkeypatch):
-    """Single-chunk graphs (opt-in: one short prompt chunk alone, a fresh short prompt or a prefix-cache hit's
+    """Single-chunk graphs (on by default: one short prompt chunk alone, a fresh short prompt or a prefix-cache hit's
     suffix) against the same padded steps run eagerly, token for token."""
     from deltaserve.worker.cuda_graph import DecodeGraphs
 
-    monkeypatch.setenv("DELTASERVE_CHUNK_GRAPHS", "1")
+    monkeypatch.delenv("DELTASERVE_CHUNK_GRAPHS", raising=False)  # on by default
     path = str(make_checkpoint(arch))
     graphs = LLM(path, dtype="bfloat16", max_num_seqs=4, enforce_eager=False)
     eager = LLM(path, dtype="bfloat16", max_num_seqs=4, enforce_eager=True)
