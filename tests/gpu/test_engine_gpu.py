@@ -172,28 +172,36 @@ def test_any_max_num_seqs_starts_and_serves(make_checkpoint):
     assert outs[3].outputs[0].token_ids == alone[0].outputs[0].token_ids
 
 
-def test_cudnn_attention_paths_agree_with_the_paged_path(make_checkpoint, monkeypatch, capsys):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_cudnn_attention_paths_agree_with_the_paged_path(make_checkpoint, monkeypatch, capsys, kv_cache_dtype):
     """Long chunks attend through cuDNN: prompts without a cached prefix (one chunk) and chunks after their
-    prefix (a 512-token budget cuts the 1,300-token prompt into three); the paged kernel is the check."""
+    prefix (a 512-token budget cuts the 1,300-token prompt into three); the paged kernel is the check. With an
+    fp8 cache both read the cache's values."""
     from deltaserve.layers import attention
 
     path = str(make_checkpoint("qwen3_5"))
     prompts = [prompt(n, 50 + n) for n in (600, 1300)]
     params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
-    results = {}
+    results, chunk_calls = {}, []
+    over_prefix = attention.chunk_over_prefix_attention
+    monkeypatch.setattr(attention, "chunk_over_prefix_attention",
+                        lambda *args, **kwargs: chunk_calls.append(args[0].shape[0]) or over_prefix(*args, **kwargs))
     for label, threshold, budget in (("cudnn", attention.SDPA_MIN_TOKENS, 8192), ("paged", 10 ** 9, 8192),
                                      ("cudnn chunks", attention.SDPA_MIN_TOKENS, 512)):
         monkeypatch.setattr(attention, "SDPA_MIN_TOKENS", threshold)
+        monkeypatch.setattr(attention, "SDPA_PREFIX_ALIGN", budget)  # chunks after a 512-token prefix qualify
         llm = LLM(path, dtype="bfloat16", max_num_seqs=4, enable_prefix_caching=False,
-                  max_num_batched_tokens=budget)
+                  max_num_batched_tokens=budget, kv_cache_dtype=kv_cache_dtype)
         results[label] = [o.outputs[0].logprobs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert chunk_calls, "a 512-token chunk after the 512 cached should have taken the cuDNN chunk path"
     for label in ("cudnn", "cudnn chunks"):
         for ours, paged in zip(results[label], results["paged"]):
             shared = set(ours) & set(paged)
             assert len(shared) >= 4, "the two paths should rank mostly the same top tokens"
             worst = max(abs(ours[t].logprob - paged[t].logprob) for t in shared)
             with capsys.disabled():
-                print(f"\n[cuDNN path: {label}] top-5 overlap {len(shared)}/5, largest logprob difference {worst:.2e}")
+                print(f"\n[cuDNN path: {label}, kv {kv_cache_dtype}] top-5 overlap {len(shared)}/5, largest logprob "
+                      f"difference {worst:.2e}")
             assert worst < 0.05
 
 

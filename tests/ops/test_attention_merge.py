@@ -82,6 +82,37 @@ def test_chunk_over_prefix_in_pieces_matches_reference(monkeypatch):
         torch.testing.assert_close(out.float(), expected, atol=1e-5, rtol=1e-5)
 
 
+def test_fp8_cache_is_attended_as_the_paged_kernel_reads_it(monkeypatch):
+    """An fp8 cache holds K / k_scale and V / v_scale: the cuDNN paths get its values cast to q's dtype, the softmax
+    scale times k_scale and v_scale for the output, and compute the paged reference over the dequantized cache."""
+    from torch.nn.attention import SDPBackend
+
+    use_math_cudnn(monkeypatch, cuda_attention)
+    monkeypatch.setattr(cuda_attention, "_SDPA_BACKENDS", [SDPBackend.MATH])
+    monkeypatch.setattr(cuda_attention, "PREFIX_PIECE_TOKENS", 40)
+    monkeypatch.setattr(cuda_attention, "SDPA_BUCKET", 16)
+    gen = torch.Generator().manual_seed(4)
+    k_scale, v_scale, prefix, length = 0.5, 2.0, 50, 21
+    k_cache, v_cache, table, _, _ = paged_sequence(prefix + length, 16, gen)
+    k_fp8, v_fp8 = (k_cache / k_scale).to(torch.float8_e4m3fn), (v_cache / v_scale).to(torch.float8_e4m3fn)
+    k_held, v_held = k_fp8.float() * k_scale, v_fp8.float() * v_scale  # what attention should see
+    positions = torch.arange(prefix + length)
+    blocks, offsets = table[0, positions // 16].long(), positions % 16
+    new_k, new_v = (c[blocks, offsets][prefix:] for c in (k_fp8, v_fp8))  # the chunk's K/V as the cache has them
+    q = torch.randn(length, 6, 16, generator=gen)
+    out = cuda_attention.chunk_over_prefix_attention(q, new_k.float(), new_v.float(), k_fp8, v_fp8, table[0], prefix,
+                                                     0.25 * k_scale, v_scale=v_scale)
+    torch.testing.assert_close(out.float(), oracle(q, k_held, v_held, table, prefix, length, 0.25),
+                               atol=1e-5, rtol=1e-5)
+    # a fresh prompt: the whole sequence is the chunk
+    fresh_k, fresh_v = (c[blocks, offsets] for c in (k_fp8, v_fp8))
+    q = torch.randn(prefix + length, 6, 16, generator=gen)
+    out = cuda_attention.fresh_causal_attention(q.bfloat16(), fresh_k.bfloat16(), fresh_v.bfloat16(),
+                                                torch.tensor([0, prefix + length]), 0.25 * k_scale, v_scale=v_scale)
+    torch.testing.assert_close(out.float(), oracle(q, k_held, v_held, table, 0, prefix + length, 0.25), atol=3e-2,
+                               rtol=3e-2)
+
+
 def test_cudnn_refusal_falls_back_to_the_paged_kernel(monkeypatch):
     """A shape cuDNN refuses makes the long-chunk path answer None (the layer then runs the paged kernel)."""
     def refuse(*args, **kwargs):

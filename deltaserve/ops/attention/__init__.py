@@ -41,18 +41,18 @@ def attention_output_gate(o, gate, out=None):
     return reference.attention_output_gate(o, gate, out=out)
 
 
-def fresh_causal_attention(q, k, v, cu_seqlens_cpu, scale: float, gate=None):
+def fresh_causal_attention(q, k, v, cu_seqlens_cpu, scale: float, gate=None, v_scale: float = 1.0):
     """GPU only: causal attention of prompts that all start at position 0, on their new K/V (see
     `cuda_sdpa.fresh_causal_attention`); the paged path computes the same (the reference is `paged_attention`).
-    gate: as in `paged_attention`."""
+    gate: as in `paged_attention`; v_scale multiplies the output (K/V read from an fp8 cache)."""
     from deltaserve.ops.attention.cuda_sdpa import fresh_causal_attention as cuda_fresh
-    return cuda_fresh(q, k, v, cu_seqlens_cpu, scale, gate=gate)
+    return cuda_fresh(q, k, v, cu_seqlens_cpu, scale, gate=gate, v_scale=v_scale)
 
 
 def chunk_over_prefix_attention(q, k, v, k_cache, v_cache, block_table_row, prefix_len: int, scale: float,
-                                gate=None):
+                                gate=None, v_scale: float = 1.0):
     """GPU only: one sequence's chunk after prefix_len cached tokens through cuDNN (see
     `cuda_sdpa.chunk_over_prefix_attention`), or None where that is unavailable (use `paged_attention`).
-    gate: as in `paged_attention`."""
+    gate: as in `paged_attention`; an fp8 cache: scale holds k_scale, v_scale multiplies the output."""
     from deltaserve.ops.attention.cuda_sdpa import chunk_over_prefix_attention as cuda_chunk
-    return cuda_chunk(q, k, v, k_cache, v_cache, block_table_row, prefix_len, scale, gate=gate)
+    return cuda_chunk(q, k, v, k_cache, v_cache, block_table_row, prefix_len, scale, gate=gate, v_scale=v_scale)

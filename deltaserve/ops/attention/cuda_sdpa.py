@@ -8,6 +8,10 @@
 cuDNN is about twice as fast as our paged kernel on long chunks (docs/performance.md) but builds an execution
 plan per shape: chunks are padded to multiples of SDPA_BUCKET and the plans built at startup. With `gate=`,
 the output is o * sigmoid(gate) through `cuda.attention_output_gate`, in place of the last copy or cast.
+
+An fp8 cache (it holds K / k_scale and V / v_scale) is served as the paged kernel serves it: the callers pass
+K/V as the cache holds them, cast to q's dtype (exact), the softmax scale times k_scale, and v_scale, by which
+the output is multiplied.
 """
 
 import functools
@@ -30,7 +34,7 @@ SDPA_BUCKET = 1024
 _SDPA_BACKENDS = None  # None: cuDNN, else flash; CPU tests set PyTorch's math backend
 
 
-def fresh_causal_attention(q, k, v, cu_seqlens_cpu, scale: float, gate=None):
+def fresh_causal_attention(q, k, v, cu_seqlens_cpu, scale: float, gate=None, v_scale: float = 1.0):
     """Causal attention of prompts that all start at position 0, on their new K/V (no cache read), through
     PyTorch's SDPA: cuDNN's fused kernel when it takes the shapes, else flash attention.
 
@@ -39,8 +43,9 @@ def fresh_causal_attention(q, k, v, cu_seqlens_cpu, scale: float, gate=None):
     SDPA_BUCKET (causal: the real rows never see the padding), so that cuDNN meets few shapes (see
     `warm_up_cudnn_attention`). q: [T, n_heads, hd]; k, v: [T, n_kv, hd], bf16 or float16, unit stride in hd;
     cu_seqlens_cpu: [N+1] on the CPU (no device sync); gate: None or [T, n_heads, hd] in q.dtype, applied by
-    `attention_output_gate` in place of each prompt's copy into o. Returns o: [T, n_heads, hd] in q.dtype
-    (times sigmoid(gate)), or None if SDPA refused (logged; the caller runs the paged kernel).
+    `attention_output_gate` in place of each prompt's copy into o; v_scale multiplies the output (fp8 caches'
+    V / v_scale). Returns o: [T, n_heads, hd] in q.dtype (times sigmoid(gate)), or None if SDPA refused (logged;
+    the caller runs the paged kernel).
     """
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -61,6 +66,8 @@ def fresh_causal_attention(q, k, v, cu_seqlens_cpu, scale: float, gate=None):
                 o = torch.nn.functional.scaled_dot_product_attention(q_s, k_s, v_s, is_causal=True, scale=scale,
                                                                      enable_gqa=True)
                 o = o[0].transpose(0, 1)[: end - start]  # [L, heads, hd]
+                if v_scale != 1.0:
+                    o = o * v_scale
                 if gate is None:
                     out[start:end] = o
                 else:
@@ -107,7 +114,7 @@ def _warn_once(message: str) -> None:
 
 
 def chunk_over_prefix_attention(q, k, v, k_cache, v_cache, block_table_row, prefix_len: int, scale: float,
-                                gate=None):
+                                gate=None, v_scale: float = 1.0):
     """Causal attention of ONE sequence's chunk (queries and new K/V) after prefix_len cached tokens, through
     cuDNN in parts merged by their log-sum-exp: the queries against the prefix (no mask: every query sees all
     of it), in pieces of PREFIX_PIECE_TOKENS whose K/V are gathered from the paged cache into a contiguous
@@ -121,7 +128,8 @@ def chunk_over_prefix_attention(q, k, v, k_cache, v_cache, block_table_row, pref
     cannot be had; the caller then runs the paged kernel.
     The chunk is padded to a multiple of SDPA_BUCKET (causal: its padding rows come last and are dropped).
     q: [L, n_heads, hd]; k, v: [L, n_kv, hd] (q's dtype, bf16 or float16); caches: [blocks, bs, n_kv, hd] of
-    q's dtype; block_table_row: [>= ceil(prefix_len / bs)] int32; gate: None or [L, n_heads, hd] in q.dtype,
+    q's dtype or fp8 (its pieces cast to q's dtype; scale then holds k_scale, and v_scale multiplies the
+    output); block_table_row: [>= ceil(prefix_len / bs)] int32; gate: None or [L, n_heads, hd] in q.dtype,
     applied by `attention_output_gate` in place of the final cast. Returns o: [L, n_heads, hd] (times
     sigmoid(gate)).
     """
@@ -129,14 +137,15 @@ def chunk_over_prefix_attention(q, k, v, k_cache, v_cache, block_table_row, pref
     if not _cudnn_lse_base(q.device, q.dtype, q.shape[-1]):
         return None
     try:
-        return _chunk_over_prefix(q, k, v, k_cache, v_cache, block_table_row, prefix_len, scale, gate)
+        return _chunk_over_prefix(q, k, v, k_cache, v_cache, block_table_row, prefix_len, scale, gate, v_scale)
     except RuntimeError as exc:
         _warn_once(f"cuDNN attention refused a chunk after a cached prefix ({str(exc).splitlines()[0][:200]}); "
                    "the paged kernel serves it")
         return None
 
 
-def _chunk_over_prefix(q, k, v, k_cache, v_cache, block_table_row, prefix_len: int, scale: float, gate):
+def _chunk_over_prefix(q, k, v, k_cache, v_cache, block_table_row, prefix_len: int, scale: float, gate,
+                       v_scale: float):
     """`chunk_over_prefix_attention` once cuDNN's log-sum-exp convention is known."""
     real_length = q.shape[0]
     q, k, v = (_pad_rows(x, _bucket(real_length)) for x in (q, k, v))  # causal: padding rows come last
@@ -151,8 +160,9 @@ def _chunk_over_prefix(q, k, v, k_cache, v_cache, block_table_row, prefix_len: i
     for first_block in range(0, -(-prefix_len // block_size), piece_blocks):
         tokens = min(prefix_len - first_block * block_size, piece_blocks * block_size)
         blocks = block_table_row[first_block:first_block + -(-tokens // block_size)].long()
-        k_piece = k_cache[blocks].flatten(0, 1)[:tokens].permute(1, 0, 2)[None]  # [1, n_kv, tokens, hd]
-        v_piece = v_cache[blocks].flatten(0, 1)[:tokens].permute(1, 0, 2)[None]
+        # [1, n_kv, tokens, hd] in q's dtype (an fp8 cache's values cast exactly)
+        k_piece = k_cache[blocks].flatten(0, 1)[:tokens].to(q.dtype).permute(1, 0, 2)[None]
+        v_piece = v_cache[blocks].flatten(0, 1)[:tokens].to(q.dtype).permute(1, 0, 2)[None]
         out, lse = _cudnn_attention(q_folded, k_piece, v_piece, scale, causal=False)  # [1, n_kv, G*L, hd]
         out = out.reshape(num_kv_heads, group, length, head_dim).permute(2, 0, 1, 3).reshape(length, num_heads,
                                                                                             head_dim)
@@ -162,6 +172,8 @@ def _chunk_over_prefix(q, k, v, k_cache, v_cache, block_table_row, prefix_len: i
     out, lse = _cudnn_attention(q.transpose(0, 1)[None], k.repeat_interleave(group, 1).transpose(0, 1)[None],
                                 v.repeat_interleave(group, 1).transpose(0, 1)[None], scale, causal=True)
     acc, _ = _merge_parts(acc, lse_acc, out[0].transpose(0, 1), lse.reshape(num_heads, length).transpose(0, 1))
+    if v_scale != 1.0:
+        acc.mul_(v_scale)
     if gate is None:
         return acc[:real_length].to(q.dtype)
     return attention_output_gate(acc[:real_length], gate)  # float32 acc, rounded to q.dtype first

@@ -4,14 +4,13 @@ A decode step is bound by reading the weights once (27B: ~50 GB), but cuBLAS pic
 that leave the GPU short of loads in flight (27B's in-projections at 64 rows: 3.5-3.6 TB/s on an H200). Here the
 weight is the wide side of a tensor-core product (W tile [BLOCK_N, BLOCK_K] times x^T tile [BLOCK_K, BLOCK_M], the
 rows padded to 16, tl.dot's least), its loads pipelined over num_stages; K may be split among SPLIT_K programs
-whose float32 partial sums a second kernel adds in a fixed order, so the result does not depend on timing. A
-SPLIT_K of 0 means stream-K: one program per SM shares out the (column block, K block) iterations evenly, so that a
-weight of few column blocks (27B's N = 5120 projections: 80 blocks of 64 for 132 SMs) still keeps every SM loading;
-each program leaves one partial per column block it touched and a second kernel adds a block's partials in program
-order. The table `skinny_configs.json` (measured by `python -m deltaserve.bench.batch_probe`) names the tile per
+whose float32 partial sums a second kernel adds in a fixed order, so the result does not depend on timing. The
+table `skinny_configs.json` (measured by `python -m deltaserve.bench.batch_probe`) names the tile per
 (N, K, row bucket) and holds only the shapes where the kernel beat cuBLAS (and, at one row, the fused GEMV of
 cuda.py) by 2%. (A version with the RMS-norm / silu-mul prologue fused in lost to the GEMV at one row, 2.9-3.4
-TB/s: each program re-reads and normalises the activation; it was not kept.)
+TB/s: each program re-reads and normalises the activation; it was not kept. Nor was stream-K, one program per SM
+sharing out the (column block, K block) iterations for the N = 5120 projections' 80 column blocks: it won no shape
+of 27B at 1-64 rows, docs/performance.md, eighth session.)
 """
 
 import functools
@@ -22,7 +21,6 @@ import torch
 import triton
 import triton.language as tl
 
-from deltaserve.device import sm_count
 
 # Rows (sequences) up to which the kernel may serve; larger batches run cuBLAS.
 SKINNY_MAX_ROWS = 64
@@ -103,88 +101,9 @@ def _sum_splits_kernel(partial, out, total, SPLIT_K: tl.constexpr, BLOCK: tl.con
     tl.store(out + offs, acc.to(out.dtype.element_ty), mask=ok)
 
 
-@triton.jit
-def _stream_k_kernel(
-    x, weight, partial, M, N, K, k_iters, iters_per_program, stride_x_m, stride_w_n,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SEGMENTS: tl.constexpr,
-    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-):
-    """Grid (P,): the cdiv(N, BLOCK_N) x k_iters (column block, K block) iterations, column block after column
-    block, iters_per_program to each program. Program p's iterations fall in at most SEGMENTS column blocks;
-    for the s-th of them it stores its float32 sum, [BLOCK_M, BLOCK_N], at partial[p, s]."""
-    pid = tl.program_id(0)
-    start = pid * iters_per_program
-    end = tl.minimum(start + iters_per_program, tl.cdiv(N, BLOCK_N) * k_iters)
-    ms = tl.arange(0, BLOCK_M)  # [BM] rows of x
-    m_ok = ms < M
-    x_cols = x + ms[None, :] * stride_x_m  # [1, BM]
-    columns = tl.arange(0, BLOCK_N)  # [BN]
-    for segment in tl.static_range(SEGMENTS):
-        block = start // k_iters + segment
-        lo = tl.maximum(start, block * k_iters)  # this segment's iterations: [lo, hi), maybe none
-        hi = tl.minimum(end, (block + 1) * k_iters)
-        ns = block * BLOCK_N + columns  # [BN] output columns = weight rows
-        n_ok = ns < N
-        w_rows = weight + ns[:, None].to(tl.int64) * stride_w_n  # [BN, 1]
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        for i in range(lo, hi):
-            ks = (i - block * k_iters) * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK]
-            k_ok = ks < K
-            if EVEN_N and EVEN_K:  # a block past the last column has no iterations: no load goes out of range
-                w = tl.load(w_rows + ks[None, :])  # [BN, BK]
-            else:
-                w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            xt = tl.load(x_cols + ks[:, None], mask=k_ok[:, None] & m_ok[None, :], other=0.0)  # [BK, BM]
-            acc = tl.dot(w, xt, acc, input_precision=PRECISION)  # [BN, BM]
-        row = (pid * SEGMENTS + segment) * BLOCK_M + ms[None, :]  # [1, BM] row of partial [P * SEGMENTS * BM, BN]
-        tl.store(partial + row.to(tl.int64) * BLOCK_N + columns[:, None], acc, mask=lo < hi)
-
-
-@triton.jit
-def _stream_k_sum_kernel(partial, out, M, N, k_iters, iters_per_program, stride_out_m,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SEGMENTS: tl.constexpr):
-    """Grid (cdiv(N, BLOCK_N),): out[:, column block] = the partials of the programs that touched the block,
-    added in program order."""
-    block = tl.program_id(0)
-    first = block * k_iters // iters_per_program
-    last = ((block + 1) * k_iters - 1) // iters_per_program
-    ms = tl.arange(0, BLOCK_M)
-    columns = tl.arange(0, BLOCK_N)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for p in range(first, last + 1):
-        segment = block - p * iters_per_program // k_iters  # the block's index among p's segments
-        row = (p * SEGMENTS + segment) * BLOCK_M + ms[:, None]  # [BM, 1]
-        acc += tl.load(partial + row.to(tl.int64) * BLOCK_N + columns[None, :])
-    ns = block * BLOCK_N + columns
-    tl.store(out + ms[:, None] * stride_out_m + ns[None, :], acc.to(out.dtype.element_ty),
-             mask=(ms < M)[:, None] & (ns < N)[None, :])
-
-
-def _linear_stream_k(x, weight, out, block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int,
-                     precision: str) -> None:
-    """out = x @ weight^T by stream-K over one program per SM (see the module docstring)."""
-    (M, K), N = x.shape, weight.shape[0]
-    k_iters = triton.cdiv(K, block_k)
-    total = triton.cdiv(N, block_n) * k_iters
-    programs = min(sm_count(x.device), total)
-    iters_per_program = triton.cdiv(total, programs)
-    programs = triton.cdiv(total, iters_per_program)  # none left without work
-    segments = triton.cdiv(iters_per_program, k_iters) + 1  # the most column blocks one program's range meets
-    partial = torch.empty(programs * segments * block_m, block_n, dtype=torch.float32, device=x.device)
-    _stream_k_kernel[(programs,)](
-        x, weight, partial, M, N, K, k_iters, iters_per_program, x.stride(0), weight.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SEGMENTS=segments, EVEN_N=N % block_n == 0,
-        EVEN_K=K % block_k == 0, PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
-    )
-    _stream_k_sum_kernel[(triton.cdiv(N, block_n),)](
-        partial, out, M, N, k_iters, iters_per_program, out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
-        SEGMENTS=segments,
-    )
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int, int]) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T -> [M, N] in x.dtype, 1 <= M <= SKINNY_MAX_ROWS, unit last strides.
-    config: (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages); SPLIT_K 0: stream-K."""
+    config: (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages)."""
     N, K = weight.shape
     M = x.shape[0]
     if x.dim() != 2 or x.shape[1] != K or not 1 <= M <= SKINNY_MAX_ROWS:
@@ -197,9 +116,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, i
     block_m = max(16, triton.next_power_of_2(M))  # tl.dot's least side
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    if split_k == 0:
-        _linear_stream_k(x, weight, out, block_m, block_n, block_k, num_warps, num_stages, precision)
-        return out
     partial = torch.empty(split_k, M, N, dtype=torch.float32, device=x.device) if split_k > 1 else out
     _skinny_kernel[(triton.cdiv(N, block_n), split_k)](
         x, weight, out, partial, M, N, K, triton.cdiv(K, split_k * block_k), x.stride(0), weight.stride(0),
