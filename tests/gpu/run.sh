@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Everything GPU in one command, on an H200 machine: GPU tests, then the benchmarks.
 #   tests/gpu/run.sh OUTDIR [full|quick|tests|bench|tune]
-#   full: every GPU test, then all benchmarks; quick: every GPU test, a profile and a short benchmark;
-#   tests: the tests alone; bench: the benchmarks alone; tune: the tables this GPU should ship (fla-core's
-#   pinned kernel configurations as OUTDIR/fla_configs.tgz, to unpack into deltaserve/ops/gdn/fla_configs/; the
-#   skinny GEMM's tiles as OUTDIR/skinny_configs.json, for deltaserve/ops/linear/; TUNE=fla: fla's alone); TESTS=... narrows the test
-#   paths, WORKLOADS=W1,W3
-#   the benchmarks of full/bench, PROFILE=0 leaves out their kernel profiles (a device call lasts at most 10
-#   minutes: the tests take ~5, every benchmark with profiles ~8, without ~6)
+#   full   every GPU test, then all benchmarks (more than one 10-minute device call: use tests, then bench)
+#   quick  every GPU test, a kernel profile and a short benchmark
+#   tests  the GPU tests alone (~7.5 min on an H200); TESTS="paths" narrows them
+#   bench  the benchmarks alone; WORKLOADS=W1,W3 chooses them, PROFILE=0 leaves out their kernel profiles
+#          (every workload with profiles ~8 min, without ~6)
+#   tune   the tables this GPU should ship: fla-core's pinned kernel configurations as OUTDIR/fla_configs.tgz
+#          (unpack into deltaserve/ops/gdn/fla_configs/) and the skinny GEMM's tiles as OUTDIR/skinny_configs.json
+#          (for deltaserve/ops/linear/); TUNE=fla makes fla's alone (~2 min; both ~3)
 # Wheels the machine lacks (fla-core, the server stack) are installed from .whl/ when present
 # (../shared/tools/gpu-wheels.sh .whl); the published configs are read from .gpu_configs/ (a copy of
 # ../shared/configs) or ../shared/configs.
