@@ -64,21 +64,23 @@ class GatedAttention(nn.Module):
 
     def _attend(self, q, k, v, gate, batch: ForwardBatch, k_scale: float, v_scale: float) -> torch.Tensor:
         """q, gate: [T, nH, hd]; k, v: [T, nKV, hd], already in the cache -> o * sigmoid(gate): [T, nH, hd]."""
-        if self._sdpa_path(q, batch):
+        # cuDNN takes prompts with nothing cached, and one long chunk after its cached prefix (long prompts,
+        # chunk after chunk)
+        fresh = batch.prefix_free
+        if self._sdpa_path(q, batch) and (fresh or (batch.num_seqs == 1
+                                                    and batch.num_computed_cpu[0] % SDPA_PREFIX_ALIGN == 0)):
             if self.k_cache.dtype != q.dtype:
                 # fp8: attend what the cache holds, as the paged kernel does (K / k_scale and V / v_scale, cast
                 # exactly to q's dtype; k_scale goes into the softmax scale, v_scale onto the output)
                 k, v = (cache.flatten(0, 1)[batch.slot_mapping].to(q.dtype) for cache in (self.k_cache, self.v_cache))
-            if batch.prefix_free:  # nothing cached to read: attend the new K/V directly
+            if fresh:  # nothing cached to read: attend the new K/V directly
                 return fresh_causal_attention(q, k, v.contiguous(), batch.cu_seqlens_cpu, self.scale * k_scale,
                                               gate=gate, v_scale=v_scale)
-            if batch.num_seqs == 1 and batch.num_computed_cpu[0] % SDPA_PREFIX_ALIGN == 0:
-                # one long chunk after its cached prefix (long prompts, chunk after chunk)
-                o = chunk_over_prefix_attention(q, k, v, self.k_cache, self.v_cache, batch.block_tables[0],
-                                                batch.num_computed_cpu[0], self.scale * k_scale, gate=gate,
-                                                v_scale=v_scale)
-                if o is not None:
-                    return o
+            o = chunk_over_prefix_attention(q, k, v, self.k_cache, self.v_cache, batch.block_tables[0],
+                                            batch.num_computed_cpu[0], self.scale * k_scale, gate=gate,
+                                            v_scale=v_scale)
+            if o is not None:
+                return o
         return paged_attention(q, self.k_cache, self.v_cache, batch.block_tables, batch.cu_seqlens_q, batch.seq_lens,
                                self.scale, batch.max_query_len, k_scale=k_scale, v_scale=v_scale,
                                gate=gate)  # [T, nH, hd], already times sigmoid(gate)
