@@ -84,8 +84,15 @@ def probe_one_row(cfg: ModelConfig, device) -> dict:
     return table
 
 
+def _swapped_linear(x, weight):
+    """x @ weight^T as cuBLAS computes (weight @ x^T)^T, made contiguous: a tall product instead of a skinny
+    one, for which cuBLAS may choose other kernels."""
+    return torch.mm(weight, x.t()).t().contiguous()
+
+
 def probe_rows(cfg: ModelConfig, rows: int, device) -> dict:
-    """Buckets 16-64 (at their largest batch): the product after the prologue op, skinny against cuBLAS."""
+    """Buckets 16-64 (at their largest batch): the product after the prologue op, skinny against cuBLAS (and,
+    printed only, cuBLAS on the transposed product)."""
     table = {}
     for n, k in sorted({(n, k) for _, n, k in decode_projections(cfg)}):
         copies = max(2, int(COPIES_BYTES // (2 * n * k)))
@@ -93,12 +100,13 @@ def probe_rows(cfg: ModelConfig, rows: int, device) -> dict:
         x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
         megabytes = 2 * n * k / 1e6
         cublas = graph_time_us([functools.partial(torch.nn.functional.linear, x, w) for w in weights])
+        swapped = graph_time_us([functools.partial(_swapped_linear, x, w) for w in weights])
         best_time, best, top = best_tile(lambda tile: [functools.partial(cuda_skinny.linear, x, w, tile)
                                                        for w in weights])
         table[f"{n}:{k}:{cuda_skinny.row_bucket(rows)}"] = list(best) if best_time < MIN_GAIN * cublas else None
         print(f"rows {rows:>2} N={n:>6} K={k:>6} ({megabytes:.0f} MB): cuBLAS {cublas:.1f} us "
-              f"({megabytes / cublas:.2f} TB/s); skinny {best_time:.1f} us ({megabytes / best_time:.2f} TB/s) "
-              f"{best}; top: {top}", flush=True)
+              f"({megabytes / cublas:.2f} TB/s), on W x^T {swapped:.1f} us; skinny {best_time:.1f} us "
+              f"({megabytes / best_time:.2f} TB/s) {best}; top: {top}", flush=True)
     return table
 
 
