@@ -1,0 +1,29 @@
+"""The scheduling cost model (bench/schedule_model.py): a case counted by hand, and W6 as the docs quote it."""
+
+import pytest
+
+from deltaserve.bench import schedule_model
+from deltaserve.bench.schedule_model import StepCosts, Traffic, simulate
+
+
+def test_one_client_two_requests_by_hand():
+    """One client, two requests of 16 prompt tokens and 3 output tokens: each is a prompt step (its first token)
+    and two decode steps of one row, the second request sent when the first finishes."""
+    costs = StepCosts()
+    result = simulate(Traffic(concurrency=1, prompts=2, input_len=16, output_len=3), costs)
+    assert result.steps["prompt"][0] == 2 and result.steps["decode"][0] == 4 and result.steps["mixed"][0] == 0
+    expected_ms = 2 * (costs.prompt_fixed_ms + costs.prompt_us * 16 / 1000) + 4 * costs.decode_ms_1
+    assert result.seconds * 1000 == pytest.approx(expected_ms)
+    assert result.output_tokens == 6
+
+
+def test_w6_as_the_docs_quote_it(capsys):
+    """Concurrency 64: 36 prompt steps and 2,020 decode-only steps, 1,965 tok/s (the H200 run: 36, 2,023, 1,940);
+    mixed 128-token chunks at 70 us a token lose (measured in the sixth session: 1,724)."""
+    plain = simulate(Traffic(), StepCosts())
+    assert plain.steps["prompt"][0] == 36 and plain.steps["decode"][0] == 2020
+    assert plain.tokens_per_second == pytest.approx(1965, abs=1)
+    mixed = simulate(Traffic(), StepCosts(), mixed_chunk_tokens=128)
+    assert mixed.steps["mixed"][0] > 1000 and mixed.tokens_per_second < plain.tokens_per_second
+    assert schedule_model.main(["--prompts", "8", "--concurrency", "4", "--input-len", "64", "--output-len", "4"]) == 0
+    assert "output tok/s" in capsys.readouterr().out
