@@ -1,0 +1,28 @@
+"""batch_probe's diagnostic kernel (the skinny GEMM's loop with parts taken out), in Triton's CPU interpreter:
+each mode computes what its docstring says, and mode 2 is the real product."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from deltaserve.bench import batch_probe  # noqa: E402
+from tests.ops.interpreter import patch_interpreter_index  # noqa: E402
+
+patch_interpreter_index()
+
+
+def test_diagnostic_modes():
+    if torch.cuda.is_available():
+        pytest.skip("the interpreter's check; on the GPU the probe itself runs it")
+    gen = torch.Generator().manual_seed(0)
+    rows, n, k, tile = 16, 32, 64, (16, 32, 1, 4, 1)
+    x, weight = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
+    blocks = weight.view(n, k // tile[1], tile[1])  # [N, K blocks, BK]
+    expected = (weight.sum(1, keepdim=True).expand(n, rows),  # the weights' sum, in every column
+                blocks.sum(1) @ x[:, : tile[1]].T,  # every K block's dot against the first x tile
+                weight @ x.T)  # the product
+    for mode, want in enumerate(expected):
+        out = torch.empty(n, rows)
+        batch_probe._diagnostic(x, weight, out, tile, mode)
+        torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
