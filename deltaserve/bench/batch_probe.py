@@ -32,10 +32,11 @@ from deltaserve.ops.gdn import cuda as gdn_cuda
 from deltaserve.ops.linear import cuda as gemv_cuda
 from deltaserve.ops.linear import cuda_skinny, reference
 
-# (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages): the tiles that won somewhere in a wider sweep on an H200
+# (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages): the tiles that won somewhere in a wider sweep on an H200,
+# then two of 256 columns (not yet run there): each activation tile serves 4x the weight rows of a 64-column tile
 SWEEP = [(64, 64, 1, 4, 4), (128, 128, 1, 4, 4), (128, 128, 1, 8, 4), (64, 128, 1, 4, 3), (64, 128, 1, 4, 4),
          (64, 128, 1, 4, 6), (128, 128, 2, 4, 4), (64, 64, 4, 4, 4), (32, 256, 1, 4, 4), (64, 256, 1, 4, 4),
-         (64, 128, 2, 4, 4), (64, 256, 1, 4, 3)]
+         (64, 128, 2, 4, 4), (64, 256, 1, 4, 3), (256, 64, 1, 8, 3), (256, 32, 1, 8, 4)]
 GDN_SWEEP = [(bv, warps) for bv, warps in itertools.product((16, 32, 64, 128), (1, 2, 4, 8))
              if 8 <= 128 * bv // (32 * warps) <= 128]
 # 1% of noise between two graph timings of the same kernel; a tile must win by more than this
