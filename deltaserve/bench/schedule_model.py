@@ -77,7 +77,7 @@ class ModelResult:
 def step_kind(scheduled: SchedulerOutput, mixed_chunk_tokens: int) -> tuple[str, int, int]:
     """(kind, decode rows, prompt tokens) of a scheduled step."""
     rows = scheduled.sequences
-    decodes = sum(1 for row in rows if row.num_computed >= len(row.prompt_token_ids))
+    decodes = sum(1 for row in rows if row.num_computed >= len(row.prompt_token_ids) and len(row.token_ids) == 1)
     prompt_tokens = sum(len(row.token_ids) for row in rows) - decodes
     if prompt_tokens == 0:
         return "decode", decodes, 0
