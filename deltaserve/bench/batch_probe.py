@@ -274,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated row counts: split the skinny GEMM's time into weight streaming, dots "
                              "and activation loads")
     args = parser.parse_args(argv)
+    for rows in (int(r) for r in args.diagnose.split(",") if r):
+        if rows < 16 or rows & (rows - 1):
+            parser.error(f"--diagnose: row counts are powers of two from 16 (one dot tile), got {rows}")
     cfg = ModelConfig.from_pretrained(args.model)
     device = torch.device("cuda")
     table = {}

@@ -137,6 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mixed-chunk-tokens", type=int, default=0,
                         help="the scheduler's mixed-step cap (DELTASERVE_MIXED_CHUNK_TOKENS); 0: none")
     args = parser.parse_args(argv)
+    for name in ("concurrency", "prompts", "input_len", "output_len", "max_num_batched_tokens"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.mixed_chunk_tokens < 0:
+        parser.error(f"--mixed-chunk-tokens must be 0 (none) or more, got {args.mixed_chunk_tokens}")
     traffic = Traffic(**{name: getattr(args, name) for name in vars(traffic)})
     costs = StepCosts(**{name: getattr(args, name) for name in vars(costs)})
     print(simulate(traffic, costs, args.max_num_batched_tokens, args.mixed_chunk_tokens))

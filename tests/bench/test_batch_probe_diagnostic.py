@@ -26,3 +26,9 @@ def test_diagnostic_modes():
         out = torch.empty(n, rows)
         batch_probe._diagnostic(x, weight, out, tile, mode)
         torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
+
+
+def test_diagnose_refuses_row_counts_a_dot_tile_cannot_take(capsys):
+    with pytest.raises(SystemExit):
+        batch_probe.main(["--diagnose", "24"])
+    assert "--diagnose: row counts are powers of two from 16" in capsys.readouterr().err

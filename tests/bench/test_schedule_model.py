@@ -27,3 +27,9 @@ def test_w6_as_the_docs_quote_it(capsys):
     assert mixed.steps["mixed"][0] > 1000 and mixed.tokens_per_second < plain.tokens_per_second
     assert schedule_model.main(["--prompts", "8", "--concurrency", "4", "--input-len", "64", "--output-len", "4"]) == 0
     assert "output tok/s" in capsys.readouterr().out
+
+
+def test_bad_traffic_is_refused_by_name(capsys):
+    with pytest.raises(SystemExit):
+        schedule_model.main(["--concurrency", "0"])
+    assert "--concurrency must be at least 1, got 0" in capsys.readouterr().err
