@@ -32,11 +32,14 @@ from deltaserve.ops.gdn import cuda as gdn_cuda
 from deltaserve.ops.linear import cuda as gemv_cuda
 from deltaserve.ops.linear import cuda_skinny, reference
 
-# (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages): the tiles that won somewhere in a wider sweep on an H200,
-# then two of 256 columns (not yet run there): each activation tile serves 4x the weight rows of a 64-column tile
-SWEEP = [(64, 64, 1, 4, 4), (128, 128, 1, 4, 4), (128, 128, 1, 8, 4), (64, 128, 1, 4, 3), (64, 128, 1, 4, 4),
-         (64, 128, 1, 4, 6), (128, 128, 2, 4, 4), (64, 64, 4, 4, 4), (32, 256, 1, 4, 4), (64, 256, 1, 4, 4),
-         (64, 128, 2, 4, 4), (64, 256, 1, 4, 3), (256, 64, 1, 8, 3), (256, 32, 1, 8, 4)]
+# (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages[, TMA]): the pointer-load tiles that won somewhere in wider
+# sweeps on an H200 (sixth to eighth sessions), then TMA copies of the same and of wider column blocks, whose
+# activation tile serves more weight rows (each column block re-reads the whole activation from L2)
+SWEEP = [(128, 128, 1, 4, 4), (128, 128, 1, 8, 4), (64, 128, 1, 4, 3), (64, 128, 1, 4, 6), (64, 256, 1, 4, 4),
+         (128, 128, 2, 4, 4), (64, 64, 4, 4, 4),
+         (64, 128, 1, 4, 4, 1), (64, 128, 1, 4, 6, 1), (64, 256, 1, 4, 3, 1), (128, 128, 1, 4, 4, 1),
+         (128, 128, 1, 8, 4, 1), (128, 64, 1, 4, 6, 1), (128, 64, 1, 8, 6, 1), (256, 64, 1, 8, 4, 1),
+         (128, 128, 2, 4, 4, 1), (64, 128, 2, 4, 6, 1)]
 GDN_SWEEP = [(bv, warps) for bv, warps in itertools.product((16, 32, 64, 128), (1, 2, 4, 8))
              if 8 <= 128 * bv // (32 * warps) <= 128]
 # 1% of noise between two graph timings of the same kernel; a tile must win by more than this
@@ -167,7 +170,7 @@ DIAGNOSTIC_MODES = ("weights only", "dots, x loaded once", "as run")
 
 
 def _diagnostic(x, weight, out, tile, mode: int) -> None:
-    block_n, block_k, _, num_warps, num_stages = tile
+    block_n, block_k, _, num_warps, num_stages = tile[:5]
     _diagnostic_kernel[(triton.cdiv(weight.shape[0], block_n),)](
         x, weight, out, weight.shape[1], weight.stride(0), BLOCK_M=x.shape[0], BLOCK_N=block_n,
         BLOCK_K=block_k, MODE=mode, num_warps=num_warps, num_stages=num_stages)
@@ -279,11 +282,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--diagnose: row counts are powers of two from 16 (one dot tile), got {rows}")
     cfg = ModelConfig.from_pretrained(args.model)
     device = torch.device("cuda")
-    table = {}
-    for rows in (int(r) for r in args.rows.split(",") if r):
-        table.update(probe_one_row(cfg, device) if rows == 1 else probe_rows(cfg, rows, device))
-    if table:  # --rows "" probes the GDN kernels alone
-        write_table(args.out, table)
+    for rows in (int(r) for r in args.rows.split(",") if r):  # --rows "" probes the GDN kernels alone
+        table = probe_one_row(cfg, device) if rows == 1 else probe_rows(cfg, rows, device)
+        write_table(args.out, table)  # after each bucket: a run cut short keeps what it measured
         print(json.dumps(table), flush=True)
     for batch in (int(b) for b in args.gdn_batches.split(",") if b):
         probe_gdn_decode(cfg, batch, device)

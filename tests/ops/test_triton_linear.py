@@ -86,20 +86,47 @@ def test_bad_inputs_name_themselves():
                                       torch.ones(16, device=DEVICE), 1e-6, weight)
 
 
-# The skinny tensor-core GEMM (ops/linear/cuda_skinny.py): small tiles for the interpreter, one and two K splits.
-SKINNY_TILES = [(16, 32, 1, 4, 1), (16, 32, 2, 4, 1)] + (
-    [(64, 128, 1, 4, 4), (128, 128, 2, 4, 4)] if DEVICE == "cuda" else [])
+# The skinny tensor-core GEMM (ops/linear/cuda_skinny.py): small tiles for the interpreter, one and two K splits,
+# pointer loads and TMA copies (a sixth entry of 1).
+SKINNY_TILES = [(16, 32, 1, 4, 1), (16, 32, 2, 4, 1), (16, 32, 1, 4, 1, 1), (16, 32, 2, 4, 1, 1)] + (
+    [(64, 128, 1, 4, 4), (128, 128, 2, 4, 4), (64, 128, 1, 4, 4, 1), (128, 64, 2, 8, 3, 1)]
+    if DEVICE == "cuda" else [])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tile", SKINNY_TILES)
 @pytest.mark.parametrize("rows", [1, 3, 17, 64])
-def test_skinny_matches_cublas(dtype, tile, rows):
-    """N = 40 and K = 100 that no tile divides; 17 rows pad to a 32-row tile."""
+@pytest.mark.parametrize("k", [104, 101])
+def test_skinny_matches_cublas(dtype, tile, rows, k):
+    """N = 40 and K that no tile divides; 17 rows pad to a 32-row tile. Rows of K = 101 are not 16-byte aligned,
+    which TMA cannot copy: TMA tiles fall back to pointer loads there."""
     gen = torch.Generator().manual_seed(rows)
-    x, weight = _rand(rows, 100, dtype=dtype, gen=gen), _rand(40, 100, dtype=dtype, gen=gen, scale=0.1)
+    x, weight = _rand(rows, k, dtype=dtype, gen=gen), _rand(40, k, dtype=dtype, gen=gen, scale=0.1)
     torch.testing.assert_close(linear_skinny.linear(x, weight, tile), torch.nn.functional.linear(x, weight),
                                **_tol(dtype))
+
+
+def test_skinny_tma_tiles_take_the_tma_kernel(monkeypatch):
+    """A TMA tile over aligned tensors runs the TMA kernel, over unaligned ones the pointer kernel."""
+    launched = []
+    for name in ("_skinny_kernel", "_skinny_tma_kernel"):
+        kernel = getattr(linear_skinny, name)
+        monkeypatch.setattr(linear_skinny, name, _Recording(kernel, name, launched))
+    for k in (104, 101):
+        x, weight = torch.zeros(2, k, device=DEVICE), torch.zeros(8, k, device=DEVICE)
+        linear_skinny.linear(x, weight, (16, 32, 1, 4, 1, 1))
+    assert launched == ["_skinny_tma_kernel", "_skinny_kernel"]
+
+
+class _Recording:
+    """A Triton kernel whose launches append its name to a list."""
+
+    def __init__(self, kernel, name, launched):
+        self.kernel, self.name, self.launched = kernel, name, launched
+
+    def __getitem__(self, grid):
+        self.launched.append(self.name)
+        return self.kernel[grid]
 
 
 def test_skinny_table_and_buckets():

@@ -3,7 +3,8 @@
 A decode step is bound by reading the weights once (27B: ~50 GB), but cuBLAS picks tiles for such skinny products
 that leave the GPU short of loads in flight (27B's in-projections at 64 rows: 3.5-3.6 TB/s on an H200). Here the
 weight is the wide side of a tensor-core product (W tile [BLOCK_N, BLOCK_K] times x^T tile [BLOCK_K, BLOCK_M], the
-rows padded to 16, tl.dot's least), its loads pipelined over num_stages; K may be split among SPLIT_K programs
+rows padded to 16, tl.dot's least), its loads pipelined over num_stages, either pointer loads or (a sixth config
+entry of 1) the Hopper tensor-memory accelerator's bulk tile copies (TMA); K may be split among SPLIT_K programs
 whose float32 partial sums a second kernel adds in a fixed order, so the result does not depend on timing. The
 table `skinny_configs.json` (measured by `python -m deltaserve.bench.batch_probe`) names the tile per
 (N, K, row bucket) and holds only the shapes where the kernel beat cuBLAS (and, at one row, the fused GEMV of
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 
 # Rows (sequences) up to which the kernel may serve; larger batches run cuBLAS.
@@ -40,13 +42,13 @@ def _tuned_configs() -> dict:
         return {}
     table = json.loads(CONFIGS_FILE.read_text())
     for key, config in table.items():
-        if key.count(":") != 2 or not (config is None or (isinstance(config, list) and len(config) == 5)):
+        if key.count(":") != 2 or not (config is None or (isinstance(config, list) and len(config) in (5, 6))):
             raise ValueError(f"{CONFIGS_FILE}: entry {key!r}: {config!r} is not a [BLOCK_N, BLOCK_K, SPLIT_K, warps, "
-                             "stages] list or null under an \"N:K:rows\" key")
+                             "stages(, TMA)] list or null under an \"N:K:rows\" key")
     return table
 
 
-def config_for(n: int, k: int, rows: int) -> tuple[int, int, int, int, int] | None:
+def config_for(n: int, k: int, rows: int) -> tuple[int, ...] | None:
     """The tuned tile of W [n, k] at `rows` rows, or None where the kernel does not serve."""
     if not 1 <= rows <= SKINNY_MAX_ROWS:
         return None
@@ -91,6 +93,37 @@ def _skinny_kernel(
 
 
 @triton.jit
+def _skinny_tma_kernel(
+    x_desc, w_desc, out, partial, M, N, k_iters, stride_out_m,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """_skinny_kernel with its tiles copied by TMA (x_desc over x [M, K] in [BLOCK_M, BLOCK_K] boxes, w_desc over
+    W [N, K] in [BLOCK_N, BLOCK_K] boxes; out-of-bounds rows and columns arrive as zeros, so nothing is masked
+    but the store)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for i in range(0, k_iters):
+        k0 = (pid_k * k_iters + i) * BLOCK_K
+        w = w_desc.load([pid_n * BLOCK_N, k0])  # [BN, BK]
+        x = x_desc.load([0, k0])  # [BM, BK]
+        acc = tl.dot(w, x.T, acc, input_precision=PRECISION)  # [BN, BM]
+    ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output columns = weight rows
+    ms = tl.arange(0, BLOCK_M)  # [BM]
+    out_ok = (ms[None, :] < M) & (ns[:, None] < N)
+    if SPLIT_K == 1:
+        tl.store(out + ms[None, :] * stride_out_m + ns[:, None], acc.to(out.dtype.element_ty), mask=out_ok)
+    else:
+        tl.store(partial + (pid_k * M + ms[None, :]).to(tl.int64) * N + ns[:, None], acc, mask=out_ok)
+
+
+def _tma_ready(t: torch.Tensor) -> bool:
+    """Whether TMA can copy tiles of the 2-D tensor t: 16-byte aligned base and row stride."""
+    return t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+
+
+@triton.jit
 def _sum_splits_kernel(partial, out, total, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
     """out [M * N] = the sum of partial [SPLIT_K, M * N] over its first axis, in order."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -101,9 +134,10 @@ def _sum_splits_kernel(partial, out, total, SPLIT_K: tl.constexpr, BLOCK: tl.con
     tl.store(out + offs, acc.to(out.dtype.element_ty), mask=ok)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, int, int]) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, ...]) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T -> [M, N] in x.dtype, 1 <= M <= SKINNY_MAX_ROWS, unit last strides.
-    config: (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages)."""
+    config: (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages[, TMA]); TMA 1 copies the tiles by TMA where both
+    tensors' bases and row strides are 16-byte aligned (else pointer loads)."""
     N, K = weight.shape
     M = x.shape[0]
     if x.dim() != 2 or x.shape[1] != K or not 1 <= M <= SKINNY_MAX_ROWS:
@@ -112,17 +146,28 @@ def linear(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int, i
         raise ValueError(f"x dtype {x.dtype} differs from the weight's {weight.dtype}")
     if weight.stride(1) != 1 or x.stride(1) != 1:
         raise ValueError(f"x and weight need unit last strides, got {tuple(x.stride())} and {tuple(weight.stride())}")
-    block_n, block_k, split_k, num_warps, num_stages = config
+    block_n, block_k, split_k, num_warps, num_stages = config[:5]
+    use_tma = len(config) > 5 and config[5] == 1 and _tma_ready(x) and _tma_ready(weight)
     block_m = max(16, triton.next_power_of_2(M))  # tl.dot's least side
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
     partial = torch.empty(split_k, M, N, dtype=torch.float32, device=x.device) if split_k > 1 else out
-    _skinny_kernel[(triton.cdiv(N, block_n), split_k)](
-        x, weight, out, partial, M, N, K, triton.cdiv(K, split_k * block_k), x.stride(0), weight.stride(0),
-        out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-        EVEN_N=N % block_n == 0, EVEN_K=K % (block_k * split_k) == 0,
-        PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
-    )
+    grid = (triton.cdiv(N, block_n), split_k)
+    k_iters = triton.cdiv(K, split_k * block_k)
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    if use_tma:
+        x_desc = TensorDescriptor.from_tensor(x, [block_m, block_k])
+        w_desc = TensorDescriptor.from_tensor(weight, [block_n, block_k])
+        _skinny_tma_kernel[grid](
+            x_desc, w_desc, out, partial, M, N, k_iters, out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_K=block_k, SPLIT_K=split_k, PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
+        )
+    else:
+        _skinny_kernel[grid](
+            x, weight, out, partial, M, N, K, k_iters, x.stride(0), weight.stride(0), out.stride(0),
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+            EVEN_N=N % block_n == 0, EVEN_K=K % (block_k * split_k) == 0,
+            PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
+        )
     if split_k > 1:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(M * N, block),)](partial, out, M * N, SPLIT_K=split_k, BLOCK=block)
