@@ -198,6 +198,35 @@ def diagnose_rows(cfg: ModelConfig, rows: int, device) -> None:
             flush=True)
 
 
+def probe_prefill_gemms(cfg: ModelConfig, rows: int, device) -> None:
+    """Each projection of a prefill chunk of `rows` tokens on cuBLAS and on cuBLASLt (torch's two BLAS
+    back-ends), in TFLOP/s, and the time of one layer mix (64 MLPs, 48 GDN in/out, 16 attention in/out on 27B)."""
+    gdn_layers, attn_layers = len(cfg.linear_attention_layers), len(cfg.full_attention_layers)
+    layers = gdn_layers + attn_layers
+    counts = [layers, gdn_layers, attn_layers, layers, gdn_layers, attn_layers]  # decode_projections' order
+    layer_counts = {}  # (N, K) -> layers that run it (GDN out-proj and o_proj share a shape)
+    for (_, n, k), count in zip(decode_projections(cfg), counts):
+        layer_counts[(n, k)] = layer_counts.get((n, k), 0) + count
+    original = torch.backends.cuda.preferred_blas_library()
+    totals = {}
+    try:
+        for library in ("cublas", "cublaslt"):
+            torch.backends.cuda.preferred_blas_library(library)
+            total = 0.0
+            for (n, k), count in sorted(layer_counts.items()):
+                weights = [0.02 * torch.randn(n, k, device=device, dtype=torch.bfloat16) for _ in range(2)]
+                x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+                t = graph_time_us([functools.partial(torch.nn.functional.linear, x, w) for w in weights])
+                total += count * t
+                print(f"prefill {rows} rows N={n:>6} K={k:>6} {library}: {t:.0f} us "
+                      f"({2 * rows * n * k / t / 1e6:.0f} TFLOP/s)", flush=True)
+            totals[library] = total
+    finally:
+        torch.backends.cuda.preferred_blas_library(original)
+    print(f"prefill {rows} rows, all projections of the model: " + ", ".join(
+        f"{library} {t / 1e3:.1f} ms" for library, t in totals.items()), flush=True)
+
+
 def _gdn_inputs(cfg: ModelConfig, tokens: int, device):
     """Random bf16 q, k [tokens, HK, K], v [tokens, HV, V], raw gates a, b [tokens, HV]; zero A_log, dt_bias."""
     hk, hv, kd, vd = cfg.gdn_num_k_heads, cfg.gdn_num_v_heads, cfg.gdn_k_dim, cfg.gdn_v_dim
@@ -234,6 +263,12 @@ def probe_gdn_decode(cfg: ModelConfig, rows: int, device) -> None:
     default = graph_time_us([functools.partial(gdn_cuda.gdn_decode, q, k, v, a, b, p, slots, A_log=A_log,
                                                dt_bias=dt_bias) for p in pools])
     results = _time_tiles(GDN_SWEEP, step, pools)
+    bv = gdn_cuda._decode_block_v(rows)
+    for variant in ((False, False), (True, False), (False, True), (True, True)):
+        t = graph_time_us([functools.partial(gdn_cuda._launch_recurrent, q, k, v, a, b, torch.empty_like(v), p, slots,
+                                             None, None, bv, A_log, dt_bias, variant=variant) for p in pools])
+        print(f"GDN decode batch {rows} bv {bv}: state first {variant[0]}, streamed {variant[1]}: {t:.1f} us "
+              f"({megabytes / t:.2f} TB/s)", flush=True)
     print(f"GDN decode batch {rows} ({megabytes:.0f} MB of state read + written): default {default:.1f} us "
           f"({megabytes / default:.2f} TB/s); " + ", ".join(f"bv {bv} w {w}: {t:.1f} us ({megabytes / t:.2f})"
                                                              for t, bv, w in results), flush=True)
@@ -273,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare-specialization", default="",
                         help="comma-separated row counts: time the tuned skinny tiles with and without Triton's "
                              "specialisation on the row count")
+    parser.add_argument("--prefill-rows", default="",
+                        help="comma-separated chunk sizes: the prefill projections on cuBLAS and cuBLASLt")
     parser.add_argument("--diagnose", default="",
                         help="comma-separated row counts: split the skinny GEMM's time into weight streaming, dots "
                              "and activation loads")
@@ -294,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
         probe_row_specialization(cfg, rows, device)
     for rows in (int(r) for r in args.diagnose.split(",") if r):
         diagnose_rows(cfg, rows, device)
+    for rows in (int(r) for r in args.prefill_rows.split(",") if r):
+        probe_prefill_gemms(cfg, rows, device)
     return 0
 
 
