@@ -263,12 +263,6 @@ def probe_gdn_decode(cfg: ModelConfig, rows: int, device) -> None:
     default = graph_time_us([functools.partial(gdn_cuda.gdn_decode, q, k, v, a, b, p, slots, A_log=A_log,
                                                dt_bias=dt_bias) for p in pools])
     results = _time_tiles(GDN_SWEEP, step, pools)
-    bv = gdn_cuda._decode_block_v(rows)
-    for variant in ((False, False), (True, False), (False, True), (True, True)):
-        t = graph_time_us([functools.partial(gdn_cuda._launch_recurrent, q, k, v, a, b, torch.empty_like(v), p, slots,
-                                             None, None, bv, A_log, dt_bias, variant=variant) for p in pools])
-        print(f"GDN decode batch {rows} bv {bv}: state first {variant[0]}, streamed {variant[1]}: {t:.1f} us "
-              f"({megabytes / t:.2f} TB/s)", flush=True)
     print(f"GDN decode batch {rows} ({megabytes:.0f} MB of state read + written): default {default:.1f} us "
           f"({megabytes / default:.2f} TB/s); " + ", ".join(f"bv {bv} w {w}: {t:.1f} us ({megabytes / t:.2f})"
                                                              for t, bv, w in results), flush=True)

@@ -426,6 +426,8 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     limits = Limits(engine, bandwidth, flops)
     if args.profile:
+        if args.profile_dir:
+            os.makedirs(args.profile_dir, exist_ok=True)
         profile(engine, save_dir=args.profile_dir)
     for name in names:
         if name in PREFIX_WORKLOADS:

@@ -117,7 +117,6 @@ def _gdn_recurrent_kernel(
     stride_g_tok, stride_beta_tok, scale, eps,
     HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, RAW_GATES: tl.constexpr, VARLEN: tl.constexpr, SUBSET: tl.constexpr,
-    STATE_FIRST: tl.constexpr = False, STREAM_STATE: tl.constexpr = False,
 ):
     """Grid (N, HV, cdiv(V, BV)): the [K, BV] state tile of (sequence, value head, value block) is read from
     the sequence's pool slot, stepped through the sequence's tokens and written back in place.
@@ -161,30 +160,19 @@ def _gdn_recurrent_kernel(
             state, o_vec = _delta_step(state, q_vec, k_vec, v_vec, decay, write)
             tl.store(out + (token * HV + head) * V + cols, o_vec.to(out.dtype.element_ty), mask=col_ok)
     else:
-        if STATE_FIRST:
-            if STREAM_STATE:
-                state = tl.load(tile_ptr, mask=tile_mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-            else:
-                state = tl.load(tile_ptr, mask=tile_mask, other=0.0).to(tl.float32)
+        # Decode, in the order it always had: the token's small loads, then the state tile's.
         q_raw, k_raw, v_raw, g_raw, beta_raw = _load_token(
             q, k, v, g, beta, seq, head, key_head, keys, cols, key_ok, col_ok, *strides, seq >= 0)
         q_vec, k_vec, v_vec, decay, write = _prepare_token(
             q_raw, k_raw, v_raw, g_raw, beta_raw, A_log, dt_bias, head, scale, eps, RAW_GATES)
-        if not STATE_FIRST:
-            if STREAM_STATE:
-                state = tl.load(tile_ptr, mask=tile_mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-            else:
-                state = tl.load(tile_ptr, mask=tile_mask, other=0.0).to(tl.float32)  # [BK, BV]
+        state = tl.load(tile_ptr, mask=tile_mask, other=0.0).to(tl.float32)  # [BK, BV]
         state, o_vec = _delta_step(state, q_vec, k_vec, v_vec, decay, write)
         tl.store(out + (seq * HV + head) * V + cols, o_vec.to(out.dtype.element_ty), mask=col_ok)
 
     # Every thread's read of the tile completes before the first write: the update is in place, and a layout
     # may hold one element in two threads.
     tl.debug_barrier()
-    if STREAM_STATE:
-        tl.store(tile_ptr, state.to(state_pool.dtype.element_ty), mask=tile_mask, cache_modifier=".cs")
-    else:
-        tl.store(tile_ptr, state.to(state_pool.dtype.element_ty), mask=tile_mask)
+    tl.store(tile_ptr, state.to(state_pool.dtype.element_ty), mask=tile_mask)
 
 
 def gdn_decode(q, k, v, g, beta, state_pool, state_slots, block_v: int | None = None, A_log=None, dt_bias=None):
@@ -216,7 +204,7 @@ def gdn_decode(q, k, v, g, beta, state_pool, state_slots, block_v: int | None = 
 
 
 def _launch_recurrent(q, k, v, g, beta, out, state_pool, state_slots, has_initial_state, cu_seqlens, block_v,
-                      A_log=None, dt_bias=None, seq_ids=None, num_warps=None, variant=(False, False)):
+                      A_log=None, dt_bias=None, seq_ids=None, num_warps=None):
     """Run `_gdn_recurrent_kernel` over N = len(state_slots) sequences (varlen when cu_seqlens is given), or
     over the sequences numbered in seq_ids [n] (varlen only). num_warps: by default ~32 state values a thread."""
     key_heads, key_dim = q.shape[1:]
@@ -233,7 +221,6 @@ def _launch_recurrent(q, k, v, g, beta, out, state_pool, state_slots, has_initia
         g.stride(0), beta.stride(0), key_dim ** -0.5, _L2NORM_EPS,
         HV=value_heads, GROUP=value_heads // key_heads, K=key_dim, V=value_dim, BK=block_k, BV=block_v,
         RAW_GATES=raw_gates, VARLEN=cu_seqlens is not None, SUBSET=seq_ids is not None,
-        STATE_FIRST=variant[0], STREAM_STATE=variant[1],
         # about 32 state values per thread (fla's fused_recurrent kernel runs [128, 8] tiles on one warp)
         num_warps=num_warps or max(1, min(4, block_k * block_v // 1024)),
     )
