@@ -85,9 +85,24 @@ class GatedAttention(nn.Module):
                                self.scale, batch.max_query_len, k_scale=k_scale, v_scale=v_scale,
                                gate=gate)  # [T, nH, hd], already times sigmoid(gate)
 
-    def forward(self, qkv: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def _last_tokens_attend(self, q, gate, batch: ForwardBatch, sample_seqs, k_scale: float, v_scale: float):
+        """q, gate: [T, nH, hd], the step's K/V already in the cache -> [S, hidden]: the output of the last
+        token of each sequence in sample_seqs [S], each a one-query (decode) attention over its whole KV."""
+        num_rows = sample_seqs.shape[0]
+        if num_rows == 0:
+            return q.new_empty(0, self.o_proj.weight.shape[0])
+        rows = batch.logits_indices[sample_seqs]  # [S]
+        one_each = torch.arange(num_rows + 1, device=q.device)  # [S+1] cu_seqlens_q
+        o = paged_attention(q[rows], self.k_cache, self.v_cache, batch.block_tables[sample_seqs], one_each,
+                            batch.seq_lens[sample_seqs], self.scale, 1, k_scale=k_scale, v_scale=v_scale,
+                            gate=gate[rows])  # [S, nH, hd]
+        return linear(o.reshape(num_rows, self.num_heads * self.head_dim), self.o_proj.weight)
+
+    def forward(self, qkv: torch.Tensor, batch: ForwardBatch,
+                sample_seqs: torch.Tensor | None = None) -> torch.Tensor:
         """qkv: [T, 2 nH hd + 2 nKV hd], the input projection's output -> [T, hidden]. Writes this step's K/V
-        into the cache, then attends over it."""
+        into the cache, then attends over it. With sample_seqs ([S] int64 sequence indices): only the last
+        token of each of those sequences attends -> [S, hidden] (every token's K/V is still written)."""
         T = qkv.shape[0]
         kv_dim = self.num_kv_heads * self.head_dim
         qg, k, v = qkv.split([2 * self.num_heads * self.head_dim, kv_dim, kv_dim], -1)
@@ -101,6 +116,8 @@ class GatedAttention(nn.Module):
         q, k = qk_norm_rope_write_kv(q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, rot.cos,
                                      rot.sin, batch.positions, rot.rotary_dim, self.k_cache, self.v_cache,
                                      batch.slot_mapping, k_scale=k_scale, v_scale=v_scale)
+        if sample_seqs is not None:
+            return self._last_tokens_attend(q, gate, batch, sample_seqs, k_scale, v_scale)
         if batch.parts is not None:  # decode rows first, on the decode kernel; then the prefill rows
             decode, prefill = batch.parts
             n = decode.num_seqs

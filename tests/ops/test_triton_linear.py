@@ -168,3 +168,41 @@ def test_gpu_projections_take_the_tuned_kernel(monkeypatch):
     x_columns = x.T.contiguous().T  # [3, 96] with a column stride of 3: the kernel needs unit strides, cuBLAS runs
     torch.testing.assert_close(ops_linear.matmul(x_columns, weight), x @ weight.T, **_tol(torch.float32))
     assert len(calls) == 2
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="programmatic dependent launch: GPU only")
+@pytest.mark.parametrize("rows", [1, 64])
+def test_skinny_early_start_reads_what_the_op_before_wrote(rows):
+    """The TMA kernel starts before the norm or silu-mul before it ends (programmatic dependent launch, L2
+    prefetch of its weights): replayed in a CUDA graph on new inputs each time, every product still sees the
+    activation that op wrote in the same replay (a missing wait would read the previous replay's)."""
+    from deltaserve.ops.activation import cuda as activation_cuda
+    from deltaserve.ops.norm import cuda as norm_cuda
+    from deltaserve.ops.norm import reference as norm_reference
+    assert linear_skinny.early_start_supported(torch.device(DEVICE))
+    k, n, tile = 2048, 4096, (64, 128, 1, 4, 6, 1)
+    x, res = torch.zeros(rows, k, device=DEVICE, dtype=torch.bfloat16), torch.zeros(rows, k, device=DEVICE,
+                                                                                   dtype=torch.bfloat16)
+    gate_up = torch.zeros(rows, 2 * k, device=DEVICE, dtype=torch.bfloat16)
+    norm_w, w1, w2 = (0.05 * torch.randn(*shape, device=DEVICE, dtype=torch.bfloat16)
+                      for shape in ((k,), (n, k), (n, k)))
+
+    def step():
+        normed, _ = norm_cuda.rms_norm(x, norm_w, 1e-6, res)
+        return (linear_skinny.linear(normed, w1, tile),
+                linear_skinny.linear(activation_cuda.silu_and_mul(gate_up), w2, tile))
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for seed in range(3):
+        gen = torch.Generator(device=DEVICE).manual_seed(seed)
+        for t in (x, res, gate_up):
+            t.copy_(torch.randn(t.shape, device=DEVICE, generator=gen))
+        graph.replay()
+        normed = norm_reference.rms_norm(x, norm_w, 1e-6, res)[0]
+        torch.testing.assert_close(outs[0], torch.nn.functional.linear(normed, w1), atol=2e-2, rtol=2e-2)
+        silu = torch.nn.functional.silu(gate_up[:, :k]) * gate_up[:, k:]
+        torch.testing.assert_close(outs[1], torch.nn.functional.linear(silu, w2), atol=2e-2, rtol=2e-2)
