@@ -198,36 +198,6 @@ def diagnose_rows(cfg: ModelConfig, rows: int, device) -> None:
             flush=True)
 
 
-def probe_early_start(cfg: ModelConfig, rows: int, device) -> None:
-    """The decode projections that follow a norm or silu-mul, through `deltaserve.ops.linear` as the engine runs
-    them (the op, then the tuned skinny tile), with the TMA kernel's early start (programmatic dependent launch
-    and an L2 prefetch of its first weight columns) and without."""
-    from deltaserve.ops import linear as ops_linear
-    for prologue, n, k in decode_projections(cfg):
-        if prologue not in ("rms_norm", "silu_mul") or cuda_skinny.config_for(n, k, rows) is None:
-            continue
-        copies = max(2, int(COPIES_BYTES // (2 * n * k)))
-        weights = [0.02 * torch.randn(n, k, device=device, dtype=torch.bfloat16) for _ in range(copies)]
-        if prologue == "rms_norm":
-            x, res = (torch.randn(rows, k, device=device, dtype=torch.bfloat16) for _ in range(2))
-            norm_w = torch.randn(k, device=device, dtype=torch.bfloat16)
-            calls = [functools.partial(ops_linear.rms_norm_linear, x, norm_w, 1e-6, w, res) for w in weights]
-        else:
-            x = torch.randn(rows, 2 * k, device=device, dtype=torch.bfloat16)
-            calls = [functools.partial(ops_linear.silu_mul_linear, x, w) for w in weights]
-        times = {}
-        for label, early in (("early start", True), ("plain launch", False)):
-            original = cuda_skinny.early_start_supported
-            cuda_skinny.early_start_supported = lambda device, early=early: early
-            try:
-                times[label] = graph_time_us(calls)
-            finally:
-                cuda_skinny.early_start_supported = original
-        megabytes = 2 * n * k / 1e6
-        print(f"rows {rows:>2} {prologue} + N={n:>6} K={k:>6} {cuda_skinny.config_for(n, k, rows)}: " + ", ".join(
-            f"{label} {t:.1f} us ({megabytes / t:.2f} TB/s)" for label, t in times.items()), flush=True)
-
-
 def probe_prefill_gemms(cfg: ModelConfig, rows: int, device) -> None:
     """Each projection of a prefill chunk of `rows` tokens on cuBLAS and on cuBLASLt (torch's two BLAS
     back-ends), in TFLOP/s, and the time of one layer mix (64 MLPs, 48 GDN in/out, 16 attention in/out on 27B)."""
@@ -332,9 +302,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare-specialization", default="",
                         help="comma-separated row counts: time the tuned skinny tiles with and without Triton's "
                              "specialisation on the row count")
-    parser.add_argument("--early-start", default="",
-                        help="comma-separated row counts: the norm/silu + skinny GEMM pairs with the TMA kernel's "
-                             "early start and without")
     parser.add_argument("--prefill-rows", default="",
                         help="comma-separated chunk sizes: the prefill projections on cuBLAS and cuBLASLt")
     parser.add_argument("--diagnose", default="",
@@ -358,8 +325,6 @@ def main(argv: list[str] | None = None) -> int:
         probe_row_specialization(cfg, rows, device)
     for rows in (int(r) for r in args.diagnose.split(",") if r):
         diagnose_rows(cfg, rows, device)
-    for rows in (int(r) for r in args.early_start.split(",") if r):
-        probe_early_start(cfg, rows, device)
     for rows in (int(r) for r in args.prefill_rows.split(",") if r):
         probe_prefill_gemms(cfg, rows, device)
     return 0

@@ -4,14 +4,10 @@ as torch's F.silu(gate) * up does."""
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, y_ptr, inter, x_stride, BLOCK: tl.constexpr, LET_NEXT_START: tl.constexpr):
-    """LET_NEXT_START (CUDA): see ops/norm/cuda.py's _rms_norm_kernel."""
-    if LET_NEXT_START:
-        gdc_launch_dependents()
+def _silu_and_mul_kernel(x_ptr, y_ptr, inter, x_stride, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -26,6 +22,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1])
     y = torch.empty(x2.shape[0], inter, dtype=x.dtype, device=x.device)
     block = 1024
-    _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](x2, y, inter, x2.stride(0), BLOCK=block,
-                                                                     LET_NEXT_START=x.is_cuda)
+    _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](x2, y, inter, x2.stride(0), BLOCK=block)
     return y.view(*x.shape[:-1], inter)

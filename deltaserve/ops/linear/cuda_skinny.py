@@ -16,19 +16,14 @@ of 27B at 1-64 rows, docs/performance.md, eighth session.)
 
 import functools
 import json
-import os
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 
-# Weight columns per row that a TMA program warms L2 with before waiting for the kernel before it (see
-# `_skinny_tma_kernel`): 64 rows x 1,024 columns = 128 KiB a program, ~17 MB for one wave on an H200.
-PREFETCH_K = 1024
 # Rows (sequences) up to which the kernel may serve; larger batches run cuBLAS.
 SKINNY_MAX_ROWS = 64
 # Row buckets of the table: one row (against the GEMV), then up to 16, 32 and 64 rows (BLOCK_M).
@@ -98,33 +93,16 @@ def _skinny_kernel(
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
-    """Ask for the 128-byte lines at ptrs (any shape) to be brought into L2, without waiting for them."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
 def _skinny_tma_kernel(
-    x_desc, w_desc, weight, out, partial, M, N, K, k_iters, stride_w_n, stride_out_m,
+    x_desc, w_desc, out, partial, M, N, k_iters, stride_out_m,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    PRECISION: tl.constexpr, EARLY_START: tl.constexpr, PREFETCH: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """_skinny_kernel with its tiles copied by TMA (x_desc over x [M, K] in [BLOCK_M, BLOCK_K] boxes, w_desc over
     W [N, K] in [BLOCK_N, BLOCK_K] boxes; out-of-bounds rows and columns arrive as zeros, so nothing is masked
-    but the store).
-
-    EARLY_START (launched with programmatic dependent launch, after a kernel that lets it start early): the
-    program first asks L2 for the first PREFETCH columns of its weight rows (weights do not depend on the kernel
-    before), then waits for that kernel to finish before it reads x or writes anything. A decode step's small ops
-    (the norm before a projection, silu-mul) leave HBM idle; this keeps it streaming weights through them."""
+    but the store)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    if EARLY_START:
-        rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)  # [BN], clamped: valid addresses
-        cols = tl.minimum(pid_k * k_iters * BLOCK_K + tl.arange(0, PREFETCH // 64) * 64, K - 1)  # a bf16 line each
-        _prefetch_l2(weight + rows[:, None].to(tl.int64) * stride_w_n + cols[None, :])
-        gdc_wait()
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for i in range(0, k_iters):
         k0 = (pid_k * k_iters + i) * BLOCK_K
@@ -138,13 +116,6 @@ def _skinny_tma_kernel(
         tl.store(out + ms[None, :] * stride_out_m + ns[:, None], acc.to(out.dtype.element_ty), mask=out_ok)
     else:
         tl.store(partial + (pid_k * M + ms[None, :]).to(tl.int64) * N + ns[:, None], acc, mask=out_ok)
-
-
-@functools.cache
-def early_start_supported(device: torch.device) -> bool:
-    """Programmatic dependent launch (a kernel starting before the one it follows ends): Hopper and later,
-    unless DELTASERVE_EARLY_START=0."""
-    return os.environ.get("DELTASERVE_EARLY_START", "1") != "0" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _tma_ready(t: torch.Tensor) -> bool:
@@ -186,12 +157,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, ...]) -> to
     if use_tma:
         x_desc = TensorDescriptor.from_tensor(x, [block_m, block_k])
         w_desc = TensorDescriptor.from_tensor(weight, [block_n, block_k])
-        early = x.is_cuda and early_start_supported(x.device)
         _skinny_tma_kernel[grid](
-            x_desc, w_desc, weight, out, partial, M, N, K, k_iters, weight.stride(0), out.stride(0),
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, PRECISION=precision,
-            EARLY_START=early, PREFETCH=max(64, min(PREFETCH_K, triton.next_power_of_2(K))), launch_pdl=early,
-            num_warps=num_warps, num_stages=num_stages,
+            x_desc, w_desc, out, partial, M, N, k_iters, out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_K=block_k, SPLIT_K=split_k, PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
         )
     else:
         _skinny_kernel[grid](

@@ -12,7 +12,6 @@ for the gated norm the normalised row is rounded to the input dtype before the w
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
 
 # Elements per gated-norm program: 16 rows of 128, 16 per thread for 4 warps; rows of 2048 or more go one a
 # program, as rms_norm's do.
@@ -21,11 +20,7 @@ _GATED_TILE = 2048
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, D, x_stride, res_stride, y_stride, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, LET_NEXT_START: tl.constexpr):
-    """LET_NEXT_START (CUDA): a kernel launched after this one with programmatic dependent launch (the skinny
-    GEMM) may start at once; it waits for this one's end before it reads anything this one writes."""
-    if LET_NEXT_START:
-        gdc_launch_dependents()
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
@@ -87,12 +82,10 @@ def rms_norm(x, weight, eps, residual=None):
         r2 = _rows(residual)
         h = torch.empty_like(y)
         _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, y, h, D, x2.stride(0), r2.stride(0), y.stride(0), eps,
-                                         HAS_RESIDUAL=True, BLOCK=block, LET_NEXT_START=x.is_cuda,
-                                         num_warps=_warps(block))
+                                         HAS_RESIDUAL=True, BLOCK=block, num_warps=_warps(block))
         return y.view(shape), h.view(shape)
     _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, y, y, D, x2.stride(0), 0, y.stride(0), eps,
-                                     HAS_RESIDUAL=False, BLOCK=block, LET_NEXT_START=x.is_cuda,
-                                     num_warps=_warps(block))
+                                     HAS_RESIDUAL=False, BLOCK=block, num_warps=_warps(block))
     return y.view(shape)
 
 
