@@ -6,13 +6,14 @@ the GDN decode kernel's tiles at a batch of many sequences, and the GDN recurren
 For every projection of a decode step of the model in CONFIG_DIR (default: the published Qwen3.5-27B shape),
 inside CUDA graphs as decode runs them, each call on another copy of the weight so that none is served from L2:
 at one row, the prologue op and then the skinny kernel against the best of the fused GEMV
-(ops/linear/configs.json) and the prologue op + cuBLAS; at 16, 32 and 64 rows, the skinny kernel against cuBLAS.
-Writes the table cuda_skinny.py reads (the best tile where it won by 2%, else null) and prints each result
+(ops/linear/configs.json) and the prologue op + cuBLAS; at 16, 32 and 64 rows, the prologue op + the skinny
+kernel against the prologue op + cuBLAS (`--only N:K` for one shape). Writes the table cuda_skinny.py reads (the best tile where it won by 2%, else null) and prints each result
 with its bandwidth; then times the GDN decode step over (block_v, num_warps), and the recurrent prefill of one
 sequence of 16 and 128 tokens (CHUNK_TILE in ops/gdn/cuda.py). `--rows "" --gdn-batches "" --gdn-chunks ""
 --compare-specialization 64` times the tuned skinny tiles at 64 rows with and without Triton's specialisation on
 the row count, and nothing else; `--diagnose 16,64` (with the same empty lists) splits the skinny GEMM's time at
-those row counts into weight streaming, dots and activation loads.
+those row counts into weight streaming, dots and activation loads; `--prefill-rows 8192` times the projections
+of a prefill chunk on cuBLAS and on cuBLASLt.
 """
 
 from __future__ import annotations
@@ -96,22 +97,29 @@ def _swapped_linear(x, weight):
     return torch.mm(weight, x.t()).t().contiguous()
 
 
-def probe_rows(cfg: ModelConfig, rows: int, device) -> dict:
-    """Buckets 16-64 (at their largest batch): the product after the prologue op, skinny against cuBLAS (and,
-    printed only, cuBLAS on the transposed product)."""
+def probe_rows(cfg: ModelConfig, rows: int, device, only: str = "") -> dict:
+    """Buckets 16-64 (at their largest batch): each product after its prologue op (the norm, silu-mul or gated
+    norm the engine runs before it), skinny against cuBLAS (and, printed only, cuBLAS on the transposed product).
+    Timed back to back without the op, cuBLAS's kernels overlap one another's launch (~3-4 us at 64 rows on the
+    H200: the GDN out-proj took 18.6 us so and 22.3 us inside a decode step). The attention o_proj shares the
+    GDN out-proj's shape, whose entry the out-proj (48 of 64 layers on 27B) decides."""
+    unfused_fns = {"rms_norm": reference.rms_norm_linear, "silu_mul": reference.silu_mul_linear,
+                   "gated_norm": reference.gated_norm_linear}
     table = {}
-    for n, k in sorted({(n, k) for _, n, k in decode_projections(cfg)}):
-        copies = max(2, int(COPIES_BYTES // (2 * n * k)))
-        weights = [0.02 * torch.randn(n, k, device=device, dtype=torch.bfloat16) for _ in range(copies)]
-        x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+    for prologue, n, k in decode_projections(cfg):
+        if prologue not in unfused_fns or (only and only != f"{n}:{k}"):
+            continue
+        weights, call = inputs(prologue, n, k, cfg.gdn_v_dim, device, rows)
+        unfused = unfused_fns[prologue]
         megabytes = 2 * n * k / 1e6
-        cublas = graph_time_us([functools.partial(torch.nn.functional.linear, x, w) for w in weights])
-        swapped = graph_time_us([functools.partial(_swapped_linear, x, w) for w in weights])
-        best_time, best, top = best_tile(lambda tile: [functools.partial(cuda_skinny.linear, x, w, tile)
-                                                       for w in weights])
+        cublas = graph_time_us([functools.partial(call, unfused, w) for w in weights])
+        swapped = graph_time_us([functools.partial(call, unfused, w, matmul=_swapped_linear) for w in weights])
+        best_time, best, top = best_tile(lambda tile: [
+            functools.partial(call, unfused, w, matmul=functools.partial(cuda_skinny.linear, config=tile))
+            for w in weights])
         table[f"{n}:{k}:{cuda_skinny.row_bucket(rows)}"] = list(best) if best_time < MIN_GAIN * cublas else None
-        print(f"rows {rows:>2} N={n:>6} K={k:>6} ({megabytes:.0f} MB): cuBLAS {cublas:.1f} us "
-              f"({megabytes / cublas:.2f} TB/s), on W x^T {swapped:.1f} us; skinny {best_time:.1f} us "
+        print(f"rows {rows:>2} {prologue:>10} N={n:>6} K={k:>6} ({megabytes:.0f} MB): op + cuBLAS {cublas:.1f} us "
+              f"({megabytes / cublas:.2f} TB/s), on W x^T {swapped:.1f} us; op + skinny {best_time:.1f} us "
               f"({megabytes / best_time:.2f} TB/s) {best}; top: {top}", flush=True)
     return table
 
@@ -296,6 +304,7 @@ def probe_gdn_chunk(cfg: ModelConfig, length: int, device) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = probe_parser("batch_probe", __doc__, "skinny_configs.json", "skinny_configs.json")
     parser.add_argument("--rows", default="1,16,32,64", help="comma-separated row buckets to probe")
+    parser.add_argument("--only", default="", help="probe only this weight shape, N:K (rows 16-64)")
     parser.add_argument("--gdn-batches", default="64,16", help="comma-separated batch sizes for the GDN sweep")
     parser.add_argument("--gdn-chunks", default="16,128",
                         help="comma-separated chunk lengths for the GDN recurrent-prefill sweep")
@@ -314,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = ModelConfig.from_pretrained(args.model)
     device = torch.device("cuda")
     for rows in (int(r) for r in args.rows.split(",") if r):  # --rows "" probes the GDN kernels alone
-        table = probe_one_row(cfg, device) if rows == 1 else probe_rows(cfg, rows, device)
+        table = probe_one_row(cfg, device) if rows == 1 else probe_rows(cfg, rows, device, args.only)
         write_table(args.out, table)  # after each bucket: a run cut short keeps what it measured
         print(json.dumps(table), flush=True)
     for batch in (int(b) for b in args.gdn_batches.split(",") if b):

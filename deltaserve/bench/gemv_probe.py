@@ -62,22 +62,22 @@ def graph_time_us(calls) -> float:
     return 1e3 * start.elapsed_time(end) / (5 * len(calls))
 
 
-def inputs(prologue: str, n: int, k: int, head_dim: int, device):
-    """Weight copies and the call arguments of one shape at batch 1."""
+def inputs(prologue: str, n: int, k: int, head_dim: int, device, rows: int = 1):
+    """Weight copies and the call arguments of one shape at `rows` rows (batch 1 by default)."""
     dtype = torch.bfloat16
     copies = max(2, int(COPIES_BYTES // (2 * n * k)))
     weights = [0.02 * torch.randn(n, k, device=device, dtype=dtype) for _ in range(copies)]
     if prologue == "rms_norm":
-        x, res, w = (torch.randn(1, k, device=device, dtype=dtype) for _ in range(3))
+        x, res, w = (torch.randn(rows, k, device=device, dtype=dtype) for _ in range(3))
         return weights, (lambda fn, weight, **kw: fn(x, w, 1e-6, weight, res, **kw))
     if prologue == "silu_mul":
-        x = torch.randn(1, 2 * k, device=device, dtype=dtype)
+        x = torch.randn(rows, 2 * k, device=device, dtype=dtype)
         return weights, (lambda fn, weight, **kw: fn(x, weight, **kw))
     if prologue == "gated_norm":
-        x, z = (torch.randn(1, k // head_dim, head_dim, device=device, dtype=dtype) for _ in range(2))
+        x, z = (torch.randn(rows, k // head_dim, head_dim, device=device, dtype=dtype) for _ in range(2))
         w = torch.ones(head_dim, device=device, dtype=dtype)
         return weights, (lambda fn, weight, **kw: fn(x, z, w, 1e-6, weight, **kw))
-    x = torch.randn(1, k, device=device, dtype=dtype)
+    x = torch.randn(rows, k, device=device, dtype=dtype)
     return weights, (lambda fn, weight, **kw: fn(x, weight, **kw))
 
 
