@@ -100,9 +100,10 @@ def _swapped_linear(x, weight):
 def probe_rows(cfg: ModelConfig, rows: int, device, only: str = "") -> dict:
     """Buckets 16-64 (at their largest batch): each product after its prologue op (the norm, silu-mul or gated
     norm the engine runs before it), skinny against cuBLAS (and, printed only, cuBLAS on the transposed product).
-    Timed back to back without the op, cuBLAS's kernels overlap one another's launch (~3-4 us at 64 rows on the
-    H200: the GDN out-proj took 18.6 us so and 22.3 us inside a decode step). The attention o_proj shares the
-    GDN out-proj's shape, whose entry the out-proj (48 of 64 layers on 27B) decides."""
+    Products timed back to back flattered cuBLAS: the 27B GDN out-proj at 64 rows took 18.6 us so, but 22.3 us
+    inside a decode step, and 22.0 us with its gated norm (~3 us alone) before it (ninth session); with the op
+    between them, both kernels start as they do in the engine. The attention o_proj shares the GDN out-proj's
+    shape, whose entry the out-proj (48 of 64 layers on 27B) decides."""
     unfused_fns = {"rms_norm": reference.rms_norm_linear, "silu_mul": reference.silu_mul_linear,
                    "gated_norm": reference.gated_norm_linear}
     table = {}
