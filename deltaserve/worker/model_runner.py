@@ -143,16 +143,11 @@ class ModelRunner:
             logits = self.graphs.run_mixed(batch, input_ids, chunk_samples=rows[-1].sample)  # [S, V]
         elif self._single_graph_serves(rows):  # one short prompt chunk alone
             logits = self.graphs.run_single(batch, input_ids)  # [1, V], read only if the chunk samples
-        elif batch.parts is None:
+        else:
             # only the sampled sequences' last rows leave the last layer (its attention and MLP skip the rest)
             hidden = self.model(input_ids, batch, to_device(sampling_rows, self.device, torch.int64))  # [S, H]
             if sampling_rows:
                 logits = self.model.compute_logits(hidden)  # [S, V] float32
-        else:
-            hidden = self.model(input_ids, batch)  # [T, H]
-            if sampling_rows:
-                last = to_device(batch.cu_seqlens_cpu[1:][sampling_rows] - 1, self.device)  # [S] last rows
-                logits = self.model.compute_logits(hidden[last])  # [S, V] float32
         save_checkpoints(self.model, scheduled)  # working slot -> new checkpoint (chunks ending at a boundary)
         if not sampling_rows:
             return LaunchedStep([], None)
