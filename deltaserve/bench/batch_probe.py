@@ -277,6 +277,39 @@ def probe_gdn_decode(cfg: ModelConfig, rows: int, device) -> None:
                                                              for t, bv, w in results), flush=True)
 
 
+def probe_gdn_layer_tail(cfg: ModelConfig, rows: int, device) -> None:
+    """A GDN layer's decode tail at `rows` rows as the engine runs it, in one graph: the recurrent step (state
+    pool copies), then the gated norm + out-proj (weight copies); beside the two parts timed alone. In a W6
+    decode step the out-proj took 22.3 us where, alone, it takes ~19: if the tail's sum exceeds the parts', the
+    state written back from L2 while the out-proj reads is the likely cause (ninth session's question)."""
+    from deltaserve.ops.linear import gated_norm_linear
+    hv, kd, vd = cfg.gdn_num_v_heads, cfg.gdn_k_dim, cfg.gdn_v_dim
+    pools = [torch.zeros(rows + 1, hv, kd, vd, device=device, dtype=torch.float32) for _ in range(3)]
+    slots = torch.arange(1, rows + 1, device=device)
+    q, k, v, a, b, A_log, dt_bias = _gdn_inputs(cfg, rows, device)
+    gate = torch.randn_like(v)
+    norm_w = torch.ones(vd, device=device, dtype=torch.bfloat16)
+    n, width = cfg.hidden_size, hv * vd
+    weights = [0.02 * torch.randn(n, width, device=device, dtype=torch.bfloat16) for _ in range(6)]
+    o = torch.randn_like(v)  # the out-proj's input when it runs alone
+
+    def recurrent(pool):
+        return gdn_cuda.gdn_decode(q, k, v, a, b, pool, slots, A_log=A_log, dt_bias=dt_bias)  # [rows, HV, V]
+
+    def out_proj(x, weight):
+        gated_norm_linear(x, gate, norm_w, 1e-6, weight)
+
+    def both(pool, weight):
+        out_proj(recurrent(pool), weight)
+
+    alone_gdn = graph_time_us([functools.partial(recurrent, pools[i % 3]) for i in range(6)])
+    alone_proj = graph_time_us([functools.partial(out_proj, o, w) for w in weights])
+    together = graph_time_us([functools.partial(both, pools[i % 3], w) for i, w in enumerate(weights)])
+    print(f"GDN layer tail at {rows} rows: recurrent step {alone_gdn:.1f} us, gated norm + out-proj "
+          f"{alone_proj:.1f} us, one after the other {together:.1f} us (parts' sum {alone_gdn + alone_proj:.1f})",
+          flush=True)
+
+
 CHUNK_SWEEP = [(bv, warps) for bv, warps in itertools.product((8, 16, 32, 64), (1, 2, 4))
                if 128 * bv // (32 * warps) <= 128]
 
@@ -312,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare-specialization", default="",
                         help="comma-separated row counts: time the tuned skinny tiles with and without Triton's "
                              "specialisation on the row count")
+    parser.add_argument("--gdn-tail", default="",
+                        help="comma-separated batch sizes: a GDN layer's recurrent step and out-proj together and "
+                             "apart")
     parser.add_argument("--prefill-rows", default="",
                         help="comma-separated chunk sizes: the prefill projections on cuBLAS and cuBLASLt")
     parser.add_argument("--diagnose", default="",
@@ -335,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
         probe_row_specialization(cfg, rows, device)
     for rows in (int(r) for r in args.diagnose.split(",") if r):
         diagnose_rows(cfg, rows, device)
+    for rows in (int(r) for r in args.gdn_tail.split(",") if r):
+        probe_gdn_layer_tail(cfg, rows, device)
     for rows in (int(r) for r in args.prefill_rows.split(",") if r):
         probe_prefill_gemms(cfg, rows, device)
     return 0
