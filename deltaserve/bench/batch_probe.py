@@ -7,8 +7,8 @@ For every projection of a decode step of the model in CONFIG_DIR (default: the p
 inside CUDA graphs as decode runs them, each call on another copy of the weight so that none is served from L2:
 at one row, the prologue op and then the skinny kernel against the best of the fused GEMV
 (ops/linear/configs.json) and the prologue op + cuBLAS; at 16, 32 and 64 rows, the prologue op + the skinny
-kernel against the prologue op + cuBLAS (`--only N:K` for one shape). Writes the table cuda_skinny.py reads (the best tile where it won by 2%, else null) and prints each result
-with its bandwidth; then times the GDN decode step over (block_v, num_warps), and the recurrent prefill of one
+kernel against the prologue op + cuBLAS (`--only N:K` for one shape). Writes the table cuda_skinny.py reads (the
+best tile where it won by 2%, else null) and prints each result with its bandwidth; then times the GDN decode step over (block_v, num_warps), and the recurrent prefill of one
 sequence of 16 and 128 tokens (CHUNK_TILE in ops/gdn/cuda.py). `--rows "" --gdn-batches "" --gdn-chunks ""
 --compare-specialization 64` times the tuned skinny tiles at 64 rows with and without Triton's specialisation on
 the row count, and nothing else; `--diagnose 16,64` (with the same empty lists) splits the skinny GEMM's time at
@@ -36,14 +36,16 @@ from deltaserve.ops.linear import cuda_skinny, reference
 # (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages[, TMA]): the pointer-load tiles that won somewhere in wider
 # sweeps on an H200 (sixth to eighth sessions), then TMA copies of the same and of wider column blocks, whose
 # activation tile serves more weight rows (each column block re-reads the whole activation from L2), then
-# narrower ones (not yet run on the H200): 27B's gate/up at 64 rows runs 544 column blocks of 64 on 132 SMs, one
-# program each at a time (4.1 waves: the last one with 16 programs), and 1,088 of 32 would leave a smaller tail
+# narrower ones and stream-K ones (SPLIT_K 0; neither yet run on the H200): 27B's gate/up at 64 rows runs 544
+# column blocks of 64 on 132 SMs, one program each at a time (4.1 waves: the last one with 16 programs); 1,088 of
+# 32 would leave a smaller tail, stream-K none
 SWEEP = [(128, 128, 1, 4, 4), (128, 128, 1, 8, 4), (64, 128, 1, 4, 3), (64, 128, 1, 4, 6), (64, 256, 1, 4, 4),
          (128, 128, 2, 4, 4), (64, 64, 4, 4, 4),
          (64, 128, 1, 4, 4, 1), (64, 128, 1, 4, 6, 1), (64, 256, 1, 4, 3, 1), (128, 128, 1, 4, 4, 1),
          (128, 128, 1, 8, 4, 1), (128, 64, 1, 4, 6, 1), (128, 64, 1, 8, 6, 1), (256, 64, 1, 8, 4, 1),
          (128, 128, 2, 4, 4, 1), (64, 128, 2, 4, 6, 1),
-         (32, 128, 1, 4, 4, 1), (32, 128, 1, 4, 6, 1), (32, 256, 1, 4, 3, 1)]
+         (32, 128, 1, 4, 4, 1), (32, 128, 1, 4, 6, 1), (32, 256, 1, 4, 3, 1),
+         (64, 128, 0, 4, 6, 1), (128, 128, 0, 8, 4, 1), (128, 64, 0, 8, 6, 1)]
 GDN_SWEEP = [(bv, warps) for bv, warps in itertools.product((16, 32, 64, 128), (1, 2, 4, 8))
              if 8 <= 128 * bv // (32 * warps) <= 128]
 # 1% of noise between two graph timings of the same kernel; a tile must win by more than this
@@ -190,9 +192,10 @@ def _diagnostic(x, weight, out, tile, mode: int) -> None:
 
 def diagnose_rows(cfg: ModelConfig, rows: int, device) -> None:
     """Where the skinny GEMM's time goes at `rows` rows (a power of two, 16 or more), at each projection's tuned
-    tile (or the sweep's first that divides it): weight streaming alone, then the dots with no per-step activation load, then the
-    kernel as run. At 64 rows every projection reads its weight 5-13% slower than at 16 (eighth session): the
-    activation tiles re-read from L2 by every column block, or the dots, or neither."""
+    tile (or the sweep's first that divides it): weight streaming alone (a mode that times its own reduction more
+    than the stream: ninth session), then the dots with no per-step activation load, then the kernel as run. At
+    64 rows re-reading the activation cost the down projection ~7% (50.0 against 46.5 us) and the others nothing
+    measurable (ninth session)."""
     for n, k in sorted({(n, k) for _, n, k in decode_projections(cfg)}):
         tuned = cuda_skinny.config_for(n, k, rows)
         # the kernel has no masks: the tuned tile, else the first of the sweep, that divides the shape
