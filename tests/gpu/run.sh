@@ -8,7 +8,8 @@
 #          (every workload with profiles ~8 min, without ~6)
 #   tune   the tables this GPU should ship: fla-core's pinned kernel configurations as OUTDIR/fla_configs.tgz
 #          (unpack into deltaserve/ops/gdn/fla_configs/) and the skinny GEMM's tiles as OUTDIR/skinny_configs.json
-#          (for deltaserve/ops/linear/); TUNE=fla makes fla's alone (~2 min; both ~3)
+#          (for deltaserve/ops/linear/); TUNE=fla makes fla's alone (~2 min), TUNE=skinny the skinny table alone
+#          (~3 min), then a GDN layer's recurrent step and out-proj together and apart (`--gdn-tail 64`)
 # Wheels the machine lacks (fla-core, the server stack) are installed from .whl/ when present
 # (../shared/tools/gpu-wheels.sh .whl); the published configs are read from .gpu_configs/ (a copy of
 # ../shared/configs) or ../shared/configs.
@@ -29,12 +30,14 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/dev
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)' >> "$OUT/device.txt" 2>&1
 status=0
 if [ "$MODE" = tune ]; then
-  rm -rf /tmp/fla_configs
-  python3 -m deltaserve.bench.fla_tune "$CONFIGS/qwen3.5-27b" --out /tmp/fla_configs 2>&1 | tee "$OUT/tune.log"
-  tar czf "$OUT/fla_configs.tgz" -C /tmp/fla_configs .
+  if [ "${TUNE:-all}" != skinny ]; then
+    rm -rf /tmp/fla_configs
+    python3 -m deltaserve.bench.fla_tune "$CONFIGS/qwen3.5-27b" --out /tmp/fla_configs 2>&1 | tee "$OUT/tune.log"
+    tar czf "$OUT/fla_configs.tgz" -C /tmp/fla_configs .
+  fi
   [ "${TUNE:-all}" = fla ] && exit 0
   cp deltaserve/ops/linear/skinny_configs.json "$OUT/skinny_configs.json"
-  python3 -m deltaserve.bench.batch_probe "$CONFIGS/qwen3.5-27b" --gdn-batches "" --gdn-chunks "" \
+  python3 -m deltaserve.bench.batch_probe "$CONFIGS/qwen3.5-27b" --gdn-batches "" --gdn-chunks "" --gdn-tail 64 \
     --out "$OUT/skinny_configs.json" 2>&1 | tee -a "$OUT/tune.log"
   exit 0
 fi
