@@ -6,17 +6,17 @@ scheduling policies weighed without a GPU.
 
 The scheduler (engine/scheduler.py, with the prefix cache's chunk cuts of cache/kv_manager.py) picks each step's
 rows; every sampled token is 1 (ignore_eos), and a client sends its next prompt when its request finishes. A step
-costs, by kind (defaults measured on an H200 with Qwen3.5-27B, docs/performance.md, seventh and eighth sessions):
+costs, by kind (defaults measured on an H200 with Qwen3.5-27B, docs/performance.md, seventh to ninth sessions):
 
-    decode   only decode rows, a CUDA graph of D rows: linear from 13.8 ms at 1 row (W1's TPOT) to 22.04 ms at 64
-             (W6's decode-only step)
+    decode   only decode rows, a CUDA graph of D rows: linear from 13.8 ms at 1 row (W1's TPOT) to 21.77 ms at 64
+             (W6's decode-only step, ninth session)
     mixed    D >= 8 decode rows and one prompt chunk within --mixed-chunk-tokens (a mixed CUDA graph): the decode
              step + 0.6 ms + chunk_us a prompt token (sixth session: 128 tokens cost 8.9 ms, 70 us a token)
     prompt   anything else (eager): 49 ms + 78 us a prompt token (W6's steps of 1,091, 2,139 and 8,146 prompt
              tokens: 134, 200 and 683 ms)
 
-With the defaults it gives W6 at concurrency 64 as 36 prompt steps and 2,020 decode-only steps, 1,965 tok/s
-(measured: 36, 2,023 and 1,940).
+With the defaults it gives W6 at concurrency 64 as 36 prompt steps and 2,020 decode-only steps, 1,981 tok/s
+(measured: 36, 2,023 and 1,950-1,955; with the eighth session's 22.04 ms step it gave 1,965 against 1,940 measured).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class StepCosts:
     """Milliseconds a step takes, by kind (see the module docstring)."""
 
     decode_ms_1: float = 13.8
-    decode_ms_64: float = 22.04
+    decode_ms_64: float = 21.77
     mixed_extra_ms: float = 0.6
     chunk_us: float = 70.0
     prompt_fixed_ms: float = 49.0
