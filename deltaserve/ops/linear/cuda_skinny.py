@@ -59,6 +59,16 @@ def config_for(n: int, k: int, rows: int) -> tuple[int, ...] | None:
     return tuple(config) if config is not None else None
 
 
+@triton.jit
+def _store_block(acc, out, partial, ms, ns, ok, pid_k, M, N, stride_out_m, SPLIT_K: tl.constexpr):
+    """Store the [BN, BM] float32 sum of output columns ns [BN] and rows ms [BM] (where ok): into out (its dtype)
+    when K is not split, else into partial [SPLIT_K, M, N] at split pid_k."""
+    if SPLIT_K == 1:
+        tl.store(out + ms[None, :] * stride_out_m + ns[:, None], acc.to(out.dtype.element_ty), mask=ok)
+    else:
+        tl.store(partial + (pid_k * M + ms[None, :]).to(tl.int64) * N + ns[:, None], acc, mask=ok)
+
+
 # Specialised by Triton on the row count (a variant for M == 1, for M % 16 == 0 and for the rest: two per tile
 # and row bucket among the decode graphs' sizes). Without it (one variant each, fewer compiles at startup) the
 # MLP down projection at 64 rows took 62.0 us instead of 51.0 (27B, H200, batch_probe --compare-specialization).
@@ -88,11 +98,7 @@ def _skinny_kernel(
             w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         xt = tl.load(x_cols + ks[:, None], mask=k_ok[:, None] & m_ok[None, :], other=0.0)  # [BK, BM]
         acc = tl.dot(w, xt, acc, input_precision=PRECISION)  # [BN, BM]
-    out_ok = m_ok[None, :] & n_ok[:, None]
-    if SPLIT_K == 1:
-        tl.store(out + ms[None, :] * stride_out_m + ns[:, None], acc.to(out.dtype.element_ty), mask=out_ok)
-    else:
-        tl.store(partial + (pid_k * M + ms[None, :]).to(tl.int64) * N + ns[:, None], acc, mask=out_ok)
+    _store_block(acc, out, partial, ms, ns, m_ok[None, :] & n_ok[:, None], pid_k, M, N, stride_out_m, SPLIT_K)
 
 
 @triton.jit
@@ -114,11 +120,8 @@ def _skinny_tma_kernel(
         acc = tl.dot(w, x.T, acc, input_precision=PRECISION)  # [BN, BM]
     ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output columns = weight rows
     ms = tl.arange(0, BLOCK_M)  # [BM]
-    out_ok = (ms[None, :] < M) & (ns[:, None] < N)
-    if SPLIT_K == 1:
-        tl.store(out + ms[None, :] * stride_out_m + ns[:, None], acc.to(out.dtype.element_ty), mask=out_ok)
-    else:
-        tl.store(partial + (pid_k * M + ms[None, :]).to(tl.int64) * N + ns[:, None], acc, mask=out_ok)
+    _store_block(acc, out, partial, ms, ns, (ms[None, :] < M) & (ns[:, None] < N), pid_k, M, N, stride_out_m,
+                 SPLIT_K)
 
 
 @triton.jit
