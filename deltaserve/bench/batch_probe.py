@@ -341,6 +341,17 @@ def probe_gdn_chunk(cfg: ModelConfig, length: int, device) -> None:
                                                                     for t, bv, w in results), flush=True)
 
 
+def _positive_ints(parser, flag: str, text: str) -> list[int]:
+    """A comma-separated list of positive counts ("" for none), or a parser error naming the flag and value."""
+    try:
+        values = [int(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        values = [0]
+    if any(value < 1 for value in values):
+        parser.error(f"{flag}: expected comma-separated positive whole numbers, got {text!r}")
+    return values
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = probe_parser("batch_probe", __doc__, "skinny_configs.json", "skinny_configs.json")
     parser.add_argument("--rows", default="1,16,32,64", help="comma-separated row buckets to probe")
@@ -360,27 +371,29 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated row counts: split the skinny GEMM's time into weight streaming, dots "
                              "and activation loads")
     args = parser.parse_args(argv)
-    for rows in (int(r) for r in args.diagnose.split(",") if r):
+    counts = {flag: _positive_ints(parser, flag, getattr(args, flag[2:].replace("-", "_")))
+              for flag in ("--rows", "--gdn-batches", "--gdn-chunks", "--compare-specialization", "--diagnose",
+                           "--gdn-tail", "--prefill-rows")}
+    if any(rows > cuda_skinny.SKINNY_MAX_ROWS for rows in counts["--rows"]):
+        parser.error(f"--rows: the skinny GEMM serves 1 to {cuda_skinny.SKINNY_MAX_ROWS} rows, got {args.rows!r}")
+    for rows in counts["--diagnose"]:
         if rows < 16 or rows & (rows - 1):
             parser.error(f"--diagnose: row counts are powers of two from 16 (one dot tile), got {rows}")
     cfg = ModelConfig.from_pretrained(args.model)
+    shapes = {f"{n}:{k}" for _, n, k in decode_projections(cfg)}
+    if args.only and args.only not in shapes:
+        parser.error(f"--only: {args.only!r} is not a weight shape of this model ({', '.join(sorted(shapes))})")
     device = torch.device("cuda")
-    for rows in (int(r) for r in args.rows.split(",") if r):  # --rows "" probes the GDN kernels alone
+    for rows in counts["--rows"]:  # --rows "" probes the GDN kernels alone
         table = probe_one_row(cfg, device) if rows == 1 else probe_rows(cfg, rows, device, args.only)
         write_table(args.out, table)  # after each bucket: a run cut short keeps what it measured
         print(json.dumps(table), flush=True)
-    for batch in (int(b) for b in args.gdn_batches.split(",") if b):
-        probe_gdn_decode(cfg, batch, device)
-    for length in (int(n) for n in args.gdn_chunks.split(",") if n):
-        probe_gdn_chunk(cfg, length, device)
-    for rows in (int(r) for r in args.compare_specialization.split(",") if r):
-        probe_row_specialization(cfg, rows, device)
-    for rows in (int(r) for r in args.diagnose.split(",") if r):
-        diagnose_rows(cfg, rows, device)
-    for rows in (int(r) for r in args.gdn_tail.split(",") if r):
-        probe_gdn_layer_tail(cfg, rows, device)
-    for rows in (int(r) for r in args.prefill_rows.split(",") if r):
-        probe_prefill_gemms(cfg, rows, device)
+    probes = (("--gdn-batches", probe_gdn_decode), ("--gdn-chunks", probe_gdn_chunk),
+              ("--compare-specialization", probe_row_specialization), ("--diagnose", diagnose_rows),
+              ("--gdn-tail", probe_gdn_layer_tail), ("--prefill-rows", probe_prefill_gemms))
+    for flag, probe in probes:
+        for count in counts[flag]:
+            probe(cfg, count, device)
     return 0
 
 

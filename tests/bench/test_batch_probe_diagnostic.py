@@ -32,3 +32,15 @@ def test_diagnose_refuses_row_counts_a_dot_tile_cannot_take(capsys):
     with pytest.raises(SystemExit):
         batch_probe.main(["--diagnose", "24"])
     assert "--diagnose: row counts are powers of two from 16" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gdn-tail", "64,x"], "--gdn-tail: expected comma-separated positive whole numbers, got '64,x'"),
+    (["--prefill-rows", "0"], "--prefill-rows: expected comma-separated positive whole numbers, got '0'"),
+    (["--rows", "128"], "--rows: the skinny GEMM serves 1 to 64 rows, got '128'"),
+    (["--rows", "64", "--only", "5120:5121"], "--only: '5120:5121' is not a weight shape of this model"),
+])
+def test_bad_probe_flags_are_refused_by_name(argv, message, capsys, ckpt_qwen3_5):
+    with pytest.raises(SystemExit):
+        batch_probe.main([str(ckpt_qwen3_5), *argv])
+    assert message in capsys.readouterr().err
