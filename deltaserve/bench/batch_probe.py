@@ -36,16 +36,15 @@ from deltaserve.ops.linear import cuda_skinny, reference
 # (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages[, TMA]): the pointer-load tiles that won somewhere in wider
 # sweeps on an H200 (sixth to eighth sessions), then TMA copies of the same and of wider column blocks, whose
 # activation tile serves more weight rows (each column block re-reads the whole activation from L2), then
-# narrower ones and stream-K ones (SPLIT_K 0; neither yet run on the H200): 27B's gate/up at 64 rows runs 544
-# column blocks of 64 on 132 SMs, one program each at a time (4.1 waves: the last one with 16 programs); 1,088 of
-# 32 would leave a smaller tail, stream-K none
+# narrower ones (27B's gate/up at 64 rows runs 544 column blocks of 64 on 132 SMs, one program each at a time: 4.1
+# waves, the last one with 16 programs; 1,088 of 32 leave a smaller tail). Stream-K tiles (an equal share of the
+# weight per SM) won nowhere in the tenth session's sweep and were removed.
 SWEEP = [(128, 128, 1, 4, 4), (128, 128, 1, 8, 4), (64, 128, 1, 4, 3), (64, 128, 1, 4, 6), (64, 256, 1, 4, 4),
          (128, 128, 2, 4, 4), (64, 64, 4, 4, 4),
          (64, 128, 1, 4, 4, 1), (64, 128, 1, 4, 6, 1), (64, 256, 1, 4, 3, 1), (128, 128, 1, 4, 4, 1),
          (128, 128, 1, 8, 4, 1), (128, 64, 1, 4, 6, 1), (128, 64, 1, 8, 6, 1), (256, 64, 1, 8, 4, 1),
          (128, 128, 2, 4, 4, 1), (64, 128, 2, 4, 6, 1),
-         (32, 128, 1, 4, 4, 1), (32, 128, 1, 4, 6, 1), (32, 256, 1, 4, 3, 1),
-         (64, 128, 0, 4, 6, 1), (128, 128, 0, 8, 4, 1), (128, 64, 0, 8, 6, 1)]
+         (32, 128, 1, 4, 4, 1), (32, 128, 1, 4, 6, 1), (32, 256, 1, 4, 3, 1)]
 GDN_SWEEP = [(bv, warps) for bv, warps in itertools.product((16, 32, 64, 128), (1, 2, 4, 8))
              if 8 <= 128 * bv // (32 * warps) <= 128]
 # 1% of noise between two graph timings of the same kernel; a tile must win by more than this

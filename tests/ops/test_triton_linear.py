@@ -87,11 +87,10 @@ def test_bad_inputs_name_themselves():
 
 
 # The skinny tensor-core GEMM (ops/linear/cuda_skinny.py): small tiles for the interpreter, one and two K splits,
-# pointer loads and TMA copies (a sixth entry of 1), stream-K (SPLIT_K 0, TMA).
-SKINNY_TILES = [(16, 32, 1, 4, 1), (16, 32, 2, 4, 1), (16, 32, 1, 4, 1, 1), (16, 32, 2, 4, 1, 1),
-                (16, 32, 0, 4, 1, 1)] + (
-    [(64, 128, 1, 4, 4), (128, 128, 2, 4, 4), (64, 128, 1, 4, 4, 1), (128, 64, 2, 8, 3, 1), (64, 128, 0, 4, 4, 1),
-     (128, 64, 0, 8, 4, 1)] if DEVICE == "cuda" else [])
+# pointer loads and TMA copies (a sixth entry of 1).
+SKINNY_TILES = [(16, 32, 1, 4, 1), (16, 32, 2, 4, 1), (16, 32, 1, 4, 1, 1), (16, 32, 2, 4, 1, 1)] + (
+    [(64, 128, 1, 4, 4), (128, 128, 2, 4, 4), (64, 128, 1, 4, 4, 1), (128, 64, 2, 8, 3, 1)]
+    if DEVICE == "cuda" else [])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -105,31 +104,6 @@ def test_skinny_matches_cublas(dtype, tile, rows, k):
     x, weight = _rand(rows, k, dtype=dtype, gen=gen), _rand(40, k, dtype=dtype, gen=gen, scale=0.1)
     torch.testing.assert_close(linear_skinny.linear(x, weight, tile), torch.nn.functional.linear(x, weight),
                                **_tol(dtype))
-
-
-@pytest.mark.parametrize("n, k", [(16, 104), (40, 104), (40, 1000), (72, 2056)])
-def test_skinny_stream_k_shares(n, k):
-    """Stream-K's shapes of sharing (the interpreter has 4 "SMs"): one column block split among 4 programs, 3 blocks
-    among 4, blocks shared by two programs after a long run (K = 1,000: 32 K blocks a column block), and, on the
-    GPU, 5 blocks over 132 programs. Called twice: the arrival counts must be back at zero after a call."""
-    gen = torch.Generator().manual_seed(n + k)
-    dtype = DTYPES[-1]
-    tile = (16, 32, 0, 4, 1, 1)
-    for _ in range(2):
-        x, weight = _rand(5, k, dtype=dtype, gen=gen), _rand(n, k, dtype=dtype, gen=gen, scale=0.1)
-        torch.testing.assert_close(linear_skinny.linear(x, weight, tile), torch.nn.functional.linear(x, weight),
-                                   **_tol(dtype))
-    assert all(not counts.any() for counts in linear_skinny._ARRIVALS.values())
-
-
-def test_skinny_stream_k_is_deterministic():
-    """The same product twice gives the same bits: shared blocks add their shares in program order, not in the
-    order the programs finish."""
-    gen = torch.Generator().manual_seed(7)
-    x, weight = _rand(64, 1000, dtype=DTYPES[-1], gen=gen), _rand(48, 1000, dtype=DTYPES[-1], gen=gen, scale=0.1)
-    first = linear_skinny.linear(x, weight, (16, 32, 0, 4, 1, 1))
-    for _ in range(3):
-        assert torch.equal(linear_skinny.linear(x, weight, (16, 32, 0, 4, 1, 1)), first)
 
 
 def test_skinny_tma_tiles_take_the_tma_kernel(monkeypatch):
@@ -160,8 +134,7 @@ def test_skinny_table_and_buckets():
     assert linear_skinny.config_for(8, 16, linear_skinny.SKINNY_MAX_ROWS + 1) is None
     for key, tile in linear_skinny._tuned_configs().items():  # the packaged table: tiles the kernel can take
         assert int(key.split(":")[2]) in linear_skinny.ROW_BUCKETS, key
-        # SPLIT_K >= 1, or 0 (stream-K) with TMA copies
-        assert tile is None or (tile[0] >= 16 and tile[1] >= 16 and (tile[2] >= 1 or tile[2:] == [0, *tile[3:5], 1])), key
+        assert tile is None or (tile[0] >= 16 and tile[1] >= 16 and tile[2] >= 1), key
     with pytest.raises(ValueError, match="x must be"):
         linear_skinny.linear(torch.zeros(65, 16), torch.zeros(8, 16), (16, 16, 1, 4, 1))
 

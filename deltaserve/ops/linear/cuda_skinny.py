@@ -5,14 +5,12 @@ that leave the GPU short of loads in flight (27B's in-projections at 64 rows: 3.
 weight is the wide side of a tensor-core product (W tile [BLOCK_N, BLOCK_K] times x^T tile [BLOCK_K, BLOCK_M], the
 rows padded to 16, tl.dot's least), its loads pipelined over num_stages, either pointer loads or (a sixth config
 entry of 1) the Hopper tensor-memory accelerator's bulk tile copies (TMA); K may be split among SPLIT_K programs
-whose float32 partial sums a second kernel adds in a fixed order, so the result does not depend on timing; with
-TMA, SPLIT_K 0 is stream-K (one program per SM, each streaming an equal share of the weight; a block shared by
-programs is added in program order by the last of them to finish). The table `skinny_configs.json` (measured by
-`python -m deltaserve.bench.batch_probe`) names the tile per (N, K, row bucket) and holds only the shapes where the
+whose float32 partial sums a second kernel adds in a fixed order, so the result does not depend on timing. The
+table `skinny_configs.json` (measured by `python -m deltaserve.bench.batch_probe`) names the tile per (N, K, row bucket) and holds only the shapes where the
 kernel beat cuBLAS (and, at one row, the fused GEMV of cuda.py) by 2%. (A version with the RMS-norm / silu-mul
 prologue fused in lost to the GEMV at one row, 2.9-3.4 TB/s: each program re-reads and normalises the activation;
-it was not kept. A stream-K over pointer loads whose partials a second kernel added won no shape of 27B at 1-64
-rows, docs/performance.md, eighth session; the TMA one is not yet measured.)
+it was not kept. Stream-K, one program per SM each streaming an equal share of the weight, won no shape of 27B at
+1-64 rows, over pointer loads (eighth session) nor over TMA tiles (tenth): docs/performance.md.)
 """
 
 import functools
@@ -23,8 +21,6 @@ import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
-
-from deltaserve.device import sm_count
 
 
 # Rows (sequences) up to which the kernel may serve; larger batches run cuBLAS.
@@ -124,85 +120,6 @@ def _skinny_tma_kernel(
                  SPLIT_K)
 
 
-@triton.jit
-def _skinny_stream_k_kernel(
-    x_desc, w_desc, out, partial, arrivals, M, N, k_iters, iters_per_program, total_iters, stride_out_m,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SEGMENTS: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """Stream-K over TMA tiles. Grid (P,): the cdiv(N, BLOCK_N) x k_iters (column block, K block) iterations,
-    column block after column block, iters_per_program to each program, so that every SM streams the same share
-    of the weight whatever the count of column blocks (27B's gate/up at 64 rows: 544 blocks of 64 are 4.1 waves
-    of one program per SM). A program's iterations meet at most SEGMENTS column blocks; a block it covers whole it
-    stores at once. Of a block shared by programs first..last, each stores its float32 share in its slot of
-    partial [P * 2, BLOCK_N, BLOCK_M] (slot 0 for its first block, 1 for its last) and counts itself in
-    arrivals[block]; the last to arrive adds the shares in program order (the result does not depend on timing),
-    stores the block and sets the count back to 0 for the next call."""
-    pid = tl.program_id(0)
-    start = pid * iters_per_program
-    end = tl.minimum(start + iters_per_program, total_iters)
-    ms = tl.arange(0, BLOCK_M)  # [BM] rows of x
-    cols = tl.arange(0, BLOCK_N)  # [BN] columns of a block
-    slot_tile = cols[:, None] * BLOCK_M + ms[None, :]  # [BN, BM] offsets within a partial slot
-    for segment in tl.static_range(SEGMENTS):
-        block = start // k_iters + segment
-        lo = tl.maximum(start, block * k_iters)  # this segment's iterations: [lo, hi), maybe none
-        hi = tl.minimum(end, (block + 1) * k_iters)
-        if lo < hi:
-            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            for i in range(lo, hi):
-                k0 = (i - block * k_iters) * BLOCK_K
-                w = w_desc.load([block * BLOCK_N, k0])  # [BN, BK]
-                x = x_desc.load([0, k0])  # [BM, BK]
-                acc = tl.dot(w, x.T, acc, input_precision=PRECISION)  # [BN, BM]
-            ns = block * BLOCK_N + cols  # [BN] output columns = weight rows
-            out_ptrs = out + ms[None, :] * stride_out_m + ns[:, None]  # [BN, BM]
-            out_ok = (ms[None, :] < M) & (ns[:, None] < N)
-            if (lo == block * k_iters) & (hi == (block + 1) * k_iters):  # the whole block: no one else's share
-                tl.store(out_ptrs, acc.to(out.dtype.element_ty), mask=out_ok)
-            else:
-                own_slot = pid * 2 + (block != start // k_iters).to(tl.int32)
-                tl.store(partial + own_slot.to(tl.int64) * (BLOCK_N * BLOCK_M) + slot_tile, acc)
-                tl.debug_barrier()  # every thread's share is stored before the count says so
-                first = block * k_iters // iters_per_program
-                last = ((block + 1) * k_iters - 1) // iters_per_program
-                arrived = tl.atomic_add(arrivals + block, 1, sem="acq_rel")
-                if arrived == last - first:  # the others have all stored theirs: add them in program order
-                    total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-                    for p in range(first, last + 1):
-                        slot = p * 2 + (block != p * iters_per_program // k_iters).to(tl.int32)
-                        total += tl.load(partial + slot.to(tl.int64) * (BLOCK_N * BLOCK_M) + slot_tile,
-                                         cache_modifier=".cg")
-                    tl.store(out_ptrs, total.to(out.dtype.element_ty), mask=out_ok)
-                    tl.atomic_xchg(arrivals + block, 0)
-
-
-# Arrival counts of the stream-K kernel, zeros between calls, per (device, column blocks): kept for the process
-# (a CUDA graph reads the one it was captured with) and never reallocated.
-_ARRIVALS: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
-def _linear_stream_k(x, weight, out, block_m: int, block_n: int, block_k: int, num_warps: int, num_stages: int,
-                     precision: str) -> None:
-    """out = x @ weight^T by `_skinny_stream_k_kernel` over one program per SM (both tensors TMA-ready)."""
-    (M, K), N = x.shape, weight.shape[0]
-    k_iters = triton.cdiv(K, block_k)
-    blocks = triton.cdiv(N, block_n)
-    total = blocks * k_iters
-    iters_per_program = triton.cdiv(total, min(sm_count(x.device), total))
-    programs = triton.cdiv(total, iters_per_program)  # none left without work
-    arrivals = _ARRIVALS.get((x.device, blocks))
-    if arrivals is None:
-        arrivals = _ARRIVALS[(x.device, blocks)] = torch.zeros(blocks, dtype=torch.int32, device=x.device)
-    partial = torch.empty(programs * 2, block_n, block_m, dtype=torch.float32, device=x.device)
-    _skinny_stream_k_kernel[(programs,)](
-        TensorDescriptor.from_tensor(x, [block_m, block_k]), TensorDescriptor.from_tensor(weight, [block_n, block_k]),
-        out, partial, arrivals, M, N, k_iters, iters_per_program, total, out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SEGMENTS=triton.cdiv(iters_per_program, k_iters) + 1,
-        PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
-    )
-
-
 def _tma_ready(t: torch.Tensor) -> bool:
     """Whether TMA can copy tiles of the 2-D tensor t: 16-byte aligned base and row stride."""
     return t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
@@ -222,8 +139,7 @@ def _sum_splits_kernel(partial, out, total, SPLIT_K: tl.constexpr, BLOCK: tl.con
 def linear(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, ...]) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T -> [M, N] in x.dtype, 1 <= M <= SKINNY_MAX_ROWS, unit last strides.
     config: (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages[, TMA]); TMA 1 copies the tiles by TMA where both
-    tensors' bases and row strides are 16-byte aligned (else pointer loads); SPLIT_K 0 with TMA is stream-K
-    (`_skinny_stream_k_kernel`; without TMA, one program a column block)."""
+    tensors' bases and row strides are 16-byte aligned (else pointer loads)."""
     N, K = weight.shape
     M = x.shape[0]
     if x.dim() != 2 or x.shape[1] != K or not 1 <= M <= SKINNY_MAX_ROWS:
@@ -237,10 +153,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, ...]) -> to
     block_m = max(16, triton.next_power_of_2(M))  # tl.dot's least side
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    if split_k == 0 and use_tma:
-        _linear_stream_k(x, weight, out, block_m, block_n, block_k, num_warps, num_stages, precision)
-        return out
-    split_k = max(split_k, 1)  # stream-K over tensors TMA cannot copy: one program a column block
     partial = torch.empty(split_k, M, N, dtype=torch.float32, device=x.device) if split_k > 1 else out
     grid = (triton.cdiv(N, block_n), split_k)
     k_iters = triton.cdiv(K, split_k * block_k)
