@@ -417,6 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale", type=float, default=1.0, help="multiply prompt counts (quick runs: 0.34)")
     parser.add_argument("--out", help="append JSON lines of results here")
     parser.add_argument("--profile", action="store_true", help="print the top GPU kernels of a prefill and a decode")
+    parser.add_argument("--profile-prompt-len", type=int, default=8192,
+                        help="with --profile, the prompt tokens of the profiled prefill (W3: 8192, W1: 1024)")
     parser.add_argument("--profile-dir", help="with --profile, also write every kernel's line to files here, and "
                         "each profile's timeline (Chrome trace, gzipped)")
     parser.add_argument("--concurrency", type=int, default=None,
@@ -429,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [w for w in names if w not in WORKLOADS and w not in PREFIX_WORKLOADS]
     if unknown:
         parser.error(f"--workloads: unknown {unknown}; known {sorted(WORKLOADS)}")
+    if args.profile_prompt_len < 1:
+        parser.error(f"--profile-prompt-len must be at least 1, got {args.profile_prompt_len}")
     offered = {conc for name in names for *_, conc in WORKLOADS.get(name, [])}
     if args.concurrency is not None and args.concurrency not in offered:
         parser.error(f"--concurrency {args.concurrency}: no entry of {','.join(names)} runs at it "
@@ -452,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         if args.profile_dir:
             os.makedirs(args.profile_dir, exist_ok=True)
-        profile(engine, save_dir=args.profile_dir)
+        profile(engine, input_len=args.profile_prompt_len, save_dir=args.profile_dir)
     for name in names:
         if name in PREFIX_WORKLOADS:
             r = run_shared_prefix(engine, profile_hit=args.profile) if name == "W4" else run_multi_turn(engine)
