@@ -178,10 +178,18 @@ def mixed_graph_sizes(max_num_seqs: int, performance_mode: str = "balanced") -> 
 
 
 # Single-chunk CUDA graphs (worker/cuda_graph.py), on unless DELTASERVE_CHUNK_GRAPHS=0: a step of one sequence
-# computing 2 to 128 new tokens with no checkpoint inside it (in practice a prefix-cache hit whose new tokens fit in
-# the block after it, or a prompt of one block), padded to the next of these sizes. Run eagerly such a step is bound
-# by launching its kernels one by one: W4's hit on 27B took 47-82 ms eagerly, 23 ms as a graph (docs/performance.md).
-CHUNK_GRAPH_TOKENS = (16, 32, 64, 128)
+# computing 2 to 2,048 new tokens, padded to the next of these sizes. Run eagerly such a step is bound by the host
+# launching its kernels one by one (fla's chunked GDN call alone takes ~1.0-1.3 ms of host time against 44-133 us of
+# GPU for 16-1,024 tokens): W4's hit on 27B took 47-82 ms eagerly, 23 ms as a graph; a fresh 1,024-token prompt is
+# 79 ms of GPU in a 125 ms TTFT (docs/performance.md). Up to 128 rows the GDN layers run the recurrent kernel over
+# the chunk and its padding, and a checkpoint inside the step keeps the step eager; from PADDED_CHUNK_MIN_ROWS they
+# run fla over all rows with the padding masked (layers/batch.PaddedChunk), which also takes such a checkpoint.
+CHUNK_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+PADDED_CHUNK_MIN_ROWS = 256
+# A padded graph attends with the paged kernel (~300 TFLOP/s), where an eager step of a long chunk after a long
+# prefix would take cuDNN (~620): the graph serves a step only while its rows x (cached + rows) query-key pairs stay
+# under this (27B: ~22 ms of paged attention, against the ~40 ms of host time the graph saves).
+PADDED_GRAPH_MAX_PAIRS = 1 << 24
 
 
 def chunk_graph_sizes() -> list[int]:
@@ -204,8 +212,11 @@ def estimate_cuda_graph_bytes(cfg: ModelConfig, dtype: str, max_num_seqs: int, p
     sizes = graph_capture_sizes(max_num_seqs, performance_mode)
     mixed = mixed_graph_sizes(max_num_seqs, performance_mode)
     rows = max(sizes[-1], mixed[-1] + mixed_chunk_tokens()) if mixed else sizes[-1]
-    rows = max([rows] + chunk_graph_sizes())
+    forward = _forward_bytes(cfg, dtype, rows, decode=True)
+    chunk_rows = max(chunk_graph_sizes(), default=0)
+    if chunk_rows:  # the largest single-chunk graph; from PADDED_CHUNK_MIN_ROWS rows it runs the chunked rule
+        forward = max(forward, _forward_bytes(cfg, dtype, chunk_rows, decode=chunk_rows < PADDED_CHUNK_MIN_ROWS))
     logit_rows = sizes[-1] + (1 if mixed else 0)
-    largest = _forward_bytes(cfg, dtype, rows, decode=True) + logit_rows * cfg.vocab_size * DTYPE_BYTES[dtype]
+    largest = forward + logit_rows * cfg.vocab_size * DTYPE_BYTES[dtype]
     fixed = cuda_graph_count(max_num_seqs, performance_mode) * _GRAPH_FIXED_BYTES
     return largest + logit_rows * cfg.vocab_size * 4 + fixed

@@ -80,6 +80,33 @@ class MidChunkSaves:
 
 
 @dataclass
+class PaddedChunk:
+    """How the GDN layers run a padded single-chunk step of R rows (worker/cuda_graph.py): one sequence's L new
+    tokens then R - L padding rows, with every launch's shape the same whatever L and wherever a checkpoint falls,
+    so that one CUDA graph serves them all.
+
+    fla's chunked kernels run all R rows as one sequence on the chunk's state slot, the write strength and log
+    decay of the rows from `stop` on set to 0: the state passes through those rows unchanged and ends as the
+    state after `stop` rows (stop = L, or the save point of a checkpoint inside the step). That state is copied
+    to `checkpoint_slot` (the dummy slot 0 when the step saves none), and so are the conv inputs before `stop`.
+    Then a window of the last B (a block) rows runs again on the recurrent kernel as three sequences: the rows
+    before `stop` (dummy slot, discarded), [stop, L) continuing the chunk's slot (none without a checkpoint), the
+    padding (dummy slot); the middle one's outputs replace fla's."""
+
+    keep: torch.Tensor  # [R] bool: row < stop
+    fla_cu_seqlens: torch.Tensor  # [2] int64: 0, R
+    fla_cu_seqlens_cpu: torch.Tensor  # the same on the CPU
+    fla_chunk_indices: torch.Tensor | None  # fla's chunk index of one R-row sequence (GPU only)
+    checkpoint_slot: torch.Tensor  # [1] int64
+    conv_rows: torch.Tensor  # [W-1] int64: the rows just before `stop` (the conv state there)
+    window_rows: torch.Tensor  # [B] int64: rows ws .. ws + B - 1, ws = min(stop, R - B)
+    window_cu_seqlens: torch.Tensor  # [4] int64: 0, stop - ws, L - ws, B
+    window_slots: torch.Tensor  # [3] int64: 0, the chunk's slot, 0
+    window_has_initial_state: torch.Tensor  # [3] bool: False, True, False
+    window_redo: torch.Tensor  # [B] bool: the window's rows in [stop, L)
+
+
+@dataclass
 class ForwardBatch:
     positions: torch.Tensor  # [T] int64, position of each token in its sequence
     cu_seqlens_q: torch.Tensor  # [N+1] int64, cumulative new-token counts
@@ -100,6 +127,8 @@ class ForwardBatch:
     # and the mixer layers run them on the decode kernels, the rest on the prefill ones (a mixed step of the
     # CUDA-graph runner, worker/cuda_graph.py). Each part is a ForwardBatch over its own rows; None: one part.
     parts: tuple["ForwardBatch", "ForwardBatch"] | None = None
+    # a padded single-chunk step's GDN plan (see PaddedChunk); None: the GDN layers follow cu_seqlens_q
+    padded: PaddedChunk | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -14,11 +14,11 @@ import torch
 from torch import nn
 
 from deltaserve.config import ModelConfig
-from deltaserve.layers.batch import ForwardBatch, MidChunkSaves
+from deltaserve.layers.batch import ForwardBatch, MidChunkSaves, PaddedChunk
 from deltaserve.layers.linear import fuse_linears
 from deltaserve.layers.norm import GatedRMSNorm
 from deltaserve.ops.conv1d import conv_decode, conv_prefill
-from deltaserve.ops.gdn import gdn_decode, gdn_prefill
+from deltaserve.ops.gdn import gdn_decode, gdn_gates, gdn_prefill
 from deltaserve.ops.linear import gated_norm_linear
 
 
@@ -102,6 +102,30 @@ class GatedDeltaNet(nn.Module):
                             saves.tail_max_len, A_log=self.A_log, dt_bias=self.dt_bias)
         return o.index_copy_(0, rows, tails)
 
+    def _padded_prefill(self, q, k, v, a, b, batch: ForwardBatch) -> torch.Tensor:
+        """gdn_prefill of a padded single-chunk step, every launch of a fixed shape (see PaddedChunk): fla over
+        all rows with those from `stop` on masked, the state at `stop` copied to the checkpoint slot, then the
+        window's rows [stop, L) again on the recurrent kernel. Returns o: [R, HV, V]."""
+        plan = batch.padded
+        g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)  # [R, HV] each
+        keep = plan.keep[:, None]
+        # zero write strength and log decay: S = exp(0) S + k 0 (v - S^T k) = S, exactly
+        g, beta = g * keep, beta * keep
+        o = gdn_prefill(q, k, v, g, beta, self.ssm_state, batch.state_slots[:1], batch.has_initial_state[:1],
+                        plan.fla_cu_seqlens, plan.fla_cu_seqlens_cpu, chunk_indices=plan.fla_chunk_indices)
+        self.ssm_state.index_copy_(0, plan.checkpoint_slot, self.ssm_state.index_select(0, batch.state_slots[:1]))
+        rows = plan.window_rows
+        redo = gdn_prefill(q[rows], k[rows], v[rows], a[rows], b[rows], self.ssm_state, plan.window_slots,
+                           plan.window_has_initial_state, plan.window_cu_seqlens, None, rows.shape[0],
+                           A_log=self.A_log, dt_bias=self.dt_bias)  # [B, HV, V]
+        o[rows] = torch.where(plan.window_redo[:, None, None], redo, o[rows])
+        return o
+
+    def _save_padded_conv_checkpoint(self, mixed: torch.Tensor, plan: PaddedChunk) -> None:
+        """The conv state at a padded step's `stop` (its W-1 inputs before it) to the checkpoint slot."""
+        window = mixed[plan.conv_rows].transpose(0, 1)[None]  # [1, conv_dim, W-1]
+        self.conv_state.index_copy_(0, plan.checkpoint_slot, window.to(self.conv_state.dtype))
+
     def forward(self, projected: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """projected: [T, conv_dim + value_dim + 2 HV], the output of `in_weight` -> [T, H]. Reads and writes
         this batch's slots of the conv and recurrent state pools."""
@@ -129,6 +153,8 @@ class GatedDeltaNet(nn.Module):
         else:  # three contiguous [T, d] tensors
             if batch.mid_saves is not None:
                 self._save_conv_checkpoints(mixed, batch.mid_saves)
+            if batch.padded is not None:
+                self._save_padded_conv_checkpoint(mixed, batch.padded)
             q, k, v = conv_prefill(mixed, conv_w, self.conv_state, slots, batch.has_initial_state, batch.cu_seqlens_q,
                                    split=qkv_dims)
         q = q.view(T, self.num_k_heads, self.k_dim)
@@ -138,6 +164,8 @@ class GatedDeltaNet(nn.Module):
             return gdn_decode(q, k, v, a, b, self.A_log, self.dt_bias, self.ssm_state, slots)
         if batch.mid_saves is not None:
             return self._prefill_with_checkpoints(q, k, v, a, b, batch.mid_saves)
+        if batch.padded is not None:
+            return self._padded_prefill(q, k, v, a, b, batch)
         # raw gates: the GPU's recurrent kernel for short chunks computes them itself
         return gdn_prefill(q, k, v, a, b, self.ssm_state, slots, batch.has_initial_state, batch.cu_seqlens_q,
                            batch.cu_seqlens_cpu, batch.max_query_len, A_log=self.A_log, dt_bias=self.dt_bias)

@@ -17,10 +17,13 @@ large model is bound by reading its weights, so the chunk's tokens cost a fracti
 their own, but the prompts queued behind one chunk a step do not decode meanwhile (docs/performance.md).
 
 Single-chunk graphs (`chunk_graph_sizes`; on unless DELTASERVE_CHUNK_GRAPHS=0): a step of
-one sequence computing 2 to 128 new tokens with no checkpoint saved inside it (a prefix-cache hit whose new tokens
-fit in the block after it, a prompt of one block), padded to the next of 16, 32, 64 or 128 rows by a second
-sequence on the dummy slot, as a mixed step's chunk part is; such a step is otherwise bound by launching its
-kernels one by one.
+one sequence computing 2 to 2,048 new tokens (a fresh prompt, a prefix-cache hit's new tokens), padded to the next
+of 16, 32, ..., 2,048 rows by a second sequence on the dummy slot, as a mixed step's chunk part is; such a step is
+otherwise bound by launching its kernels one by one. Up to 128 rows the GDN layers run the recurrent kernel, and a
+step with a checkpoint inside it stays eager; from PADDED_CHUNK_MIN_ROWS rows they follow the step's
+`PaddedChunk` (layers/batch.py): fla over all rows with the padding masked, any checkpoint inside the step taken,
+every launch of a fixed shape (`_PaddedPlans` sets its buffers before each replay). A short step with a checkpoint
+inside takes the smallest such graph.
 
 With --enforce-eager the same padded batches run eagerly, so both modes compute exactly the same numbers (the
 shapes decide which GEMM and attention-split kernels run, and so the rounding).
@@ -30,10 +33,12 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
-from deltaserve.cache.footprint import chunk_graph_sizes, graph_capture_sizes, mixed_chunk_tokens, mixed_graph_sizes
-from deltaserve.layers.batch import ForwardBatch
+from deltaserve.cache.footprint import (PADDED_CHUNK_MIN_ROWS, chunk_graph_sizes, graph_capture_sizes,
+                                        mixed_chunk_tokens, mixed_graph_sizes)
+from deltaserve.layers.batch import ForwardBatch, PaddedChunk
 from deltaserve.model.qwen3_5 import HybridForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -52,6 +57,60 @@ class _StaticBatch:
         self.block_tables = torch.zeros(seqs, block_table_width, dtype=torch.int32, device=device)
         self.has_initial_state = torch.ones(seqs, dtype=torch.bool, device=device)
         self.cu_seqlens = torch.arange(seqs + 1, **i64)  # decode rows: one token each
+
+
+class _PaddedPlans:
+    """The PaddedChunk of each padded single-chunk graph size, over shared static buffers (`set` fills them for a
+    step: its chunk length, where the GDN state stops, the checkpoint slot)."""
+
+    def __init__(self, sizes: list[int], chunk_slot: torch.Tensor, conv_width: int, block_size: int, device):
+        i64 = dict(dtype=torch.int64, device=device)
+        self.conv_width, self.window = conv_width, block_size
+        self.chunk_slot = chunk_slot  # [1] the chunk's state slot in the single graphs' buffers
+        self.arange = torch.arange(max(sizes), **i64)
+        self.keep = torch.zeros(max(sizes), dtype=torch.bool, device=device)
+        self.checkpoint_slot = torch.zeros(1, **i64)
+        self.conv_rows = torch.zeros(conv_width - 1, **i64)
+        self.window_rows = torch.zeros(block_size, **i64)
+        self.window_cu_seqlens = torch.zeros(4, **i64)
+        self.window_slots = torch.zeros(3, **i64)
+        self.window_redo = torch.zeros(block_size, dtype=torch.bool, device=device)
+        window_has_initial_state = torch.tensor([False, True, False], device=device)
+        self.plans: dict[int, PaddedChunk] = {}
+        for size in sizes:
+            fla_cu_seqlens_cpu = torch.tensor([0, size])
+            self.plans[size] = PaddedChunk(
+                keep=self.keep[:size], fla_cu_seqlens=fla_cu_seqlens_cpu.to(device),
+                fla_cu_seqlens_cpu=fla_cu_seqlens_cpu, fla_chunk_indices=_fla_chunk_indices(size, device),
+                checkpoint_slot=self.checkpoint_slot, conv_rows=self.conv_rows, window_rows=self.window_rows,
+                window_cu_seqlens=self.window_cu_seqlens, window_slots=self.window_slots,
+                window_has_initial_state=window_has_initial_state, window_redo=self.window_redo)
+
+    def set(self, size: int, chunk_len: int, stop: int, checkpoint_slot: int) -> None:
+        """A step of chunk_len tokens in `size` rows whose GDN state stops at `stop` (chunk_len, or a checkpoint's
+        save point at least W-1 tokens in and within a block of the end), saved to checkpoint_slot (0: none)."""
+        if not (1 <= stop <= chunk_len <= size and chunk_len - stop <= self.window):
+            raise ValueError(f"a padded step of {chunk_len} tokens in {size} rows cannot stop its state at {stop}")
+        torch.lt(self.arange[:size], stop, out=self.keep[:size])
+        self.checkpoint_slot.fill_(checkpoint_slot)
+        # (a save point is at least W-1 tokens in; without one the copy lands on the dummy slot, any rows will do)
+        torch.add(self.arange[: self.conv_width - 1], max(stop - self.conv_width + 1, 0), out=self.conv_rows)
+        start = min(stop, size - self.window)  # the window's first row
+        torch.add(self.arange[: self.window], start, out=self.window_rows)
+        for i, bound in enumerate((0, stop - start, chunk_len - start, self.window)):
+            self.window_cu_seqlens[i].fill_(bound)
+        self.window_slots[1].copy_(self.chunk_slot[0])
+        window = self.arange[: self.window]
+        torch.logical_and(window >= stop - start, window < chunk_len - start, out=self.window_redo)
+
+
+def _fla_chunk_indices(size: int, device) -> torch.Tensor | None:
+    """fla's chunk index of one sequence of `size` tokens on the GPU (None elsewhere: the reference needs none)."""
+    if torch.device(device).type != "cuda":
+        return None
+    from deltaserve.ops.gdn.cuda import fla_chunk_indices  # GPU only
+
+    return torch.from_numpy(fla_chunk_indices(np.asarray([0, size]))).to(device)
 
 
 class DecodeGraphs:
@@ -73,10 +132,15 @@ class DecodeGraphs:
             self.chunk_cu_seqlens = torch.tensor([0, C, C], dtype=torch.int64, device=device)  # in the chunk rows
             # rows whose logits a mixed step computes: its n decodes, the chunk's last row, then padding rows
             self.mixed_logit_rows = torch.zeros(n + 1, dtype=torch.int64, device=device)
+        self.padded: _PaddedPlans | None = None
         if self.chunk_sizes:
             # rows [0, size): the chunk's L tokens, then padding; sequences: the chunk and its padding
             self.single = _StaticBatch(self.chunk_sizes[-1], 2, block_table_width, device)
             self.single_cu_seqlens = torch.zeros(3, dtype=torch.int64, device=device)  # [0, L, size]
+            padded_sizes = [s for s in self.chunk_sizes if s >= PADDED_CHUNK_MIN_ROWS]
+            if padded_sizes:
+                self.padded = _PaddedPlans(padded_sizes, self.single.state_slots[:1], model.config.conv_kernel,
+                                           block_size, device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.chunk_graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -101,6 +165,8 @@ class DecodeGraphs:
 
     def _forward_single(self, size: int) -> torch.Tensor:
         batch = _chunk_part(self.single, self.single_cu_seqlens, 0, size)
+        if self.padded is not None and size in self.padded.plans:
+            batch.padded = self.padded.plans[size]
         hidden = self.model(self.single.input_ids[:size], batch)
         return self.model.compute_logits(hidden.index_select(0, batch.logits_indices))  # [1, V]
 
@@ -126,6 +192,8 @@ class DecodeGraphs:
             elif graphs is self.chunk_graphs:  # the same, `size` tokens
                 self.single.block_tables[0].fill_(0)
                 _set_chunk(self.single, self.single_cu_seqlens, 0, size, size, size, 0, False)
+                if self.padded is not None and size in self.padded.plans:
+                    self.padded.set(size, size, size, 0)
             for _ in range(2):  # warm up: Triton compiles, cuBLAS picks its kernels
                 forward(size)
             torch.cuda.synchronize()
@@ -152,17 +220,27 @@ class DecodeGraphs:
             return None
         return next((s for s in self.mixed_sizes if s >= num_decodes), None)
 
-    def single_size(self, chunk_len: int) -> int | None:
-        """The single-chunk graph's row count for a chunk of chunk_len tokens (2 or more), or None."""
+    def single_size(self, chunk_len: int, saves_inside: bool = False) -> int | None:
+        """The single-chunk graph's row count for a chunk of chunk_len tokens (2 or more), or None; with a
+        checkpoint inside the step, only a padded graph's (PADDED_CHUNK_MIN_ROWS rows or more) will do."""
         if chunk_len < 2:
             return None
-        return next((s for s in self.chunk_sizes if s >= chunk_len), None)
+        least = PADDED_CHUNK_MIN_ROWS if saves_inside else chunk_len
+        return next((s for s in self.chunk_sizes if s >= max(chunk_len, least)), None)
 
-    def run_single(self, batch: ForwardBatch, input_ids: torch.Tensor) -> torch.Tensor:
-        """Replay the single-chunk graph for a batch of one sequence's chunk (built by ForwardBatch.build);
-        returns the logits of its last token, [1, V]."""
-        size = self.single_size(input_ids.shape[0])
+    def run_single(self, batch: ForwardBatch, input_ids: torch.Tensor,
+                   mid_save: tuple[int, int] | None = None) -> torch.Tensor:
+        """Replay the single-chunk graph for a batch of one sequence's chunk (built by ForwardBatch.build), with
+        mid_save = (offset, checkpoint slot) of a GDN checkpoint inside the step, if any; returns the logits of
+        its last token, [1, V]."""
+        chunk_len = input_ids.shape[0]
+        size = self.single_size(chunk_len, mid_save is not None)
         _load_chunk(self.single, self.single_cu_seqlens, 0, size, batch, input_ids, 0)
+        if self.padded is not None and size in self.padded.plans:
+            stop, checkpoint_slot = mid_save if mid_save is not None else (chunk_len, 0)
+            self.padded.set(size, chunk_len, stop, checkpoint_slot)
+        elif mid_save is not None:
+            raise ValueError(f"a step of {chunk_len} tokens with a checkpoint inside it has no padded graph")
         if not self.use_graphs:
             return self._forward_single(size)
         self.chunk_graphs[size].replay()

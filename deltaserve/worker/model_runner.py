@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deltaserve.cache.footprint import PADDED_CHUNK_MIN_ROWS, PADDED_GRAPH_MAX_PAIRS
 from deltaserve.device import to_device
 from deltaserve.layers.batch import ForwardBatch
 from deltaserve.layers.mlp import SparseMoE
@@ -120,10 +121,15 @@ class ModelRunner:
         return self.graphs.mixed_size(len(rows) - 1, len(rows[-1].token_ids)) is not None
 
     def _single_graph_serves(self, rows) -> bool:
-        """Whether a single-chunk graph runs this step: one sequence computing 2 to 128 tokens (see
-        worker/cuda_graph.py) with no checkpoint inside the step."""
-        return (self.graphs is not None and bool(self.graphs.chunk_sizes) and len(rows) == 1
-                and rows[0].mid_save is None and self.graphs.single_size(len(rows[0].token_ids)) is not None)
+        """Whether a single-chunk graph runs this step: one sequence computing 2 to 2,048 tokens (see
+        worker/cuda_graph.py), in a padded graph only while its paged attention stays cheap (PADDED_GRAPH_MAX_PAIRS)."""
+        if self.graphs is None or not self.graphs.chunk_sizes or len(rows) != 1:
+            return False
+        row = rows[0]
+        size = self.graphs.single_size(len(row.token_ids), row.mid_save is not None)
+        if size is None:
+            return False
+        return size < PADDED_CHUNK_MIN_ROWS or size * (row.num_computed + size) <= PADDED_GRAPH_MAX_PAIRS
 
     @torch.inference_mode()
     def execute(self, scheduled: SchedulerOutput) -> ModelOutput:
@@ -142,7 +148,7 @@ class ModelRunner:
         elif self._mixed_graph_serves(rows):  # decodes, then one prompt chunk
             logits = self.graphs.run_mixed(batch, input_ids, chunk_samples=rows[-1].sample)  # [S, V]
         elif self._single_graph_serves(rows):  # one short prompt chunk alone
-            logits = self.graphs.run_single(batch, input_ids)  # [1, V], read only if the chunk samples
+            logits = self.graphs.run_single(batch, input_ids, rows[0].mid_save)  # [1, V], read if it samples
         else:
             # only the sampled sequences' last rows leave the last layer (its attention and MLP skip the rest)
             hidden = self.model(input_ids, batch, to_device(sampling_rows, self.device, torch.int64))  # [S, H]

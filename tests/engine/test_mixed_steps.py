@@ -168,11 +168,12 @@ def test_mixed_padded_step_computes_what_the_plain_step_does(ckpt_qwen3_5, monke
 def test_chunk_graphs_are_on_unless_turned_off(monkeypatch):
     monkeypatch.delenv("DELTASERVE_CHUNK_GRAPHS", raising=False)
     monkeypatch.delenv("DELTASERVE_MIXED_CHUNK_TOKENS", raising=False)
-    assert footprint.chunk_graph_sizes() == [16, 32, 64, 128] and footprint.cuda_graph_count(256) == 39
+    all_sizes = [16, 32, 64, 128, 256, 512, 1024, 2048]
+    assert footprint.chunk_graph_sizes() == all_sizes and footprint.cuda_graph_count(256) == 35 + 8
     monkeypatch.setenv("DELTASERVE_CHUNK_GRAPHS", "0")
     assert footprint.chunk_graph_sizes() == [] and footprint.cuda_graph_count(256) == 35
     monkeypatch.setenv("DELTASERVE_CHUNK_GRAPHS", "1")
-    assert footprint.chunk_graph_sizes() == [16, 32, 64, 128]
+    assert footprint.chunk_graph_sizes() == all_sizes
     monkeypatch.setenv("DELTASERVE_CHUNK_GRAPHS", "yes")
     with pytest.raises(ValueError, match="DELTASERVE_CHUNK_GRAPHS must be 0 or 1, got 'yes'"):
         footprint.chunk_graph_sizes()
@@ -187,7 +188,7 @@ def test_single_chunk_padded_step_computes_what_the_plain_step_does(ckpt_qwen3_5
     monkeypatch.delenv("DELTASERVE_MIXED_CHUNK_TOKENS", raising=False)
     cfg, model, graphs = padded_runner(ckpt_qwen3_5, max_num_seqs=4, slots=4)
     block_size, width = BLOCK_SIZE, TABLE_WIDTH
-    assert graphs.chunk_sizes == [16, 32, 64, 128] and graphs.single_size(1) is None
+    assert graphs.chunk_sizes == [16, 32, 64, 128, 256, 512, 1024, 2048] and graphs.single_size(1) is None
     gen = torch.Generator().manual_seed(cached + chunk_len)
     blocks = [list(range(1, 2 + (cached + chunk_len) // block_size))]
     with torch.no_grad():
@@ -214,10 +215,60 @@ def test_single_chunk_padded_step_computes_what_the_plain_step_does(ckpt_qwen3_5
     assert_caches_match(caches, plain_caches)
 
 
+# (tokens cached before, chunk length, checkpoint offset inside the step or None): 256- and 512-row graphs without a
+# checkpoint; with one a block before the end (fresh, after a prefix); a 20-token chunk with one takes the 256 graph
+@pytest.mark.parametrize("cached, chunk_len, save_at", [(0, 200, None), (9, 300, None), (0, 203, 200), (9, 130, 128),
+                                                         (0, 20, 16)])
+def test_padded_chunk_step_computes_what_the_plain_step_does(ckpt_qwen3_5, monkeypatch, cached, chunk_len, save_at):
+    """Padded single-chunk graphs (256 rows and up: fla over all rows with the padding masked, a checkpoint inside
+    the step taken; layers/batch.PaddedChunk), run eagerly: the logits and caches of the step run plainly, the
+    checkpoint slot 3 included, whatever earlier steps left in the static buffers."""
+    monkeypatch.setenv("DELTASERVE_CHUNK_GRAPHS", "1")
+    monkeypatch.delenv("DELTASERVE_MIXED_CHUNK_TOKENS", raising=False)
+    cfg, model, graphs = padded_runner(ckpt_qwen3_5, max_num_seqs=4, slots=4)
+    block_size = BLOCK_SIZE
+    saves = [(0, save_at, 3)] if save_at is not None else []
+    assert graphs.single_size(chunk_len, bool(saves)) >= footprint.PADDED_CHUNK_MIN_ROWS
+    gen = torch.Generator().manual_seed(cached + chunk_len)
+    blocks = [list(range(1, 2 + (cached + chunk_len) // block_size))]
+    with torch.no_grad():
+        if cached:
+            model(torch.randint(0, cfg.vocab_size, (cached,), generator=gen),
+                  ForwardBatch.build([0], [cached], blocks, [2], block_size))
+    caches = cache_tensors(model)
+    before = [t.clone() for t in caches]
+    batch = ForwardBatch.build([cached], [chunk_len], blocks, [2], block_size, mid_saves=saves)
+    ids = torch.randint(0, cfg.vocab_size, (chunk_len,), generator=gen)
+    with torch.no_grad():
+        plain = model.compute_logits(model(ids, batch))[batch.logits_indices]
+    plain_caches = [t.clone() for t in caches]
+    for tensor, saved in zip(caches, before):
+        tensor.copy_(saved)
+    # what an earlier step may have left in the static buffers: real KV slots and state slot, a checkpoint, a stop
+    graphs.single.slot_mapping.copy_(torch.arange(4, 4 + graphs.single.slot_mapping.shape[0]))
+    graphs.single.state_slots.fill_(2)
+    graphs.single.has_initial_state.fill_(True)
+    graphs.padded.set(256, 100, 97, 3)
+    with torch.no_grad():
+        padded = graphs.run_single(batch, ids, (save_at, 3) if saves else None)
+    torch.testing.assert_close(padded, plain, atol=1e-4, rtol=1e-4)
+    assert_caches_match(caches, plain_caches)
+
+
+def test_padded_plans_refuse_a_stop_they_cannot_take(ckpt_qwen3_5, monkeypatch):
+    monkeypatch.setenv("DELTASERVE_CHUNK_GRAPHS", "1")
+    _, _, graphs = padded_runner(ckpt_qwen3_5, max_num_seqs=4, slots=4)
+    assert sorted(graphs.padded.plans) == [256, 512, 1024, 2048]
+    for chunk_len, stop in ((100, 95), (100, 0), (300, 300)):  # more than a block before the end; none; too long
+        with pytest.raises(ValueError, match=f"a padded step of {chunk_len} tokens in 256 rows cannot stop"):
+            graphs.padded.set(256, chunk_len, stop, 0)
+
+
 def test_engine_routes_single_short_chunks_to_the_chunk_graphs(ckpt_qwen3_5, monkeypatch):
-    """The runner's routing, on the CPU with the graph runner's buffers attached (run eagerly): a fresh short
-    prompt and a prefix-cache hit's short suffix run as single chunks, a long prompt and decodes do not, and
-    the first tokens' log-probabilities match an engine without the graph runner."""
+    """The runner's routing, on the CPU with the graph runner's buffers attached (run eagerly): fresh prompts and
+    prefix-cache hits' suffixes run as single chunks (those with a checkpoint inside the step in a padded graph),
+    decodes do not, and the tokens and log-probabilities match an engine without the graph runner (the hits read
+    the checkpoint that the padded step saved)."""
     from deltaserve import LLM, SamplingParams
 
     monkeypatch.setenv("DELTASERVE_CHUNK_GRAPHS", "1")
@@ -228,19 +279,19 @@ def test_engine_routes_single_short_chunks_to_the_chunk_graphs(ckpt_qwen3_5, mon
     runner.graphs = DecodeGraphs(runner.model, max_num_seqs=4, block_table_width=-(-padded.engine.max_model_len // 4),
                                  device="cpu", use_graphs=False, block_size=4)
     calls, run_single = [], runner.graphs.run_single
-    monkeypatch.setattr(runner.graphs, "run_single", lambda batch, ids: calls.append(ids.shape[0]) or
-                        run_single(batch, ids))
+    monkeypatch.setattr(runner.graphs, "run_single", lambda batch, ids, mid_save: calls.append(ids.shape[0]) or
+                        run_single(batch, ids, mid_save))
     gen = torch.Generator().manual_seed(9)
     base = torch.randint(0, 1000, (150,), generator=gen).tolist()
-    # fresh 3 tokens; fresh 150 (> 128); a hit at base's prompt-end checkpoint (148) with 4 new tokens (one
-    # block: no prompt-end checkpoint of its own inside the step); one with 6 saves one inside: not a graph's
+    # fresh 3 tokens; fresh 150 (its prompt-end checkpoint at 148 saved inside the step: a padded graph); a hit
+    # there with 4 new tokens (one block: no checkpoint of its own inside the step); one with 6 saves one inside
     prompts = [base[:3], base, base[:148] + [7, 8, 9, 10], base[:148] + [7, 8, 9, 10, 11, 12]]
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=0)
     for llm in (padded, plain):
         outputs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
         if llm is padded:
             first = outputs
-    assert calls == [3, 4], calls
+    assert calls == [3, 150, 4, 6], calls
     assert first[2].num_cached_tokens == first[3].num_cached_tokens == 148
     for a, b in zip(first, outputs):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids

@@ -134,31 +134,35 @@ def test_mixed_steps_match_steps_without_them(make_checkpoint, monkeypatch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_single_chunk_steps_replay_exactly(arch, make_checkpoint, monkeypatch):
-    """Single-chunk graphs (on by default: one short prompt chunk alone, a fresh short prompt or a prefix-cache hit's
-    suffix) against the same padded steps run eagerly, token for token."""
+    """Single-chunk graphs (on by default: one prompt chunk alone, a fresh prompt or a prefix-cache hit's suffix, up
+    to 2,048 tokens; from 256 rows padded graphs, which also take a checkpoint inside the step) against the same
+    padded steps run eagerly, token for token."""
     from deltaserve.worker.cuda_graph import DecodeGraphs
 
     monkeypatch.delenv("DELTASERVE_CHUNK_GRAPHS", raising=False)  # on by default
     path = str(make_checkpoint(arch))
     graphs = LLM(path, dtype="bfloat16", max_num_seqs=4, enforce_eager=False)
     eager = LLM(path, dtype="bfloat16", max_num_seqs=4, enforce_eager=True)
-    assert sorted(graphs.engine.runner.graphs.chunk_graphs) == [16, 32, 64, 128]
+    assert sorted(graphs.engine.runner.graphs.chunk_graphs) == [16, 32, 64, 128, 256, 512, 1024, 2048]
     assert not eager.engine.runner.graphs.chunk_graphs
     calls, run_single = [], DecodeGraphs.run_single
 
-    def counted(self, batch, input_ids):
+    def counted(self, batch, input_ids, mid_save=None):
         calls.append(input_ids.shape[0])
-        return run_single(self, batch, input_ids)
+        return run_single(self, batch, input_ids, mid_save)
 
     monkeypatch.setattr(DecodeGraphs, "run_single", counted)
-    base = prompt(200, 80)
-    # a fresh 10-token prompt; a long one (its prompt-end checkpoint at 192); two hits there, 7 and 12 new tokens
-    prompts = [prompt(10, 81), base, base[:192] + prompt(7, 82), base[:192] + prompt(12, 83)]
+    base, long = prompt(200, 80), prompt(1000, 84)
+    # a fresh 10-token prompt; a 200-token one (its prompt-end checkpoint at 192, saved inside the step: a padded
+    # graph); two hits there, 7 and 12 new tokens (the second with a checkpoint inside); a fresh 1,000-token
+    # prompt (1,024 rows); a hit on its checkpoint at 992 with 300 new tokens (512 rows)
+    prompts = [prompt(10, 81), base, base[:192] + prompt(7, 82), base[:192] + prompt(12, 83), long,
+               long[:992] + prompt(300, 85)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outputs = {}
     for name, llm in (("graphs", graphs), ("eager", eager)):
         outputs[name] = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
-    assert calls[:3] == [10, 7, 12], calls  # the graphs' run: the fresh prompt and both hits
+    assert calls[:6] == [10, 200, 7, 12, 1000, 300], calls  # the graphs' run: every prompt's step
     assert outputs["graphs"] == outputs["eager"]
 
 
@@ -176,9 +180,10 @@ def test_any_max_num_seqs_starts_and_serves(make_checkpoint):
 def test_cudnn_attention_paths_agree_with_the_paged_path(make_checkpoint, monkeypatch, capsys, kv_cache_dtype):
     """Long chunks attend through cuDNN: prompts without a cached prefix (one chunk) and chunks after their
     prefix (a 512-token budget cuts the 1,300-token prompt into three); the paged kernel is the check. With an
-    fp8 cache both read the cache's values."""
+    fp8 cache both read the cache's values. (Single-chunk graphs, which attend with the paged kernel, are off.)"""
     from deltaserve.layers import attention
 
+    monkeypatch.setenv("DELTASERVE_CHUNK_GRAPHS", "0")
     path = str(make_checkpoint("qwen3_5"))
     prompts = [prompt(n, 50 + n) for n in (600, 1300)]
     params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)

@@ -21,18 +21,19 @@ def gdn_gates(a, b, A_log, dt_bias):
 
 
 def gdn_prefill(q, k, v, g, beta, state_pool, state_slots, has_initial_state, cu_seqlens, cu_seqlens_cpu=None,
-                max_query_len: int | None = None, *, A_log=None, dt_bias=None):
+                max_query_len: int | None = None, *, A_log=None, dt_bias=None, chunk_indices=None):
     """Prefill. q, k: [T, HK, K]; v: [T, HV, V]; g: [T, HV] float32 (log decay); beta: [T, HV];
     state_pool: [S, HV, K, V] (float32 or bf16), updated in place at `state_slots` [N] int64;
     has_initial_state: [N] bool (False: the sequence starts from zero state); cu_seqlens: [N+1] int64 (and
     optionally the same on the CPU, which spares the GPU kernels a device sync). max_query_len: the most
     tokens of any sequence, if known: the GPU path runs short chunks through a recurrent kernel (the
     reference ignores it). With A_log and dt_bias ([HV]), g and beta are the raw projections a and b (see
-    `gdn_gates`). Returns o: [T, HV, V] in v.dtype."""
+    `gdn_gates`). chunk_indices: fla's chunk index of cu_seqlens on the device, where the caller keeps one (a
+    CUDA graph's); else the GPU path builds it once a step. Returns o: [T, HV, V] in v.dtype."""
     if q.is_cuda:
         from deltaserve.ops.gdn.cuda import gdn_prefill as cuda_prefill
         return cuda_prefill(q, k, v, g, beta, state_pool, state_slots, has_initial_state, cu_seqlens,
-                            cu_seqlens_cpu, max_query_len, A_log=A_log, dt_bias=dt_bias)
+                            cu_seqlens_cpu, max_query_len, A_log=A_log, dt_bias=dt_bias, chunk_indices=chunk_indices)
     if A_log is not None:
         g, beta = gdn_gates(g, beta, A_log, dt_bias)
     initial = state_pool[state_slots].float()  # [N, HV, K, V]

@@ -227,7 +227,7 @@ def _launch_recurrent(q, k, v, g, beta, out, state_pool, state_slots, has_initia
 
 
 def gdn_prefill(q, k, v, g, beta, state_pool, state_slots, has_initial_state, cu_seqlens, cu_seqlens_cpu=None,
-                max_query_len: int | None = None, *, A_log=None, dt_bias=None):
+                max_query_len: int | None = None, *, A_log=None, dt_bias=None, chunk_indices=None):
     """Gated delta rule over varlen prompts, states read from and written to the pool.
 
     q, k: [T, HK, K]; v: [T, HV, V]; g: [T, HV] float32 log decay; beta: [T, HV]; state_pool: [S, HV, K, V]
@@ -238,7 +238,9 @@ def gdn_prefill(q, k, v, g, beta, state_pool, state_slots, has_initial_state, cu
     build its chunk index; with it, a batch with long sequences and at least SPLIT_MIN_SHORT_SEQS short ones
     (decoding sequences beside a prompt chunk) sends only the long ones to fla. With A_log and dt_bias ([HV]
     each), g and beta are the raw projections a and b (as in `gdn_decode`): the recurrent kernel computes the
-    gates itself, the fla path first. Returns o: [T, HV, V] in v.dtype."""
+    gates itself, the fla path first. chunk_indices: fla's chunk index of cu_seqlens ([NT, 2] int64 on the
+    device), kept by the caller (a CUDA graph must read the same tensor at every replay); None: built here once
+    a step from cu_seqlens_cpu. Returns o: [T, HV, V] in v.dtype."""
     if (A_log is None) != (dt_bias is None):
         raise ValueError("A_log and dt_bias come together (raw gates) or not at all")
     num_tokens, _, _ = _check_gdn_inputs(q, k, v, g, beta, state_pool, state_slots)
@@ -269,7 +271,7 @@ def gdn_prefill(q, k, v, g, beta, state_pool, state_slots, has_initial_state, cu
         from deltaserve.ops.gdn import gdn_gates
         g, beta = gdn_gates(g, beta, A_log, dt_bias)
     return _chunked_prefill(q, k, v, g, beta, state_pool, state_slots, has_initial_state, cu_seqlens,
-                            cu_seqlens_cpu)
+                            cu_seqlens_cpu, chunk_indices)
 
 
 @dataclass(frozen=True)
@@ -346,9 +348,10 @@ def _pin_fla_configs() -> bool:
     return use_pinned_configs()
 
 
-def _chunked_prefill(q, k, v, g, beta, state_pool, state_slots, has_initial_state, cu_seqlens, cu_seqlens_cpu):
+def _chunked_prefill(q, k, v, g, beta, state_pool, state_slots, has_initial_state, cu_seqlens, cu_seqlens_cpu,
+                     chunk_indices=None):
     """fla-core's chunked gated delta rule over the varlen batch (gates computed), states gathered from the
-    pool and scattered back. Returns o: [T, HV, V] in v.dtype."""
+    pool and scattered back; chunk_indices as `gdn_prefill` takes it. Returns o: [T, HV, V] in v.dtype."""
     _pin_fla_configs()
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # optional dependency, GPU only
 
@@ -361,8 +364,7 @@ def _chunked_prefill(q, k, v, g, beta, state_pool, state_slots, has_initial_stat
     # fla builds its chunk index from the host offsets and copies it to the GPU from pageable memory: a stream
     # sync, after which the GPU idles while the host launches fla's kernels (~1 ms). Built here (once a step)
     # and copied from pinned memory, it is queued like any other input.
-    chunk_indices = None
-    if cu_seqlens_cpu is not None:
+    if chunk_indices is None and cu_seqlens_cpu is not None:
         chunk_indices = _per_step.get("chunks", cu_seqlens_cpu, v.device, lambda: to_device(
             fla_chunk_indices(cu_seqlens_cpu.numpy()), v.device))  # [NT, 2] int64
     # index_select copies, so the in-place masking never touches the pool; .float() is a no-op on float32.
