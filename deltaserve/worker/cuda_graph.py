@@ -86,6 +86,15 @@ class _PaddedPlans:
                 window_cu_seqlens=self.window_cu_seqlens, window_slots=self.window_slots,
                 window_has_initial_state=window_has_initial_state, window_redo=self.window_redo)
 
+    def renew_offsets(self, size: int) -> None:
+        """Before capturing the `size` graph: its plan's cu_seqlens as a tensor fla has not seen. fla derives
+        tensors from cu_seqlens on the device (its chunk offsets) and caches them by the tensor's identity
+        (fla.utils.tensor_cache, 4 entries): a capture that found the warm-up's there would replay reading memory
+        freed once they are evicted (an illegal address on the H200); with a new tensor they are derived inside
+        the graph, at every replay."""
+        plan = self.plans[size]
+        plan.fla_cu_seqlens = plan.fla_cu_seqlens.clone()
+
     def set(self, size: int, chunk_len: int, stop: int, checkpoint_slot: int) -> None:
         """A step of chunk_len tokens in `size` rows whose GDN state stops at `stop` (chunk_len, or a checkpoint's
         save point at least W-1 tokens in and within a block of the end), saved to checkpoint_slot (0: none)."""
@@ -197,6 +206,8 @@ class DecodeGraphs:
             for _ in range(2):  # warm up: Triton compiles, cuBLAS picks its kernels
                 forward(size)
             torch.cuda.synchronize()
+            if graphs is self.chunk_graphs and self.padded is not None and size in self.padded.plans:
+                self.padded.renew_offsets(size)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 logits = forward(size)
