@@ -17,8 +17,8 @@ large model is bound by reading its weights, so the chunk's tokens cost a fracti
 their own, but the prompts queued behind one chunk a step do not decode meanwhile (docs/performance.md).
 
 Single-chunk graphs (`chunk_graph_sizes`; on unless DELTASERVE_CHUNK_GRAPHS=0): a step of
-one sequence computing 2 to 2,048 new tokens (a fresh prompt, a prefix-cache hit's new tokens), padded to the next
-of 16, 32, ..., 2,048 rows by a second sequence on the dummy slot, as a mixed step's chunk part is; such a step is
+one sequence computing 2 to 1,024 new tokens (a fresh prompt, a prefix-cache hit's new tokens), padded to the next
+of 16, 32, ..., 1,024 rows by a second sequence on the dummy slot, as a mixed step's chunk part is; such a step is
 otherwise bound by launching its kernels one by one. Up to 128 rows the GDN layers run the recurrent kernel, and a
 step with a checkpoint inside it stays eager; from PADDED_CHUNK_MIN_ROWS rows they follow the step's
 `PaddedChunk` (layers/batch.py): fla over all rows with the padding masked, any checkpoint inside the step taken,

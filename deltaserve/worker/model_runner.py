@@ -4,9 +4,10 @@
 both). Between the two the engine may schedule and launch the next step (async scheduling): a row whose last
 input is a sample still on the device (`pending_input`) takes it from the previous launch's token ids.
 
-On CUDA, decode-only steps, and decode steps with one prompt chunk after their decodes (mixed steps), run on
-static padded buffers (see cuda_graph.py), replayed as CUDA graphs unless enforce_eager; every other step, and
-every step on the CPU, runs the model eagerly on its own tensors.
+On CUDA, decode-only steps, decode steps with one prompt chunk after their decodes (mixed steps) and steps of one
+sequence's chunk of up to 1,024 tokens (single-chunk steps) run on static padded buffers (see cuda_graph.py),
+replayed as CUDA graphs unless enforce_eager; every other step, and every step on the CPU, runs the model eagerly
+on its own tensors.
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ class ModelRunner:
         return self.graphs.mixed_size(len(rows) - 1, len(rows[-1].token_ids)) is not None
 
     def _single_graph_serves(self, rows) -> bool:
-        """Whether a single-chunk graph runs this step: one sequence computing 2 to 2,048 tokens (see
+        """Whether a single-chunk graph runs this step: one sequence computing 2 to 1,024 tokens (see
         worker/cuda_graph.py), in a padded graph only while its paged attention stays cheap (PADDED_GRAPH_MAX_PAIRS)."""
         if self.graphs is None or not self.graphs.chunk_sizes or len(rows) != 1:
             return False

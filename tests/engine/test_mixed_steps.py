@@ -168,8 +168,8 @@ def test_mixed_padded_step_computes_what_the_plain_step_does(ckpt_qwen3_5, monke
 def test_chunk_graphs_are_on_unless_turned_off(monkeypatch):
     monkeypatch.delenv("DELTASERVE_CHUNK_GRAPHS", raising=False)
     monkeypatch.delenv("DELTASERVE_MIXED_CHUNK_TOKENS", raising=False)
-    all_sizes = [16, 32, 64, 128, 256, 512, 1024, 2048]
-    assert footprint.chunk_graph_sizes() == all_sizes and footprint.cuda_graph_count(256) == 35 + 8
+    all_sizes = [16, 32, 64, 128, 256, 512, 1024]
+    assert footprint.chunk_graph_sizes() == all_sizes and footprint.cuda_graph_count(256) == 35 + 7
     monkeypatch.setenv("DELTASERVE_CHUNK_GRAPHS", "0")
     assert footprint.chunk_graph_sizes() == [] and footprint.cuda_graph_count(256) == 35
     monkeypatch.setenv("DELTASERVE_CHUNK_GRAPHS", "1")
@@ -188,7 +188,7 @@ def test_single_chunk_padded_step_computes_what_the_plain_step_does(ckpt_qwen3_5
     monkeypatch.delenv("DELTASERVE_MIXED_CHUNK_TOKENS", raising=False)
     cfg, model, graphs = padded_runner(ckpt_qwen3_5, max_num_seqs=4, slots=4)
     block_size, width = BLOCK_SIZE, TABLE_WIDTH
-    assert graphs.chunk_sizes == [16, 32, 64, 128, 256, 512, 1024, 2048] and graphs.single_size(1) is None
+    assert graphs.chunk_sizes == [16, 32, 64, 128, 256, 512, 1024] and graphs.single_size(1) is None
     gen = torch.Generator().manual_seed(cached + chunk_len)
     blocks = [list(range(1, 2 + (cached + chunk_len) // block_size))]
     with torch.no_grad():
@@ -258,7 +258,7 @@ def test_padded_chunk_step_computes_what_the_plain_step_does(ckpt_qwen3_5, monke
 def test_padded_plans_refuse_a_stop_they_cannot_take(ckpt_qwen3_5, monkeypatch):
     monkeypatch.setenv("DELTASERVE_CHUNK_GRAPHS", "1")
     _, _, graphs = padded_runner(ckpt_qwen3_5, max_num_seqs=4, slots=4)
-    assert sorted(graphs.padded.plans) == [256, 512, 1024, 2048]
+    assert sorted(graphs.padded.plans) == [256, 512, 1024]
     for chunk_len, stop in ((100, 95), (100, 0), (300, 300)):  # more than a block before the end; none; too long
         with pytest.raises(ValueError, match=f"a padded step of {chunk_len} tokens in 256 rows cannot stop"):
             graphs.padded.set(256, chunk_len, stop, 0)

@@ -135,7 +135,7 @@ def test_mixed_steps_match_steps_without_them(make_checkpoint, monkeypatch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_single_chunk_steps_replay_exactly(arch, make_checkpoint, monkeypatch):
     """Single-chunk graphs (on by default: one prompt chunk alone, a fresh prompt or a prefix-cache hit's suffix, up
-    to 2,048 tokens; from 256 rows padded graphs, which also take a checkpoint inside the step) against the same
+    to 1,024 tokens; from 256 rows padded graphs, which also take a checkpoint inside the step) against the same
     padded steps run eagerly, token for token."""
     from deltaserve.worker.cuda_graph import DecodeGraphs
 
@@ -143,7 +143,7 @@ def test_single_chunk_steps_replay_exactly(arch, make_checkpoint, monkeypatch):
     path = str(make_checkpoint(arch))
     graphs = LLM(path, dtype="bfloat16", max_num_seqs=4, enforce_eager=False)
     eager = LLM(path, dtype="bfloat16", max_num_seqs=4, enforce_eager=True)
-    assert sorted(graphs.engine.runner.graphs.chunk_graphs) == [16, 32, 64, 128, 256, 512, 1024, 2048]
+    assert sorted(graphs.engine.runner.graphs.chunk_graphs) == [16, 32, 64, 128, 256, 512, 1024]
     assert not eager.engine.runner.graphs.chunk_graphs
     calls, run_single = [], DecodeGraphs.run_single
 
