@@ -130,7 +130,8 @@ class DecodeGraphs:
         self.sizes = graph_capture_sizes(max_num_seqs, performance_mode)
         self.mixed_sizes = mixed_graph_sizes(max_num_seqs, performance_mode)
         self.chunk_tokens = mixed_chunk_tokens() if self.mixed_sizes else 0  # C
-        self.chunk_sizes = chunk_graph_sizes()  # single-chunk graphs: their token counts
+        # single-chunk graphs: their token counts (a padded graph's last block re-runs: one must fit in it)
+        self.chunk_sizes = [s for s in chunk_graph_sizes() if s < PADDED_CHUNK_MIN_ROWS or s >= block_size]
         n, C = self.sizes[-1], self.chunk_tokens
         longest_chunk = max([C] + self.chunk_sizes)
         block_table_width = max(block_table_width, -(-longest_chunk // block_size))  # a padding sequence reads it

@@ -255,6 +255,16 @@ def test_padded_chunk_step_computes_what_the_plain_step_does(ckpt_qwen3_5, monke
     assert_caches_match(caches, plain_caches)
 
 
+def test_padded_graphs_hold_a_block(ckpt_qwen3_5, monkeypatch):
+    """A padded graph re-runs its last block's rows: with 512-token blocks the 256-row one is not captured."""
+    monkeypatch.setenv("DELTASERVE_CHUNK_GRAPHS", "1")
+    cfg = ModelConfig.from_pretrained(ckpt_qwen3_5)
+    model = load_model(ckpt_qwen3_5, cfg, torch.float32, "cpu")
+    graphs = DecodeGraphs(model, max_num_seqs=4, block_table_width=4, device="cpu", use_graphs=False, block_size=512)
+    assert graphs.chunk_sizes == [16, 32, 64, 128, 512, 1024] and sorted(graphs.padded.plans) == [512, 1024]
+    assert graphs.single_size(200) == 512 and graphs.single_size(20, saves_inside=True) == 512
+
+
 def test_padded_plans_refuse_a_stop_they_cannot_take(ckpt_qwen3_5, monkeypatch):
     monkeypatch.setenv("DELTASERVE_CHUNK_GRAPHS", "1")
     _, _, graphs = padded_runner(ckpt_qwen3_5, max_num_seqs=4, slots=4)
