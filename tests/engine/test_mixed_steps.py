@@ -179,56 +179,25 @@ def test_chunk_graphs_are_on_unless_turned_off(monkeypatch):
         footprint.chunk_graph_sizes()
 
 
-@pytest.mark.parametrize("cached, chunk_len", [(9, 5), (0, 16), (6, 100)])  # padded; fresh and full; bucket 128
-def test_single_chunk_padded_step_computes_what_the_plain_step_does(ckpt_qwen3_5, monkeypatch, cached, chunk_len):
-    """The single-chunk graph's buffers (the chunk padded to 16-128 rows by a second sequence on the dummy slot),
-    run eagerly: the same logits as the step run plainly, and the same caches except the dummy state slot 0 and
-    the null KV block 0."""
-    monkeypatch.setenv("DELTASERVE_CHUNK_GRAPHS", "1")
-    monkeypatch.delenv("DELTASERVE_MIXED_CHUNK_TOKENS", raising=False)
-    cfg, model, graphs = padded_runner(ckpt_qwen3_5, max_num_seqs=4, slots=4)
-    block_size, width = BLOCK_SIZE, TABLE_WIDTH
-    assert graphs.chunk_sizes == [16, 32, 64, 128, 256, 512, 1024] and graphs.single_size(1) is None
-    gen = torch.Generator().manual_seed(cached + chunk_len)
-    blocks = [list(range(1, 2 + (cached + chunk_len) // block_size))]
-    with torch.no_grad():
-        if cached:
-            model(torch.randint(0, cfg.vocab_size, (cached,), generator=gen),
-                  ForwardBatch.build([0], [cached], blocks, [2], block_size))
-    caches = cache_tensors(model)
-    before = [t.clone() for t in caches]
-    batch = ForwardBatch.build([cached], [chunk_len], blocks, [2], block_size, block_table_width=width)
-    ids = torch.randint(0, cfg.vocab_size, (chunk_len,), generator=gen)
-    with torch.no_grad():
-        plain = model.compute_logits(model(ids, batch))[batch.logits_indices]
-    plain_caches = [t.clone() for t in caches]
-    for tensor, saved in zip(caches, before):
-        tensor.copy_(saved)
-    # what an earlier step may have left in the static buffers: real KV slots, the real state slot, real blocks
-    graphs.single.slot_mapping.copy_(torch.arange(4, 4 + graphs.single.slot_mapping.shape[0]))
-    graphs.single.state_slots.fill_(2)
-    graphs.single.block_tables.fill_(1)
-    graphs.single.has_initial_state.fill_(True)
-    with torch.no_grad():
-        single = graphs.run_single(batch, ids)
-    torch.testing.assert_close(single, plain, atol=1e-4, rtol=1e-4)
-    assert_caches_match(caches, plain_caches)
-
-
-# (tokens cached before, chunk length, checkpoint offset inside the step or None): 256- and 512-row graphs without a
-# checkpoint; with one a block before the end (fresh, after a prefix); a 20-token chunk with one takes the 256 graph
-@pytest.mark.parametrize("cached, chunk_len, save_at", [(0, 200, None), (9, 300, None), (0, 203, 200), (9, 130, 128),
-                                                         (0, 20, 16)])
-def test_padded_chunk_step_computes_what_the_plain_step_does(ckpt_qwen3_5, monkeypatch, cached, chunk_len, save_at):
-    """Padded single-chunk graphs (256 rows and up: fla over all rows with the padding masked, a checkpoint inside
-    the step taken; layers/batch.PaddedChunk), run eagerly: the logits and caches of the step run plainly, the
-    checkpoint slot 3 included, whatever earlier steps left in the static buffers."""
+# (tokens cached before, chunk length, checkpoint offset inside the step or None): padded to 16-128 rows (a fresh
+# full chunk, a 128-row bucket); 256- and 512-row padded graphs without a checkpoint, and with one a block before
+# the end (fresh, after a prefix); a 20-token chunk with one takes the 256-row graph
+@pytest.mark.parametrize("cached, chunk_len, save_at", [(9, 5, None), (0, 16, None), (6, 100, None), (0, 200, None),
+                                                         (9, 300, None), (0, 203, 200), (9, 130, 128), (0, 20, 16)])
+def test_single_chunk_padded_step_computes_what_the_plain_step_does(ckpt_qwen3_5, monkeypatch, cached, chunk_len,
+                                                                    save_at):
+    """The single-chunk graph's buffers (the chunk padded by a second sequence on the dummy slot; from 256 rows fla
+    over all rows with the padding masked, a checkpoint inside the step taken: layers/batch.PaddedChunk), run
+    eagerly: the same logits as the step run plainly, and the same caches (the checkpoint slot 3 included) except
+    the dummy state slot 0 and the null KV block 0, whatever earlier steps left in the static buffers."""
     monkeypatch.setenv("DELTASERVE_CHUNK_GRAPHS", "1")
     monkeypatch.delenv("DELTASERVE_MIXED_CHUNK_TOKENS", raising=False)
     cfg, model, graphs = padded_runner(ckpt_qwen3_5, max_num_seqs=4, slots=4)
     block_size = BLOCK_SIZE
+    assert graphs.chunk_sizes == [16, 32, 64, 128, 256, 512, 1024] and graphs.single_size(1) is None
     saves = [(0, save_at, 3)] if save_at is not None else []
-    assert graphs.single_size(chunk_len, bool(saves)) >= footprint.PADDED_CHUNK_MIN_ROWS
+    if saves:
+        assert graphs.single_size(chunk_len, saves_inside=True) >= footprint.PADDED_CHUNK_MIN_ROWS
     gen = torch.Generator().manual_seed(cached + chunk_len)
     blocks = [list(range(1, 2 + (cached + chunk_len) // block_size))]
     with torch.no_grad():
@@ -237,21 +206,24 @@ def test_padded_chunk_step_computes_what_the_plain_step_does(ckpt_qwen3_5, monke
                   ForwardBatch.build([0], [cached], blocks, [2], block_size))
     caches = cache_tensors(model)
     before = [t.clone() for t in caches]
-    batch = ForwardBatch.build([cached], [chunk_len], blocks, [2], block_size, mid_saves=saves)
+    batch = ForwardBatch.build([cached], [chunk_len], blocks, [2], block_size,
+                               block_table_width=max(TABLE_WIDTH, len(blocks[0])), mid_saves=saves)
     ids = torch.randint(0, cfg.vocab_size, (chunk_len,), generator=gen)
     with torch.no_grad():
         plain = model.compute_logits(model(ids, batch))[batch.logits_indices]
     plain_caches = [t.clone() for t in caches]
     for tensor, saved in zip(caches, before):
         tensor.copy_(saved)
-    # what an earlier step may have left in the static buffers: real KV slots and state slot, a checkpoint, a stop
+    # what an earlier step may have left in the static buffers: real KV slots, the real state slot, real blocks, a
+    # padded plan stopping elsewhere with a checkpoint
     graphs.single.slot_mapping.copy_(torch.arange(4, 4 + graphs.single.slot_mapping.shape[0]))
     graphs.single.state_slots.fill_(2)
+    graphs.single.block_tables.fill_(1)
     graphs.single.has_initial_state.fill_(True)
     graphs.padded.set(256, 100, 97, 3)
     with torch.no_grad():
-        padded = graphs.run_single(batch, ids, (save_at, 3) if saves else None)
-    torch.testing.assert_close(padded, plain, atol=1e-4, rtol=1e-4)
+        single = graphs.run_single(batch, ids, (save_at, 3) if saves else None)
+    torch.testing.assert_close(single, plain, atol=1e-4, rtol=1e-4)
     assert_caches_match(caches, plain_caches)
 
 
