@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from deltaserve.config import ModelConfig
-from deltaserve.layers.batch import ForwardBatch, MidChunkSaves, PaddedChunk
+from deltaserve.layers.batch import ForwardBatch, MidChunkSaves
 from deltaserve.layers.linear import fuse_linears
 from deltaserve.layers.norm import GatedRMSNorm
 from deltaserve.ops.conv1d import conv_decode, conv_prefill
@@ -84,8 +84,12 @@ class GatedDeltaNet(nn.Module):
             raise ValueError(f"a checkpoint inside a step needs {width - 1} of its chunk's tokens before it, got "
                              f"{saves.min_offset} (cache/kv_manager.MID_CHUNK_SAVE_MIN_HEAD)")
         rows = saves.save_rows[:, None] - width + 1 + torch.arange(width - 1, device=mixed.device)  # [P, W-1]
-        window = mixed[rows.reshape(-1)].view(rows.shape[0], width - 1, -1).transpose(1, 2)  # [P, conv_dim, W-1]
-        self.conv_state.index_copy_(0, saves.checkpoint_slots, window.to(self.conv_state.dtype))
+        self._copy_conv_inputs(mixed, rows, saves.checkpoint_slots)
+
+    def _copy_conv_inputs(self, mixed: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Conv states from this step's inputs: rows [P, W-1] of mixed [T, conv_dim] into the pool at slots [P]."""
+        window = mixed[rows.reshape(-1)].view(rows.shape[0], rows.shape[1], -1).transpose(1, 2)  # [P, conv_dim, W-1]
+        self.conv_state.index_copy_(0, slots, window.to(self.conv_state.dtype))
 
     def _prefill_with_checkpoints(self, q, k, v, a, b, saves: MidChunkSaves) -> torch.Tensor:
         """gdn_prefill with the recurrent state of some sequences checkpointed inside the chunk: the step runs
@@ -121,11 +125,6 @@ class GatedDeltaNet(nn.Module):
         o[rows] = torch.where(plan.window_redo[:, None, None], redo, o[rows])
         return o
 
-    def _save_padded_conv_checkpoint(self, mixed: torch.Tensor, plan: PaddedChunk) -> None:
-        """The conv state at a padded step's `stop` (its W-1 inputs before it) to the checkpoint slot."""
-        window = mixed[plan.conv_rows].transpose(0, 1)[None]  # [1, conv_dim, W-1]
-        self.conv_state.index_copy_(0, plan.checkpoint_slot, window.to(self.conv_state.dtype))
-
     def forward(self, projected: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """projected: [T, conv_dim + value_dim + 2 HV], the output of `in_weight` -> [T, H]. Reads and writes
         this batch's slots of the conv and recurrent state pools."""
@@ -153,8 +152,8 @@ class GatedDeltaNet(nn.Module):
         else:  # three contiguous [T, d] tensors
             if batch.mid_saves is not None:
                 self._save_conv_checkpoints(mixed, batch.mid_saves)
-            if batch.padded is not None:
-                self._save_padded_conv_checkpoint(mixed, batch.padded)
+            if batch.padded is not None:  # the conv state at its `stop`: the W-1 inputs before it
+                self._copy_conv_inputs(mixed, batch.padded.conv_rows[None], batch.padded.checkpoint_slot)
             q, k, v = conv_prefill(mixed, conv_w, self.conv_state, slots, batch.has_initial_state, batch.cu_seqlens_q,
                                    split=qkv_dims)
         q = q.view(T, self.num_k_heads, self.k_dim)
