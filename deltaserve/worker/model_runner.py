@@ -78,7 +78,9 @@ class ModelRunner:
             except Exception:  # a speed-up only: the first requests pay for it instead, never a failed start
                 logger.exception("warming up cuDNN attention failed; continuing")
 
-    def _prepare(self, scheduled: SchedulerOutput) -> tuple[torch.Tensor, ForwardBatch]:
+    def _prepare(self, scheduled: SchedulerOutput, mid_saves: bool = True) -> tuple[torch.Tensor, ForwardBatch]:
+        """The step's input ids and batch; mid_saves False leaves out its checkpoints inside the step (a
+        single-chunk graph takes them from the row instead)."""
         rows = scheduled.sequences
         batch = ForwardBatch.build(
             num_computed=[r.num_computed for r in rows],
@@ -87,7 +89,7 @@ class ModelRunner:
             state_slots=[r.state_slot for r in rows],
             block_size=self.block_size,
             device=self.device,
-            mid_saves=[(i, *r.mid_save) for i, r in enumerate(rows) if r.mid_save],
+            mid_saves=[(i, *r.mid_save) for i, r in enumerate(rows) if r.mid_save] if mid_saves else (),
         )
         input_ids = to_device([t for r in rows for t in r.token_ids], self.device, torch.int64)
         pending = [i for i, r in enumerate(rows) if r.pending_input]
@@ -141,14 +143,15 @@ class ModelRunner:
     def launch(self, scheduled: SchedulerOutput) -> LaunchedStep:
         """Queue one step's forward pass and sampling on the device; `collect` waits for its samples."""
         rows = scheduled.sequences
-        input_ids, batch = self._prepare(scheduled)
+        single = self._single_graph_serves(rows)
+        input_ids, batch = self._prepare(scheduled, mid_saves=not single)
         sampling_rows = [i for i, r in enumerate(rows) if r.sample]
         restore_checkpoints(self.model, scheduled)  # prefix hits: checkpoint -> working slot
         if self.graphs is not None and batch.is_decode and self.graphs.padded_size(len(rows)) is not None:
             logits = self.graphs.run(batch, input_ids)  # [N, V]; in a decode batch every row samples
         elif self._mixed_graph_serves(rows):  # decodes, then one prompt chunk
             logits = self.graphs.run_mixed(batch, input_ids, chunk_samples=rows[-1].sample)  # [S, V]
-        elif self._single_graph_serves(rows):  # one short prompt chunk alone
+        elif single:  # one prompt chunk alone
             logits = self.graphs.run_single(batch, input_ids, rows[0].mid_save)  # [1, V], read if it samples
         else:
             # only the sampled sequences' last rows leave the last layer (its attention and MLP skip the rest)
