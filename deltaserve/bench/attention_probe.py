@@ -101,7 +101,7 @@ def main() -> None:
                           flush=True)
 
 
-def decode_sweep() -> None:
+def decode_sweep(dtypes: tuple[str, ...] = ("bf16", "fp8", "fp8 q-fp16")) -> None:
     """The split-KV decode kernel at W2's context (1 x 131,072) and W6's batch (64 x 1,536) for each cache
     dtype and tile: (KV positions per step, warps, pipeline stages, programs per SM), GB/s of KV read. An fp8
     cache also runs with float16 queries (its upcast to the dot's dtype is then the hardware's e4m3 -> f16)."""
@@ -120,7 +120,7 @@ def decode_sweep() -> None:
         cases = [("bf16", q_bf16, k_bf16, v_bf16)]
         k_fp8, v_fp8 = k_bf16.to(torch.float8_e4m3fn), v_bf16.to(torch.float8_e4m3fn)
         cases += [("fp8", q_bf16, k_fp8, v_fp8), ("fp8 q-fp16", q_bf16.half(), k_fp8, v_fp8)]
-        for name, q, k_cache, v_cache in cases:
+        for name, q, k_cache, v_cache in (case for case in cases if case[0] in dtypes):
             size = k_cache.element_size()
             defaults = (*cuda_decode.DECODE_TILES[size], cuda_decode.DECODE_PROGRAMS_PER_SM)
             kv_bytes = 2 * num_seqs * context * KV_HEADS * HEAD_DIM * size
@@ -147,7 +147,10 @@ def decode_sweep() -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--decode-sweep", action="store_true", help="sweep the decode kernel's tiles instead")
-    if parser.parse_args().decode_sweep:
-        decode_sweep()
+    parser.add_argument("--decode-dtypes", default="bf16,fp8,fp8 q-fp16",
+                        help="with --decode-sweep, the cases to sweep (comma-separated: bf16, fp8, fp8 q-fp16)")
+    args = parser.parse_args()
+    if args.decode_sweep:
+        decode_sweep(tuple(name.strip() for name in args.decode_dtypes.split(",")))
     else:
         main()

@@ -47,9 +47,12 @@ class DecodeTile(NamedTuple):
 # Tiles by the cache's bytes per element (16-bit dots), measured on an H200 with `python -m
 # deltaserve.bench.attention_probe --decode-sweep` (27B heads, CUDA graphs, 2026-11-30): bf16 at 1 x 131,072
 # 139.6 us (3.85 TB/s; (64, 8, 2) took 143.5) and 64 x 1,536 110.6 us; fp8 (dots in float16, see cuda.py)
-# 127.1 us at 1 x 131,072 and 101.3 us at 64 x 1,536 ((64, 8, 2) with bf16 dots took 155.0 and 117.1). fp8 reads
-# half the bytes in about the same time (2.1 TB/s): bound by the upcast and the dots, not by memory. The query
-# tile is G heads padded to >= 16 rows (the minimum tl.dot size).
+# 127.1 us at 1 x 131,072 and 101.3 us at 64 x 1,536 ((64, 8, 2) with bf16 dots took 155.0 and 117.1); with
+# the V tile upcast before its shared-memory staging (`attend_kv_range`'s V_SCALE_IN_TILE, eleventh session)
+# 115.0 and 100.3 us (2.3 and 2.0 TB/s; at 64 x 1,536 four programs per SM took 80.7). fp8 still reads half
+# the bytes in nearly the time of bf16: bound by the upcast and the operand shuffles (the loop's 928 SASS
+# instructions against bf16's 706 for half the bytes), not by memory. The query tile is G heads padded to
+# >= 16 rows (the minimum tl.dot size).
 DECODE_TILES = {2: DecodeTile(64, 4, 3), 1: DecodeTile(64, 4, 2)}
 DECODE_TILE_FLOAT32 = DecodeTile(16, 8, 2)  # float32 dots (CUDA cores, 4-byte tiles): a correctness path
 DECODE_PROGRAMS_PER_SM = 2  # split until about this many programs per SM are launched
@@ -77,7 +80,7 @@ def _decode_split_kernel(
     stride_q_tok, stride_q_head, stride_block, stride_slot, stride_kv_head, stride_table,
     GROUP: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TOKENS_PER_SPLIT: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, V_SCALE_IN_TILE: tl.constexpr,
 ):
     """Grid (N, n_kv, num_splits). Writes partial_out[seq, head, split, :] and partial_lse[seq, head, split]
     for the sequence's active splits only."""
@@ -114,10 +117,12 @@ def _decode_split_kernel(
     acc, m_i, l_i = attend_kv_range(
         acc, m_i, l_i, q_tile, row_pos, kv_lo, kv_hi, block_tables + seq * stride_table,
         k_cache + kv_head * stride_kv_head, v_cache + kv_head * stride_kv_head, stride_block, stride_slot,
-        qk_scale, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, PRECISION, MASKED=True,
+        qk_scale, v_scale, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, PRECISION, MASKED=True,
+        V_SCALE_IN_TILE=V_SCALE_IN_TILE,
     )
     index = (seq * num_heads + heads).to(tl.int64) * num_splits + split  # [HP] row of [N, H, splits]
-    store_split_partial(partial_out, partial_lse, index, acc, m_i, l_i, v_scale, row_ok, dims, HEAD_DIM)
+    out_scale = 1.0 if V_SCALE_IN_TILE else v_scale
+    store_split_partial(partial_out, partial_lse, index, acc, m_i, l_i, out_scale, row_ok, dims, HEAD_DIM)
 
 
 def launch_decode(q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens, qk_scale: float,
@@ -148,7 +153,7 @@ def launch_decode(q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens
         GROUP=group, HEADS_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_N=tile.block_n,
         MIN_TOKENS_PER_SPLIT=DECODE_ACTIVE_SPLIT_MIN_TOKENS, DOT_DTYPE=dot_dtype, PRECISION=precision,
-        num_warps=tile.num_warps, num_stages=tile.num_stages,
+        V_SCALE_IN_TILE=k_cache.element_size() == 1, num_warps=tile.num_warps, num_stages=tile.num_stages,
     )
     merge_splits_kernel[(num_seqs, num_heads)](
         out, partial_out, partial_lse, cu_seqlens_q, seq_lens, gate, num_heads, num_splits,
