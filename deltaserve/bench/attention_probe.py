@@ -103,11 +103,12 @@ def main() -> None:
 
 def decode_sweep(dtypes: tuple[str, ...] = ("bf16", "fp8", "fp8 q-fp16")) -> None:
     """The split-KV decode kernel at W2's context (1 x 131,072) and W6's batch (64 x 1,536) for each cache
-    dtype and tile: (KV positions per step, warps, pipeline stages, programs per SM), GB/s of KV read. An fp8
-    cache also runs with float16 queries (its upcast to the dot's dtype is then the hardware's e4m3 -> f16)."""
+    dtype and tile: (KV positions per step, warps, pipeline stages, resident programs per SM: the splits
+    follow it), GB/s of KV read. An fp8 cache also runs with float16 queries (its upcast to the dot's dtype is
+    then the hardware's e4m3 -> f16)."""
     device = torch.device("cuda")
     table_width = 262144 // BLOCK  # serving's block_tables width (max_model_len 262,144): sets the planned splits
-    tiles = list(itertools.product((64, 128), (4, 8), (2, 3, 4), (2, 4)))
+    tiles = list(itertools.product((64, 128), (4, 8), (2, 3, 4), (2, 3, 4)))
     for num_seqs, context in ((1, 131072), (64, 1536)):
         blocks = num_seqs * context // BLOCK
         table = torch.zeros(num_seqs, table_width, dtype=torch.int32, device=device)
@@ -122,12 +123,11 @@ def decode_sweep(dtypes: tuple[str, ...] = ("bf16", "fp8", "fp8 q-fp16")) -> Non
         cases += [("fp8", q_bf16, k_fp8, v_fp8), ("fp8 q-fp16", q_bf16.half(), k_fp8, v_fp8)]
         for name, q, k_cache, v_cache in (case for case in cases if case[0] in dtypes):
             size = k_cache.element_size()
-            defaults = (*cuda_decode.DECODE_TILES[size], cuda_decode.DECODE_PROGRAMS_PER_SM)
+            defaults = tuple(cuda_decode.DECODE_TILES[size])
             kv_bytes = 2 * num_seqs * context * KV_HEADS * HEAD_DIM * size
             results = []
             for tile in tiles:
-                cuda_decode.DECODE_TILES[size] = cuda_decode.DecodeTile(*tile[:3])
-                cuda_decode.DECODE_PROGRAMS_PER_SM = tile[3]
+                cuda_decode.DECODE_TILES[size] = cuda_decode.DecodeTile(*tile)
                 try:
                     ms = timed_in_graph(lambda: paged_attention(q, k_cache, v_cache, table, cu, seq_lens,
                                                                 HEAD_DIM ** -0.5, 1))
@@ -135,8 +135,7 @@ def decode_sweep(dtypes: tuple[str, ...] = ("bf16", "fp8", "fp8 q-fp16")) -> Non
                     print(f"  {num_seqs} x {context} {name} {tile}: failed: {str(exc).splitlines()[0][:120]}")
                     continue
                 results.append((ms, tile))
-            cuda_decode.DECODE_TILES[size] = cuda_decode.DecodeTile(*defaults[:3])
-            cuda_decode.DECODE_PROGRAMS_PER_SM = defaults[3]
+            cuda_decode.DECODE_TILES[size] = cuda_decode.DecodeTile(*defaults)
             results.sort()
             default_ms = next((ms for ms, tile in results if tile == defaults), float("nan"))
             best = ", ".join(f"{tile} {1e3 * ms:.1f} us {kv_bytes / ms / 1e6:.0f} GB/s" for ms, tile in results[:4])

@@ -280,14 +280,15 @@ def time_ms(fn):
     return triton.testing.do_bench(fn, return_mode="median")
 
 
-@pytest.mark.parametrize("num_seqs,context", [(1, 1024), (1, 131072), (64, 1536)])
+@pytest.mark.parametrize("num_seqs,context", [(1, 1024), (1, 131072), (4, 65536), (32, 8192), (64, 1536)])
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
 def test_print_decode_bandwidth(num_seqs, context, cache_dtype, capsys):
     batch = paged_batch([context] * num_seqs, [1] * num_seqs, cache_dtype=cache_dtype,
                         table_width=MAX_MODEL_LEN // BLOCK_SIZE)
     ms = time_ms(lambda: batch.run(max_query_len=1))
     kv_bytes = 2 * num_seqs * context * NUM_KV_HEADS * HEAD_DIM * batch.k_cache.element_size()
-    splits = cuda_decode.decode_num_splits(num_seqs, NUM_KV_HEADS, MAX_MODEL_LEN, batch.q.device)
+    tile = cuda_decode.DECODE_TILES[batch.k_cache.element_size()]
+    splits = cuda_decode.decode_num_splits(num_seqs, NUM_KV_HEADS, MAX_MODEL_LEN, batch.q.device, tile.resident_per_sm)
     report(capsys, f"decode batch={num_seqs} context={context} kv={str(cache_dtype)[6:]} splits={splits}: "
                    f"{ms * 1e3:.1f} us, {kv_bytes / ms / 1e6:.0f} GB/s of KV "
                    f"({kv_bytes / ms * 1e3 / HBM_BYTES_PER_S:.0%} of {HBM_BYTES_PER_S / 1e12:.1f} TB/s)")
@@ -346,8 +347,7 @@ def test_print_tile_sweep(monkeypatch, capsys):
     kv_bytes = 2 * 131072 * NUM_KV_HEADS * HEAD_DIM * 2
     for block_n, warps, stages, per_sm in [(64, 8, 2, 2), (32, 4, 2, 2), (64, 4, 2, 2), (32, 4, 3, 4),
                                            (64, 8, 3, 4), (128, 8, 2, 2)]:
-        monkeypatch.setattr(cuda_decode, "DECODE_TILES", {2: cuda_decode.DecodeTile(block_n, warps, stages)})
-        monkeypatch.setattr(cuda_decode, "DECODE_PROGRAMS_PER_SM", per_sm)
+        monkeypatch.setattr(cuda_decode, "DECODE_TILES", {2: cuda_decode.DecodeTile(block_n, warps, stages, per_sm)})
         ms = time_ms(lambda: decode.run(max_query_len=1))
         report(capsys, f"decode 128K block_n={block_n} warps={warps} stages={stages} programs/SM={per_sm}: "
                        f"{ms * 1e3:.1f} us, {kv_bytes / ms / 1e6:.0f} GB/s")

@@ -54,7 +54,7 @@ def small_tiles(monkeypatch):
     as short as one tile, so that the short test sequences use several."""
     monkeypatch.setattr(cuda_prefill, "PREFILL_TILES", {64: SMALL_TILES})
     monkeypatch.setattr(cuda_prefill, "PREFILL_TILES_FLOAT32", SMALL_TILES)
-    small = cuda_decode.DecodeTile(16, 8, 2)
+    small = cuda_decode.DecodeTile(16, 8, 2, 2)
     monkeypatch.setattr(cuda_decode, "DECODE_TILES", {2: small, 1: small})
     monkeypatch.setattr(cuda_decode, "DECODE_TILE_FLOAT32", small)
     monkeypatch.setattr(cuda_decode, "DECODE_MIN_TOKENS_PER_SPLIT", 16)
@@ -353,10 +353,14 @@ def test_bf16_decode_over_fp8_cache_dots_in_float16_and_saturates_q(small_tiles)
 def test_num_splits_fill_the_device_from_static_sizes(monkeypatch):
     monkeypatch.setattr(cuda_decode, "sm_count", lambda device: 132)
     cpu = torch.device("cpu")
-    # One sequence, 4 KV heads, 256K capacity: 2 programs per SM over 4 heads.
+    # One sequence, 4 KV heads, 256K capacity: one wave of 2 (bf16 tile) or 3 (fp8) programs per SM.
     assert cuda_decode.decode_num_splits(1, 4, 262144, cpu) == 66
+    assert cuda_decode.decode_num_splits(1, 4, 262144, cpu, resident_per_sm=3) == 99
+    # Rounded down to stay within one wave: 32 x 4 programs a split, 264 slots -> 2 splits (3 would be 384).
+    assert cuda_decode.decode_num_splits(32, 4, 262144, cpu) == 2
     # A short block table caps the splits at one per 256 positions; a full batch needs none.
     assert cuda_decode.decode_num_splits(1, 4, 1024, cpu) == 4
+    assert cuda_decode.decode_num_splits(64, 4, 262144, cpu) == 1
     assert cuda_decode.decode_num_splits(256, 4, 262144, cpu) == 1
 
 

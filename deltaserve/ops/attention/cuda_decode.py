@@ -13,8 +13,15 @@ sequence uses as many splits as its own length needs: shares of
 so cdiv(seq_len, tokens_per_split) active splits (0 for seq_len 0, whose output is zeros). With a 140K-token
 table planned at 66 splits, a 1K-token sequence uses 16 splits of 64 tokens and its merge reads 16 partials,
 not 66. (Short contexts are latency-bound: on the H200, 4 splits of 256 tokens took 18.9 us per layer at 1K
-context against 14.2 us for 16 of 64.) Programs of inactive splits return at once without writing; the merge computes the same count from
-seq_lens (`split_share`) and reads only the active partials.
+context against 14.2 us for 16 of 64.) Programs of inactive splits return at once without writing; the merge
+computes the same count from seq_lens (`split_share`) and reads only the active partials.
+
+How many splits (`decode_num_splits`): one wave. The grid gets as many splits as keep its programs within the
+slots the device holds at once (the tile's resident programs per SM times the SMs), rounding down: a grid a
+little over one wave ends with a second wave of a few programs while the rest of the device idles. On the
+H200 (bf16, 264 slots), 32 sequences at 8,192 tokens took 295.9 us per layer with 3 splits (384 programs)
+against 256.0 us with 2 (256 programs, 4.19 TB/s), 16 at 4,096 93.0 us with 5 splits against 79.0 with 3,
+and 64 at 1,536 110.2 us with 2 against 106.7 with 1 (docs/performance.md, eleventh session).
 
 CUDA graphs: the launches depend only on shapes. num_splits is fixed for a captured graph (batch size and
 block_tables width); the active splits are found on the device from seq_lens, so no host read is needed.
@@ -42,6 +49,7 @@ class DecodeTile(NamedTuple):
     block_n: int  # KV positions per loop step
     num_warps: int
     num_stages: int
+    resident_per_sm: int  # programs of this tile one H200 SM runs at once (its registers and shared memory)
 
 
 # Tiles by the cache's bytes per element (16-bit dots), measured on an H200 with `python -m
@@ -49,28 +57,31 @@ class DecodeTile(NamedTuple):
 # 139.6 us (3.85 TB/s; (64, 8, 2) took 143.5) and 64 x 1,536 110.6 us; fp8 (dots in float16, see cuda.py)
 # 127.1 us at 1 x 131,072 and 101.3 us at 64 x 1,536 ((64, 8, 2) with bf16 dots took 155.0 and 117.1); with
 # the V tile upcast before its shared-memory staging (`attend_kv_range`'s V_SCALE_IN_TILE, eleventh session)
-# 115.0 and 100.3 us (2.3 and 2.0 TB/s; at 64 x 1,536 four programs per SM took 80.7). fp8 still reads half
-# the bytes in nearly the time of bf16: bound by the upcast and the operand shuffles (the loop's 928 SASS
-# instructions against bf16's 706 for half the bytes), not by memory. The query tile is G heads padded to
-# >= 16 rows (the minimum tl.dot size).
-DECODE_TILES = {2: DecodeTile(64, 4, 3), 1: DecodeTile(64, 4, 2)}
-DECODE_TILE_FLOAT32 = DecodeTile(16, 8, 2)  # float32 dots (CUDA cores, 4-byte tiles): a correctness path
-DECODE_PROGRAMS_PER_SM = 2  # split until about this many programs per SM are launched
+# 115.0 and 100.3 us (2.3 and 2.0 TB/s). fp8 still reads half the bytes in nearly the time of bf16: bound by
+# the upcast and the operand shuffles (the loop's 928 SASS instructions against bf16's 706 for half the
+# bytes), not by memory. The query tile is G heads padded to >= 16 rows (the minimum tl.dot size).
+# resident_per_sm, read off the split sweeps (the grid sizes where time jumps: the module docstring): bf16
+# 2 (1 x 131,072: 264 programs 141.4 us, 396 167.3), fp8 3 (396 programs 104.8 us, 264 115.0, 512 141.1).
+DECODE_TILES = {2: DecodeTile(64, 4, 3, 2), 1: DecodeTile(64, 4, 2, 3)}
+DECODE_TILE_FLOAT32 = DecodeTile(16, 8, 2, 2)  # float32 dots (CUDA cores, 4-byte tiles): a correctness path
 DECODE_MIN_TOKENS_PER_SPLIT = 256  # planning: no more splits than the table's capacity / this
 DECODE_ACTIVE_SPLIT_MIN_TOKENS = 64  # per sequence: an active split reads at least this many positions
 DECODE_MAX_SPLITS = 128
 
 
-def decode_num_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, device: torch.device) -> int:
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, device: torch.device,
+                      resident_per_sm: int = 2) -> int:
     """How many programs may share one sequence's KV, from static quantities only (graph-safe): the grid's
-    third axis; shorter sequences use fewer of them (see the module docstring).
+    third axis, as many as fit one wave of the device; shorter sequences use fewer of them (see the module
+    docstring).
 
-    max_kv_len: the longest sequence block_tables can describe (its width times block_size).
+    max_kv_len: the longest sequence block_tables can describe (its width times block_size);
+    resident_per_sm: the tile's `DecodeTile.resident_per_sm`.
     """
     programs_per_split = max(1, num_seqs * num_kv_heads)
-    wanted = triton.cdiv(DECODE_PROGRAMS_PER_SM * sm_count(device), programs_per_split)
+    one_wave = resident_per_sm * sm_count(device) // programs_per_split
     useful = triton.cdiv(max_kv_len, DECODE_MIN_TOKENS_PER_SPLIT)
-    return max(1, min(wanted, useful, DECODE_MAX_SPLITS))
+    return max(1, min(one_wave, useful, DECODE_MAX_SPLITS))
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -136,11 +147,11 @@ def launch_decode(q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens
     block_size, num_kv_heads = k_cache.shape[1:3]
     num_seqs = block_tables.shape[0]
     group = num_heads // num_kv_heads
+    tile = DECODE_TILE_FLOAT32 if dot_dtype == tl.float32 else DECODE_TILES[k_cache.element_size()]
     if num_splits is None:
         max_kv_len = block_tables.shape[1] * block_size
-        num_splits = decode_num_splits(num_seqs, num_kv_heads, max_kv_len, q.device)
+        num_splits = decode_num_splits(num_seqs, num_kv_heads, max_kv_len, q.device, tile.resident_per_sm)
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs every dimension >= 16
-    tile = DECODE_TILE_FLOAT32 if dot_dtype == tl.float32 else DECODE_TILES[k_cache.element_size()]
     # float32 partials: each split's output normalized by its own sum, and that sum's log2-sum-exp; only the
     # active splits of each sequence are written.
     partial_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
