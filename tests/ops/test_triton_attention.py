@@ -364,6 +364,17 @@ def test_num_splits_fill_the_device_from_static_sizes(monkeypatch):
     assert cuda_decode.decode_num_splits(256, 4, 262144, cpu) == 1
 
 
+def test_step_sized_arguments_compile_no_new_variants():
+    """Arguments that change from step to step (batch and block-table sizes, split counts) must not be
+    specialized on (== 1, divisible by 16): each new class would compile a variant in the middle of serving."""
+    for kernel, names in ((cuda_decode._decode_split_kernel, {"num_splits", "stride_table"}),
+                          (cuda_prefill._prefill_kernel, {"num_seqs", "num_splits", "stride_table"})):
+        # a JITFunction lists its parameters; the interpreter's stand-in keeps the decorator's arguments
+        unspecialized = ({param.name for param in kernel.params if param.do_not_specialize}
+                         if hasattr(kernel, "params") else set(kernel.kwargs["do_not_specialize"]))
+        assert names <= unspecialized, kernel.fn.__name__
+
+
 def test_prefill_splits_only_small_grids_over_wide_tables(monkeypatch):
     monkeypatch.setattr(cuda_prefill, "sm_count", lambda device: 132)
     cpu = torch.device("cpu")

@@ -84,7 +84,9 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, device:
     return max(1, min(one_wave, useful, DECODE_MAX_SPLITS))
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+# stride_table is the width of the step's block table, which eager steps size to their longest sequence:
+# specialized, it compiled a new variant in the middle of serving (W6: a 2.8 s step on a cold Triton cache).
+@triton.jit(do_not_specialize=["num_splits", "stride_table"])
 def _decode_split_kernel(
     q, k_cache, v_cache, partial_out, partial_lse, block_tables, cu_seqlens_q, seq_lens,
     num_heads, num_splits, qk_scale, v_scale,

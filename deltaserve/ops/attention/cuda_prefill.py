@@ -262,7 +262,7 @@ def _find_sequence(cu_seqlens_q, num_seqs, block, TOKENS_PER_BLOCK: tl.constexpr
     return lo
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_splits"])
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "stride_table"])  # as _decode_split_kernel's
 def _prefill_kernel(
     q, k_cache, v_cache, out, partial_out, partial_lse, block_tables, cu_seqlens_q, seq_lens, gate,
     num_seqs, num_heads, num_splits, qk_scale, v_scale,
