@@ -350,6 +350,26 @@ def test_bf16_decode_over_fp8_cache_dots_in_float16_and_saturates_q(small_tiles)
     assert torch.isfinite(kernels.paged_attention(**huge, max_query_len=1, num_splits=2).float()).all()
 
 
+@pytest.mark.parametrize("max_query_len", [1, 3])
+def test_fp8_v_scale_is_not_rounded_to_the_dot_dtype(small_tiles, max_query_len):
+    """float16 dots over an fp8 cache scale each V tile by v_scale rounded to float16 (here 0.25 x (1 + 2^-11),
+    half a float16 step above 0.25, rounds to 0.25): the output must carry the remainder, or every output is
+    0.049% small. Measured as the least-squares ratio of output to reference over all outputs (float16
+    rounding of single outputs averages out)."""
+    fp8 = torch.float8_e4m3fn
+    if not interpreter_casts_to(fp8):
+        pytest.skip("this Triton's interpreter has no float8 casts")
+    v_scale = 0.25 * (1 + 2**-11)
+    batch = make_batch([(37, max_query_len), (64, max_query_len), (20, max_query_len)], block_size=16,
+                       head_dim=16, cache_dtype=fp8, q_dtype=torch.float16, seed=6)
+    expected = reference.paged_attention(**dict(batch, q=batch["q"].float(), k_cache=batch["k_cache"].float(),
+                                                v_cache=batch["v_cache"].float() * v_scale))
+    actual = kernels.paged_attention(**batch, max_query_len=max_query_len, v_scale=v_scale).float()
+    torch.testing.assert_close(actual, expected, atol=1e-2, rtol=1e-2)
+    ratio = (actual * expected).sum() / (expected * expected).sum()
+    assert abs(ratio.item() - 1) < 1e-4, ratio.item()
+
+
 def test_num_splits_fill_the_device_from_static_sizes(monkeypatch):
     monkeypatch.setattr(cuda_decode, "sm_count", lambda device: 132)
     cpu = torch.device("cpu")

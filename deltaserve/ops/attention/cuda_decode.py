@@ -40,6 +40,7 @@ from deltaserve.ops.attention.cuda_prefill import (
     merge_splits_kernel,
     split_share,
     store_split_partial,
+    v_scales,
 )
 
 __all__ = ["decode_num_splits", "launch_decode"]
@@ -127,14 +128,14 @@ def _decode_split_kernel(
     acc = tl.zeros([HEADS_PAD, HEAD_DIM_PAD], dtype=tl.float32)
     m_i = tl.full([HEADS_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([HEADS_PAD], dtype=tl.float32)
+    v_tile_scale, out_scale = v_scales(v_scale, DOT_DTYPE, V_SCALE_IN_TILE)
     acc, m_i, l_i = attend_kv_range(
         acc, m_i, l_i, q_tile, row_pos, kv_lo, kv_hi, block_tables + seq * stride_table,
         k_cache + kv_head * stride_kv_head, v_cache + kv_head * stride_kv_head, stride_block, stride_slot,
-        qk_scale, v_scale, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, PRECISION, MASKED=True,
+        qk_scale, v_tile_scale, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, PRECISION, MASKED=True,
         V_SCALE_IN_TILE=V_SCALE_IN_TILE,
     )
     index = (seq * num_heads + heads).to(tl.int64) * num_splits + split  # [HP] row of [N, H, splits]
-    out_scale = 1.0 if V_SCALE_IN_TILE else v_scale
     store_split_partial(partial_out, partial_lse, index, acc, m_i, l_i, out_scale, row_ok, dims, HEAD_DIM)
 
 

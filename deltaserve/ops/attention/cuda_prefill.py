@@ -35,7 +35,7 @@ from triton.language.extra import libdevice
 from deltaserve.device import sm_count
 
 __all__ = ["TileConfig", "attend_kv_range", "launch_prefill", "merge_splits_kernel", "output_gate",
-           "prefill_num_splits", "prefill_tiles", "split_share", "store_split_partial"]
+           "prefill_num_splits", "prefill_tiles", "split_share", "store_split_partial", "v_scales"]
 
 
 class TileConfig(NamedTuple):
@@ -120,9 +120,20 @@ def output_gate(o, gate_ptrs, mask, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def v_scales(v_scale, DOT_DTYPE: tl.constexpr, V_SCALE_IN_TILE: tl.constexpr):
+    """(V tile scale, output scale) whose product is v_scale (float32): with V_SCALE_IN_TILE, v_scale rounded
+    to DOT_DTYPE for the tiles and the rounding's remainder for the output, so that no path is off by
+    v_scale's rounding; without, 1 and v_scale."""
+    if V_SCALE_IN_TILE:
+        tile_scale = tl.cast(v_scale, DOT_DTYPE)
+        return tile_scale, v_scale / tile_scale.to(tl.float32)
+    return tl.cast(1.0, DOT_DTYPE), v_scale
+
+
+@triton.jit
 def attend_kv_range(
     acc, m_i, l_i, q, row_pos, kv_lo, kv_hi,
-    block_table_row, k_head, v_head, stride_block, stride_slot, qk_scale, v_scale,
+    block_table_row, k_head, v_head, stride_block, stride_slot, qk_scale, v_tile_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr, V_SCALE_IN_TILE: tl.constexpr,
 ):
@@ -134,11 +145,11 @@ def attend_kv_range(
     position of the range and that kv_lo, kv_hi are multiples of BLOCK_N (the prefix below the block's first
     query): no bounds or causal masks then.
 
-    V_SCALE_IN_TILE (8-bit caches): each V tile is multiplied by v_scale in DOT_DTYPE before its dot, and the
-    caller stores the output unscaled. Besides dequantizing, the multiply keeps Triton from moving the
-    upcast after the shared-memory staging: it would then read the 8-bit tile in the dot's transposed
-    operand layout one byte at a time (an H200 SASS loop of 1,234 instructions with 128 LDS.U8, against 928
-    without them; bf16 tiles: 706).
+    V_SCALE_IN_TILE (8-bit caches): each V tile is multiplied by v_tile_scale (a DOT_DTYPE scalar, see
+    `v_scales`) before its dot. Besides dequantizing, the multiply keeps Triton from moving the upcast after
+    the shared-memory staging: it would then read the 8-bit tile in the dot's transposed operand layout one
+    byte at a time (an H200 SASS loop of 1,234 instructions with 128 LDS.U8, against 928 without them; bf16
+    tiles: 706).
     """
     dims = tl.arange(0, HEAD_DIM_PAD)  # [D]
     dim_ok = dims < HEAD_DIM
@@ -166,7 +177,7 @@ def attend_kv_range(
         v = tl.load(v_head + rows[:, None] + dims[None, :], mask=tile_mask, other=0.0)  # [N, D]
         v = v.to(DOT_DTYPE)  # [N, D]
         if V_SCALE_IN_TILE:
-            v = v * tl.cast(v_scale, DOT_DTYPE)
+            v = v * v_tile_scale
         acc = tl.dot(p.to(DOT_DTYPE), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
     return acc, m_i, l_i
@@ -324,19 +335,18 @@ def _prefill_kernel(
         kv_hi = tl.minimum(kv_lo + tokens_per_split, last_pos + 1)  # <= kv_lo for splits past the end
     else:
         kv_lo, unmasked_end, masked_start, kv_hi = 0, full_end, full_end, last_pos + 1
+    # The stored V was divided by v_scale: the tiles and the output share its product back (`v_scales`).
+    v_tile_scale, out_scale = v_scales(v_scale, DOT_DTYPE, V_SCALE_IN_TILE)
     acc, m_i, l_i = attend_kv_range(
         acc, m_i, l_i, q_tile, row_pos, kv_lo, unmasked_end, table_row, k_head, v_head, stride_block,
-        stride_slot, qk_scale, v_scale, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, PRECISION,
+        stride_slot, qk_scale, v_tile_scale, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, PRECISION,
         MASKED=False, V_SCALE_IN_TILE=V_SCALE_IN_TILE,
     )
     acc, m_i, l_i = attend_kv_range(
         acc, m_i, l_i, q_tile, row_pos, masked_start, kv_hi, table_row, k_head, v_head, stride_block,
-        stride_slot, qk_scale, v_scale, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, PRECISION,
+        stride_slot, qk_scale, v_tile_scale, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, PRECISION,
         MASKED=True, V_SCALE_IN_TILE=V_SCALE_IN_TILE,
     )
-    # The stored V was divided by v_scale; the weights sum to 1, so scaling the output suffices, unless the
-    # tiles were scaled already.
-    out_scale = 1.0 if V_SCALE_IN_TILE else v_scale
     if SPLIT_KV:
         index = ((q_start + tokens).to(tl.int64) * num_heads + heads) * num_splits + split  # [M]
         store_split_partial(partial_out, partial_lse, index, acc, m_i, l_i, out_scale, row_ok, dims, HEAD_DIM)
