@@ -59,8 +59,9 @@ class DecodeTile(NamedTuple):
 # 127.1 us at 1 x 131,072 and 101.3 us at 64 x 1,536 ((64, 8, 2) with bf16 dots took 155.0 and 117.1); with
 # the V tile upcast before its shared-memory staging (`attend_kv_range`'s V_SCALE_IN_TILE, eleventh session)
 # 115.0 and 100.3 us (2.3 and 2.0 TB/s). fp8 still reads half the bytes in nearly the time of bf16: bound by
-# the upcast and the operand shuffles (the loop's 928 SASS instructions against bf16's 706 for half the
-# bytes), not by memory. The query tile is G heads padded to >= 16 rows (the minimum tl.dot size).
+# the upcast and the operand shuffles (the loop's 928 SASS instructions against bf16's 706 at the same 2
+# stages, for half the bytes), not by memory. The query tile is G heads padded to >= 16 rows (the minimum
+# tl.dot size).
 # resident_per_sm, read off the split sweeps (the grid sizes where time jumps: the module docstring): bf16
 # 2 (1 x 131,072: 264 programs 141.4 us, 396 167.3), fp8 3 (396 programs 104.8 us, 264 115.0, 512 141.1).
 DECODE_TILES = {2: DecodeTile(64, 4, 3, 2), 1: DecodeTile(64, 4, 2, 3)}
