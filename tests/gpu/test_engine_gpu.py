@@ -176,6 +176,34 @@ def test_any_max_num_seqs_starts_and_serves(make_checkpoint):
     assert outs[3].outputs[0].token_ids == alone[0].outputs[0].token_ids
 
 
+def test_serving_compiles_no_kernel_after_start_up(make_checkpoint, monkeypatch):
+    """Start-up warms up every kind of step; traffic of any shape after it must compile no Triton kernel: on a
+    cold Triton cache each new variant stalls every stream for seconds (W6 met one: a 2.86 s step). Requests
+    arrive while others decode (eager mixed steps), with prompts of 1 to 2,100 tokens and a prefix-cache hit,
+    so batch sizes and block-table widths take every class Triton specializes on (1, divisible by 16,
+    neither). A failure lists the variants with their argument types: warm that variant up at start-up, or
+    stop specializing on the argument that varies from step to step (`do_not_specialize`)."""
+    import triton
+
+    llm = LLM(str(make_checkpoint("qwen3_5")), dtype="bfloat16", max_num_seqs=16, enforce_eager=False)
+    compiled = []
+
+    def record(*, repr, **_):
+        compiled.append(repr)
+        return False  # compile as usual
+
+    monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook", record)
+    arrivals = {0: [5, 250], 3: [257, 1], 6: [511, 1300], 9: [16, 33, 700], 12: [2100], 30: [511, 40]}
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    engine, step = llm.engine, 0
+    while step <= max(arrivals) or engine.has_unfinished():
+        for i, n in enumerate(arrivals.get(step, [])):
+            engine.add_request(f"{step}-{i}", prompt(n, n), params)  # the second 511-token prompt: a cache hit
+        engine.step()
+        step += 1
+    assert not compiled, "\n".join(compiled)
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_cudnn_attention_paths_agree_with_the_paged_path(make_checkpoint, monkeypatch, capsys, kv_cache_dtype):
     """Long chunks attend through cuDNN: prompts without a cached prefix (one chunk) and chunks after their
