@@ -244,6 +244,7 @@ class CompileLog:
 
     def __init__(self):
         self.names: list[str] = []
+        self.signatures: list[str] = []  # each variant with its argument types (what Triton specialized on)
 
     def install(self) -> None:
         import triton
@@ -252,15 +253,17 @@ class CompileLog:
 
     def _hook(self, *, fn, repr, **_):
         self.names.append(fn.name)
+        self.signatures.append(repr)
         logging.getLogger(__name__).debug("compiling %s", repr)
         return False  # go on and compile
 
     def take(self) -> str:
-        """The variants compiled since the last call, as 'kernel x count, ...'."""
+        """The variants compiled since the last call, as 'kernel x count, ...'; their signatures are in
+        `signatures` until this call."""
         counts: dict[str, int] = {}
         for name in self.names:
             counts[name] = counts.get(name, 0) + 1
-        self.names = []
+        self.names, self.signatures = [], []
         return ", ".join(f"{name} x{count}" for name, count in sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
@@ -477,6 +480,7 @@ def main(argv: list[str] | None = None) -> int:
             compiles.take()
             r = run_workload(engine, input_len, output_len, num, conc, seed=seed,
                              step_records=args.step_records and conc > 1)
+            r["triton_compile_signatures"] = compiles.signatures
             r["triton_compiles"] = compiles.take()
             r["workload"] = name
             r["ttft_limit_ms"] = 1e3 * limits.prefill(input_len)

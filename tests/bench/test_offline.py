@@ -60,3 +60,15 @@ def test_a_concurrency_no_workload_runs_at_is_refused_by_name(capsys):
     with pytest.raises(SystemExit):
         main(["config-dir", "--workloads", "W6", "--concurrency", "65"])
     assert "--concurrency 65: no entry of W6 runs at it (they run at [64, 256])" in capsys.readouterr().err
+
+
+def test_compile_log_counts_variants_and_keeps_their_signatures_until_taken():
+    from deltaserve.bench.offline import CompileLog
+
+    log = CompileLog()
+    for name, signature in (("_decode", "_decode(stride_table: i32D)"), ("_decode", "_decode(stride_table: i32)"),
+                            ("_prefill", "_prefill(num_seqs: i32)")):
+        assert log._hook(fn=SimpleNamespace(name=name), repr=signature) is False  # Triton compiles as usual
+    assert log.signatures == ["_decode(stride_table: i32D)", "_decode(stride_table: i32)", "_prefill(num_seqs: i32)"]
+    assert log.take() == "_decode x2, _prefill x1"
+    assert log.signatures == [] and log.take() == ""
