@@ -288,7 +288,8 @@ def test_print_decode_bandwidth(num_seqs, context, cache_dtype, capsys):
     ms = time_ms(lambda: batch.run(max_query_len=1))
     kv_bytes = 2 * num_seqs * context * NUM_KV_HEADS * HEAD_DIM * batch.k_cache.element_size()
     tile = cuda_decode.DECODE_TILES[batch.k_cache.element_size()]
-    splits = cuda_decode.decode_num_splits(num_seqs, NUM_KV_HEADS, MAX_MODEL_LEN, batch.q.device, tile.resident_per_sm)
+    splits = cuda_decode.decode_num_splits(num_seqs, NUM_KV_HEADS, MAX_MODEL_LEN, batch.q.device,
+                                           tile.resident_per_sm)
     report(capsys, f"decode batch={num_seqs} context={context} kv={str(cache_dtype)[6:]} splits={splits}: "
                    f"{ms * 1e3:.1f} us, {kv_bytes / ms / 1e6:.0f} GB/s of KV "
                    f"({kv_bytes / ms * 1e3 / HBM_BYTES_PER_S:.0%} of {HBM_BYTES_PER_S / 1e12:.1f} TB/s)")
