@@ -1,0 +1,30 @@
+"""bench/sass_probe.py compiles the attention kernels for sm_90 on the CPU machine and reads their SASS; it also
+guards the fp8 decode kernel's V path (upcast before the shared-memory staging: no byte-wide shared loads)."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from deltaserve.bench import sass_probe
+
+
+def run_probe(*args: str) -> str:
+    """The probe's output, run outside this session's Triton interpreter (it compiles real kernels)."""
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-m", "deltaserve.bench.sass_probe", *args], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+@pytest.mark.skipif(not os.path.exists(sass_probe.nvdisasm()), reason="Triton ships no nvdisasm here")
+def test_fp8_decode_loop_has_no_byte_loads_from_shared_memory():
+    fp8 = run_probe("--cache", "fp8", "--top", "200")
+    assert "decode over a fp8 cache, sm_90" in fp8 and "HMMA" in fp8
+    assert "LDS.U8" not in fp8, fp8  # the V tile read a byte at a time: 128 of them before the fix
+    bf16 = run_probe("--top", "200")
+    fp8_loop, bf16_loop = (int(re.search(r"largest loop has (\d+) SASS", out).group(1)) for out in (fp8, bf16))
+    assert fp8_loop < 1.2 * bf16_loop, (fp8_loop, bf16_loop)  # 934 against 861 (1,234 with the byte loads)
