@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -37,21 +38,31 @@ def mean_samples(text: str) -> dict[str, float]:
 
 
 class Sampler:
-    """nvidia-smi sampling the SM clock and board power every 100 ms while the block runs (nothing without it)."""
+    """nvidia-smi sampling this process's GPU (by UUID) for its SM clock and board power every 100 ms while the
+    block runs; `means` stays empty without nvidia-smi or samples."""
+
+    def __init__(self, device_uuid: str):
+        self.device_uuid = device_uuid
+        self.means: dict[str, float] = {}
 
     def __enter__(self):
         self.process = None
         if shutil.which("nvidia-smi"):
             self.process = subprocess.Popen(
-                ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits", "-lms", "100"],
+                ["nvidia-smi", "-i", self.device_uuid, "--query-gpu=clocks.sm,power.draw",
+                 "--format=csv,noheader,nounits", "-lms", "100"],
                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        self.means: dict[str, float] = {}
         return self
 
     def __exit__(self, *exc):
         if self.process is not None:
-            self.process.terminate()
-            self.means = mean_samples(self.process.communicate()[0])
+            self.process.send_signal(signal.SIGINT)  # as Ctrl-C: nvidia-smi flushes what it sampled
+            try:
+                output = self.process.communicate(timeout=5)[0]
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                output = self.process.communicate()[0]
+            self.means = mean_samples(output)
 
 
 def timed_streams(work: dict[str, tuple[Callable[[], object], int]]) -> dict[str, float]:
@@ -102,24 +113,26 @@ def main(argv: list[str] | None = None) -> int:
     kinds = {"gemm": (lambda: torch.mm(a, b, out=product), 2 * args.m * args.n * args.k / 1e12, "TFLOP/s"),
              "copy": (lambda: target.copy_(source), 2 * source.numel() * 2 / 1e12, "TB/s")}
     counts = {}
-    for name, (fn, _, _) in kinds.items():  # calibrate: how many calls fill --seconds
-        seconds = timed_streams({name: (fn, 3)})[name] / 3
-        counts[name] = max(1, round(args.seconds / seconds))
-    alone = 0.0
+    for name, (fn, _, _) in kinds.items():  # calibrate on ~0.5 s after a warm-up: how many calls fill --seconds
+        timed_streams({name: (fn, 1)})
+        calls = max(1, round(0.5 / timed_streams({name: (fn, 1)})[name]))
+        counts[name] = max(1, round(args.seconds * calls / timed_streams({name: (fn, calls)})[name]))
+    uuid = getattr(torch.cuda.get_device_properties(0), "uuid", None)  # nvidia-smi's numbering may differ
+    device_uuid = f"GPU-{uuid}" if uuid is not None else str(torch.cuda.current_device())
+    ends = {}
     for title, names in [("gemm alone", ["gemm"]), ("copy alone", ["copy"]), ("both at once", ["gemm", "copy"])]:
         time.sleep(1)  # let the clock recover between settings
-        with Sampler() as sampler:
+        with Sampler(device_uuid) as sampler:
             seconds = timed_streams({name: (kinds[name][0], counts[name]) for name in names})
+        ends[title] = max(seconds.values())
         rates = ", ".join(f"{name} {counts[name] * kinds[name][1] / seconds[name]:.2f} {kinds[name][2]} "
                           f"over {seconds[name]:.2f} s" for name in names)
         clock = (f"; SM {sampler.means['sm_mhz']:.0f} MHz, {sampler.means['power_w']:.0f} W"
-                 if sampler.means else "")
+                 if sampler.means else "; no nvidia-smi samples")
         print(f"{title}: {rates}{clock}", flush=True)
-        if len(names) == 1:
-            alone += seconds[names[0]]
-    together = max(seconds.values())
-    print(f"the same work: {together:.2f} s at once against {alone:.2f} s one after the other "
-          f"({overlap_saving(alone, together):.0%} saved)", flush=True)
+    alone = ends["gemm alone"] + ends["copy alone"]
+    print(f"the same work: {ends['both at once']:.2f} s at once against {alone:.2f} s one after the other "
+          f"({overlap_saving(alone, ends['both at once']):.0%} saved)", flush=True)
     return 0
 
 

@@ -57,7 +57,7 @@ def compile_attention(kernel: str = "decode", cache: str = "bf16", arch: int = 9
             "stride_table": 8750, "num_seqs": 3, "num_splits": 66}
     types = {"q": "*bf16", "k_cache": f"*{cache_type}", "v_cache": f"*{cache_type}", "out": "*bf16", "gate": "*bf16",
              "partial_out": "*fp32", "partial_lse": "*fp32", "block_tables": "*i32", "cu_seqlens_q": "*i64",
-             "seq_lens": "*i64", "qk_scale": "fp32", "v_scale": "fp32"}
+             "seq_lens": "*i64", "qk_scale": "fp32", "v_tile_scale": "fp32", "v_out_scale": "fp32"}
     if kernel == "decode":
         fn, tile = cuda_decode._decode_split_kernel, cuda_decode.DECODE_TILES[size]
         constants = {"GROUP": group, "HEADS_PAD": 16, "HEAD_DIM": HEAD_DIM, "HEAD_DIM_PAD": HEAD_DIM,

@@ -13,6 +13,7 @@ Its exp is numpy's, which differs from torch's CPU exp in the last float32 bit: 
 bit for bit with torch in float16 (where those bits round away), and to float32 tolerances in float32.
 """
 
+import math
 import os
 
 import pytest
@@ -350,22 +351,31 @@ def test_bf16_decode_over_fp8_cache_dots_in_float16_and_saturates_q(small_tiles)
     assert torch.isfinite(kernels.paged_attention(**huge, max_query_len=1, num_splits=2).float()).all()
 
 
-@pytest.mark.parametrize("max_query_len", [1, 3])
-def test_fp8_v_scale_is_not_rounded_to_the_dot_dtype(small_tiles, max_query_len):
-    """float16 dots over an fp8 cache scale each V tile by v_scale rounded to float16 (here 0.25 x (1 + 2^-11),
-    half a float16 step above 0.25, rounds to 0.25): the output must carry the remainder, or every output is
-    0.049% small. Measured as the least-squares ratio of output to reference over all outputs (float16
-    rounding of single outputs averages out)."""
+@pytest.mark.parametrize("v_scale", [0.0123, 0.25, 1.0, 300.0, 1e-9])
+def test_v_scale_splits_into_an_exact_tile_power_of_two_and_the_output_rest(v_scale):
+    tile, rest = cuda_prefill.split_v_scale(v_scale, eight_bit_cache=True)
+    assert math.log2(tile).is_integer() and 2.0**-14 <= tile <= 1.0  # e4m3 x tile: exact in float16 and bf16
+    assert tile * rest == v_scale
+    assert cuda_prefill.split_v_scale(v_scale, eight_bit_cache=False) == (1.0, v_scale)
+
+
+@pytest.mark.parametrize("max_query_len,num_splits", [(1, None), (1, 3), (3, None), (3, 3)])
+@pytest.mark.parametrize("v_scale", [0.0123, 300.0])
+def test_fp8_v_scale_with_float16_dots(small_tiles, max_query_len, num_splits, v_scale):
+    """float16 dots over an fp8 cache multiply the V tiles by part of v_scale and the output by the rest, on
+    every path (decode and prefill, split or not): the output is the reference's, with no scale lost, doubled
+    or rounded (their least-squares ratio within float16 rounding), and a large scale does not overflow
+    float16 (300 x 448 would)."""
     fp8 = torch.float8_e4m3fn
     if not interpreter_casts_to(fp8):
         pytest.skip("this Triton's interpreter has no float8 casts")
-    v_scale = 0.25 * (1 + 2**-11)
     batch = make_batch([(37, max_query_len), (64, max_query_len), (20, max_query_len)], block_size=16,
                        head_dim=16, cache_dtype=fp8, q_dtype=torch.float16, seed=6)
     expected = reference.paged_attention(**dict(batch, q=batch["q"].float(), k_cache=batch["k_cache"].float(),
                                                 v_cache=batch["v_cache"].float() * v_scale))
-    actual = kernels.paged_attention(**batch, max_query_len=max_query_len, v_scale=v_scale).float()
-    torch.testing.assert_close(actual, expected, atol=1e-2, rtol=1e-2)
+    actual = kernels.paged_attention(**batch, max_query_len=max_query_len, v_scale=v_scale,
+                                     num_splits=num_splits).float()
+    torch.testing.assert_close(actual, expected, atol=1e-2 * v_scale, rtol=1e-2)
     ratio = (actual * expected).sum() / (expected * expected).sum()
     assert abs(ratio.item() - 1) < 1e-4, ratio.item()
 
@@ -374,14 +384,14 @@ def test_num_splits_fill_the_device_from_static_sizes(monkeypatch):
     monkeypatch.setattr(cuda_decode, "sm_count", lambda device: 132)
     cpu = torch.device("cpu")
     # One sequence, 4 KV heads, 256K capacity: one wave of 2 (bf16 tile) or 3 (fp8) programs per SM.
-    assert cuda_decode.decode_num_splits(1, 4, 262144, cpu) == 66
+    assert cuda_decode.decode_num_splits(1, 4, 262144, cpu, resident_per_sm=2) == 66
     assert cuda_decode.decode_num_splits(1, 4, 262144, cpu, resident_per_sm=3) == 99
     # Rounded down to stay within one wave: 32 x 4 programs a split, 264 slots -> 2 splits (3 would be 384).
-    assert cuda_decode.decode_num_splits(32, 4, 262144, cpu) == 2
+    assert cuda_decode.decode_num_splits(32, 4, 262144, cpu, resident_per_sm=2) == 2
     # A short block table caps the splits at one per 256 positions; a full batch needs none.
-    assert cuda_decode.decode_num_splits(1, 4, 1024, cpu) == 4
-    assert cuda_decode.decode_num_splits(64, 4, 262144, cpu) == 1
-    assert cuda_decode.decode_num_splits(256, 4, 262144, cpu) == 1
+    assert cuda_decode.decode_num_splits(1, 4, 1024, cpu, resident_per_sm=2) == 4
+    assert cuda_decode.decode_num_splits(64, 4, 262144, cpu, resident_per_sm=2) == 1
+    assert cuda_decode.decode_num_splits(256, 4, 262144, cpu, resident_per_sm=2) == 1
 
 
 def test_step_sized_arguments_compile_no_new_variants():

@@ -19,9 +19,9 @@ computes the same count from seq_lens (`split_share`) and reads only the active 
 How many splits (`decode_num_splits`): one wave. The grid gets as many splits as keep its programs within the
 slots the device holds at once (the tile's resident programs per SM times the SMs), rounding down: a grid a
 little over one wave ends with a second wave of a few programs while the rest of the device idles. On the
-H200 (bf16, 264 slots), 32 sequences at 8,192 tokens took 295.9 us per layer with 3 splits (384 programs)
-against 256.0 us with 2 (256 programs, 4.19 TB/s), 16 at 4,096 93.0 us with 5 splits against 79.0 with 3,
-and 64 at 1,536 110.2 us with 2 against 106.7 with 1 (docs/performance.md, eleventh session).
+H200 (bf16, 264 slots), 32 sequences at 8,192 tokens took 296.5 us per layer with 3 splits (384 programs)
+against 256.6 us with 2 (256 programs, 4.19 TB/s), 16 at 4,096 95.0 us with 5 splits against 74.1 with 4,
+and 64 at 1,536 111.5 us with 2 against 107.6 with 1 (docs/performance.md, eleventh session).
 
 CUDA graphs: the launches depend only on shapes. num_splits is fixed for a captured graph (batch size and
 block_tables width); the active splits are found on the device from seq_lens, so no host read is needed.
@@ -39,8 +39,8 @@ from deltaserve.ops.attention.cuda_prefill import (
     attend_kv_range,
     merge_splits_kernel,
     split_share,
+    split_v_scale,
     store_split_partial,
-    v_scales,
 )
 
 __all__ = ["decode_num_splits", "launch_decode"]
@@ -59,9 +59,9 @@ class DecodeTile(NamedTuple):
 # 127.1 us at 1 x 131,072 and 101.3 us at 64 x 1,536 ((64, 8, 2) with bf16 dots took 155.0 and 117.1); with
 # the V tile upcast before its shared-memory staging (`attend_kv_range`'s V_SCALE_IN_TILE, eleventh session)
 # 115.0 and 100.3 us (2.3 and 2.0 TB/s). fp8 still reads half the bytes in nearly the time of bf16: bound by
-# the upcast and the operand shuffles (the loop's 928 SASS instructions against bf16's 706 at the same 2
-# stages, for half the bytes), not by memory. The query tile is G heads padded to >= 16 rows (the minimum
-# tl.dot size).
+# the upcast and the operand shuffles (`python -m deltaserve.bench.sass_probe`: the loop's ~930 SASS
+# instructions against bf16's 706 at the same 2 stages, for half the bytes), not by memory. The query tile
+# is G heads padded to >= 16 rows (the minimum tl.dot size).
 # resident_per_sm, read off the split sweeps (the grid sizes where time jumps: the module docstring): bf16
 # 2 (1 x 131,072: 264 programs 141.4 us, 396 167.3), fp8 3 (396 programs 104.8 us, 264 115.0, 512 141.1).
 DECODE_TILES = {2: DecodeTile(64, 4, 3, 2), 1: DecodeTile(64, 4, 2, 3)}
@@ -72,7 +72,7 @@ DECODE_MAX_SPLITS = 128
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, device: torch.device,
-                      resident_per_sm: int = 2) -> int:
+                      resident_per_sm: int) -> int:
     """How many programs may share one sequence's KV, from static quantities only (graph-safe): the grid's
     third axis, as many as fit one wave of the device; shorter sequences use fewer of them (see the module
     docstring).
@@ -91,7 +91,7 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, device:
 @triton.jit(do_not_specialize=["num_splits", "stride_table"])
 def _decode_split_kernel(
     q, k_cache, v_cache, partial_out, partial_lse, block_tables, cu_seqlens_q, seq_lens,
-    num_heads, num_splits, qk_scale, v_scale,
+    num_heads, num_splits, qk_scale, v_tile_scale, v_out_scale,
     stride_q_tok, stride_q_head, stride_block, stride_slot, stride_kv_head, stride_table,
     GROUP: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TOKENS_PER_SPLIT: tl.constexpr,
@@ -129,7 +129,6 @@ def _decode_split_kernel(
     acc = tl.zeros([HEADS_PAD, HEAD_DIM_PAD], dtype=tl.float32)
     m_i = tl.full([HEADS_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([HEADS_PAD], dtype=tl.float32)
-    v_tile_scale, out_scale = v_scales(v_scale, DOT_DTYPE, V_SCALE_IN_TILE)
     acc, m_i, l_i = attend_kv_range(
         acc, m_i, l_i, q_tile, row_pos, kv_lo, kv_hi, block_tables + seq * stride_table,
         k_cache + kv_head * stride_kv_head, v_cache + kv_head * stride_kv_head, stride_block, stride_slot,
@@ -137,7 +136,7 @@ def _decode_split_kernel(
         V_SCALE_IN_TILE=V_SCALE_IN_TILE,
     )
     index = (seq * num_heads + heads).to(tl.int64) * num_splits + split  # [HP] row of [N, H, splits]
-    store_split_partial(partial_out, partial_lse, index, acc, m_i, l_i, out_scale, row_ok, dims, HEAD_DIM)
+    store_split_partial(partial_out, partial_lse, index, acc, m_i, l_i, v_out_scale, row_ok, dims, HEAD_DIM)
 
 
 def launch_decode(q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens, qk_scale: float,
@@ -163,7 +162,7 @@ def launch_decode(q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens
     gate_strides = (0, 0) if gate is None else gate.stride()[:2]
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, partial_out, partial_lse, block_tables, cu_seqlens_q, seq_lens,
-        num_heads, num_splits, qk_scale, v_scale,
+        num_heads, num_splits, qk_scale, *split_v_scale(v_scale, k_cache.element_size() == 1),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEADS_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_N=tile.block_n,

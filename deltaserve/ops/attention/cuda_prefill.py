@@ -25,6 +25,7 @@ Output gate (gated attention): with `gate`, the stores write o * sigmoid(gate) r
 `o.to(dtype) * torch.sigmoid(gate)` (`output_gate`), saving the layer two elementwise launches.
 """
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -35,7 +36,7 @@ from triton.language.extra import libdevice
 from deltaserve.device import sm_count
 
 __all__ = ["TileConfig", "attend_kv_range", "launch_prefill", "merge_splits_kernel", "output_gate",
-           "prefill_num_splits", "prefill_tiles", "split_share", "store_split_partial", "v_scales"]
+           "prefill_num_splits", "prefill_tiles", "split_share", "split_v_scale", "store_split_partial"]
 
 
 class TileConfig(NamedTuple):
@@ -119,15 +120,15 @@ def output_gate(o, gate_ptrs, mask, DTYPE: tl.constexpr):
     return (o * sigmoid.to(DTYPE).to(tl.float32)).to(DTYPE)
 
 
-@triton.jit
-def v_scales(v_scale, DOT_DTYPE: tl.constexpr, V_SCALE_IN_TILE: tl.constexpr):
-    """(V tile scale, output scale) whose product is v_scale (float32): with V_SCALE_IN_TILE, v_scale rounded
-    to DOT_DTYPE for the tiles and the rounding's remainder for the output, so that no path is off by
-    v_scale's rounding; without, 1 and v_scale."""
-    if V_SCALE_IN_TILE:
-        tile_scale = tl.cast(v_scale, DOT_DTYPE)
-        return tile_scale, v_scale / tile_scale.to(tl.float32)
-    return tl.cast(1.0, DOT_DTYPE), v_scale
+def split_v_scale(v_scale: float, eight_bit_cache: bool) -> tuple[float, float]:
+    """(V tile scale, output scale) whose product is v_scale, the factor the cache divided V by. An 8-bit
+    cache's V tiles are multiplied in the dot's dtype (see `attend_kv_range`) by a power of two in [2^-14, 1]:
+    an e4m3 value times it is exact in float16 and bf16 and cannot overflow float16 (|V| <= 448); the rest
+    of v_scale multiplies the float32 output. Other caches: (1, v_scale), the tiles untouched."""
+    if not eight_bit_cache:
+        return 1.0, v_scale
+    tile = 2.0 ** min(0, max(-14, math.floor(math.log2(v_scale))))
+    return tile, v_scale / tile
 
 
 @triton.jit
@@ -145,11 +146,11 @@ def attend_kv_range(
     position of the range and that kv_lo, kv_hi are multiples of BLOCK_N (the prefix below the block's first
     query): no bounds or causal masks then.
 
-    V_SCALE_IN_TILE (8-bit caches): each V tile is multiplied by v_tile_scale (a DOT_DTYPE scalar, see
-    `v_scales`) before its dot. Besides dequantizing, the multiply keeps Triton from moving the upcast after
-    the shared-memory staging: it would then read the 8-bit tile in the dot's transposed operand layout one
-    byte at a time (an H200 SASS loop of 1,234 instructions with 128 LDS.U8, against 928 without them; bf16
-    tiles at the same 2 stages: 706).
+    V_SCALE_IN_TILE (8-bit caches): each V tile is multiplied by v_tile_scale (float32, a power of two: see
+    `split_v_scale`) in DOT_DTYPE before its dot. Besides dequantizing, the multiply keeps Triton from moving
+    the upcast after the shared-memory staging: it would then read the 8-bit tile in the dot's transposed
+    operand layout one byte at a time (`python -m deltaserve.bench.sass_probe --cache fp8`, eleventh session:
+    a loop of 1,234 instructions with 128 LDS.U8, against ~930 without them).
     """
     dims = tl.arange(0, HEAD_DIM_PAD)  # [D]
     dim_ok = dims < HEAD_DIM
@@ -177,14 +178,14 @@ def attend_kv_range(
         v = tl.load(v_head + rows[:, None] + dims[None, :], mask=tile_mask, other=0.0)  # [N, D]
         v = v.to(DOT_DTYPE)  # [N, D]
         if V_SCALE_IN_TILE:
-            v = v * v_tile_scale
+            v = v * tl.cast(v_tile_scale, DOT_DTYPE)  # exact: a power of two
         acc = tl.dot(p.to(DOT_DTYPE), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
     return acc, m_i, l_i
 
 
 @triton.jit
-def store_split_partial(partial_out, partial_lse, index, acc, m_i, l_i, v_scale, row_ok, dims,
+def store_split_partial(partial_out, partial_lse, index, acc, m_i, l_i, out_scale, row_ok, dims,
                         HEAD_DIM: tl.constexpr):
     """Store one split's rows: the output normalized by the split's own sum, and that sum's log2-sum-exp.
 
@@ -193,7 +194,7 @@ def store_split_partial(partial_out, partial_lse, index, acc, m_i, l_i, v_scale,
     """
     has_keys = l_i > 0  # [M]
     l_safe = tl.where(has_keys, l_i, 1.0)
-    result = acc * (v_scale / l_safe)[:, None]  # [M, D]
+    result = acc * (out_scale / l_safe)[:, None]  # [M, D]
     lse = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))  # log2 domain, like m_i
     tl.store(partial_lse + index, lse, mask=row_ok)
     mask = row_ok[:, None] & (dims < HEAD_DIM)[None, :]
@@ -276,7 +277,7 @@ def _find_sequence(cu_seqlens_q, num_seqs, block, TOKENS_PER_BLOCK: tl.constexpr
 @triton.jit(do_not_specialize=["num_seqs", "num_splits", "stride_table"])  # as _decode_split_kernel's
 def _prefill_kernel(
     q, k_cache, v_cache, out, partial_out, partial_lse, block_tables, cu_seqlens_q, seq_lens, gate,
-    num_seqs, num_heads, num_splits, qk_scale, v_scale,
+    num_seqs, num_heads, num_splits, qk_scale, v_tile_scale, v_out_scale,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head, stride_g_tok, stride_g_head,
     stride_block, stride_slot, stride_kv_head, stride_table,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -335,8 +336,7 @@ def _prefill_kernel(
         kv_hi = tl.minimum(kv_lo + tokens_per_split, last_pos + 1)  # <= kv_lo for splits past the end
     else:
         kv_lo, unmasked_end, masked_start, kv_hi = 0, full_end, full_end, last_pos + 1
-    # The stored V was divided by v_scale: the tiles and the output share its product back (`v_scales`).
-    v_tile_scale, out_scale = v_scales(v_scale, DOT_DTYPE, V_SCALE_IN_TILE)
+    # The stored V was divided by v_scale: the tiles and the output multiply it back (`split_v_scale`).
     acc, m_i, l_i = attend_kv_range(
         acc, m_i, l_i, q_tile, row_pos, kv_lo, unmasked_end, table_row, k_head, v_head, stride_block,
         stride_slot, qk_scale, v_tile_scale, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, PRECISION,
@@ -349,10 +349,10 @@ def _prefill_kernel(
     )
     if SPLIT_KV:
         index = ((q_start + tokens).to(tl.int64) * num_heads + heads) * num_splits + split  # [M]
-        store_split_partial(partial_out, partial_lse, index, acc, m_i, l_i, out_scale, row_ok, dims, HEAD_DIM)
+        store_split_partial(partial_out, partial_lse, index, acc, m_i, l_i, v_out_scale, row_ok, dims, HEAD_DIM)
     else:
         l_safe = tl.where(l_i > 0, l_i, 1.0)
-        result = acc * (out_scale / l_safe)[:, None]  # [M, D]
+        result = acc * (v_out_scale / l_safe)[:, None]  # [M, D]
         o_rows = (q_start + tokens).to(tl.int64) * stride_o_tok + heads * stride_o_head  # [M]
         if gate is None:
             result = result.to(out.dtype.element_ty)
@@ -391,7 +391,8 @@ def launch_prefill(q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_len
     gate_strides = (0, 0) if gate is None else gate.stride()[:2]
     _prefill_kernel[(num_query_blocks, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, partial_out, partial_lse, block_tables, cu_seqlens_q, seq_lens,
-        None if split_kv else gate, num_seqs, num_heads, num_splits, qk_scale, v_scale,
+        None if split_kv else gate, num_seqs, num_heads, num_splits, qk_scale,
+        *split_v_scale(v_scale, k_cache.element_size() == 1),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *gate_strides,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size,
