@@ -124,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stages", type=int, default=None)
     parser.add_argument("--top", type=int, default=12, help="how many opcodes to list")
     args = parser.parse_args(argv)
+    for name in ("arch", "block_n", "warps", "stages", "top"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     report = loop_report(compile_attention(args.kernel, args.cache, args.arch, args.block_n, args.warps, args.stages))
     print(f"{args.kernel} over a {args.cache} cache, sm_{args.arch}: {report.shared_bytes:,} B of shared memory; "
           f"its largest loop has {report.instructions} SASS instructions")

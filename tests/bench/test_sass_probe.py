@@ -28,3 +28,9 @@ def test_fp8_decode_loop_has_no_byte_loads_from_shared_memory():
     bf16 = run_probe("--top", "200")
     fp8_loop, bf16_loop = (int(re.search(r"largest loop has (\d+) SASS", out).group(1)) for out in (fp8, bf16))
     assert fp8_loop < 1.2 * bf16_loop, (fp8_loop, bf16_loop)  # 934 against 861 (1,234 with the byte loads)
+
+
+def test_bad_arguments_are_named(capsys):
+    with pytest.raises(SystemExit):
+        sass_probe.main(["--block-n", "0"])
+    assert "--block-n must be at least 1, got 0" in capsys.readouterr().err
