@@ -251,10 +251,12 @@ class CompileLog:
 
         triton.knobs.runtime.jit_cache_hook = self._hook
 
-    def _hook(self, *, fn, repr, **_):
+    def _hook(self, *, fn, compile, **_):
         self.names.append(fn.name)
-        self.signatures.append(repr)
-        logging.getLogger(__name__).debug("compiling %s", repr)
+        # argument types and the specializations that made the variant new (Triton's own `repr` misnames them)
+        signature = f"{fn.name}: {compile['signature']} {compile['configs']}"
+        self.signatures.append(signature)
+        logging.getLogger(__name__).debug("compiling %s", signature)
         return False  # go on and compile
 
     def take(self) -> str:

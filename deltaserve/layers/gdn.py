@@ -140,6 +140,20 @@ class GatedDeltaNet(nn.Module):
         # where its tuned table says it pays)
         return gated_norm_linear(o, z, self.norm.weight, self.norm.eps, self.out_proj.weight)
 
+    @torch.no_grad()
+    def warm_up_output_norm(self, max_tokens: int) -> None:
+        """GPU start-up: run the gated output norm once for each of its kernel variants that steps of up to
+        max_tokens tokens launch (it picks rows per program from the row count), on inputs laid out as
+        `forward`'s, so that serving compiles none of them."""
+        from deltaserve.ops.norm.cuda import gated_norm_warm_up_token_counts  # GPU only
+
+        weight = self.in_weight
+        projected = torch.zeros(max_tokens, weight.shape[0], dtype=weight.dtype, device=weight.device)
+        for tokens in gated_norm_warm_up_token_counts(self.num_v_heads, self.v_dim, max_tokens):
+            _, z, _, _ = self._split_projection(projected[:tokens])
+            o = torch.zeros(tokens, self.num_v_heads, self.v_dim, dtype=weight.dtype, device=weight.device)
+            self.norm(o, z)
+
     def _conv_and_delta_rule(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                              batch: ForwardBatch) -> torch.Tensor:
         """mixed: [T, conv_dim] pre-conv q|k|v; a, b: [T, HV] raw gate projections -> o: [T, HV, V]."""

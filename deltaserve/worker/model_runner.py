@@ -22,6 +22,7 @@ from deltaserve.device import to_device
 from deltaserve.layers.batch import ForwardBatch
 from deltaserve.layers.mlp import SparseMoE
 from deltaserve.model.qwen3_5 import HybridForCausalLM
+from deltaserve.ops.linear import warm_up_skinny
 from deltaserve.sampling import PendingSample, Sampler
 from deltaserve.sched_output import ModelOutput, SchedulerOutput
 from deltaserve.worker.cuda_graph import DecodeGraphs
@@ -69,6 +70,10 @@ class ModelRunner:
                                        use_graphs=use_graphs, performance_mode=performance_mode,
                                        block_size=self.block_size)
             self.graphs.capture()
+            # kernel variants that steps outside the graphs may launch, compiled now rather than while serving
+            warm_up_skinny(model.projection_weights())
+            if model.gdn_layers:  # every GDN layer launches the same variants
+                model.gdn_layers[0].warm_up_output_norm(max_num_batched_tokens)
             from deltaserve.ops.attention.cuda_sdpa import warm_up_cudnn_attention  # GPU only
 
             attention = model.attention_layers[0]

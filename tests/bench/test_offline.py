@@ -66,9 +66,13 @@ def test_compile_log_counts_variants_and_keeps_their_signatures_until_taken():
     from deltaserve.bench.offline import CompileLog
 
     log = CompileLog()
-    for name, signature in (("_decode", "_decode(stride_table: i32D)"), ("_decode", "_decode(stride_table: i32)"),
-                            ("_prefill", "_prefill(num_seqs: i32)")):
-        assert log._hook(fn=SimpleNamespace(name=name), repr=signature) is False  # Triton compiles as usual
-    assert log.signatures == ["_decode(stride_table: i32D)", "_decode(stride_table: i32)", "_prefill(num_seqs: i32)"]
+    # as Triton 3.6 calls the hook: the signature by argument name, the specializations by argument index
+    for name, signature, configs in (("_decode", {"stride_table": "i32"}, [{(3,): [["tt.divisibility", 16]]}]),
+                                     ("_decode", {"stride_table": "i32"}, [{}]),
+                                     ("_prefill", {"num_seqs": "i32"}, [{}])):
+        compile = {"signature": signature, "configs": configs}
+        assert log._hook(fn=SimpleNamespace(name=name), compile=compile, repr="ignored") is False  # compiles
+    assert log.signatures == ["_decode: {'stride_table': 'i32'} [{(3,): [['tt.divisibility', 16]]}]",
+                              "_decode: {'stride_table': 'i32'} [{}]", "_prefill: {'num_seqs': 'i32'} [{}]"]
     assert log.take() == "_decode x2, _prefill x1"
     assert log.signatures == [] and log.take() == ""

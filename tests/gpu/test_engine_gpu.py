@@ -181,19 +181,27 @@ def test_serving_compiles_no_kernel_after_start_up(make_checkpoint, monkeypatch)
     cold Triton cache each new variant stalls every stream for seconds (W6 met one: a 2.86 s step). Requests
     arrive while others decode (eager mixed steps), with prompts of 1 to 2,100 tokens and a prefix-cache hit,
     so batch sizes and block-table widths take every class Triton specializes on (1, divisible by 16,
-    neither). A failure lists the variants with their argument types: warm that variant up at start-up, or
+    neither), and the skinny GEMM serves every row count up to 64 (graphs cover only 1-16 here). A failure lists the variants with their argument types: warm that variant up at start-up, or
     stop specializing on the argument that varies from step to step (`do_not_specialize`)."""
     import triton
 
+    from deltaserve.ops.linear import cuda_skinny
+
+    # the skinny GEMM takes the tiny model's products too (the packaged table holds real models' shapes), with a
+    # tile of its own per row bucket (pointer loads, TMA, split K), as 27B's at up to 64 rows
+    tiles = {1: (16, 32, 1, 4, 2), 16: (16, 32, 1, 4, 2, 1), 32: (32, 32, 2, 4, 2), 64: (16, 64, 2, 4, 3, 1)}
+    monkeypatch.setattr(cuda_skinny, "config_for", lambda n, k, rows: tiles[cuda_skinny.row_bucket(rows)]
+                        if 1 <= rows <= cuda_skinny.SKINNY_MAX_ROWS else None)
     llm = LLM(str(make_checkpoint("qwen3_5")), dtype="bfloat16", max_num_seqs=16, enforce_eager=False)
     compiled = []
 
-    def record(*, repr, **_):
-        compiled.append(repr)
+    def record(*, fn, compile, **_):
+        # the argument types and the specializations (== 1, divisible by 16) that made the variant new
+        compiled.append(f"{fn.name}: {compile['signature']} {compile['configs']}")
         return False  # compile as usual
 
     monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook", record)
-    arrivals = {0: [5, 250], 3: [257, 1], 6: [511, 1300], 9: [16, 33, 700], 12: [2100], 30: [511, 40]}
+    arrivals = {0: [5, 250], 3: [257, 1], 6: [511, 1300], 9: [16, 33, 700], 12: [2100], 20: [20, 21], 30: [511, 40]}
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     engine, step = llm.engine, 0
     while step <= max(arrivals) or engine.has_unfinished():

@@ -396,12 +396,20 @@ def test_num_splits_fill_the_device_from_static_sizes(monkeypatch):
 
 def test_step_sized_arguments_compile_no_new_variants():
     """Arguments that change from step to step (batch and block-table sizes, split counts) must not be
-    specialized on (== 1, divisible by 16): each new class would compile a variant in the middle of serving."""
+    specialized on (== 1, divisible by 16): each new class would compile a variant in the middle of serving.
+    (The GPU test `test_serving_compiles_no_kernel_after_start_up` finds such arguments; this keeps them fixed.)"""
+    from deltaserve.ops.conv1d import cuda as conv_cuda
+    from deltaserve.ops.gdn import cuda as gdn_cuda
+    from deltaserve.ops.norm import cuda as norm_cuda
+
     for kernel, names in ((cuda_decode._decode_split_kernel, {"num_splits", "stride_table"}),
-                          (cuda_prefill._prefill_kernel, {"num_seqs", "num_splits", "stride_table"})):
+                          (cuda_prefill._prefill_kernel, {"num_seqs", "num_splits", "stride_table"}),
+                          (conv_cuda._conv_prefill_kernel, {"num_tokens", "num_seqs", "search_steps"}),
+                          (norm_cuda._gated_rms_norm_kernel, {"num_rows"}),
+                          (gdn_cuda._l2norm_kernel, {"num_rows"})):
         # a JITFunction lists its parameters; the interpreter's stand-in keeps the decorator's arguments
         unspecialized = ({param.name for param in kernel.params if param.do_not_specialize}
-                         if hasattr(kernel, "params") else set(kernel.kwargs["do_not_specialize"]))
+                         if hasattr(kernel, "params") else set(kernel.kwargs.get("do_not_specialize", ())))
         assert names <= unspecialized, kernel.fn.__name__
 
 

@@ -139,6 +139,28 @@ def test_skinny_table_and_buckets():
         linear_skinny.linear(torch.zeros(65, 16), torch.zeros(8, 16), (16, 16, 1, 4, 1))
 
 
+def test_skinny_warm_up_launches_every_variant_a_product_can_meet(monkeypatch):
+    """Start-up multiplies each weight at `skinny_warm_up_rows`: one row count per (row bucket, Triton's row-count
+    class: 1, a multiple of 16, other) that any count of 1..SKINNY_MAX_ROWS falls in, and only where the table
+    has a tile (the interpreter standing in for the GPU)."""
+    import deltaserve.ops.linear as ops_linear
+
+    def variant(rows):
+        return linear_skinny.row_bucket(rows), "one" if rows == 1 else "16s" if rows % 16 == 0 else "other"
+
+    warm = ops_linear.skinny_warm_up_rows()
+    every_count = range(1, linear_skinny.SKINNY_MAX_ROWS + 1)
+    assert sorted({variant(r) for r in warm}) == sorted({variant(r) for r in every_count})
+    assert len(warm) == len({variant(r) for r in warm})  # none twice
+    calls = []
+    monkeypatch.setattr(linear_skinny, "linear", lambda x, w, tile: calls.append((x.shape[0], w.shape[0])))
+    monkeypatch.setattr(linear_skinny, "_tuned_configs", lambda: {"40:96:16": [16, 32, 1, 4, 1],
+                                                                 "40:96:64": [16, 32, 1, 4, 1]})
+    monkeypatch.setattr(ops_linear, "_on_gpu", lambda x: True)
+    ops_linear.warm_up_skinny([torch.zeros(40, 96), torch.zeros(24, 96)])
+    assert calls == [(2, 40), (16, 40), (33, 40), (64, 40)]
+
+
 def test_gpu_projections_take_the_tuned_kernel(monkeypatch):
     """ops.linear's dispatch (the interpreter standing in for the GPU, the table and the device check patched):
     a product whose (N, K, row bucket) is in the skinny table runs the prologue op and then the skinny GEMM, in

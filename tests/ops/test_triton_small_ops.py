@@ -98,6 +98,19 @@ def test_gated_rms_norm_takes_rows_and_rejects_mismatched_gate():
         norm_cuda.gated_rms_norm(x, z[:4], w, 1e-6)
 
 
+@pytest.mark.parametrize("heads,dim,max_tokens,expected", [(48, 128, 8192, [1, 43, 86, 171, 342]),
+                                                            (4, 16, 600, [1, 512]), (32, 128, 20, [1])])
+def test_gated_norm_warm_up_counts_reach_every_variant(heads, dim, max_tokens, expected):
+    """Start-up runs the gated norm at these token counts: one per rows-per-program variant that any step of
+    up to max_tokens tokens launches (27B's 48 heads of 128 first)."""
+    counts = norm_cuda.gated_norm_warm_up_token_counts(heads, dim, max_tokens)
+    assert counts == expected
+    block = triton.next_power_of_2(dim)
+    variant = [norm_cuda._gated_block_rows(t * heads, block) for t in range(1, max_tokens + 1)]
+    assert [variant[t - 1] for t in counts] == sorted(set(variant))
+    assert all(variant.index(variant[t - 1]) == t - 1 for t in counts)  # each the first of its variant
+
+
 @pytest.mark.parametrize("inter", [24, 1500])
 def test_silu_and_mul(inter):
     x = torch.randn(5, 2 * inter).to(DEVICE)

@@ -388,7 +388,7 @@ def _chunked_prefill(q, k, v, g, beta, state_pool, state_slots, has_initial_stat
     return out[0].to(v.dtype)  # fla returns q.dtype
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # the step's token count x heads: one variant for every step
 def _l2norm_kernel(x, out, num_rows, eps, D: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
     """Grid (cdiv(num_rows, ROWS),): rows of D contiguous values scaled to unit L2 norm, in float32, as fla's
     l2norm_fwd computes them (x / sqrt(sum x^2 + eps) as x * (1 / sqrt(...)))."""

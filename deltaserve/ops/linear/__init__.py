@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from deltaserve.ops.linear import reference
 
-__all__ = ["gated_norm_linear", "linear", "matmul", "rms_norm_linear", "silu_mul_linear"]
+__all__ = ["gated_norm_linear", "linear", "matmul", "rms_norm_linear", "silu_mul_linear", "warm_up_skinny",
+           "skinny_warm_up_rows"]
 
 
 def _on_gpu(x) -> bool:
@@ -77,3 +78,25 @@ def gated_norm_linear(x, gate, norm_weight, eps: float, weight):
         from deltaserve.ops.linear import cuda
         return cuda.gated_norm_linear(x, gate, norm_weight, eps, weight)
     return reference.gated_norm_linear(x, gate, norm_weight, eps, weight, matmul=matmul)
+
+
+def skinny_warm_up_rows() -> list[int]:
+    """Row counts that launch every variant of the skinny GEMM a product can meet: per row bucket its own tile,
+    and Triton's specialization of the row count (1, a multiple of 16, any other), i.e. 1, 2, 16, 17, 32, 33, 64."""
+    from deltaserve.ops.linear.cuda_skinny import ROW_BUCKETS
+    rows = [1]
+    for smaller, bucket in zip(ROW_BUCKETS, ROW_BUCKETS[1:]):
+        rows += [smaller + 1, bucket]
+    return rows
+
+
+@torch.no_grad()
+def warm_up_skinny(weights) -> None:
+    """GPU start-up: multiply each weight ([N, K]) once at each of `skinny_warm_up_rows` where the skinny GEMM
+    serves, so that no step compiles a variant while serving. Decode graphs cover only their own batch sizes;
+    an eager step (a few short prompts, the rows that sample in a prompt step) may have any count up to 64."""
+    for weight in weights:
+        for rows in skinny_warm_up_rows():
+            x = torch.zeros(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
+            if _skinny_config(x, weight) is not None:
+                matmul(x, weight)

@@ -34,7 +34,7 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, D, x_stride, res
     tl.store(y_ptr + row * y_stride + cols, (xf * rstd * (1.0 + w)).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # the step's token count: one compiled variant for every step
 def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, y_ptr, num_rows, heads, D, x_tok_stride, x_head_stride,
                            g_tok_stride, g_head_stride, eps, BLOCK_ROWS: tl.constexpr, BLOCK: tl.constexpr):
     """Rows r of [T * H, D] (token r // H, head r % H), BLOCK_ROWS per program; y is contiguous."""
@@ -89,6 +89,23 @@ def rms_norm(x, weight, eps, residual=None):
     return y.view(shape)
 
 
+def _gated_block_rows(num_rows: int, block: int) -> int:
+    """Rows a gated-norm program takes (a compile-time constant: each value is its own kernel variant). Many rows
+    (prefill): tiles of _GATED_TILE elements; few (decode): fewer rows a program, so that the launch still
+    spreads over the SMs (one 16-row tile at batch 1 took 2.6 us on the H200, 48 rows 1.5 us)."""
+    return max(1, min(_GATED_TILE // block, triton.next_power_of_2(num_rows // 1024 + 1) // 2))
+
+
+def gated_norm_warm_up_token_counts(heads: int, dim: int, max_tokens: int) -> list[int]:
+    """One token count (of [T, heads, dim] inputs, T <= max_tokens) for each kernel variant that steps of up to
+    max_tokens tokens launch: running each once at start-up compiles them all before serving."""
+    block = triton.next_power_of_2(dim)
+    first_of_variant: dict[int, int] = {}
+    for tokens in range(1, max_tokens + 1):
+        first_of_variant.setdefault(_gated_block_rows(tokens * heads, block), tokens)
+    return sorted(first_of_variant.values())
+
+
 def gated_rms_norm(x, gate, weight, eps):
     """See reference.gated_rms_norm. x, gate: [T, H, D] with unit last strides, read in place whatever their
     token and head strides (other ranks as rows of D). Returns y contiguous in x's shape."""
@@ -99,9 +116,7 @@ def gated_rms_norm(x, gate, weight, eps):
     num_rows = x3.shape[0] * x3.shape[1]
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     block = triton.next_power_of_2(D)
-    # many rows (prefill): tiles of _GATED_TILE elements; few (decode): fewer rows a program, so that the
-    # launch still spreads over the SMs (one 16-row tile at batch 1 took 2.6 us on the H200, 48 rows 1.5 us)
-    block_rows = max(1, min(_GATED_TILE // block, triton.next_power_of_2(num_rows // 1024 + 1) // 2))
+    block_rows = _gated_block_rows(num_rows, block)
     _gated_rms_norm_kernel[(triton.cdiv(num_rows, block_rows),)](
         x3, g3, weight, y, num_rows, x3.shape[1], D, x3.stride(0), x3.stride(1), g3.stride(0), g3.stride(1), eps,
         BLOCK_ROWS=block_rows, BLOCK=block, num_warps=_warps(block_rows * block))
