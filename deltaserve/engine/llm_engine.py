@@ -59,6 +59,9 @@ def freeze_startup_objects() -> None:
     global _startup_frozen
     if not _startup_frozen:
         _startup_frozen = True
+        # torch imports its compiler stack (dynamo, inductor, sympy: ~900 modules, ~140K objects) when the first
+        # model is built under a device context (nn.init through torch._refs): now, so that it is frozen too
+        import torch._dynamo  # noqa: F401
         gc.collect()
         gc.freeze()
 
