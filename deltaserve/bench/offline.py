@@ -11,6 +11,7 @@ the rate sustained over 3 s (~675: the power cap lowers the clock) is printed be
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import gzip
 import json
@@ -157,6 +158,18 @@ def run_workload(engine: LLMEngine, input_len: int, output_len: int, num_prompts
         "steps": {**steps.summary(), **gc_pauses.summary()},
         **({"step_records": steps.records} if step_records else {}),
     }
+
+
+def collector_load(top: int = 5) -> str:
+    """What a full collection walks now: the objects the collector tracks (after one collection; those frozen at
+    start-up excluded), and the modules with the most functions among them (modules imported after the freeze:
+    see `freeze_startup_objects`)."""
+    gc.collect()
+    tracked = gc.get_objects()
+    modules = collections.Counter(getattr(o, "__module__", None) or "?" for o in tracked
+                                  if type(o).__name__ == "function")
+    listed = ", ".join(f"{name} {count}" for name, count in modules.most_common(top))
+    return f"{len(tracked):,} objects tracked ({gc.get_freeze_count():,} frozen); functions by module: {listed}"
 
 
 class GcPauses:
@@ -457,6 +470,7 @@ def main(argv: list[str] | None = None) -> int:
         async_scheduling=args.async_scheduling, kv_cache_dtype=args.kv_cache_dtype))
     print(f"engine ready in {time.perf_counter() - t:.1f} s; Triton kernel variants compiled: {compiles.take()}",
           flush=True)
+    print(f"garbage collector: {collector_load()}", flush=True)
     limits = Limits(engine, bandwidth, flops)
     if args.profile:
         if args.profile_dir:

@@ -11,6 +11,7 @@ A request with n > 1 runs as n child sequences ("{id}#{i}"), reported together a
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import time
@@ -59,9 +60,13 @@ def freeze_startup_objects() -> None:
     global _startup_frozen
     if not _startup_frozen:
         _startup_frozen = True
-        # torch imports its compiler stack (dynamo, inductor, sympy: ~900 modules, ~140K objects) when the first
-        # model is built under a device context (nn.init through torch._refs): now, so that it is frozen too
+        # Modules start-up would import later, so that they are frozen too (~900 modules, ~140K objects each):
+        # torch's compiler stack (dynamo, sympy), imported when the model is built under a device context (nn.init
+        # through torch._refs), and on the GPU fla (the GDN prefill kernels), which brings torch's inductor.
         import torch._dynamo  # noqa: F401
+        if torch.cuda.is_available():
+            with contextlib.suppress(ImportError):  # an optional dependency: the GPU op reports its absence
+                import fla.ops.gated_delta_rule  # noqa: F401
         gc.collect()
         gc.freeze()
 

@@ -76,3 +76,15 @@ def test_compile_log_counts_variants_and_keeps_their_signatures_until_taken():
                               "_decode: {'stride_table': 'i32'} [{}]", "_prefill: {'num_seqs': 'i32'} [{}]"]
     assert log.take() == "_decode x2, _prefill x1"
     assert log.signatures == [] and log.take() == ""
+
+
+def test_collector_load_counts_tracked_objects_and_names_their_modules():
+    import re
+
+    from deltaserve.bench.offline import collector_load
+
+    namespace = {"__name__": "made_after_the_freeze"}
+    exec("def f():\n    pass\ng = [f]", namespace)  # a function of a module of its own, kept alive
+    report = collector_load(top=10_000)
+    assert re.match(r"[\d,]+ objects tracked \([\d,]+ frozen\); functions by module: ", report), report
+    assert "made_after_the_freeze 1" in report.split(": ", 1)[1].split(", "), report
