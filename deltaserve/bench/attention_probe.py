@@ -1,7 +1,8 @@
 """Long-prefill attention: our Triton paged kernel beside PyTorch's SDPA backends, on the GPU; and (with
---decode-sweep) the decode kernel's tiles over bf16 and fp8 caches.
+--decode-sweep) the decode kernel's tiles over bf16 and fp8 caches, or (with --prefill-split-sweep) the paged
+prefill kernel's split count for short chunks over long prefixes.
 
-    python -m deltaserve.bench.attention_probe [--decode-sweep]
+    python -m deltaserve.bench.attention_probe [--decode-sweep | --prefill-split-sweep]
 
 Times one 27B attention layer (24 query / 4 KV heads, head_dim 256, bf16) for an 8,192-token chunk after
 0, 24,576 and 122,880 cached tokens (the last chunk of W3's 32K prompt and of W2's 131K prompt), causal with
@@ -143,13 +144,62 @@ def decode_sweep(dtypes: tuple[str, ...] = ("bf16", "fp8", "fp8 q-fp16")) -> Non
                   f"({kv_bytes / default_ms / 1e6:.0f} GB/s); best: {best}", flush=True)
 
 
+PREFILL_SPLIT_CASES = ((16, 36864), (64, 36864), (256, 36864), (16, 131072), (512, 8192))
+PREFILL_SPLIT_COUNTS = (1, 2, 4, 8, 12, 16, 22, 24, 32, 33, 44, 48, 64, 66, 88, 96, 128)
+
+
+def prefill_split_sweep(dtypes: tuple[str, ...] = ("bf16", "fp8"), table_width: int = 140000 // BLOCK) -> None:
+    """The paged prefill kernel over a cached prefix (W4's 16-token hit after 36,864 tokens, W5-like turns, a
+    short chunk at W2's context) at each split count, in CUDA graphs as the chunk graphs run it: the count
+    `prefill_num_splits` plans for serving's block-table width (max_model_len 140,000, the benchmarks') beside the
+    fastest. Its rule rounds up (`cdiv(2 x SMs, programs)`), as the decode rule did before it was found to
+    overshoot one wave (eleventh session); this decides whether the prefill rule should round down too."""
+    from deltaserve.ops.attention import cuda as attention_cuda, cuda_prefill
+
+    device = torch.device("cuda")
+    for q_len, prefix in PREFILL_SPLIT_CASES:
+        kv_len = prefix + q_len
+        blocks = -(-kv_len // BLOCK)
+        table = torch.zeros(1, table_width, dtype=torch.int32, device=device)
+        table[0, :blocks] = torch.randperm(blocks, device=device, dtype=torch.int32) + 1
+        cu = torch.tensor([0, q_len], device=device)
+        seq_lens = torch.tensor([kv_len], device=device)
+        q = torch.randn(q_len, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
+        k_bf16 = torch.randn(blocks + 1, BLOCK, KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
+        v_bf16 = torch.randn_like(k_bf16)
+        caches = {"bf16": (k_bf16, v_bf16),
+                  "fp8": (k_bf16.to(torch.float8_e4m3fn), v_bf16.to(torch.float8_e4m3fn))}
+        group = HEADS // KV_HEADS
+        tiles = cuda_prefill.prefill_tiles(HEAD_DIM, group)
+        programs = KV_HEADS * cuda_prefill.prefill_query_blocks(q_len, 1, group, tiles)  # the unsplit grid
+        planned = cuda_prefill.prefill_num_splits(programs, table_width * BLOCK, device)
+        for name in dtypes:
+            k_cache, v_cache = caches[name]
+            kv_bytes = 2 * kv_len * KV_HEADS * HEAD_DIM * k_cache.element_size()
+            results = {}
+            for splits in sorted(set(PREFILL_SPLIT_COUNTS) | {planned}):
+                if splits > cuda_prefill.PREFILL_MAX_SPLITS:
+                    continue
+                results[splits] = timed_in_graph(lambda: attention_cuda.paged_attention(
+                    q, k_cache, v_cache, table, cu, seq_lens, HEAD_DIM ** -0.5, q_len, num_splits=splits))
+            best = sorted(results, key=results.get)[:4]
+            listed = ", ".join(f"{s} {1e3 * results[s]:.1f} us" for s in best)
+            print(f"prefill {q_len} after {prefix} {name}: {programs} programs unsplit; planned {planned} splits "
+                  f"{1e3 * results[planned]:.1f} us ({kv_bytes / results[planned] / 1e6:.0f} GB/s); best: {listed}",
+                  flush=True)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--decode-sweep", action="store_true", help="sweep the decode kernel's tiles instead")
     parser.add_argument("--decode-dtypes", default="bf16,fp8,fp8 q-fp16",
                         help="with --decode-sweep, the cases to sweep (comma-separated: bf16, fp8, fp8 q-fp16)")
+    parser.add_argument("--prefill-split-sweep", action="store_true",
+                        help="time the paged prefill kernel at each split count over long prefixes instead")
     args = parser.parse_args()
-    if args.decode_sweep:
+    if args.prefill_split_sweep:
+        prefill_split_sweep()
+    elif args.decode_sweep:
         decode_sweep(tuple(name.strip() for name in args.decode_dtypes.split(",")))
     else:
         main()

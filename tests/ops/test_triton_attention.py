@@ -233,10 +233,11 @@ def test_split_kv_prefill_gqa_groups(small_tiles, num_heads, num_kv_heads, block
 def test_short_chunk_over_long_prefix_splits_by_default(monkeypatch):
     """A 3-token chunk after 597 cached tokens is one query block per KV head (2 programs, the CPU stand-in
     counts 4 SMs): the planner splits it over the 624-position block table, and the result is unchanged."""
-    planned = []
+    planned, programs = [], []
     plan = cuda_prefill.prefill_num_splits
 
     def recording_plan(*args):
+        programs.append(args[0])
         planned.append(plan(*args))
         return planned[-1]
 
@@ -244,6 +245,9 @@ def test_short_chunk_over_long_prefix_splits_by_default(monkeypatch):
     batch = make_batch([(600, 3)], block_size=16, head_dim=16, seed=2)
     actual = kernels.paged_attention(**batch, max_query_len=3)
     assert planned == [3]  # 2 programs per SM want 4 splits; 624 positions hold 3 of 256
+    group = NUM_HEADS // NUM_KV_HEADS  # the unsplit grid as the probes count it (attention_probe's split sweep)
+    tiles = cuda_prefill.prefill_tiles(16, group, float32_dots=True)
+    assert programs == [NUM_KV_HEADS * cuda_prefill.prefill_query_blocks(3, 1, group, tiles)] == [2]
     torch.testing.assert_close(actual, reference.paged_attention(**batch), **FP32_TOL)
 
 

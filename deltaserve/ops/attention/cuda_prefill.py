@@ -36,7 +36,8 @@ from triton.language.extra import libdevice
 from deltaserve.device import sm_count
 
 __all__ = ["TileConfig", "attend_kv_range", "launch_prefill", "merge_splits_kernel", "output_gate",
-           "prefill_num_splits", "prefill_tiles", "split_share", "split_v_scale", "store_split_partial"]
+           "prefill_num_splits", "prefill_query_blocks", "prefill_tiles", "split_share", "split_v_scale",
+           "store_split_partial"]
 
 
 class TileConfig(NamedTuple):
@@ -79,6 +80,12 @@ def prefill_tiles(head_dim_pad: int, group: int, float32_dots: bool = False) -> 
         fitting = [dim for dim in sorted(PREFILL_TILES) if dim >= head_dim_pad]
         tiles = PREFILL_TILES[fitting[0] if fitting else max(PREFILL_TILES)]
     return tiles._replace(block_m=max(tiles.block_m, triton.next_power_of_2(group)))
+
+
+def prefill_query_blocks(num_tokens: int, num_seqs: int, group: int, tiles: TileConfig) -> int:
+    """The prefill grid's query blocks (per KV head): block_m // group tokens of one sequence each, at most one
+    more per sequence for its partial block."""
+    return num_tokens // (tiles.block_m // group) + num_seqs
 
 
 def prefill_num_splits(num_programs: int, max_kv_len: int, device: torch.device) -> int:
@@ -376,9 +383,8 @@ def launch_prefill(q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_len
     group = num_heads // num_kv_heads
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs every dimension >= 16
     tiles = prefill_tiles(head_dim_pad, group, float32_dots=dot_dtype == tl.float32)
-    tokens_per_block = tiles.block_m // group
     num_seqs = block_tables.shape[0]
-    num_query_blocks = num_tokens // tokens_per_block + num_seqs
+    num_query_blocks = prefill_query_blocks(num_tokens, num_seqs, group, tiles)
     if num_splits is None:
         max_kv_len = block_tables.shape[1] * block_size
         num_splits = prefill_num_splits(num_query_blocks * num_kv_heads, max_kv_len, q.device)
