@@ -127,13 +127,16 @@ class HybridForCausalLM(nn.Module):
 
     def projection_weights(self) -> list[torch.Tensor]:
         """One weight of each shape and dtype that `ops.linear` multiplies at decode-sized row counts (the
-        mixers' input and output projections, the dense MLPs'), for start-up to warm its kernels up."""
+        mixers' input and output projections, the dense MLPs', the shared experts' down projections), for
+        start-up to warm its kernels up."""
         weights: dict[tuple, torch.Tensor] = {}
         for layer in self.model.layers:
             mixer = layer.linear_attn if layer.is_linear else layer.self_attn
             candidates = [mixer.in_weight, mixer.out_proj.weight if layer.is_linear else mixer.o_proj.weight]
             if isinstance(layer.mlp, SwiGLU):
                 candidates += [layer.mlp.gate_up_weight, layer.mlp.down_proj.weight]
+            elif layer.mlp.shared_expert is not None:  # its down projection (silu_mul_linear)
+                candidates.append(layer.mlp.shared_expert.down_proj.weight)
             for weight in candidates:
                 weights.setdefault((tuple(weight.shape), weight.dtype), weight)
         return list(weights.values())
