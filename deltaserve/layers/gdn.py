@@ -148,8 +148,9 @@ class GatedDeltaNet(nn.Module):
         from deltaserve.ops.norm.cuda import gated_norm_warm_up_token_counts  # GPU only
 
         weight = self.in_weight
-        projected = torch.zeros(max_tokens, weight.shape[0], dtype=weight.dtype, device=weight.device)
-        for tokens in gated_norm_warm_up_token_counts(self.num_v_heads, self.v_dim, max_tokens):
+        counts = gated_norm_warm_up_token_counts(self.num_v_heads, self.v_dim, max_tokens)  # 27B: 1 to 342
+        projected = torch.zeros(max(counts), weight.shape[0], dtype=weight.dtype, device=weight.device)
+        for tokens in counts:
             _, z, _, _ = self._split_projection(projected[:tokens])
             o = torch.zeros(tokens, self.num_v_heads, self.v_dim, dtype=weight.dtype, device=weight.device)
             self.norm(o, z)

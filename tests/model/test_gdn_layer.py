@@ -82,3 +82,30 @@ def test_prefill_path_copies_nothing(ckpt_qwen3_5, monkeypatch):
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(layer.conv_state, expected_pools[0], atol=0, rtol=0)
     torch.testing.assert_close(layer.ssm_state, expected_pools[1], atol=1e-5, rtol=1e-5)
+
+
+def test_output_norm_warm_up_runs_each_variant_on_forwards_layout(ckpt_qwen3_5, monkeypatch):
+    """GPU start-up runs the gated norm once per rows-per-program variant (`warm_up_output_norm`), with x and
+    the gate z laid out as `forward` gives them (z a strided view of the projection), so that the variants it
+    compiles are the ones serving launches (here in the interpreter)."""
+    from deltaserve.ops.linear import reference as linear_reference
+
+    cfg, layer, gen = gdn_layer_with_random_states(ckpt_qwen3_5, num_state_slots=4)
+    calls = []
+
+    def recording_norm(x, gate, weight, eps):
+        calls.append((x.shape[0], x.stride(), gate.stride()))
+        return norm_kernels.gated_rms_norm(x, gate, weight, eps)
+
+    monkeypatch.setattr(norm_layer, "gated_rms_norm", recording_norm)
+    monkeypatch.setattr(linear_reference, "gated_rms_norm", recording_norm)
+    forward_layout = {}
+    for tokens in (1, 7):  # one token: torch gives z's size-1 token dim a contiguous stride (another variant)
+        batch = ForwardBatch.build([0], [tokens], [[1, 2]], [1], block_size=4)
+        layer(F.linear(torch.randn(tokens, cfg.hidden_size, generator=gen), layer.in_weight), batch)
+        forward_layout[tokens > 1] = calls.pop()[1:]
+    max_tokens = 4096
+    counts = norm_kernels.gated_norm_warm_up_token_counts(layer.num_v_heads, layer.v_dim, max_tokens)
+    layer.warm_up_output_norm(max_tokens)
+    assert [tokens for tokens, _, _ in calls] == counts and len(counts) > 1
+    assert all((x, g) == forward_layout[tokens > 1] for tokens, x, g in calls), (forward_layout, calls)
