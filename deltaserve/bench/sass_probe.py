@@ -68,7 +68,8 @@ def compile_attention(kernel: str = "decode", cache: str = "bf16", arch: int = 9
         fn, tile = cuda_prefill._prefill_kernel, cuda_prefill.prefill_tiles(HEAD_DIM, group)
         constants = {"GROUP": group, "HEAD_DIM": HEAD_DIM, "HEAD_DIM_PAD": HEAD_DIM, "BLOCK_SIZE": BLOCK,
                      "BLOCK_M": tile.block_m, "BLOCK_N": block_n or tile.block_n, "DOT_DTYPE": tl.bfloat16,
-                     "PRECISION": "tf32", "SPLIT_KV": False, "V_SCALE_IN_TILE": size == 1}
+                     "PRECISION": "tf32", "SPLIT_KV": False, "V_SCALE_IN_TILE": size == 1,
+                     "partial_out": None, "partial_lse": None}  # unsplit: the engine passes None (a constexpr)
     else:
         raise ValueError(f"kernel must be decode or prefill, got {kernel!r}")
     if not hasattr(fn, "params"):
