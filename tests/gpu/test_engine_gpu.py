@@ -176,7 +176,8 @@ def test_any_max_num_seqs_starts_and_serves(make_checkpoint):
     assert outs[3].outputs[0].token_ids == alone[0].outputs[0].token_ids
 
 
-def test_serving_compiles_no_kernel_after_start_up(make_checkpoint, monkeypatch):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_serving_compiles_no_kernel_after_start_up(make_checkpoint, monkeypatch, kv_cache_dtype):
     """Start-up warms up every kind of step; traffic of any shape after it must compile no Triton kernel: on a
     cold Triton cache each new variant stalls every stream for seconds (W6 met one: a 2.86 s step). Requests
     arrive while others decode (eager mixed steps), with prompts of 1 to 2,100 tokens and a prefix-cache hit,
@@ -192,7 +193,8 @@ def test_serving_compiles_no_kernel_after_start_up(make_checkpoint, monkeypatch)
     tiles = {1: (16, 32, 1, 4, 2), 16: (16, 32, 1, 4, 2, 1), 32: (32, 32, 2, 4, 2), 64: (16, 64, 2, 4, 3, 1)}
     monkeypatch.setattr(cuda_skinny, "config_for", lambda n, k, rows: tiles[cuda_skinny.row_bucket(rows)]
                         if 1 <= rows <= cuda_skinny.SKINNY_MAX_ROWS else None)
-    llm = LLM(str(make_checkpoint("qwen3_5")), dtype="bfloat16", max_num_seqs=16, enforce_eager=False)
+    llm = LLM(str(make_checkpoint("qwen3_5")), dtype="bfloat16", max_num_seqs=16, enforce_eager=False,
+              kv_cache_dtype=kv_cache_dtype)
     compiled = []
 
     def record(*, fn, compile, **_):
