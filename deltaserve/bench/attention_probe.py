@@ -145,15 +145,14 @@ def decode_sweep(dtypes: tuple[str, ...] = ("bf16", "fp8", "fp8 q-fp16")) -> Non
 
 
 PREFILL_SPLIT_CASES = ((16, 36864), (64, 36864), (256, 36864), (16, 131072), (512, 8192))
-PREFILL_SPLIT_COUNTS = (1, 2, 4, 8, 12, 16, 22, 24, 32, 33, 44, 48, 64, 66, 88, 96, 128)
+PREFILL_SPLIT_COUNTS = (1, 2, 3, 4, 5, 6, 8, 9, 12, 13, 16, 17, 22, 24, 32, 33, 44, 48, 64, 66, 88, 96, 128)
 
 
 def prefill_split_sweep(dtypes: tuple[str, ...] = ("bf16", "fp8"), table_width: int = 140000 // BLOCK) -> None:
     """The paged prefill kernel over a cached prefix (W4's 16-token hit after 36,864 tokens, W5-like turns, a
     short chunk at W2's context) at each split count, in CUDA graphs as the chunk graphs run it: the count
     `prefill_num_splits` plans for serving's block-table width (max_model_len 140,000, the benchmarks') beside the
-    fastest. Its rule rounds up (`cdiv(2 x SMs, programs)`), as the decode rule did before it was found to
-    overshoot one wave (eleventh session); this decides whether the prefill rule should round down too."""
+    fastest. (The thirteenth session's sweep replaced a rule that rounded up past whole waves: docs/performance.md.)"""
     from deltaserve.ops.attention import cuda as attention_cuda, cuda_prefill
 
     device = torch.device("cuda")

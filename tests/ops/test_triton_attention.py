@@ -244,7 +244,7 @@ def test_short_chunk_over_long_prefix_splits_by_default(monkeypatch):
     monkeypatch.setattr(cuda_prefill, "prefill_num_splits", recording_plan)
     batch = make_batch([(600, 3)], block_size=16, head_dim=16, seed=2)
     actual = kernels.paged_attention(**batch, max_query_len=3)
-    assert planned == [3]  # 2 programs per SM want 4 splits; 624 positions hold 3 of 256
+    assert planned == [2]  # one wave of the 4 SMs; 624 positions would hold 3 shares of 256
     group = NUM_HEADS // NUM_KV_HEADS  # the unsplit grid as the probes count it (attention_probe's split sweep)
     tiles = cuda_prefill.prefill_tiles(16, group, float32_dots=True)
     assert programs == [NUM_KV_HEADS * cuda_prefill.prefill_query_blocks(3, 1, group, tiles)] == [2]
@@ -420,9 +420,12 @@ def test_step_sized_arguments_compile_no_new_variants():
 def test_prefill_splits_only_small_grids_over_wide_tables(monkeypatch):
     monkeypatch.setattr(cuda_prefill, "sm_count", lambda device: 132)
     cpu = torch.device("cpu")
-    # 16 tokens after 36,864 cached at 27B shapes: 1 query block x 4 KV heads, 2 programs per SM wanted.
-    assert cuda_prefill.prefill_num_splits(4, 36880, cpu) == 66
-    assert cuda_prefill.prefill_num_splits(100, 36880, cpu) == 3
+    # 16 tokens after 36,864 cached at 27B shapes: 1 query block x 4 KV heads, split into one full wave.
+    assert cuda_prefill.prefill_num_splits(4, 36880, cpu) == 33
+    assert cuda_prefill.prefill_num_splits(16, 36880, cpu) == 8
+    # More programs: whole waves, not a barely begun last one (52 x 6 = 312 is 2.4 waves of 132).
+    assert cuda_prefill.prefill_num_splits(52, 37120, cpu) == 5
+    assert cuda_prefill.prefill_num_splits(100, 36880, cpu) == 9
     # A narrow table (a fresh short prompt) or a grid of a full wave is not split.
     assert cuda_prefill.prefill_num_splits(4, 256, cpu) == 1
     assert cuda_prefill.prefill_num_splits(132, 262144, cpu) == 1

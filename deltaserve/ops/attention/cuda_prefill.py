@@ -59,12 +59,13 @@ PREFILL_TILES = {
 # tiles keep them compiling quickly and without spills. A correctness path (tests), not a fast one.
 PREFILL_TILES_FLOAT32 = TileConfig(block_m=32, block_n=16, num_warps=4, num_stages=2)
 
-# Split KV, to be tuned on an H200: split only a grid below one wave of programs, until about this many
-# programs per SM run, each over at least this many positions of the block_tables capacity. A split also
-# writes and rereads BLOCK_M x head_dim float32 partials, so it must read much more KV than that.
-PREFILL_PROGRAMS_PER_SM = 2
+# Split KV: only a grid below one wave of programs is split, each share over at least this many positions of
+# the block_tables capacity. A share also writes and rereads BLOCK_M x head_dim float32 partials and runs its
+# program's prologue: about as much as reading PREFILL_SPLIT_COST_TOKENS more positions (fitted to
+# `attention_probe --prefill-split-sweep` on an H200, thirteenth session; docs/performance.md).
 PREFILL_MIN_TOKENS_PER_SPLIT = 256
 PREFILL_MAX_SPLITS = 128
+PREFILL_SPLIT_COST_TOKENS = 256
 MERGE_NUM_WARPS = 4
 
 # torch's sigmoid on CUDA is 1 / (1 + expf(-x)) in float32 with IEEE division; libdevice's expf and div_rn
@@ -93,13 +94,23 @@ def prefill_num_splits(num_programs: int, max_kv_len: int, device: torch.device)
 
     num_programs: the unsplit grid's size; max_kv_len: the longest sequence block_tables can describe (its
     width times block_size). 1 (no split) for a grid that already fills the device or a narrow table.
+
+    A 27B prefill program (head_dim 256) holds a whole SM, so the grid runs in waves of one program per SM and
+    a last wave that is barely begun costs as much as a full one. The count minimises waves x (positions per
+    share + the cost of a share): 16 tokens after 36,864 cached (4 programs) take 33 shares, one wave (88.9 us
+    against 104.0 at the 66 that two programs per SM asked for), 64 tokens (16 programs) 8 (285.1 us against
+    402.7 at 17: three waves), 256 tokens (52 programs) 5, two full waves (1,075.6 us at 6: three waves).
     """
     sms = sm_count(device)
     if num_programs >= sms:
         return 1
-    wanted = triton.cdiv(PREFILL_PROGRAMS_PER_SM * sms, max(1, num_programs))
-    useful = triton.cdiv(max_kv_len, PREFILL_MIN_TOKENS_PER_SPLIT)
-    return max(1, min(wanted, useful, PREFILL_MAX_SPLITS))
+    useful = max(1, min(triton.cdiv(max_kv_len, PREFILL_MIN_TOKENS_PER_SPLIT), PREFILL_MAX_SPLITS))
+
+    def cost(splits: int) -> int:
+        waves = triton.cdiv(num_programs * splits, sms)
+        return waves * (triton.cdiv(max_kv_len, splits) + PREFILL_SPLIT_COST_TOKENS)
+
+    return min(range(1, useful + 1), key=lambda splits: (cost(splits), splits))
 
 
 @triton.jit
