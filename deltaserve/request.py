@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 
 import torch
 
 from deltaserve.sampling import SamplingParams
+
+_SERIALS = itertools.count()  # Request.serial
 
 
 class RequestStatus(enum.Enum):
@@ -36,6 +39,9 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_tokens: int,
                  eos_token_ids: set[int], arrival_time: float | None = None):
         self.request_id = request_id
+        # unique in the process: a step still in flight for a finished request must not feed a new request
+        # that reuses its id (async scheduling processes a step's samples after the next step is scheduled)
+        self.serial = next(_SERIALS)
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.max_tokens = max_tokens  # resolved: params.max_tokens capped by the context limit

@@ -17,6 +17,7 @@ class ScheduledSequence:
     """One row of a step: feed `token_ids` at positions num_computed.. and maybe sample after them."""
 
     request_id: str
+    serial: int  # the request's Request.serial: another request may reuse the id once this one finishes
     token_ids: list[int]  # the new tokens of this step (-1 for a pending one, see pending_input)
     # async scheduling: the last new token is the sample of the step still in flight, only on the device yet
     pending_input: bool

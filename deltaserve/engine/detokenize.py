@@ -62,10 +62,12 @@ class IncrementalDetokenizer:
 
     @property
     def text(self) -> str:
-        """The output text so far: returned deltas plus any held-back tail, cut at the stop string."""
+        """The output text returned so far (the deltas joined), cut at the stop string. A tail held back
+        because it may start a stop string is not in it until `finish()` releases it: every text a stream
+        shows is a prefix of the final one."""
         if len(self._pieces) > 1:
             self._pieces = ["".join(self._pieces)]
-        return (self._pieces[0] if self._pieces else "") + self._held
+        return self._pieces[0] if self._pieces else ""
 
     def append(self, token_id: int) -> str:
         """Add one output token; return the text that became final because of it (maybe "")."""

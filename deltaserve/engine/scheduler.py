@@ -197,6 +197,7 @@ class Scheduler:
         pending_input = len(token_ids) < num_new  # the last token is a sample of the step in flight
         return ScheduledSequence(
             request_id=request.request_id,
+            serial=request.serial,
             token_ids=token_ids + [-1] if pending_input else token_ids,
             pending_input=pending_input,
             num_computed=start,
@@ -219,7 +220,7 @@ class Scheduler:
         """
         updated = []
         for row in scheduled.sequences:
-            request = self.requests.get(row.request_id)
+            request = self._request_of(row)
             if request is None or request.status.finished or not row.sample:
                 continue  # aborted or finished while the step ran, or a prefill chunk short of the end
             request.num_pending_tokens -= 1
@@ -232,7 +233,13 @@ class Scheduler:
             if status is not None:
                 self._finish(request, status)
         for row in scheduled.sequences:
-            request = self.requests.get(row.request_id)
+            request = self._request_of(row)
             if request is not None and not row.sample:
                 self.cache.cache_full_blocks(request)
         return updated
+
+    def _request_of(self, row: ScheduledSequence) -> Request | None:
+        """The live request a step's row was scheduled for; None once it is gone, even if a new request has
+        taken its id since (the row's sample is not the newcomer's)."""
+        request = self.requests.get(row.request_id)
+        return request if request is not None and request.serial == row.serial else None

@@ -127,6 +127,32 @@ def test_stopped_request_gets_at_most_one_extra_step(make_checkpoint):
     assert rows <= free.index(stop_at) + 2  # one row per token, plus at most the wasted one
 
 
+@pytest.mark.parametrize("ending", ["stop id", "abort"])
+def test_a_new_request_may_reuse_the_id_of_one_whose_step_is_in_flight(make_checkpoint, ending):
+    """A request that stops (or is aborted) has a step in flight for it; a new request with the same id,
+    added before that step is read back, gets none of its samples (they were once appended to the newcomer)."""
+    llm = LLM(str(make_checkpoint("qwen3_5")), async_scheduling=True)
+    prompt, greedy = [3, 1, 4, 1, 5], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    free = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    engine = llm.engine
+    if ending == "stop id":
+        engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                       stop_token_ids=[free[2]]))
+        while engine.has_unfinished():
+            engine.step()
+    else:
+        engine.add_request("r", prompt, greedy)
+        for _ in range(4):
+            engine.step()
+        engine.abort_request("r")
+    assert engine._in_flight is not None  # the old request's last step has not been read back
+    engine.add_request("r", prompt, greedy)
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert outputs[-1].finished and outputs[-1].outputs[0].token_ids == free
+
+
 def test_a_step_that_failed_is_not_processed_again(make_checkpoint, monkeypatch):
     """An exception while reading back a step fails that call; the server then aborts the requests, and the
     engine serves new ones (the failed step is dropped, not retried forever)."""

@@ -156,8 +156,8 @@ def test_earliest_stop_wins_and_later_tokens_are_ignored():
 def test_partial_stop_is_held_back_then_released_by_finish():
     detok = IncrementalDetokenizer(TOKENIZER, [], stop=["STOP"])
     shown = "".join(detok.append(i) for i in random_split_ids("abc ST", random.Random(6)))
-    assert shown == "abc " and detok.text == "abc ST" and detok.stopped_by is None
-    assert detok.finish() == "ST"
+    assert shown == "abc " and detok.text == "abc " and detok.stopped_by is None  # "ST" is held, not shown
+    assert detok.finish() == "ST" and detok.text == "abc ST"
 
 
 @pytest.mark.parametrize("include", [False, True])

@@ -122,6 +122,28 @@ def test_stop_strings_and_stop_token_ids(make_checkpoint):
     assert by_id.finish_reason == "stop" and by_id.token_ids == ids[: ids.index(ids[4]) + 1]
 
 
+def test_streamed_text_never_shows_what_a_stop_string_removes(make_checkpoint):
+    """Outputs are cumulative and a stream sends each one's new characters: every text the engine reports must
+    be a prefix of the final one. A tail that may start a stop string is held back until the next tokens
+    decide it (the engine once reported it, so a streaming client got characters the final text lacks)."""
+    llm = LLM(str(make_checkpoint("qwen3_5")), max_num_seqs=8)
+    engine, prompt = llm.engine, "The quick brown fox"
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)[0]
+    text = free.outputs[0].text
+    held_back = 0  # steps that ended with a tail held back (the case this test is about)
+    for start in range(1, len(text) - 3):
+        stop = text[start:start + 3]
+        engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[stop]))
+        reported = []
+        while engine.has_unfinished():
+            reported += [o.outputs[0].text for o in engine.step()]
+            held_back += any(child.detok._held for parent in engine._parents.values() for child in parent.children)
+        final = text[:text.index(stop)]
+        assert reported[-1] == final
+        assert all(final.startswith(shown) for shown in reported), (stop, reported)
+    assert held_back
+
+
 def test_too_long_prompt_is_rejected_and_others_finish(make_checkpoint):
     llm = LLM(str(make_checkpoint("qwen3_5")), max_num_seqs=4, max_model_len=64)
     engine = llm.engine
