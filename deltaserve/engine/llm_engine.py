@@ -156,8 +156,10 @@ class LLMEngine:
                     arrival_time: float | None = None) -> None:
         """Queue a request. Raises ValueError (naming the problem) for an id in use or an unusable prompt."""
         params = params or SamplingParams()
-        if request_id in self._parents:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        for used in (request_id, *child_ids):  # "x#0" may be a child of "x": checked before anything changes
+            if used in self._parents or used in self._child_parent:
+                raise ValueError(f"request id {used!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
         ids = self._encode(prompt)
         if len(ids) > self.max_model_len:
@@ -165,8 +167,7 @@ class LLMEngine:
                              f"you requested {len(ids)} tokens in the prompt")
         max_tokens = self.max_model_len - len(ids) if params.max_tokens is None else params.max_tokens
         parent = _Parent(request_id, text, ids, arrival_time=arrival_time or time.monotonic())
-        for i in range(params.n):
-            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+        for i, child_id in enumerate(child_ids):
             request = Request(child_id, ids, params, max(1, max_tokens), self.eos_token_ids, arrival_time)
             if params.seed is not None:  # children of one seeded request draw different samples
                 request.generator = make_generator(params.seed + i, self.runner.device)
@@ -175,8 +176,8 @@ class LLMEngine:
                 detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop,
                                                params.include_stop_str_in_output)
             parent.children.append(_Child(request, detok, [] if params.logprobs is not None else None))
-            self._child_parent[child_id] = request_id
-        for child in parent.children:
+        for child in parent.children:  # nothing above raised: the request is accepted
+            self._child_parent[child.request.request_id] = request_id
             self.scheduler.add_request(child.request)
         self._parents[request_id] = parent
 

@@ -158,6 +158,21 @@ def test_too_long_prompt_is_rejected_and_others_finish(make_checkpoint):
     assert [o.request_id for o in done] == ["ok"] and len(done[0].outputs[0].token_ids) <= 5
 
 
+def test_an_id_in_use_by_a_child_is_refused_and_changes_nothing(make_checkpoint):
+    """n > 1 runs children "x#0", "x#1": a new request "x#0" is refused before it touches them (it once
+    remapped the child to itself, and "x" never finished)."""
+    engine = LLM(str(make_checkpoint("qwen3_5")), max_num_seqs=4).engine
+    engine.add_request("x", [1, 2, 3], SamplingParams(temperature=1.0, seed=1, n=2, max_tokens=4))
+    for used in ("x#0", "x#1", "x"):
+        with pytest.raises(ValueError, match=f"request id '{used}' is already in use"):
+            engine.add_request(used, [1, 2, 3], SamplingParams())
+    finished = []
+    for _ in range(20):  # 4 tokens take 6 steps
+        finished += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in finished] == ["x"] and [len(c.token_ids) for c in finished[0].outputs] == [4, 4]
+    assert not engine.has_unfinished()
+
+
 def test_abort_frees_everything(make_checkpoint):
     llm = LLM(str(make_checkpoint("qwen3_5")), max_num_seqs=4, max_num_batched_tokens=8)
     engine = llm.engine
