@@ -129,6 +129,18 @@ def test_stop_string_cuts_the_output(client):
     assert cut.choices[0].model_extra["stop_reason"] == stop
 
 
+def test_streamed_text_with_stop_strings_equals_the_whole_text(client):
+    """A stream never sends what a stop string later cuts: its pieces join to the non-streamed text, for stops
+    starting anywhere in the output (a stop's first characters are held back until the next tokens decide)."""
+    full = client.completions.create(model="tiny", prompt=PROMPT, temperature=0, max_tokens=16).choices[0].text
+    for start in range(1, len(full) - 2, 2):
+        stop = full[start:start + 3]
+        whole = client.completions.create(model="tiny", prompt=PROMPT, temperature=0, max_tokens=16, stop=[stop])
+        chunks = client.completions.create(model="tiny", prompt=PROMPT, temperature=0, max_tokens=16, stop=[stop],
+                                           stream=True)
+        assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text == full[:full.index(stop)]
+
+
 def test_logprobs(client):
     response = client.completions.create(model="tiny", prompt=PROMPT, temperature=0, max_tokens=6, logprobs=2)
     logprobs = response.choices[0].logprobs
