@@ -30,7 +30,7 @@ class ScheduledSequence:
     params: SamplingParams
     generator: torch.Generator | None
     prompt_token_ids: list[int]  # for the repetition penalty (shared lists: read, never written)
-    output_token_ids: list[int]
+    output_token_ids: list[int]  # for the penalties and min_tokens; [] for a request that uses neither
     eos_token_ids: set[int]
 
 

@@ -361,3 +361,16 @@ def test_prefix_caching_off_makes_no_copies():
     for out in run_to_end(sched):
         assert out.state_restores == [] and out.state_saves == []
     assert sched.requests == {} and sched.cache.block_pool.num_cached_blocks == 0
+
+
+def test_rows_carry_output_tokens_only_for_the_samplers_that_read_them():
+    """A long output copied into every row of every step costs O(length) a step: only penalties and min_tokens
+    read it."""
+    sched = make_scheduler()
+    for rid, params in (("plain", SamplingParams(max_tokens=8)), ("penalised", SamplingParams(max_tokens=8,
+                        repetition_penalty=1.2)), ("min", SamplingParams(max_tokens=8, min_tokens=1))):
+        sched.add_request(Request(rid, [1, 2, 3], params, 8, {EOS}))
+    for _ in range(3):
+        out, _ = fake_step(sched)
+    rows = {row.request_id: row.output_token_ids for row in out.sequences}
+    assert rows == {"plain": [], "penalised": [7, 7], "min": [7, 7]}
