@@ -1,9 +1,9 @@
 """deltaserve: a serving engine for hybrid linear-attention LLMs (Qwen3.5, Qwen3-Next)."""
 
-from deltaserve.sampling import SamplingParams
+from deltaserve.sampling import RequestOutputKind, SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "RequestOutputKind", "SamplingParams", "__version__"]
 
 
 def __getattr__(name):

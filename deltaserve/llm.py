@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import fields
+import dataclasses
 
 from tqdm import tqdm
 
@@ -10,7 +10,7 @@ from deltaserve.config import EngineConfig
 from deltaserve.engine.llm_engine import LLMEngine, freeze_startup_objects
 from deltaserve.generation_defaults import sampling_defaults
 from deltaserve.outputs import RequestOutput
-from deltaserve.sampling import SamplingParams
+from deltaserve.sampling import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -19,7 +19,7 @@ class LLM:
         return super().__new__(cls)
 
     def __init__(self, model: str | None = None, **engine_args):
-        known = {f.name for f in fields(EngineConfig)}
+        known = {f.name for f in dataclasses.fields(EngineConfig)}
         unknown = sorted(set(engine_args) - known)
         if unknown:
             raise TypeError(f"unknown engine argument(s) {unknown}; known: {sorted(known)}")
@@ -54,6 +54,8 @@ class LLM:
             raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
         ids = []
         for prompt, params in zip(prompts, sampling_params):
+            # only the finished outputs are returned: none is built before (O(length) a step each, cumulative)
+            params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
             if isinstance(prompt, dict):
                 prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
             request_id = str(self._counter)

@@ -22,6 +22,7 @@ the same tokens whatever else shares the batch and in whatever order.
 
 from __future__ import annotations
 
+import enum
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -56,6 +57,14 @@ def _require(ok: bool, name: str, value, requirement: str) -> None:
         raise ValueError(f"{name} must be {requirement}, got {value!r}")
 
 
+class RequestOutputKind(enum.Enum):
+    """What each of a request's RequestOutputs carries (vLLM's enum of the same name)."""
+
+    CUMULATIVE = 0  # every step: all text, token ids and logprobs so far (O(length) a step to build)
+    DELTA = 1  # every step: only what is new since the request's previous output (the server streams these)
+    FINAL_ONLY = 2  # one output, when the request finishes, with everything (LLM.generate)
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request's output; field names and defaults follow vLLM."""
@@ -77,8 +86,11 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs to return besides the sampled token's
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
+        _require(isinstance(self.output_kind, RequestOutputKind), "output_kind", self.output_kind,
+                 f"a RequestOutputKind ({', '.join(kind.name for kind in RequestOutputKind)})")
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             value = getattr(self, name)

@@ -26,7 +26,7 @@ import torch
 
 from deltaserve.config import EngineConfig
 from deltaserve.engine.llm_engine import LLMEngine
-from deltaserve.sampling import SamplingParams
+from deltaserve.sampling import RequestOutputKind, SamplingParams
 
 # (input tokens, output tokens, number of prompts, concurrency)
 WORKLOADS = {
@@ -127,7 +127,8 @@ def run_workload(engine: LLMEngine, input_len: int, output_len: int, num_prompts
     gen = torch.Generator().manual_seed(seed)
     vocab = engine.model_config.vocab_size
     prompts = [torch.randint(0, vocab, (input_len,), generator=gen).tolist() for _ in range(num_prompts)]
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    # deltas, as the server asks for: each step's outputs cost O(new tokens) on the host, not O(output length)
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
     pending = list(enumerate(prompts))
     started, first, done = {}, {}, {}
     steps = StepTimes()

@@ -25,7 +25,7 @@ from deltaserve.engine.scheduler import Scheduler
 from deltaserve.engine.setup import EngineSetup
 from deltaserve.outputs import CompletionOutput, Logprob, RequestOutput
 from deltaserve.request import Request, RequestStatus
-from deltaserve.sampling import SamplingParams, make_generator
+from deltaserve.sampling import RequestOutputKind, SamplingParams, make_generator
 from deltaserve.sched_output import SchedulerOutput
 from deltaserve.worker.model_runner import LaunchedStep
 
@@ -40,6 +40,8 @@ class _Child:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    unsent_text: list[str] = field(default_factory=list)  # text released since the last delta output
+    num_tokens_sent: int = 0  # output tokens (and logprob entries) in earlier delta outputs
 
 
 @dataclass
@@ -47,6 +49,7 @@ class _Parent:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
+    output_kind: RequestOutputKind
     children: list[_Child] = field(default_factory=list)
     arrival_time: float = 0.0
     first_token_time: float | None = None
@@ -166,7 +169,7 @@ class LLMEngine:
             raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens, "
                              f"you requested {len(ids)} tokens in the prompt")
         max_tokens = self.max_model_len - len(ids) if params.max_tokens is None else params.max_tokens
-        parent = _Parent(request_id, text, ids, arrival_time=arrival_time or time.monotonic())
+        parent = _Parent(request_id, text, ids, params.output_kind, arrival_time=arrival_time or time.monotonic())
         for i, child_id in enumerate(child_ids):
             request = Request(child_id, ids, params, max(1, max_tokens), self.eos_token_ids, arrival_time)
             if params.seed is not None:  # children of one seeded request draw different samples
@@ -238,7 +241,9 @@ class LLMEngine:
             self._process(*previous, touched)
         if launched is not None and not self.config.async_scheduling:
             self._process(*launched, touched)
-        return [self._make_output(parent) for parent in touched.values()]
+        return [self._make_output(parent) for parent in touched.values()
+                if parent.output_kind is not RequestOutputKind.FINAL_ONLY
+                or all(child.finish_reason is not None for child in parent.children)]
 
     def _must_wait(self) -> bool:
         """The step in flight must be read back before the next is scheduled: async scheduling is off, or a
@@ -274,8 +279,11 @@ class LLMEngine:
             child.logprobs.append(entry)
         # the EOS / stop token id that ended a request is not part of its text (as in vLLM)
         stopped_by_token = request.status == RequestStatus.FINISHED_STOPPED
+        keeps_deltas = request.params.output_kind is RequestOutputKind.DELTA
         if child.detok is not None and not (stopped_by_token and not request.params.include_stop_str_in_output):
-            child.detok.append(token)
+            released = child.detok.append(token)
+            if keeps_deltas and released:
+                child.unsent_text.append(released)
             if child.detok.stopped_by is not None and not request.status.finished:
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
                 request.stop_reason = child.detok.stopped_by
@@ -283,19 +291,32 @@ class LLMEngine:
             child.finish_reason = request.status.value
             child.stop_reason = request.stop_reason
             if child.detok is not None:
-                child.detok.finish()
+                released = child.detok.finish()
+                if keeps_deltas and released:
+                    child.unsent_text.append(released)
 
     def _make_output(self, parent: _Parent) -> RequestOutput:
+        """The parent's output now: cumulative (O(length) to build), or for DELTA only what is new (O(new))."""
         outputs = []
+        delta = parent.output_kind is RequestOutputKind.DELTA
         for index, child in enumerate(parent.children):
             request = child.request
+            if delta:
+                text = "".join(child.unsent_text)
+                child.unsent_text.clear()
+                token_ids = request.all_token_ids[len(request.prompt_token_ids) + child.num_tokens_sent:]
+                logprobs = child.logprobs[child.num_tokens_sent:] if child.logprobs is not None else None
+                child.num_tokens_sent += len(token_ids)
+            else:
+                text = child.detok.text if child.detok is not None else ""
+                token_ids, logprobs = list(request.output_token_ids), child.logprobs
             outputs.append(CompletionOutput(
                 index=index,
-                text=child.detok.text if child.detok is not None else "",
-                token_ids=list(request.output_token_ids),
+                text=text,
+                token_ids=token_ids,
                 # as in vLLM: only for requests that asked for logprobs (others may skip computing them)
                 cumulative_logprob=child.cumulative_logprob if child.logprobs is not None else None,
-                logprobs=child.logprobs,
+                logprobs=logprobs,
                 finish_reason=child.finish_reason,
                 stop_reason=child.stop_reason,
             ))

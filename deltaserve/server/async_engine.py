@@ -2,12 +2,14 @@
 
     HTTP handlers (event loop)                     engine thread (the only caller of the engine)
       generate(): put _Add ---- commands queue ---->  drain commands: add_request / abort_request
-                  await stream.queue <-- call_soon_threadsafe -- step() -> RequestOutputs (cumulative)
+                  await stream.queue <-- call_soon_threadsafe -- step() -> RequestOutputs (deltas)
       abort():    put _Abort --------------------->
 
 The engine thread blocks on the command queue when it has no work (no busy wait) and otherwise alternates
-"drain commands, step". Outputs are cumulative, so a handler that falls behind simply skips to the newest
-one. An exception in step() fails every in-flight request (their handlers answer 500) and aborts them in the
+"drain commands, step". Outputs are deltas (`RequestOutputKind.DELTA`: each step's new text, token ids and
+logprobs, O(new) to build however long the output is); a handler that falls behind gets the queued ones
+joined into one (`OutputAccumulator`), and a non-streaming handler joins them all (`collect_output`). An
+exception in step() fails every in-flight request (their handlers answer 500) and aborts them in the
 engine, freeing their cache; the thread keeps serving. `engine` is anything with LLMEngine's request API
 (add_request, abort_request, step, has_unfinished, scheduler.num_running/num_waiting,
 cache_manager.block_pool.usage), which lets tests drive the HTTP layer with a scripted fake.
@@ -24,8 +26,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from deltaserve.outputs import CompletionOutput, RequestOutput
-from deltaserve.sampling import SamplingParams
+from deltaserve.outputs import CompletionOutput, OutputAccumulator, RequestOutput
+from deltaserve.sampling import RequestOutputKind, SamplingParams
 from deltaserve.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -68,6 +70,7 @@ class _Tracked:
     last_token_time: float = 0.0
     num_tokens: int = 0  # output tokens seen, all choices together
     num_tokens_sent: int = 0  # output tokens already handed to the stream
+    unsent: OutputAccumulator | None = None  # deltas held back by stream_interval
 
 
 @dataclass
@@ -133,31 +136,36 @@ class AsyncEngine:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Run one request; yields its cumulative outputs, the last with `finished` set.
+        """Run one request; yields its outputs as deltas (what is new since the previous one; any output_kind
+        in params is replaced), the last with `finished` set. `collect_output` joins them.
 
-        If the request is aborted by the server (abort() or shutdown), the last output is what was generated
-        so far with finish_reason "abort". Raises ValueError if the engine refuses the request and EngineError
-        if the engine fails while running it. Leaving the loop early (a client disconnect cancels the
-        handler) aborts the request.
+        If the request is aborted by the server (abort() or shutdown), the last output has finish_reason
+        "abort" for every choice not finished yet. Raises ValueError if the engine refuses the request and
+        EngineError if the engine fails while running it. Leaving the loop early (a client disconnect cancels
+        the handler) aborts the request.
         """
+        params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
         stream = _RequestStream(asyncio.get_running_loop())
         self._commands.put(_Add(request_id, prompt_token_ids, params, stream))
         done = False
-        last = None
+        latest = None  # the latest output received
         try:
             while True:
-                item = await stream.queue.get()
-                # Outputs are cumulative: if several are queued, only the newest matters.
-                while isinstance(item, RequestOutput) and not item.finished and not stream.queue.empty():
-                    item = stream.queue.get_nowait()
-                if isinstance(item, BaseException):
-                    done = True
-                    raise item
-                if item is _ABORTED:  # already gone from the engine
-                    item = _aborted_output(request_id, prompt_token_ids, params, last)
-                done = item.finished
-                last = item
-                yield item
+                items = [await stream.queue.get()]
+                while not stream.queue.empty():  # fallen behind: join the queued deltas into one
+                    items.append(stream.queue.get_nowait())
+                deltas = OutputAccumulator()
+                for item in items:
+                    if isinstance(item, BaseException):
+                        done = True
+                        raise item
+                    if item is _ABORTED:  # already gone from the engine: end after what came before it
+                        item = _aborted_output(request_id, prompt_token_ids, params, latest)
+                    deltas.add(item)
+                    latest = item
+                output = deltas.result()
+                done = output.finished
+                yield output
                 if done:
                     return
         finally:
@@ -195,7 +203,7 @@ class AsyncEngine:
             tracked = self._tracked.pop(command.request_id, None)
             self.engine.abort_request(command.request_id)
             if tracked is not None:
-                tracked.stream.put(_ABORTED)
+                _end_stream(tracked, _ABORTED)
                 self._record_finish(tracked, ["abort"] * tracked.num_choices)
             return
         try:
@@ -225,9 +233,16 @@ class AsyncEngine:
             self._record_progress(tracked, output, now)
             unsent = tracked.num_tokens - tracked.num_tokens_sent
             first = tracked.num_tokens_sent == 0
+            if tracked.unsent is not None:  # deltas held back earlier go out with this one
+                tracked.unsent.add(output)
+                output = tracked.unsent.result()
+                tracked.unsent = None
             if output.finished or first or unsent >= self.stream_interval:
                 tracked.num_tokens_sent = tracked.num_tokens
                 tracked.stream.put(output)
+            else:
+                tracked.unsent = OutputAccumulator()
+                tracked.unsent.add(output)
             if output.finished:
                 del self._tracked[output.request_id]
                 self._record_finish(tracked, [c.finish_reason or "abort" for c in output.outputs], now)
@@ -237,7 +252,7 @@ class AsyncEngine:
         request_ids = list(self._tracked)
         for request_id in request_ids:
             tracked = self._tracked.pop(request_id)
-            tracked.stream.put(item)
+            _end_stream(tracked, item)
             self._record_finish(tracked, ["abort"] * tracked.num_choices)
         try:
             self.engine.abort_request(request_ids)
@@ -247,8 +262,7 @@ class AsyncEngine:
     # -- metrics -------------------------------------------------------------------------------------------
 
     def _record_progress(self, tracked: _Tracked, output: RequestOutput, now: float) -> None:
-        num_tokens = sum(len(c.token_ids) for c in output.outputs)
-        new_tokens = num_tokens - tracked.num_tokens
+        new_tokens = sum(len(c.token_ids) for c in output.outputs)  # a delta's
         if new_tokens <= 0:
             return
         if self.metrics is not None:
@@ -258,7 +272,7 @@ class AsyncEngine:
             else:
                 self.metrics.on_next_tokens(now - tracked.last_token_time)
             self.metrics.on_generated(new_tokens)
-        tracked.num_tokens = num_tokens
+        tracked.num_tokens += new_tokens
         tracked.last_token_time = now
 
     def _record_finish(self, tracked: _Tracked, reasons: list[str], now: float | None = None) -> None:
@@ -276,13 +290,34 @@ class AsyncEngine:
             logger.exception("could not read engine stats")
 
 
+def _end_stream(tracked: _Tracked, item) -> None:
+    """Hand a request's last item (the abort sentinel or an error) to its stream, after any held-back deltas."""
+    if tracked.unsent is not None:
+        tracked.stream.put(tracked.unsent.result())
+        tracked.unsent = None
+    tracked.stream.put(item)
+
+
 def _aborted_output(request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    last: RequestOutput | None) -> RequestOutput:
-    """The final output of an aborted request: what it had generated, unfinished choices marked "abort"."""
-    if last is None:
-        logprobs = [] if params.logprobs is not None else None
-        outputs = [CompletionOutput(i, "", [], None, logprobs, "abort") for i in range(params.n)]
-        return RequestOutput(request_id, None, prompt_token_ids, outputs, finished=True)
-    outputs = [o if o.finish_reason is not None else dataclasses.replace(o, finish_reason="abort")
-               for o in last.outputs]
-    return dataclasses.replace(last, outputs=outputs, finished=True)
+                    latest: RequestOutput | None) -> RequestOutput:
+    """The last delta of an aborted request: nothing new, every choice not finished yet marked "abort" (its
+    cumulative logprob and the cached-token count as the latest output had them)."""
+    choices = {c.index: c for c in latest.outputs} if latest is not None else {}
+    outputs = []
+    for i in range(params.n):
+        last = choices.get(i)
+        finished = last is not None and last.finish_reason is not None
+        outputs.append(CompletionOutput(i, "", [], last.cumulative_logprob if last is not None else None,
+                                        [] if params.logprobs is not None else None,
+                                        last.finish_reason if finished else "abort",
+                                        last.stop_reason if finished else None))
+    cached = latest.num_cached_tokens if latest is not None else 0
+    return RequestOutput(request_id, None, prompt_token_ids, outputs, finished=True, num_cached_tokens=cached)
+
+
+async def collect_output(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+    """The whole output of a request from generate()'s deltas (the cumulative output of the last step)."""
+    joined = OutputAccumulator()
+    async for delta in outputs:
+        joined.add(delta)
+    return joined.result()

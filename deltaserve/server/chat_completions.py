@@ -14,6 +14,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from deltaserve.outputs import CompletionOutput
+from deltaserve.server.async_engine import collect_output
 from deltaserve.server.chat import tool_call_prefill
 from deltaserve.server.errors import bad_request
 from deltaserve.server.parsers import ChatOutputParser, ParsedDelta
@@ -85,8 +86,7 @@ async def create_chat_completion(state: ServerState, raw_request: Request) -> Re
 
     watcher = asyncio.create_task(abort_on_disconnect(raw_request, state.engine, [request_id]))
     try:
-        async for final in generator:
-            pass
+        final = await collect_output(generator)
     finally:
         watcher.cancel()
     choices = []
@@ -155,7 +155,6 @@ async def _stream(state: ServerState, request: ChatCompletionRequest, request_id
                   generator, parsers: list[ChatOutputParser], parser_prefix: str):
     model = state.settings.model_name
     n = request.n
-    text_sent, tokens_sent = [0] * n, [0] * n
     finish_sent, called_tools = [False] * n, [False] * n
     # The forced opening of a tool call (if any) is parsed first; it goes out with the first delta.
     pending = [parser.feed(parser_prefix) if parser_prefix else ParsedDelta() for parser in parsers]
@@ -179,15 +178,13 @@ async def _stream(state: ServerState, request: ChatCompletionRequest, request_id
             if not role_sent:  # with the first token, not before: clients time TTFT from the first chunk
                 yield role_chunk()
                 role_sent = True
-            completion_tokens = sum(len(o.token_ids) for o in output.outputs)
+            completion_tokens += sum(len(o.token_ids) for o in output.outputs)  # outputs are deltas
             cached_tokens = output.num_cached_tokens
             choices = []
             for o in output.outputs:
                 i = o.index
                 finishing = o.finish_reason is not None and not finish_sent[i]
-                text = o.text[text_sent[i]:]
-                text_sent[i] = len(o.text)
-                parsed = _merge(pending[i], parsers[i].feed(text)) if text else pending[i]
+                parsed = _merge(pending[i], parsers[i].feed(o.text)) if o.text else pending[i]
                 pending[i] = ParsedDelta()
                 if finishing:
                     parsed = _merge(parsed, parsers[i].finish())
@@ -195,10 +192,9 @@ async def _stream(state: ServerState, request: ChatCompletionRequest, request_id
                 called_tools[i] = called_tools[i] or bool(parsed.tool_calls)
                 reasoning = parsed.reasoning if request.include_reasoning else None
                 logprobs = None
-                if request.logprobs and len(o.token_ids) > tokens_sent[i]:
-                    logprobs = ChatLogprobs(content=chat_logprobs(state, o, tokens_sent[i], len(o.token_ids),
+                if request.logprobs and o.token_ids:
+                    logprobs = ChatLogprobs(content=chat_logprobs(state, o, 0, len(o.token_ids),
                                                                   request.top_logprobs or 0))
-                tokens_sent[i] = len(o.token_ids)
                 if not (reasoning or parsed.content or parsed.tool_calls or logprobs or finishing):
                     continue
                 delta = DeltaMessage(content=parsed.content, reasoning=reasoning, reasoning_content=reasoning,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from deltaserve.outputs import RequestOutput
+from deltaserve.outputs import OutputAccumulator, RequestOutput
 from deltaserve.server.errors import bad_request
 from deltaserve.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from deltaserve.server.serving import (
@@ -61,12 +61,13 @@ async def create_completion(state: ServerState, raw_request: Request) -> Respons
         return SSEResponse(_stream(state, request, request_id, prompts, streams))
 
     watcher = asyncio.create_task(abort_on_disconnect(raw_request, state.engine, engine_ids))
-    finals: dict[int, RequestOutput] = {}
+    joined = [OutputAccumulator() for _ in prompts]  # the engine's outputs are deltas
     try:
         async for index, output in merge_streams(streams):
-            finals[index] = output
+            joined[index].add(output)
     finally:
         watcher.cancel()
+    finals = {index: outputs.result() for index, outputs in enumerate(joined)}
     return JSONResponse(_response(state, request, request_id, prompts, finals).model_dump())
 
 
@@ -115,8 +116,7 @@ async def _stream(state: ServerState, request: CompletionRequest, request_id: st
                   streams: list):
     model = state.settings.model_name
     num_choices = len(prompts) * request.n
-    text_sent = [0] * num_choices  # characters of each choice's text already streamed
-    tokens_sent = [0] * num_choices
+    text_sent = [0] * num_choices  # characters of each choice's text already streamed (logprobs' text offsets)
     finish_sent = [False] * num_choices
     echo_pending = [request.echo] * num_choices
     completion_tokens = [0] * len(prompts)
@@ -126,24 +126,22 @@ async def _stream(state: ServerState, request: CompletionRequest, request_id: st
     merged = merge_streams(streams)
     try:
         async for index, output in merged:
-            completion_tokens[index] = sum(len(o.token_ids) for o in output.outputs)
+            completion_tokens[index] += sum(len(o.token_ids) for o in output.outputs)  # outputs are deltas
             cached_tokens[index] = output.num_cached_tokens
             choices = []
             for o in output.outputs:
                 choice = index * request.n + o.index
-                text = o.text[text_sent[choice]:]
-                new_tokens = len(o.token_ids) - tokens_sent[choice]
+                text = o.text
                 finishing = o.finish_reason is not None and not finish_sent[choice]
-                if not (text or new_tokens or finishing):
+                if not (text or o.token_ids or finishing):
                     continue
                 offset = text_sent[choice]
                 if echo_pending[choice]:
                     text = prompts[index].text + text
                     echo_pending[choice] = False
-                logprobs = (completion_logprobs(state, o, tokens_sent[choice], len(o.token_ids), offset)
+                logprobs = (completion_logprobs(state, o, 0, len(o.token_ids), offset)
                             if request.logprobs is not None else None)
-                text_sent[choice] = len(o.text)
-                tokens_sent[choice] = len(o.token_ids)
+                text_sent[choice] += len(o.text)
                 finish_sent[choice] = finish_sent[choice] or finishing
                 choices.append(CompletionChoice(index=choice, text=text, logprobs=logprobs,
                                                 finish_reason=o.finish_reason if finishing else None,

@@ -8,7 +8,8 @@ import pytest
 import torch
 import transformers
 
-from deltaserve import LLM, SamplingParams
+from deltaserve import LLM, RequestOutputKind, SamplingParams
+from deltaserve.outputs import OutputAccumulator
 from deltaserve.ops.gdn.cuda import SPLIT_MIN_SHORT_SEQS
 
 ARCHS = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
@@ -142,6 +143,45 @@ def test_streamed_text_never_shows_what_a_stop_string_removes(make_checkpoint):
         assert reported[-1] == final
         assert all(final.startswith(shown) for shown in reported), (stop, reported)
     assert held_back
+
+
+def test_delta_outputs_add_up_to_the_cumulative_ones_and_final_only_sends_one(make_checkpoint):
+    """The three output kinds on one workload (n > 1, logprobs, stop strings, stop ids): the deltas of each
+    request, joined, equal its last cumulative output, each delta holds only the step's new tokens, and
+    FINAL_ONLY reports each request once, finished, with the same content."""
+    llm = LLM(str(make_checkpoint("qwen3_5")), max_num_seqs=8)
+    engine = llm.engine
+    free = llm.generate(["The quick brown fox"], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    workload = [("The quick brown fox", dict(temperature=0, stop=[free.text[4:7]])),
+                ("The quick brown fox", dict(temperature=0, stop=[free.text[4:7]], include_stop_str_in_output=True)),
+                ([5, 6, 7], dict(temperature=1.0, seed=3, n=2, logprobs=2)),
+                ([9, 8], dict(temperature=0, stop_token_ids=[free.token_ids[5]]))]
+
+    def run(kind: RequestOutputKind) -> dict[str, list]:
+        reported = {}
+        for i, (prompt, kwargs) in enumerate(workload):
+            engine.add_request(str(i), prompt, SamplingParams(max_tokens=16, ignore_eos=True, output_kind=kind,
+                                                              **kwargs))
+        while engine.has_unfinished():
+            for output in engine.step():
+                reported.setdefault(output.request_id, []).append(output)
+        return reported
+
+    def content(output):
+        return [(o.text, o.token_ids, o.logprobs, o.cumulative_logprob, o.finish_reason, o.stop_reason)
+                for o in output.outputs]
+
+    cumulative, deltas, finals = (run(kind) for kind in RequestOutputKind)
+    for request_id, outputs in cumulative.items():
+        joined = OutputAccumulator()
+        for delta in deltas[request_id]:
+            assert all(len(o.token_ids) <= 1 for o in delta.outputs)  # one token a step: never the history
+            joined.add(delta)
+        assert content(joined.result()) == content(outputs[-1])
+        assert len(finals[request_id]) == 1 and finals[request_id][0].finished
+        assert content(finals[request_id][0]) == content(outputs[-1])
+    assert cumulative["0"][-1].outputs[0].stop_reason == free.text[4:7]  # the stops did stop
 
 
 def test_too_long_prompt_is_rejected_and_others_finish(make_checkpoint):

@@ -3,9 +3,9 @@
     with ServerThread(state) as server:   # waits for /health (deadline, no bare sleep)
         client = server.openai()           # the official openai client, pointed at it
 
-`ScriptedEngine` has LLMEngine's request API but "generates" a fixed text, one token per step, so the HTTP
-layer, the reasoning parser and the tool-call parsers can be tested end to end on outputs a random tiny
-model would never produce.
+`ScriptedEngine` has LLMEngine's request API but "generates" a fixed text, one token per step (as deltas when
+the request asks, as the AsyncEngine does), so the HTTP layer, the reasoning parser and the tool-call parsers
+can be tested end to end on outputs a random tiny model would never produce.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import openai
 import uvicorn
 
 from deltaserve.outputs import CompletionOutput, RequestOutput
+from deltaserve.sampling import RequestOutputKind
 from deltaserve.server.api_server import build_app
 from deltaserve.server.serving import ServerState
 
@@ -100,6 +101,7 @@ class _Scripted:
     output_ids: list[int]
     truncated: bool  # max_tokens cut the script short
     num_emitted: int = 0
+    text_sent: int = 0  # characters in earlier outputs (deltas)
 
 
 @dataclass
@@ -155,6 +157,8 @@ class ScriptedEngine:
                 reason = "length" if request.truncated else "stop"
                 del self.requests[request.request_id]
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            if request.params.output_kind is RequestOutputKind.DELTA:  # what the AsyncEngine asks for
+                text, ids, request.text_sent = text[request.text_sent:], ids[-1:], len(text)
             choices = [CompletionOutput(i, text, list(ids), 0.0, None, reason) for i in range(request.params.n)]
             outputs.append(RequestOutput(request.request_id, None, request.prompt_token_ids, choices, finished))
         self.scheduler.num_running = len(self.requests)
