@@ -121,14 +121,15 @@ class Limits:
 
 
 def run_workload(engine: LLMEngine, input_len: int, output_len: int, num_prompts: int, concurrency: int,
-                 seed: int = 0, step_records: bool = False) -> dict:
+                 seed: int = 0, step_records: bool = False,
+                 output_kind: RequestOutputKind = RequestOutputKind.DELTA) -> dict:
     """Random token prompts, greedy, ignore_eos; at most `concurrency` in flight. Per-request TTFT and TPOT;
-    with step_records, every step's (kind, ms, prompt tokens, rows) too."""
+    with step_records, every step's (kind, ms, prompt tokens, rows) too. Outputs are deltas, as the server asks
+    for (each step's cost O(new tokens) on the host, not O(output length)), unless output_kind says otherwise."""
     gen = torch.Generator().manual_seed(seed)
     vocab = engine.model_config.vocab_size
     prompts = [torch.randint(0, vocab, (input_len,), generator=gen).tolist() for _ in range(num_prompts)]
-    # deltas, as the server asks for: each step's outputs cost O(new tokens) on the host, not O(output length)
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, output_kind=output_kind)
     pending = list(enumerate(prompts))
     started, first, done = {}, {}, {}
     steps = StepTimes()
