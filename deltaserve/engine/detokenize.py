@@ -7,6 +7,11 @@ inference and vLLM):
     ids:  ... | prefix_offset ........ read_offset ........ end |
                  context: already returned   new, not yet final
 
+With a fast (Rust) tokenizer, `tokenizers.decoders.DecodeStream` does the same in Rust (~0.7 us a token
+against ~5 us for two Python decode calls of the window: 1.4 ms of host time a step at 256 sequences); the
+window below serves other tokenizers, any that cleans up spaces after decoding (DecodeStream would not), and
+`finish()`.
+
 The window starts one step back (`prefix_offset`) so that tokenizers whose decoding depends on the
 neighbour (SentencePiece drops the leading space of the first token) decode the new tokens exactly as they
 would inside the full text. `emitted` counts the window's characters already handed out. When the window's
@@ -22,8 +27,25 @@ held-back text, never in text already returned, so the search only looks there.
 
 from __future__ import annotations
 
+import logging
+
+logger = logging.getLogger(__name__)
+
 _REPLACEMENT_CHAR = "\ufffd"
 _PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded in front of the first output token (vLLM uses 5 too)
+
+
+def _decode_stream(tokenizer, context_ids: list[int], skip_special_tokens: bool):
+    """(DecodeStream primed with the context ids, the Rust tokenizer it steps with), or None where the window
+    must serve: no Rust tokenizer, one whose decode() also cleans up spaces, or tokenizers too old for it."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return None
+    try:
+        from tokenizers.decoders import DecodeStream
+        return DecodeStream(ids=context_ids, skip_special_tokens=skip_special_tokens), backend
+    except (ImportError, TypeError):  # tokenizers before DecodeStream, or before it took context ids
+        return None
 
 
 class IncrementalDetokenizer:
@@ -48,6 +70,8 @@ class IncrementalDetokenizer:
         self.finished = False
 
         self._ids = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])  # context tail + output token ids
+        self._stream = _decode_stream(tokenizer, self._ids, skip_special_tokens)
+        self._released = len(self._ids)  # with the stream: ids whose text it has returned
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self._emitted = len(self._decode(self._ids))  # characters of the window text already accounted for
@@ -74,6 +98,18 @@ class IncrementalDetokenizer:
         if self.stopped_by is not None or self.finished:
             return ""  # the request is over; the engine stops calling us, but stray tokens change nothing
         self._ids.append(token_id)
+        if self._stream is not None:
+            stream, backend = self._stream
+            try:
+                piece = stream.step(backend, token_id)
+            except Exception:  # a decoder DecodeStream cannot follow: the window takes over from here
+                logger.warning("tokenizers' DecodeStream failed; decoding this output by windows", exc_info=True)
+                self._window_from_released()
+            else:
+                if piece is None:  # an unfinished character: nothing is final yet
+                    return ""
+                self._released = len(self._ids)
+                return self._add_text(piece, final=False)
         window = self._decode(self._ids[self._prefix_offset:])
         stable = window.rstrip(_REPLACEMENT_CHAR)
         new_text = stable[self._emitted:]
@@ -89,8 +125,17 @@ class IncrementalDetokenizer:
         if self.stopped_by is not None or self.finished:
             return ""
         self.finished = True
+        if self._stream is not None:
+            self._window_from_released()
         window = self._decode(self._ids[self._prefix_offset:])
         return self._add_text(window[self._emitted:], final=True)
+
+    def _window_from_released(self) -> None:
+        """Leave the stream for the window, which starts where the stream's returned text ends."""
+        self._stream = None
+        self._prefix_offset = max(0, self._released - _PROMPT_CONTEXT_TOKENS)
+        self._read_offset = self._released
+        self._emitted = len(self._decode(self._ids[self._prefix_offset:self._released]))
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)

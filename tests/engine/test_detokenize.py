@@ -8,8 +8,10 @@ import random
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers.decoders import DecodeStream
 from transformers import PreTrainedTokenizerFast
 
+from deltaserve.engine import detokenize
 from deltaserve.engine.detokenize import IncrementalDetokenizer
 
 ALPHABET = [*"abcdefghij éèçàö", "世", "界", "你", "好", "平", "🙂", "👍", "\n", "ST", "OP"]
@@ -28,6 +30,17 @@ def _train_tokenizer() -> PreTrainedTokenizerFast:
 
 
 TOKENIZER = _train_tokenizer()
+
+
+@pytest.fixture(autouse=True, params=["stream", "window"])
+def decoding(request, monkeypatch):
+    """Every test runs twice: with tokenizers' DecodeStream (a fast tokenizer's path) and with the decode
+    window (other tokenizers, and finish())."""
+    if request.param == "window":
+        monkeypatch.setattr(detokenize, "_decode_stream", lambda *args: None)
+    else:
+        assert IncrementalDetokenizer(TOKENIZER, [1, 2])._stream is not None
+    return request.param
 
 
 def _byte_to_symbol() -> dict[int, str]:
@@ -176,3 +189,27 @@ def test_random_stop_strings(include):
         assert detok.stopped_by == winner and detok.text == expected
         assert_stream_never_retracts(deltas, expected)
         assert not any("\ufffd" in d for d in deltas)
+
+
+def test_a_failing_decode_stream_hands_over_to_the_window(monkeypatch):
+    """If DecodeStream raises (a decoder it cannot follow), the window continues from the text it returned."""
+    class FailingStream:
+        def __init__(self, inner):
+            self.inner, self.steps = inner, 0
+
+        def step(self, backend, token_id):
+            self.steps += 1
+            if self.steps == 7:
+                raise RuntimeError("decoder failed")
+            return self.inner.step(backend, token_id)
+
+    def failing_stream(tokenizer, context_ids, skip_special_tokens):
+        inner = DecodeStream(ids=context_ids, skip_special_tokens=skip_special_tokens)
+        return FailingStream(inner), tokenizer.backend_tokenizer
+
+    monkeypatch.setattr(detokenize, "_decode_stream", failing_stream)
+    rng = random.Random(8)
+    for _ in range(20):
+        text = random_text(rng, 30)
+        deltas, detok = stream(random_split_ids(text, rng), TOKENIZER.encode("a prompt"))
+        assert "".join(deltas) == text == detok.text and detok._stream is None
