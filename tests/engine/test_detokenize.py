@@ -38,8 +38,8 @@ def decoding(request, monkeypatch):
     window (other tokenizers, and finish())."""
     if request.param == "window":
         monkeypatch.setattr(detokenize, "_decode_stream", lambda *args: None)
-    else:
-        assert IncrementalDetokenizer(TOKENIZER, [1, 2])._stream is not None
+    elif detokenize._decode_stream(TOKENIZER, [1, 2], True) is None:
+        pytest.skip("this tokenizers has no DecodeStream taking context ids: the window serves")
     return request.param
 
 
