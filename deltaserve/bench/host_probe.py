@@ -1,0 +1,77 @@
+"""The host's work per step at many sequences, without the model's forward: what bounds small models' decode.
+
+    python -m deltaserve.bench.host_probe [--rows 256] [--prompt-len 128] [--output-len 512] [--steps 200]
+        [--output-kind delta] [--profile]
+
+The demo model's engine on the CPU, its forward replaced by zeros (the lm_head, the sampler, batch building,
+scheduling, bookkeeping, detokenizing and outputs all run as served), decoding `rows` sequences at once:
+milliseconds of host work a step, which a GPU step shorter than it cannot hide (Qwen3.5-0.8B at 256 sequences:
+a step of ~5.6 ms on an H200, docs/performance.md). --profile prints the engine's functions by own time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+
+import torch
+
+from deltaserve.sampling import RequestOutputKind, SamplingParams
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m deltaserve.bench.host_probe", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=256, help="sequences decoding at once")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=200, help="decode steps timed (after the prompts' step)")
+    parser.add_argument("--output-kind", default="delta", choices=[k.name.lower() for k in RequestOutputKind])
+    parser.add_argument("--profile", action="store_true", help="print the top functions by own time")
+    args = parser.parse_args(argv)
+    for name in ("rows", "prompt_len", "output_len", "steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.steps >= args.output_len:
+        parser.error(f"--steps {args.steps} must be below --output-len {args.output_len} (all sequences decode)")
+    torch.set_num_threads(1)
+    from deltaserve import LLM  # the engine and its model: imported once the arguments are good
+
+    llm = LLM(max_model_len=args.prompt_len + args.output_len + 16, max_num_seqs=args.rows,
+              max_num_batched_tokens=max(8192, args.rows * args.prompt_len))
+    engine = llm.engine
+    model = engine.runner.model
+    hidden_size = model.config.hidden_size
+
+    def no_forward(input_ids, batch, sampling_rows):
+        return torch.zeros(len(sampling_rows), hidden_size)  # [S, H]: the lm_head and the sampler still run
+
+    model.forward = no_forward
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True,
+                            output_kind=RequestOutputKind[args.output_kind.upper()])
+    vocab = engine.model_config.vocab_size
+    for i in range(args.rows):
+        prompt = [(i * 7919 + j * 104729) % vocab for j in range(args.prompt_len)]
+        engine.add_request(str(i), prompt, params)
+    for _ in range(3):  # the prompts' step and the first decodes
+        engine.step()
+    profiler = cProfile.Profile() if args.profile else None
+    if profiler:
+        profiler.enable()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    seconds = time.perf_counter() - start
+    if profiler:
+        profiler.disable()
+    print(f"{args.rows} sequences, {args.output_kind} outputs: {1e3 * seconds / args.steps:.2f} ms of host work a "
+          f"step ({1e6 * seconds / args.steps / args.rows:.1f} us a sequence)" + (" (profiled)" if profiler else ""))
+    if profiler:
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
