@@ -36,7 +36,16 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.steps >= args.output_len:
         parser.error(f"--steps {args.steps} must be below --output-len {args.output_len} (all sequences decode)")
-    torch.set_num_threads(1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the host's one thread of work, as the engine thread has
+    try:
+        _run(args)
+    finally:
+        torch.set_num_threads(threads)
+    return 0
+
+
+def _run(args: argparse.Namespace) -> None:
     from deltaserve import LLM  # the engine and its model: imported once the arguments are good
 
     llm = LLM(max_model_len=args.prompt_len + args.output_len + 16, max_num_seqs=args.rows,
@@ -70,7 +79,6 @@ def main(argv: list[str] | None = None) -> int:
           f"step ({1e6 * seconds / args.steps / args.rows:.1f} us a sequence)" + (" (profiled)" if profiler else ""))
     if profiler:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
-    return 0
 
 
 if __name__ == "__main__":

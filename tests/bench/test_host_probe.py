@@ -1,0 +1,18 @@
+"""bench/host_probe.py on the CPU: a few steps of a few sequences, and its argument checks."""
+
+import pytest
+
+from deltaserve.bench.host_probe import main
+
+
+def test_reports_host_work_a_step(capsys):
+    assert main(["--rows", "4", "--prompt-len", "8", "--output-len", "12", "--steps", "5"]) == 0
+    assert "4 sequences, delta outputs:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [(["--rows", "0"], "--rows must be at least 1, got 0"),
+                                           (["--steps", "600"], "--steps 600 must be below --output-len 512")])
+def test_bad_arguments_are_named(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert message in capsys.readouterr().err
