@@ -260,7 +260,8 @@ class LLMEngine:
             parent = self._parents.get(parent_id)
             if parent is None:
                 continue
-            child = next(c for c in parent.children if c.request is request)
+            children = parent.children
+            child = children[0] if len(children) == 1 else next(c for c in children if c.request is request)
             self._record_token(child, request, model_output)
             parent.first_token_time = parent.first_token_time or now
             touched[parent.request_id] = parent
@@ -320,12 +321,16 @@ class LLMEngine:
                 finish_reason=child.finish_reason,
                 stop_reason=child.stop_reason,
             ))
-        finished = all(c.finish_reason is not None for c in parent.children)
+        children = parent.children
+        if len(children) == 1:  # the common case, without generator expressions (~1 us a request a step)
+            finished, cached = children[0].finish_reason is not None, children[0].request.num_cached_tokens
+        else:
+            finished = all(c.finish_reason is not None for c in children)
+            cached = max(c.request.num_cached_tokens for c in children)
         if finished:
             self._parents.pop(parent.request_id, None)
-            for child in parent.children:
+            for child in children:
                 self._child_parent.pop(child.request.request_id, None)
-        cached = max(c.request.num_cached_tokens for c in parent.children)
         metrics = {"arrival_time": parent.arrival_time, "first_token_time": parent.first_token_time}
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, outputs, finished,
                              cached, metrics)
