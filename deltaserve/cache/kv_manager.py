@@ -68,19 +68,17 @@ class CacheManager:
         total = request.num_computed_tokens + num_new_tokens
         return max(0, -(-total // self.block_size) - len(request.block_ids))
 
-    def can_allocate(self, request: Request, num_new_tokens: int) -> bool:
-        need_slot = request.state_slot is None
-        if need_slot and self.state_pool.num_free_slots == 0:
-            return False
-        return self.blocks_needed(request, num_new_tokens) <= self.block_pool.num_free_blocks
-
     def allocate(self, request: Request, num_new_tokens: int) -> bool:
-        """Give `request` room for `num_new_tokens` more tokens; False (and nothing taken) if it does not fit."""
-        if not self.can_allocate(request, num_new_tokens):
+        """Give `request` room for `num_new_tokens` more tokens; False (and nothing taken) if it does not fit.
+        (Once a step for every running sequence: a decode token that fits its last block takes nothing.)"""
+        need_slot = request.state_slot is None
+        num_blocks = self.blocks_needed(request, num_new_tokens)
+        if (need_slot and self.state_pool.num_free_slots == 0) or num_blocks > self.block_pool.num_free_blocks:
             return False
-        if request.state_slot is None:
+        if need_slot:
             request.state_slot = self.state_pool.allocate()
-        request.block_ids.extend(self.block_pool.allocate(self.blocks_needed(request, num_new_tokens)))
+        if num_blocks:
+            request.block_ids.extend(self.block_pool.allocate(num_blocks))
         return True
 
     def admit(self, request: Request, num_new_tokens: int, hit: PrefixHit) -> bool:
