@@ -14,6 +14,7 @@ from deltaserve import LLM, SamplingParams
 from deltaserve.config import EngineConfig
 from deltaserve.engine.llm_engine import LLMEngine
 from deltaserve.server.api_server import make_state
+from deltaserve.server.serving import MAX_JSON_DEPTH, _nested_deeper_than
 from deltaserve.server.settings import ServerSettings
 from tests.server.harness import ServerThread, wait_until
 
@@ -244,11 +245,23 @@ ERROR_CASES = [
     ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 50, "logprobs": True}, 400,
      "top_logprobs", ""),
     ("/v1/completions", b'{"prompt": "hi", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, None, "nested too deeply"),
+    # deeper than MAX_JSON_DEPTH, shallower than any Python's parser limit: refused on 3.11 and 3.12 alike
+    ("/v1/completions", b'{"prompt": "hi", "x": ' + b"[" * 300 + b"]" * 300 + b"}", 400, None, "nested too deeply"),
     ("/v1/completions", b'{"prompt": "hi", "seed": ' + b"7" * 5000 + b"}", 400, None, "not valid JSON"),
     ("/v1/completions", b'{"prompt": "hi", "temperature": 1e999}', 400, "temperature", "finite number"),
     ("/v1/completions", b'{"prompt": "hi", "model": "\\ud800"}', 404, "model", "\\ud800"),  # echoed, escaped
     ("/v1/nowhere", {}, 404, None, "Not Found"),
 ]
+
+
+def test_json_nesting_depth_is_counted_without_recursion():
+    nested = {"a": [1, [2, {"b": []}]]}  # object, list, list, object, list: 5 levels
+    assert not _nested_deeper_than(nested, 5) and _nested_deeper_than(nested, 4)
+    assert not _nested_deeper_than({}, 1) and not _nested_deeper_than("text", 1)
+    deep: list = []
+    for _ in range(20000):  # deeper than Python's recursion limit: built in a loop, walked without recursing
+        deep = [deep]
+    assert _nested_deeper_than(deep, MAX_JSON_DEPTH) and not _nested_deeper_than(deep, 20001)
 
 
 @pytest.mark.parametrize("path, body, status, param, fragment", ERROR_CASES,
