@@ -88,9 +88,7 @@ class Request:
     def needs_host_history(self) -> bool:
         """Sampling this request's next token reads its output tokens on the host (penalties, min_tokens), so
         no sample of it may still be pending on the device."""
-        p = self.params
-        return (p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-                or self.num_output_tokens < p.min_tokens)
+        return self.params.has_penalties or self.num_output_tokens < self.params.min_tokens
 
     def reached_limit(self, max_model_len: int) -> bool:
         """Counting pending tokens, the request has all the tokens it may have: it needs no further step."""

@@ -143,6 +143,11 @@ class SamplingParams:
                      "a list of integers >= 0")
 
     @property
+    def has_penalties(self) -> bool:
+        """A repetition, frequency or presence penalty is set: sampling reads the output tokens."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    @property
     def greedy(self) -> bool:
         """True when the token is the argmax (temperature 0 or too small to divide by safely)."""
         return self.temperature < _GREEDY_TEMPERATURE
@@ -268,8 +273,7 @@ class Sampler:
 
 def _edits_logits(params: SamplingParams, output_token_ids) -> bool:
     """Whether a penalty or min_tokens changes this row's logits this step."""
-    return (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
-            or len(output_token_ids) < params.min_tokens)
+    return params.has_penalties or len(output_token_ids) < params.min_tokens
 
 
 def _select_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:

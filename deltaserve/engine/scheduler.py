@@ -39,8 +39,7 @@ MIXED_DECODE_SHARE = 0.75
 
 def _samples_from_history(request: Request) -> bool:
     """Whether the sampler reads this request's output tokens: penalties, or min_tokens (its length)."""
-    p = request.params
-    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 or p.min_tokens > 0
+    return request.params.has_penalties or request.params.min_tokens > 0
 
 
 class Scheduler:
