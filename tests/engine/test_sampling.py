@@ -51,6 +51,7 @@ def run(logits, params, generators=None, prompts=None, outputs=None, eos=None):
     (dict(stop=5), "stop must be a string, a list of strings or None, got 5"),
     (dict(stop_token_ids=[3, -1]), "stop_token_ids must be a list of integers >= 0, got [3, -1]"),
     (dict(ignore_eos=1), "ignore_eos must be a bool, got 1"),
+    (dict(output_kind="delta"), "output_kind must be a RequestOutputKind (CUMULATIVE, DELTA, FINAL_ONLY), got 'delta'"),
 ])
 def test_params_reject_bad_fields(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
