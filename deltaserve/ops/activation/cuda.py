@@ -5,9 +5,13 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.ops import pdl
+from deltaserve.ops.pdl import wait_for_previous_kernel
+
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, y_ptr, inter, x_stride, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, y_ptr, inter, x_stride, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -22,5 +26,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1])
     y = torch.empty(x2.shape[0], inter, dtype=x.dtype, device=x.device)
     block = 1024
-    _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](x2, y, inter, x2.stride(0), BLOCK=block)
+    _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](x2, y, inter, x2.stride(0), BLOCK=block,
+                                                                       **pdl.launch_args(x.device))
     return y.view(*x.shape[:-1], inter)

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from deltaserve.device import sm_count
+from deltaserve.ops import pdl
 from deltaserve.ops.attention.cuda_prefill import (
     MERGE_NUM_WARPS,
     attend_kv_range,
@@ -95,10 +96,11 @@ def _decode_split_kernel(
     stride_q_tok, stride_q_head, stride_block, stride_slot, stride_kv_head, stride_table,
     GROUP: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TOKENS_PER_SPLIT: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, V_SCALE_IN_TILE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, V_SCALE_IN_TILE: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Grid (N, n_kv, num_splits). Writes partial_out[seq, head, split, :] and partial_lse[seq, head, split]
     for the sequence's active splits only."""
+    pdl.wait_for_previous_kernel(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -168,9 +170,11 @@ def launch_decode(q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens
         HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_N=tile.block_n,
         MIN_TOKENS_PER_SPLIT=DECODE_ACTIVE_SPLIT_MIN_TOKENS, DOT_DTYPE=dot_dtype, PRECISION=precision,
         V_SCALE_IN_TILE=k_cache.element_size() == 1, num_warps=tile.num_warps, num_stages=tile.num_stages,
+        **pdl.launch_args(q.device),
     )
     merge_splits_kernel[(num_seqs, num_heads)](
         out, partial_out, partial_lse, cu_seqlens_q, seq_lens, gate, num_heads, num_splits,
         out.stride(0), out.stride(1), *gate_strides, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         MIN_TOKENS_PER_SPLIT=DECODE_ACTIVE_SPLIT_MIN_TOKENS, BLOCK_N=tile.block_n, num_warps=MERGE_NUM_WARPS,
+        **pdl.launch_args(q.device),
     )

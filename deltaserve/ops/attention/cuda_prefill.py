@@ -34,6 +34,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from deltaserve.device import sm_count
+from deltaserve.ops import pdl
 
 __all__ = ["TileConfig", "attend_kv_range", "launch_prefill", "merge_splits_kernel", "output_gate",
            "prefill_num_splits", "prefill_query_blocks", "prefill_tiles", "split_share", "split_v_scale",
@@ -224,7 +225,7 @@ def merge_splits_kernel(
     out, partial_out, partial_lse, cu_seqlens_q, seq_lens, gate, num_heads, num_splits,
     stride_o_tok, stride_o_head, stride_g_tok, stride_g_head,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, MIN_TOKENS_PER_SPLIT: tl.constexpr = 0,
-    BLOCK_N: tl.constexpr = 0, MERGE_SPLIT_BLOCK: tl.constexpr = 16,
+    BLOCK_N: tl.constexpr = 0, MERGE_SPLIT_BLOCK: tl.constexpr = 16, PDL: tl.constexpr = False,
 ):
     """Grid (rows, n_heads): out[token, head] = sum_s w_s * partial_s, w_s proportional to 2^lse_s.
 
@@ -235,6 +236,7 @@ def merge_splits_kernel(
     split_share(seq_lens[r], num_splits, MIN_TOKENS_PER_SPLIT, BLOCK_N), as the decode kernel wrote them.
     gate: None, or [T, n_heads, HEAD_DIM] (strides given): out is then o * sigmoid(gate) (`output_gate`).
     """
+    pdl.wait_for_previous_kernel(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     if cu_seqlens_q is None:
@@ -300,12 +302,13 @@ def _prefill_kernel(
     stride_block, stride_slot, stride_kv_head, stride_table,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
-    SPLIT_KV: tl.constexpr, V_SCALE_IN_TILE: tl.constexpr,
+    SPLIT_KV: tl.constexpr, V_SCALE_IN_TILE: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Grid (T // tokens_per_block + N, n_kv, num_splits). Writes out rows of the program's tokens x G heads
     (times sigmoid(gate) unless gate is None); with SPLIT_KV, their partials over its split instead:
     partial_out [T, n_heads, num_splits, hd] and partial_lse [T, n_heads, num_splits] (num_splits is 1 and
     the partials None without it), and the merge applies the gate."""
+    pdl.wait_for_previous_kernel(PDL)
     TOKENS_PER_BLOCK: tl.constexpr = BLOCK_M // GROUP
     # Launch the last query blocks first: under the causal mask they attend the most positions, and starting
     # the longest programs early leaves short ones to fill the tail of the grid.
@@ -415,9 +418,11 @@ def launch_prefill(q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_len
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, DOT_DTYPE=dot_dtype, PRECISION=precision, SPLIT_KV=split_kv,
         V_SCALE_IN_TILE=k_cache.element_size() == 1, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        **pdl.launch_args(q.device),
     )
     if split_kv:
         merge_splits_kernel[(num_tokens, num_heads)](
             out, partial_out, partial_lse, None, None, gate, num_heads, num_splits, out.stride(0), out.stride(1),
             *gate_strides, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, num_warps=MERGE_NUM_WARPS,
+            **pdl.launch_args(q.device),
         )

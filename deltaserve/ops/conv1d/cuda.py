@@ -26,7 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.ops import pdl
 from deltaserve.ops.conv1d.reference import check_split
+from deltaserve.ops.pdl import wait_for_previous_kernel
 from deltaserve.ops.varlen import check_state_pool
 
 _ACTIVATIONS = ("silu", None)
@@ -52,11 +54,12 @@ def _apply_activation(acc, SILU: tl.constexpr):
 def _conv_decode_kernel(
     x, weight, y, state_pool, state_slots,
     channels, stride_x_row, stride_y_row, stride_pool_slot,
-    WIDTH: tl.constexpr, W_PAD: tl.constexpr, SILU: tl.constexpr, BLOCK_D: tl.constexpr,
+    WIDTH: tl.constexpr, W_PAD: tl.constexpr, SILU: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """One program per (sequence, channel block): y = act(window . weight), then shift the slot's state.
 
     The window [BLOCK_D, W] is the slot's W-1 columns followed by the new input, oldest first."""
+    wait_for_previous_kernel(PDL)
     seq = tl.program_id(0)
     chans = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
     cols = tl.arange(0, W_PAD)  # [W_PAD], window columns (W padded to a power of two)
@@ -241,7 +244,7 @@ def conv_decode(x, weight, state_pool, state_slots, activation="silu"):
         x, weight, y, state_pool, state_slots,
         channels, x.stride(0), y.stride(0), state_pool.stride(0),
         WIDTH=width, W_PAD=triton.next_power_of_2(width), SILU=activation == "silu", BLOCK_D=_DECODE_BLOCK_D,
-        num_warps=_DECODE_WARPS,
+        num_warps=_DECODE_WARPS, **pdl.launch_args(x.device),
     )
     return y
 

@@ -29,7 +29,9 @@ import triton
 import triton.language as tl
 
 from deltaserve.device import to_device
+from deltaserve.ops import pdl
 from deltaserve.ops.gdn.reference import check_shapes
+from deltaserve.ops.pdl import wait_for_previous_kernel
 from deltaserve.ops.varlen import check_state_pool
 
 # Added under the square root of the L2 norm, as in fla's l2norm and the reference.
@@ -117,6 +119,7 @@ def _gdn_recurrent_kernel(
     stride_g_tok, stride_beta_tok, scale, eps,
     HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, RAW_GATES: tl.constexpr, VARLEN: tl.constexpr, SUBSET: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Grid (N, HV, cdiv(V, BV)): the [K, BV] state tile of (sequence, value head, value block) is read from
     the sequence's pool slot, stepped through the sequence's tokens and written back in place.
@@ -125,6 +128,7 @@ def _gdn_recurrent_kernel(
     cu_seqlens are None. VARLEN: its tokens are cu_seqlens[n] .. cu_seqlens[n+1] (maybe none), and a sequence
     without has_initial_state[n] starts from zeros. SUBSET (varlen only): program n runs sequence seq_ids[n].
     """
+    wait_for_previous_kernel(PDL)
     if SUBSET:
         seq = tl.load(seq_ids + tl.program_id(0))
     else:
@@ -222,7 +226,7 @@ def _launch_recurrent(q, k, v, g, beta, out, state_pool, state_slots, has_initia
         HV=value_heads, GROUP=value_heads // key_heads, K=key_dim, V=value_dim, BK=block_k, BV=block_v,
         RAW_GATES=raw_gates, VARLEN=cu_seqlens is not None, SUBSET=seq_ids is not None,
         # about 32 state values per thread (fla's fused_recurrent kernel runs [128, 8] tiles on one warp)
-        num_warps=num_warps or max(1, min(4, block_k * block_v // 1024)),
+        num_warps=num_warps or max(1, min(4, block_k * block_v // 1024)), **pdl.launch_args(q.device),
     )
 
 

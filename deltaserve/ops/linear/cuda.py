@@ -26,7 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.ops import pdl
 from deltaserve.ops.linear import reference
+from deltaserve.ops.pdl import wait_for_previous_kernel
 
 PROLOGUE_NONE: tl.constexpr = tl.constexpr(0)
 PROLOGUE_RMS_NORM: tl.constexpr = tl.constexpr(1)
@@ -80,12 +82,14 @@ def _gemv_kernel(
     N, K, eps, stride_x_h, stride_gate_h, stride_w_n,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Grid (cdiv(N, BLOCK_N),), one row: x [K] ([2K] for silu-mul; [K / GROUP, GROUP] with head stride
     stride_x_h for the gated norm, gate alike); W: [N, K]; out: [N].
 
     Products accumulate elementwise in a [BLOCK_N, BLOCK_K] float32 tile and are reduced once at the end:
     a reduction per K block (shuffles across the tile) made the loop compute-bound (2.4-2.8 TB/s)."""
+    wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
     ns = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output columns = weight rows
     n_ok = ns < N
@@ -167,6 +171,7 @@ def _launch(prologue, x, weight, *, res=None, res_out=None, gate=None, norm_w=No
         N, K, eps, x.stride(1) if x.dim() == 3 else 0, gate.stride(1) if gate is not None else 0, weight.stride(0),
         PROLOGUE=prologue, HAS_RESIDUAL=res is not None, GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_N=N % block_n == 0, EVEN_K=K % block_k == 0, num_warps=num_warps, num_stages=num_stages,
+        **pdl.launch_args(x.device),
     )
     return out
 

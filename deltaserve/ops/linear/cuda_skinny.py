@@ -22,6 +22,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from deltaserve.ops import pdl
+from deltaserve.ops.pdl import wait_for_previous_kernel
+
 
 # Rows (sequences) up to which the kernel may serve; larger batches run cuBLAS.
 SKINNY_MAX_ROWS = 64
@@ -72,10 +75,11 @@ def _store_block(acc, out, partial, ms, ns, ok, pid_k, M, N, stride_out_m, SPLIT
 def _skinny_kernel(
     x, weight, out, partial, M, N, K, k_iters, stride_x_m, stride_w_n, stride_out_m,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Grid (cdiv(N, BLOCK_N), SPLIT_K): program (n, s) computes out[:, n block] over the s-th range of k_iters
     K blocks (into partial [SPLIT_K, M, N] float32 when SPLIT_K > 1)."""
+    wait_for_previous_kernel(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output columns = weight rows
@@ -101,11 +105,12 @@ def _skinny_kernel(
 def _skinny_tma_kernel(
     x_desc, w_desc, out, partial, M, N, k_iters, stride_out_m,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """_skinny_kernel with its tiles copied by TMA (x_desc over x [M, K] in [BLOCK_M, BLOCK_K] boxes, w_desc over
     W [N, K] in [BLOCK_N, BLOCK_K] boxes; out-of-bounds rows and columns arrive as zeros, so nothing is masked
     but the store)."""
+    wait_for_previous_kernel(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -126,8 +131,9 @@ def _tma_ready(t: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _sum_splits_kernel(partial, out, total, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_splits_kernel(partial, out, total, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """out [M * N] = the sum of partial [SPLIT_K, M * N] over its first axis, in order."""
+    wait_for_previous_kernel(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < total
     acc = tl.load(partial + offs, mask=ok, other=0.0)
@@ -156,21 +162,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, ...]) -> to
     partial = torch.empty(split_k, M, N, dtype=torch.float32, device=x.device) if split_k > 1 else out
     grid = (triton.cdiv(N, block_n), split_k)
     k_iters = triton.cdiv(K, split_k * block_k)
+    launch = pdl.launch_args(x.device)
     if use_tma:
         x_desc = TensorDescriptor.from_tensor(x, [block_m, block_k])
         w_desc = TensorDescriptor.from_tensor(weight, [block_n, block_k])
         _skinny_tma_kernel[grid](
             x_desc, w_desc, out, partial, M, N, k_iters, out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_K=block_k, SPLIT_K=split_k, PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
+            **launch,
         )
     else:
         _skinny_kernel[grid](
             x, weight, out, partial, M, N, K, k_iters, x.stride(0), weight.stride(0), out.stride(0),
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
             EVEN_N=N % block_n == 0, EVEN_K=K % (block_k * split_k) == 0,
-            PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
+            PRECISION=precision, num_warps=num_warps, num_stages=num_stages, **launch,
         )
     if split_k > 1:
         block = 1024
-        _sum_splits_kernel[(triton.cdiv(M * N, block),)](partial, out, M * N, SPLIT_K=split_k, BLOCK=block)
+        _sum_splits_kernel[(triton.cdiv(M * N, block),)](partial, out, M * N, SPLIT_K=split_k, BLOCK=block,
+                                                         **launch)
     return out

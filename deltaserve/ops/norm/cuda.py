@@ -13,6 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.ops import pdl
+from deltaserve.ops.pdl import wait_for_previous_kernel
+
 # Elements per gated-norm program: 16 rows of 128, 16 per thread for 4 warps; rows of 2048 or more go one a
 # program, as rms_norm's do.
 _GATED_TILE = 2048
@@ -20,7 +23,8 @@ _GATED_TILE = 2048
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, D, x_stride, res_stride, y_stride, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
@@ -36,8 +40,10 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, D, x_stride, res
 
 @triton.jit(do_not_specialize=["num_rows"])  # the step's token count: one compiled variant for every step
 def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, y_ptr, num_rows, heads, D, x_tok_stride, x_head_stride,
-                           g_tok_stride, g_head_stride, eps, BLOCK_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+                           g_tok_stride, g_head_stride, eps, BLOCK_ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                           PDL: tl.constexpr = False):
     """Rows r of [T * H, D] (token r // H, head r % H), BLOCK_ROWS per program; y is contiguous."""
+    wait_for_previous_kernel(PDL)
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [BLOCK_ROWS]
     cols = tl.arange(0, BLOCK)  # [BLOCK]
     col_ok = cols < D
@@ -82,10 +88,12 @@ def rms_norm(x, weight, eps, residual=None):
         r2 = _rows(residual)
         h = torch.empty_like(y)
         _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, y, h, D, x2.stride(0), r2.stride(0), y.stride(0), eps,
-                                         HAS_RESIDUAL=True, BLOCK=block, num_warps=_warps(block))
+                                         HAS_RESIDUAL=True, BLOCK=block, num_warps=_warps(block),
+                                         **pdl.launch_args(x.device))
         return y.view(shape), h.view(shape)
     _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, y, y, D, x2.stride(0), 0, y.stride(0), eps,
-                                     HAS_RESIDUAL=False, BLOCK=block, num_warps=_warps(block))
+                                     HAS_RESIDUAL=False, BLOCK=block, num_warps=_warps(block),
+                                     **pdl.launch_args(x.device))
     return y.view(shape)
 
 
@@ -119,5 +127,5 @@ def gated_rms_norm(x, gate, weight, eps):
     block_rows = _gated_block_rows(num_rows, block)
     _gated_rms_norm_kernel[(triton.cdiv(num_rows, block_rows),)](
         x3, g3, weight, y, num_rows, x3.shape[1], D, x3.stride(0), x3.stride(1), g3.stride(0), g3.stride(1), eps,
-        BLOCK_ROWS=block_rows, BLOCK=block, num_warps=_warps(block_rows * block))
+        BLOCK_ROWS=block_rows, BLOCK=block, num_warps=_warps(block_rows * block), **pdl.launch_args(x.device))
     return y

@@ -20,7 +20,9 @@ from deltaserve.ops.attention.cuda import (
     _check_scale,
     _unit_last_stride,
 )
+from deltaserve.ops import pdl
 from deltaserve.ops.attention.reference import check_slot_mapping
+from deltaserve.ops.pdl import wait_for_previous_kernel
 from deltaserve.ops.rotary.reference import check_shapes
 
 
@@ -32,7 +34,8 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr
                          v_ptr=None, k_cache=None, v_cache=None, slot_mapping=None, k_scale=1.0, v_scale=1.0,
                          v_tok_stride=0, v_head_stride=0, block_stride=0, slot_stride=0, cache_head_stride=0,
                          BLOCK_SIZE: tl.constexpr = 1, SATURATE: tl.constexpr = 0.0,
-                         WRITE_KV: tl.constexpr = False):
+                         WRITE_KV: tl.constexpr = False, PDL: tl.constexpr = False):
+    wait_for_previous_kernel(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     cols = tl.arange(0, HEAD_DIM)
@@ -88,7 +91,7 @@ def qk_norm_rope(q, k, q_weight, k_weight, eps, cos_cache, sin_cache, positions,
     _qk_norm_rope_kernel[(T, n_heads + n_kv)](
         q, k, q_weight, k_weight, cos_cache, sin_cache, positions, q_out, k_out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), n_heads, n_kv, eps,
-        HEAD_DIM=head_dim, ROT=rotary_dim, num_warps=_num_warps(head_dim))
+        HEAD_DIM=head_dim, ROT=rotary_dim, num_warps=_num_warps(head_dim), **pdl.launch_args(q.device))
     return q_out, k_out
 
 
@@ -121,7 +124,8 @@ def qk_norm_rope_write_kv(q, k, v, q_weight, k_weight, eps, cos_cache, sin_cache
         v_ptr=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping, k_scale=k_scale, v_scale=v_scale,
         v_tok_stride=v.stride(0), v_head_stride=v.stride(1), block_stride=k_cache.stride(0),
         slot_stride=k_cache.stride(1), cache_head_stride=k_cache.stride(2),
-        BLOCK_SIZE=k_cache.shape[1], SATURATE=saturate, WRITE_KV=True, num_warps=_num_warps(head_dim))
+        BLOCK_SIZE=k_cache.shape[1], SATURATE=saturate, WRITE_KV=True, num_warps=_num_warps(head_dim),
+        **pdl.launch_args(q.device))
     return q_out, k_out
 
 

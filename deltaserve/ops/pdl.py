@@ -1,0 +1,79 @@
+"""Programmatic dependent launch (PDL) for our Triton kernels on Hopper and later GPUs.
+
+A decode step is hundreds of short kernels (27B at batch 1: ~13.6 ms for ~450 launches), and between two of them
+the GPU waits for the first to complete and flush its writes before it even begins to launch the second.
+Launched with PDL (CUDA's programmatic stream serialization, which CUDA-graph capture keeps), a kernel's launch
+may begin once every program of the kernel before it has exited, overlapping that flush; the kernel then waits
+(`griddepcontrol.wait`) until the previous kernel has completed and its writes are visible. Every kernel of
+ours launched so calls `wait_for_previous_kernel(PDL)` first, in every program, before it reads or writes
+anything, so the stream's order holds for all of its memory, and a kernel completes only after the one before
+it did (so the order is transitive across kernels).
+
+Measured on the H200 (27B, docs/performance.md, fourteenth session): W1's batch-1 decode 13.51 ms a token
+against 13.79 without; W6's 64-row decode step 21.28 against 21.33 ms on one machine. Two stronger forms lost
+there: letting the next kernel launch as soon as a program has waited (`griddepcontrol.launch_dependents`,
+so that its programs sit resident, waiting, beside the running kernel: batch 1 13.62 ms, but the 64-row step
+~0.3 ms slower), and with it an L2 prefetch of each projection's first weight bytes before the wait (batch 1
+14.93 ms).
+
+Kernels of others (cuBLAS, fla-core, torch) launch as usual: they wait for the whole previous kernel, and a PDL
+kernel after one of them waits for it as above. `DELTASERVE_PDL=0` turns PDL off: the kernels then launch as
+before, with the wait compiled out.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+ENV_VAR = "DELTASERVE_PDL"
+
+_ON = {"PDL": True, "launch_pdl": True}
+_OFF = {"PDL": False}
+_override: bool | None = None
+
+
+def _env_allows() -> bool:
+    value = os.environ.get(ENV_VAR, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV_VAR} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+@functools.cache
+def _hopper_or_later(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether our kernels launch on `device` with PDL: a CUDA GPU of compute capability 9.0 or later, unless
+    DELTASERVE_PDL=0 (or `set_enabled` says otherwise)."""
+    allowed = _env_allows() if _override is None else _override
+    if device.type != "cuda":
+        return False
+    return allowed and _hopper_or_later(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def set_enabled(flag: bool | None) -> None:
+    """Force PDL on (where the GPU has it) or off for launches from now on; None goes back to DELTASERVE_PDL.
+    For probes and tests: CUDA graphs captured before keep the launches they captured."""
+    global _override
+    _override = flag
+
+
+def launch_args(device: torch.device) -> dict:
+    """Keyword arguments for launching one of our kernels on `device`: its PDL constexpr and, where enabled,
+    Triton's launch_pdl."""
+    return _ON if enabled(device) else _OFF
+
+
+@triton.jit
+def wait_for_previous_kernel(PDL: tl.constexpr):
+    """The first statement of every kernel of ours (a no-op unless PDL): wait until the previous kernel on the
+    stream has completed and its writes are visible."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
