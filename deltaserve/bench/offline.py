@@ -441,8 +441,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --profile, the prompt tokens of the profiled prefill (W3: 8192, W1: 1024)")
     parser.add_argument("--profile-dir", help="with --profile, also write every kernel's line to files here, and "
                         "each profile's timeline (Chrome trace, gzipped)")
-    parser.add_argument("--concurrency", type=int, default=None,
-                        help="run only the workloads' entries at this concurrency (W6: 64 or 256)")
+    parser.add_argument("--concurrency", default=None,
+                        help="comma-separated: run only the workloads' entries at these concurrencies (W6: 64 or "
+                             "256; W1,W6 with 1,64 runs W1 and W6 at 64)")
     parser.add_argument("--step-records", action="store_true",
                         help="with --out, also write every step of the concurrent workloads: kind, ms, prompt "
                              "tokens, rows")
@@ -454,9 +455,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile_prompt_len < 1:
         parser.error(f"--profile-prompt-len must be at least 1, got {args.profile_prompt_len}")
     offered = {conc for name in names for *_, conc in WORKLOADS.get(name, [])}
-    if args.concurrency is not None and args.concurrency not in offered:
-        parser.error(f"--concurrency {args.concurrency}: no entry of {','.join(names)} runs at it "
-                     f"(they run at {sorted(offered)})")
+    concurrencies = None
+    if args.concurrency is not None:
+        try:
+            concurrencies = {int(c) for c in args.concurrency.split(",") if c.strip()}
+        except ValueError:
+            parser.error(f"--concurrency must be comma-separated integers, got {args.concurrency!r}")
+        if not concurrencies or not concurrencies <= offered:
+            parser.error(f"--concurrency {args.concurrency}: no entry of {','.join(names)} runs at "
+                         f"{sorted(concurrencies - offered) or 'none'} (they run at {sorted(offered)})")
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # the engine's plan and warm-up
     bandwidth, flops = measure_device()
     sustained = measure_sustained_matmul()
@@ -488,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
                     f.write(json.dumps(r) + "\n")
             continue
         for input_len, output_len, num, conc in WORKLOADS[name]:
-            if args.concurrency is not None and conc != args.concurrency:
+            if concurrencies is not None and conc not in concurrencies:
                 continue
             num = max(1, round(num * args.scale))
             # Every prompt set draws from its own seed: two runs sharing a seed would share their first

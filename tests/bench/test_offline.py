@@ -59,7 +59,13 @@ def test_a_concurrency_no_workload_runs_at_is_refused_by_name(capsys):
 
     with pytest.raises(SystemExit):
         main(["config-dir", "--workloads", "W6", "--concurrency", "65"])
-    assert "--concurrency 65: no entry of W6 runs at it (they run at [64, 256])" in capsys.readouterr().err
+    assert "--concurrency 65: no entry of W6 runs at [65] (they run at [64, 256])" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a list: each must be offered
+        main(["config-dir", "--workloads", "W1,W6", "--concurrency", "1,65"])
+    assert "--concurrency 1,65: no entry of W1,W6 runs at [65] (they run at [1, 64, 256])" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["config-dir", "--workloads", "W6", "--concurrency", "64;256"])
+    assert "--concurrency must be comma-separated integers, got '64;256'" in capsys.readouterr().err
 
 
 def test_compile_log_counts_variants_and_keeps_their_signatures_until_taken():
