@@ -18,17 +18,21 @@ so that its programs sit resident, waiting, beside the running kernel: batch 1 1
 
 Kernels of others (cuBLAS, fla-core, torch) launch as usual: they wait for the whole previous kernel, and a PDL
 kernel after one of them waits for it as above. `DELTASERVE_PDL=0` turns PDL off: the kernels then launch as
-before, with the wait compiled out.
+before, with the wait compiled out. The engine checks PDL once at start-up (`verify`: a launch eagerly and in a
+captured graph) and turns it off with a warning where the driver cannot do it.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
 import triton
 import triton.language as tl
+
+logger = logging.getLogger(__name__)
 
 ENV_VAR = "DELTASERVE_PDL"
 
@@ -77,3 +81,41 @@ def wait_for_previous_kernel(PDL: tl.constexpr):
     stream has completed and its writes are visible."""
     if PDL:
         tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def _add_one_kernel(x, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous_kernel(PDL)
+    offs = tl.arange(0, BLOCK)
+    tl.store(x + offs, tl.load(x + offs) + 1.0)
+
+
+def _launch_eagerly_and_in_a_graph(device: torch.device) -> None:
+    """Two PDL launches of a kernel adding one, eagerly and as a captured graph replayed; raises if either
+    fails or the sum is wrong."""
+    x = torch.zeros(16, device=device)
+    _add_one_kernel[(1,)](x, BLOCK=16, **launch_args(device))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _add_one_kernel[(1,)](x, BLOCK=16, **launch_args(device))
+        _add_one_kernel[(1,)](x, BLOCK=16, **launch_args(device))
+    graph.replay()
+    torch.cuda.synchronize(device)
+    if not bool((x == 3.0).all()):
+        raise RuntimeError(f"PDL launches added {x.tolist()} instead of 3.0 each")
+
+
+def verify(device: torch.device) -> bool:
+    """Engine start-up: if PDL is on for `device`, launch a PDL kernel eagerly and in a CUDA graph once; where
+    that fails (a driver without programmatic launches in graph capture), turn PDL off for this process with a
+    warning instead of failing later. Returns whether PDL is on."""
+    if not enabled(device):
+        return False
+    try:
+        _launch_eagerly_and_in_a_graph(device)
+    except Exception as exc:  # the driver's or Triton's error, whatever its type
+        logger.warning("programmatic dependent launch failed its start-up check (%s: %s); our kernels launch "
+                       "without it (%s=0 silences this)", type(exc).__name__, exc, ENV_VAR)
+        set_enabled(False)
+        return False
+    return True

@@ -62,8 +62,8 @@ class ModelRunner:
         if device.type == "cuda":
             from deltaserve.ops import pdl  # GPU only (Triton)
 
-            logger.info("programmatic dependent launch of our kernels: %s", "on" if pdl.enabled(device) else
-                        f"off ({pdl.ENV_VAR}=0 or a GPU before compute capability 9.0)")
+            logger.info("programmatic dependent launch of our kernels: %s", "on" if pdl.verify(device) else
+                        f"off ({pdl.ENV_VAR}=0, a GPU before compute capability 9.0, or a failed check)")
             use_graphs = not enforce_eager
             if use_graphs and not graphs_supported(model):
                 logger.warning("CUDA graphs are off: torch's grouped matmul for non-bfloat16 MoE experts loops "

@@ -92,6 +92,7 @@ def test_engine_tokens_equal_with_and_without_pdl(arch, make_checkpoint):
         for flag in (True, False):
             pdl.set_enabled(flag)
             llm = LLM(path, dtype="bfloat16", max_num_seqs=16)
+            assert pdl.enabled(torch.device("cuda")) is flag  # the engine's start-up check passed
             tokens[flag] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
             del llm
     finally:
