@@ -20,6 +20,7 @@ from deltaserve.bench.metrics import compute_metrics, output_token_counts
 from deltaserve.bench.randtext import RandomTextGenerator
 from deltaserve.bench.report import detailed_dict, format_errors, format_table, summary_dict
 from deltaserve.bench.traffic import TimedRun, Workload, run_traffic
+from deltaserve.server.settings import DEMO_MODEL_NAME
 
 __all__ = ["add_serve_args", "run_serve"]
 
@@ -79,7 +80,12 @@ async def resolve_model(args: argparse.Namespace, base_url: str, headers: dict[s
 
 
 def load_tokenizer(path: str, from_flag: str):
-    """transformers.AutoTokenizer from a local directory; BenchInputError if there is none."""
+    """transformers.AutoTokenizer from a local directory (the built-in demo model's for the name the server gives
+    it, "demo", where no such directory exists); BenchInputError if there is none."""
+    if path == DEMO_MODEL_NAME and not os.path.isdir(path):
+        from deltaserve.demo import demo_model_path
+
+        path = str(demo_model_path())
     if not os.path.isdir(path):
         hint = "" if from_flag == "--tokenizer" else "; pass --tokenizer DIR (a local tokenizer directory)"
         raise BenchInputError(f"tokenizer missing: {from_flag} {path!r} is not a local directory{hint}")

@@ -181,6 +181,17 @@ def test_model_and_tokenizer_errors_exit_2(fake_server, tokenizer_dir, capsys):
     assert fake_server.received == []
 
 
+def test_the_demo_models_name_takes_the_built_in_tokenizer(tmp_path, monkeypatch):
+    """A server started without MODEL calls its model "demo": benchmarking it needs no --tokenizer."""
+    from deltaserve.bench.serve import load_tokenizer
+    from deltaserve.demo import demo_model_path
+
+    monkeypatch.setenv("DELTASERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.chdir(tmp_path)  # no ./demo directory to take instead
+    tokenizer = load_tokenizer("demo", "--model")
+    assert tokenizer.name_or_path == str(demo_model_path())
+
+
 def test_api_key_from_flag_or_environment(fake_server, tokenizer_dir, monkeypatch, capsys):
     fake_server.first_delay, fake_server.gap = 0.01, 0.01
     fake_server.api_key = "sekret"
