@@ -6,7 +6,8 @@
       abort():    put _Abort --------------------->
 
 The engine thread blocks on the command queue when it has no work (no busy wait) and otherwise alternates
-"drain commands, step". Outputs are deltas (`RequestOutputKind.DELTA`: each step's new text, token ids and
+"drain commands, step"; a step's outputs reach the event loop in one hand-over (`_deliver`), not one per
+request. Outputs are deltas (`RequestOutputKind.DELTA`: each step's new text, token ids and
 logprobs, O(new) to build however long the output is); a handler that falls behind gets the queued ones
 joined into one (`OutputAccumulator`), and a non-streaming handler joins them all (`collect_output`). An
 exception in step() fails every in-flight request (their handlers answer 500) and aborts them in the
@@ -53,10 +54,7 @@ class _RequestStream:
 
     def put(self, item) -> None:
         """Called from the engine thread."""
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the event loop is closed: nobody is waiting any more
-            pass
+        _deliver([(self, item)])
 
 
 @dataclass
@@ -226,6 +224,7 @@ class AsyncEngine:
             self._abort_all(EngineError(f"the engine failed while running the request: {exc}"))
             return
         now = time.monotonic()
+        deliveries: list[tuple[_RequestStream, RequestOutput]] = []
         for output in outputs:
             tracked = self._tracked.get(output.request_id)
             if tracked is None:
@@ -239,13 +238,14 @@ class AsyncEngine:
                 tracked.unsent = None
             if output.finished or first or unsent >= self.stream_interval:
                 tracked.num_tokens_sent = tracked.num_tokens
-                tracked.stream.put(output)
+                deliveries.append((tracked.stream, output))
             else:
                 tracked.unsent = OutputAccumulator()
                 tracked.unsent.add(output)
             if output.finished:
                 del self._tracked[output.request_id]
                 self._record_finish(tracked, [c.finish_reason or "abort" for c in output.outputs], now)
+        _deliver(deliveries)
 
     def _abort_all(self, item) -> None:
         """Abort every tracked request in the engine and hand `item` (a sentinel or an error) to each."""
@@ -288,6 +288,25 @@ class AsyncEngine:
             self.metrics.set_engine_state(scheduler.num_running, scheduler.num_waiting, usage)
         except Exception:  # stats must never take the engine down
             logger.exception("could not read engine stats")
+
+
+def _deliver(deliveries: list[tuple[_RequestStream, object]]) -> None:
+    """Called from the engine thread: hand each item to its stream, in order, with one wake-up of each event
+    loop for them all. (One `call_soon_threadsafe` per item cost the engine thread ~10 us each, 2.7 ms a step at
+    256 streams, measured on the CPU machine with the loop draining them.)"""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+    for stream, item in deliveries:
+        by_loop.setdefault(stream.loop, []).append((stream.queue, item))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # the event loop is closed: nobody is waiting any more
+            pass
+
+
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for stream_queue, item in items:
+        stream_queue.put_nowait(item)
 
 
 def _end_stream(tracked: _Tracked, item) -> None:
