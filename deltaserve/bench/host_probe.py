@@ -1,12 +1,15 @@
 """The host's work per step at many sequences, without the model's forward: what bounds small models' decode.
 
     python -m deltaserve.bench.host_probe [--rows 256] [--prompt-len 128] [--output-len 512] [--steps 200]
-        [--output-kind delta] [--profile]
+        [--output-kind delta] [--profile] [--server]
 
 The demo model's engine on the CPU, its forward replaced by zeros (the lm_head, the sampler, batch building,
 scheduling, bookkeeping, detokenizing and outputs all run as served), decoding `rows` sequences at once:
 milliseconds of host work a step, which a GPU step shorter than it cannot hide (Qwen3.5-0.8B at 256 sequences:
 a step of ~5.6 ms on an H200, docs/performance.md). --profile prints the engine's functions by own time.
+--server serves that engine over HTTP instead (the engine thread, the event loop, uvicorn) and streams `rows`
+completions of `output-len` tokens at once from `deltaserve bench serve` in another process: the step time
+then includes what serving adds (building and writing each stream's chunks, in the same process).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=200, help="decode steps timed (after the prompts' step)")
     parser.add_argument("--output-kind", default="delta", choices=[k.name.lower() for k in RequestOutputKind])
     parser.add_argument("--profile", action="store_true", help="print the top functions by own time")
+    parser.add_argument("--server", action="store_true", help="through the HTTP server and a streaming client")
     args = parser.parse_args(argv)
     for name in ("rows", "prompt_len", "output_len", "steps"):
         if getattr(args, name) < 1:
@@ -58,6 +62,9 @@ def _run(args: argparse.Namespace) -> None:
         return torch.zeros(len(sampling_rows), hidden_size)  # [S, H]: the lm_head and the sampler still run
 
     model.forward = no_forward
+    if args.server:
+        _serve_and_stream(llm, args)
+        return
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True,
                             output_kind=RequestOutputKind[args.output_kind.upper()])
     vocab = engine.model_config.vocab_size
@@ -79,6 +86,49 @@ def _run(args: argparse.Namespace) -> None:
           f"step ({1e6 * seconds / args.steps / args.rows:.1f} us a sequence)" + (" (profiled)" if profiler else ""))
     if profiler:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+
+
+def _serve_and_stream(llm, args: argparse.Namespace) -> None:
+    """Serve llm's engine on a free port and stream rows x output_len tokens from a client process; print the
+    host time a step that implies (every stream gets one token a step)."""
+    import json
+    import socket
+    import subprocess
+    import sys
+    import tempfile
+    import threading
+
+    import uvicorn
+
+    from deltaserve.demo import demo_model_path
+    from deltaserve.server.api_server import build_app, make_state
+    from deltaserve.server.settings import ServerSettings
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    engine = llm.engine
+    state = make_state(engine, engine.config, ServerSettings(port=port, served_model_names=("demo",),
+                                                                     uvicorn_log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    with tempfile.TemporaryDirectory() as tmp:
+        client = [sys.executable, "-m", "deltaserve", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
+                  "--tokenizer", str(demo_model_path()), "--dataset-name", "random",
+                  "--random-input-len", str(args.prompt_len), "--random-output-len", str(args.output_len),
+                  "--num-prompts", str(args.rows), "--max-concurrency", str(args.rows), "--ignore-eos",
+                  "--temperature", "0", "--save-result", "--result-dir", tmp, "--result-filename", "r.json"]
+        try:
+            subprocess.run(client, check=True, stdout=subprocess.DEVNULL)
+            with open(f"{tmp}/r.json") as f:
+                result = json.load(f)
+        finally:
+            server.should_exit = True
+            thread.join(timeout=30)
+    rate = result["output_throughput"]  # tokens a second, all streams together
+    print(f"{args.rows} streams through the server: {rate:.0f} output tok/s, {1e3 * args.rows / rate:.2f} ms of host "
+          f"work a step ({1e6 / rate:.1f} us a token), median TPOT {result['median_tpot_ms']:.2f} ms")
 
 
 if __name__ == "__main__":

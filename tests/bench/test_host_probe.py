@@ -16,3 +16,9 @@ def test_bad_arguments_are_named(argv, message, capsys):
     with pytest.raises(SystemExit):
         main(argv)
     assert message in capsys.readouterr().err
+
+
+def test_reports_host_work_a_step_through_the_server(capsys):
+    assert main(["--rows", "4", "--prompt-len", "8", "--output-len", "12", "--steps", "5", "--server"]) == 0
+    out = capsys.readouterr().out
+    assert "4 streams through the server:" in out and "ms of host work a step" in out
