@@ -9,8 +9,9 @@ ours launched so calls `wait_for_previous_kernel(PDL)` first, in every program, 
 anything, so the stream's order holds for all of its memory, and a kernel completes only after the one before
 it did (so the order is transitive across kernels).
 
-Measured on the H200 (27B, docs/performance.md, fourteenth session): W1's batch-1 decode 13.51 ms a token
-against 13.79 without; W6's 64-row decode step 21.28 against 21.33 ms on one machine. Two stronger forms lost
+Measured on the H200 (27B, docs/performance.md, fourteenth session), each pair on one machine: W1's batch-1
+decode 13.72 ms a token against 13.79 without (13.51 on another machine); W6's 64-row decode step 21.28
+against 21.33 ms: a small gain, within the run-to-run spread. Two stronger forms lost
 there: letting the next kernel launch as soon as a program has waited (`griddepcontrol.launch_dependents`,
 so that its programs sit resident, waiting, beside the running kernel: batch 1 13.62 ms, but the 64-row step
 ~0.3 ms slower), and with it an L2 prefetch of each projection's first weight bytes before the wait (batch 1
