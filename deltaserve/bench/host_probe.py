@@ -88,9 +88,15 @@ def _run(args: argparse.Namespace) -> None:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
 
+def _thread_cpu_seconds(thread) -> float:
+    """CPU time a running thread has used so far (Linux)."""
+    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+
+
 def _serve_and_stream(llm, args: argparse.Namespace) -> None:
     """Serve llm's engine on a free port and stream rows x output_len tokens from a client process; print the
-    host time a step that implies (every stream gets one token a step)."""
+    host time a step that implies (every stream gets one token a step), and the CPU time the engine thread and
+    the event-loop thread each used a step (the two take turns on the GIL)."""
     import json
     import socket
     import subprocess
@@ -113,6 +119,10 @@ def _serve_and_stream(llm, args: argparse.Namespace) -> None:
     server = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
+    while not server.started:  # the engine thread starts with the app
+        time.sleep(0.05)
+    threads = {"engine thread": state.engine._thread, "event-loop thread": thread}
+    cpu_before = {name: _thread_cpu_seconds(t) for name, t in threads.items()}
     with tempfile.TemporaryDirectory() as tmp:
         client = [sys.executable, "-m", "deltaserve", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
                   "--tokenizer", str(demo_model_path()), "--dataset-name", "random",
@@ -121,6 +131,7 @@ def _serve_and_stream(llm, args: argparse.Namespace) -> None:
                   "--temperature", "0", "--save-result", "--result-dir", tmp, "--result-filename", "r.json"]
         try:
             subprocess.run(client, check=True, stdout=subprocess.DEVNULL)
+            cpu = {name: _thread_cpu_seconds(t) - cpu_before[name] for name, t in threads.items()}
             with open(f"{tmp}/r.json") as f:
                 result = json.load(f)
         finally:
@@ -128,7 +139,8 @@ def _serve_and_stream(llm, args: argparse.Namespace) -> None:
             thread.join(timeout=30)
     rate = result["output_throughput"]  # tokens a second, all streams together
     print(f"{args.rows} streams through the server: {rate:.0f} output tok/s, {1e3 * args.rows / rate:.2f} ms of host "
-          f"work a step ({1e6 / rate:.1f} us a token), median TPOT {result['median_tpot_ms']:.2f} ms")
+          f"work a step ({1e6 / rate:.1f} us a token), median TPOT {result['median_tpot_ms']:.2f} ms; CPU a step: "
+          + ", ".join(f"{name} {1e3 * seconds / args.output_len:.2f} ms" for name, seconds in cpu.items()))
 
 
 if __name__ == "__main__":

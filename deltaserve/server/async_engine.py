@@ -225,11 +225,12 @@ class AsyncEngine:
             return
         now = time.monotonic()
         deliveries: list[tuple[_RequestStream, RequestOutput]] = []
+        generated, intervals = 0, []  # the step's tokens and inter-token latencies, for the metrics
         for output in outputs:
             tracked = self._tracked.get(output.request_id)
             if tracked is None:
                 continue
-            self._record_progress(tracked, output, now)
+            generated += self._record_progress(tracked, output, now, intervals)
             unsent = tracked.num_tokens - tracked.num_tokens_sent
             first = tracked.num_tokens_sent == 0
             if tracked.unsent is not None:  # deltas held back earlier go out with this one
@@ -245,6 +246,8 @@ class AsyncEngine:
             if output.finished:
                 del self._tracked[output.request_id]
                 self._record_finish(tracked, [c.finish_reason or "abort" for c in output.outputs], now)
+        if self.metrics is not None:
+            self.metrics.on_step(generated, intervals)
         _deliver(deliveries)
 
     def _abort_all(self, item) -> None:
@@ -261,19 +264,21 @@ class AsyncEngine:
 
     # -- metrics -------------------------------------------------------------------------------------------
 
-    def _record_progress(self, tracked: _Tracked, output: RequestOutput, now: float) -> None:
+    def _record_progress(self, tracked: _Tracked, output: RequestOutput, now: float, intervals: list[float]) -> int:
+        """Count a delta's new tokens (returned); a request's first ones go to the metrics at once, the
+        interval since its previous ones into `intervals` (the step's, recorded together)."""
         new_tokens = sum(len(c.token_ids) for c in output.outputs)  # a delta's
         if new_tokens <= 0:
-            return
-        if self.metrics is not None:
-            if tracked.num_tokens == 0:
+            return 0
+        if tracked.num_tokens == 0:
+            if self.metrics is not None:
                 self.metrics.on_first_token(now - tracked.arrival, tracked.num_prompt_tokens,
                                             output.num_cached_tokens)
-            else:
-                self.metrics.on_next_tokens(now - tracked.last_token_time)
-            self.metrics.on_generated(new_tokens)
+        else:
+            intervals.append(now - tracked.last_token_time)
         tracked.num_tokens += new_tokens
         tracked.last_token_time = now
+        return new_tokens
 
     def _record_finish(self, tracked: _Tracked, reasons: list[str], now: float | None = None) -> None:
         if self.metrics is not None:
