@@ -152,16 +152,19 @@ class AsyncEngine:
                 items = [await stream.queue.get()]
                 while not stream.queue.empty():  # fallen behind: join the queued deltas into one
                     items.append(stream.queue.get_nowait())
-                deltas = OutputAccumulator()
-                for item in items:
-                    if isinstance(item, BaseException):
-                        done = True
-                        raise item
-                    if item is _ABORTED:  # already gone from the engine: end after what came before it
-                        item = _aborted_output(request_id, prompt_token_ids, params, latest)
-                    deltas.add(item)
-                    latest = item
-                output = deltas.result()
+                if len(items) == 1 and isinstance(items[0], RequestOutput):  # the common case: as it is
+                    output = latest = items[0]
+                else:
+                    deltas = OutputAccumulator()
+                    for item in items:
+                        if isinstance(item, BaseException):
+                            done = True
+                            raise item
+                        if item is _ABORTED:  # already gone from the engine: end after what came before it
+                            item = _aborted_output(request_id, prompt_token_ids, params, latest)
+                        deltas.add(item)
+                        latest = item
+                    output = deltas.result()
                 done = output.finished
                 yield output
                 if done:
