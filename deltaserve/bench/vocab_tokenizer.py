@@ -1,0 +1,53 @@
+"""A synthetic tokenizer of a checkpoint's vocabulary, so that a dummy-weight checkpoint (the published configs
+hold only config.json) can be served and benchmarked over HTTP like a real one.
+
+    python -m deltaserve.bench.vocab_tokenizer CONFIG_DIR OUT_DIR
+    deltaserve serve CONFIG_DIR --load-format dummy --tokenizer OUT_DIR
+    deltaserve bench serve --tokenizer OUT_DIR --dataset-name random ...
+
+Token i is the word "t{i}" and text is words split on whitespace, so every id decodes to a word that encodes
+back to it (random prompts of an exact length) and every id a random model samples decodes to text. The
+checkpoint's first EOS id is the tokenizer's EOS token. No chat template: benchmark the completions endpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+
+def build(vocab_size: int, eos_token_id: int | None = None):
+    """A transformers fast tokenizer whose vocabulary is "t0" .. "t{vocab_size - 1}"."""
+    import transformers
+
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be at least 1, got {vocab_size}")
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    words.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with single spaces
+    eos = f"t{eos_token_id}" if eos_token_id is not None and 0 <= eos_token_id < vocab_size else None
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=words, eos_token=eos,
+                                               clean_up_tokenization_spaces=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m deltaserve.bench.vocab_tokenizer", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", help="checkpoint or config.json directory")
+    parser.add_argument("out", help="directory to write the tokenizer into (created)")
+    args = parser.parse_args(argv)
+    from deltaserve.config import ModelConfig
+
+    cfg = ModelConfig.from_pretrained(args.model)
+    tokenizer = build(cfg.vocab_size, cfg.eos_token_ids[0] if cfg.eos_token_ids else None)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(args.out)
+    print(f"{args.out}: {cfg.vocab_size} tokens t0 .. t{cfg.vocab_size - 1}, EOS {tokenizer.eos_token}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,37 @@
+"""bench/vocab_tokenizer.py: a tokenizer for a dummy-weight checkpoint, sized to its vocabulary."""
+
+import pytest
+import transformers
+
+from deltaserve import LLM, SamplingParams
+from deltaserve.bench.randtext import RandomTextGenerator
+from deltaserve.bench.vocab_tokenizer import build, main
+from deltaserve.config import ModelConfig
+
+
+def test_every_id_is_a_word_that_encodes_back():
+    tokenizer = build(300, eos_token_id=299)
+    ids = list(range(300))
+    assert tokenizer.encode(tokenizer.decode(ids), add_special_tokens=False) == ids
+    assert tokenizer.eos_token == "t299" and tokenizer.eos_token_id == 299
+    text = RandomTextGenerator(tokenizer, seed=1).text(50)  # the bench client's random prompts
+    assert len(tokenizer.encode(text, add_special_tokens=False)) == 50
+
+
+def test_written_for_a_checkpoint_it_serves_it(make_checkpoint, tmp_path, capsys):
+    checkpoint = make_checkpoint("qwen3_5")
+    out = tmp_path / "tok"
+    assert main([str(checkpoint), str(out)]) == 0
+    vocab = ModelConfig.from_pretrained(checkpoint).vocab_size
+    assert f"{vocab} tokens t0 .. t{vocab - 1}" in capsys.readouterr().out
+    assert len(transformers.AutoTokenizer.from_pretrained(out)) == vocab
+    llm = LLM(str(checkpoint), tokenizer=str(out), max_model_len=64)
+    output = llm.generate(["t1 t2 t3"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                          use_tqdm=False)[0]
+    assert len(output.prompt_token_ids) == 3 and len(output.outputs[0].token_ids) == 4
+    assert output.outputs[0].text.split() == [f"t{i}" for i in output.outputs[0].token_ids]
+
+
+def test_a_vocabulary_of_nothing_is_refused():
+    with pytest.raises(ValueError, match="vocab_size must be at least 1, got 0"):
+        build(0)
