@@ -6,6 +6,9 @@
 #   tests  the GPU tests alone (~7.5 min on an H200); TESTS="paths" narrows them
 #   bench  the benchmarks alone; WORKLOADS=W1,W3 chooses them, PROFILE=0 leaves out their kernel profiles
 #          (every workload with profiles ~8 min, without ~6)
+#   serve  a workload through the HTTP server: `deltaserve serve` on a published config with dummy weights and a
+#          synthetic tokenizer (bench/vocab_tokenizer.py), driven by `deltaserve bench serve`; MODEL (default
+#          qwen3.5-27b), IN/OUT_LEN (1024/512), PROMPTS (256), CONCURRENCY (64), MAX_MODEL_LEN (4096) choose it
 #   tune   the tables this GPU should ship: fla-core's pinned kernel configurations as OUTDIR/fla_configs.tgz
 #          (unpack into deltaserve/ops/gdn/fla_configs/) and the skinny GEMM's tiles as OUTDIR/skinny_configs.json
 #          (for deltaserve/ops/linear/); TUNE=fla makes fla's alone (~2 min), TUNE=skinny the skinny table alone
@@ -15,7 +18,7 @@
 # ../shared/configs) or ../shared/configs.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-OUT=${1:?usage: tests/gpu/run.sh OUTDIR [quick|full|tests|bench|tune]}
+OUT=${1:?usage: tests/gpu/run.sh OUTDIR [quick|full|tests|bench|serve|tune]}
 MODE=${2:-full}
 mkdir -p "$OUT"
 export DELTASERVE_GPU_OUT="$(cd "$OUT" && pwd)"  # where GPU tests write their figures (memory_plan.json)
@@ -40,6 +43,36 @@ if [ "$MODE" = tune ]; then
   python3 -m deltaserve.bench.batch_probe "$CONFIGS/qwen3.5-27b" --gdn-batches "" --gdn-chunks "" --gdn-tail 64 \
     --out "$OUT/skinny_configs.json" 2>&1 | tee -a "$OUT/tune.log"
   exit 0
+fi
+if [ "$MODE" = serve ]; then
+  model="$CONFIGS/${MODEL:-qwen3.5-27b}"
+  python3 -m deltaserve.bench.vocab_tokenizer "$model" /tmp/vocab_tokenizer || exit 1
+  python3 -m deltaserve serve "$model" --load-format dummy --tokenizer /tmp/vocab_tokenizer --port 8000 \
+    --max-model-len "${MAX_MODEL_LEN:-4096}" > "$OUT/server.log" 2>&1 &
+  server=$!
+  python3 - "$server" <<'WAIT' || { kill $server; exit 1; }
+import os, sys, time, httpx
+pid, deadline = int(sys.argv[1]), time.monotonic() + 900
+while time.monotonic() < deadline:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        sys.exit("the server exited before answering /health: see server.log")
+    try:
+        if httpx.get("http://127.0.0.1:8000/health", timeout=2).status_code == 200:
+            sys.exit(0)
+    except httpx.TransportError:
+        pass
+    time.sleep(1)
+sys.exit("no /health answer within 900 s")
+WAIT
+  python3 -m deltaserve bench serve --base-url http://127.0.0.1:8000 --tokenizer /tmp/vocab_tokenizer \
+    --dataset-name random --random-input-len "${IN:-1024}" --random-output-len "${OUT_LEN:-512}" \
+    --num-prompts "${PROMPTS:-256}" --max-concurrency "${CONCURRENCY:-64}" --ignore-eos --temperature 0 \
+    --save-result --result-dir "$OUT" 2>&1 | tee "$OUT/serve_bench.log"
+  status=${PIPESTATUS[0]}
+  kill -INT $server; wait $server
+  exit $status
 fi
 if [ "$MODE" != bench ]; then
   python3 -m pytest ${TESTS:-tests/gpu tests/ops} -q -rs --timeout=300 -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
