@@ -426,6 +426,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", default="W1",
                         help="comma-separated ids: " + ",".join(list(WORKLOADS) + list(PREFIX_WORKLOADS)))
     parser.add_argument("--load-format", default="dummy")
+    parser.add_argument("--tokenizer", default=None,
+                        help="detokenize outputs with this tokenizer, as a server does (default: none, token ids "
+                             "only; `python -m deltaserve.bench.vocab_tokenizer` makes one for a config)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--max-model-len", type=int, default=None)
@@ -452,6 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [w for w in names if w not in WORKLOADS and w not in PREFIX_WORKLOADS]
     if unknown:
         parser.error(f"--workloads: unknown {unknown}; known {sorted(WORKLOADS)}")
+    if args.tokenizer is not None and not os.path.isdir(args.tokenizer):
+        parser.error(f"--tokenizer {args.tokenizer!r} is not a directory")
     if args.profile_prompt_len < 1:
         parser.error(f"--profile-prompt-len must be at least 1, got {args.profile_prompt_len}")
     offered = {conc for name in names for *_, conc in WORKLOADS.get(name, [])}
@@ -473,7 +478,8 @@ def main(argv: list[str] | None = None) -> int:
     compiles.install()
     t = time.perf_counter()
     engine = LLMEngine(EngineConfig(
-        model=args.model, load_format=args.load_format, skip_tokenizer_init=True, max_num_seqs=args.max_num_seqs,
+        model=args.model, load_format=args.load_format, skip_tokenizer_init=args.tokenizer is None,
+        tokenizer=args.tokenizer, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
         async_scheduling=args.async_scheduling, kv_cache_dtype=args.kv_cache_dtype))

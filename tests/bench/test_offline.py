@@ -94,3 +94,13 @@ def test_collector_load_counts_tracked_objects_and_names_their_modules():
     report = collector_load(top=10_000)
     assert re.match(r"[\d,]+ objects tracked \([\d,]+ frozen\); functions by module: ", report), report
     assert "made_after_the_freeze 1" in report.split(": ", 1)[1].split(", "), report
+
+
+def test_a_tokenizer_that_is_not_a_directory_is_refused_by_name(capsys):
+    import pytest
+
+    from deltaserve.bench.offline import main
+
+    with pytest.raises(SystemExit):
+        main(["config-dir", "--tokenizer", "/nonexistent/tok"])
+    assert "--tokenizer '/nonexistent/tok' is not a directory" in capsys.readouterr().err
