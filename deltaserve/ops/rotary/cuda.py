@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.ops import pdl
 from deltaserve.ops.attention.cuda import (
     QUERY_DTYPES,
     _check_cache,
@@ -20,7 +21,6 @@ from deltaserve.ops.attention.cuda import (
     _check_scale,
     _unit_last_stride,
 )
-from deltaserve.ops import pdl
 from deltaserve.ops.attention.reference import check_slot_mapping
 from deltaserve.ops.pdl import wait_for_previous_kernel
 from deltaserve.ops.rotary.reference import check_shapes
