@@ -229,29 +229,31 @@ class AsyncEngine:
         now = time.monotonic()
         deliveries: list[tuple[_RequestStream, RequestOutput]] = []
         generated, intervals = 0, []  # the step's tokens and inter-token latencies, for the metrics
-        for output in outputs:
-            tracked = self._tracked.get(output.request_id)
-            if tracked is None:
-                continue
-            generated += self._record_progress(tracked, output, now, intervals)
-            unsent = tracked.num_tokens - tracked.num_tokens_sent
-            first = tracked.num_tokens_sent == 0
-            if tracked.unsent is not None:  # deltas held back earlier go out with this one
-                tracked.unsent.add(output)
-                output = tracked.unsent.result()
-                tracked.unsent = None
-            if output.finished or first or unsent >= self.stream_interval:
-                tracked.num_tokens_sent = tracked.num_tokens
-                deliveries.append((tracked.stream, output))
-            else:
-                tracked.unsent = OutputAccumulator()
-                tracked.unsent.add(output)
-            if output.finished:
-                del self._tracked[output.request_id]
-                self._record_finish(tracked, [c.finish_reason or "abort" for c in output.outputs], now)
+        try:
+            for output in outputs:
+                tracked = self._tracked.get(output.request_id)
+                if tracked is None:
+                    continue
+                generated += self._record_progress(tracked, output, now, intervals)
+                unsent = tracked.num_tokens - tracked.num_tokens_sent
+                first = tracked.num_tokens_sent == 0
+                if tracked.unsent is not None:  # deltas held back earlier go out with this one
+                    tracked.unsent.add(output)
+                    output = tracked.unsent.result()
+                    tracked.unsent = None
+                if output.finished or first or unsent >= self.stream_interval:
+                    tracked.num_tokens_sent = tracked.num_tokens
+                    deliveries.append((tracked.stream, output))
+                else:
+                    tracked.unsent = OutputAccumulator()
+                    tracked.unsent.add(output)
+                if output.finished:
+                    del self._tracked[output.request_id]
+                    self._record_finish(tracked, [c.finish_reason or "abort" for c in output.outputs], now)
+        finally:  # what was taken from _tracked is handed over whatever happens
+            _deliver(deliveries)
         if self.metrics is not None:
             self.metrics.on_step(generated, intervals)
-        _deliver(deliveries)
 
     def _abort_all(self, item) -> None:
         """Abort every tracked request in the engine and hand `item` (a sentinel or an error) to each."""
