@@ -42,6 +42,7 @@ _OFF = {"PDL": False}
 _override: bool | None = None
 
 
+@functools.cache  # read once: launch_args runs on every eager kernel launch
 def _env_allows() -> bool:
     value = os.environ.get(ENV_VAR, "1")
     if value not in ("0", "1"):

@@ -7,6 +7,14 @@ import torch
 from deltaserve.ops import pdl
 
 
+@pytest.fixture(autouse=True)
+def _fresh_environment_reading():
+    """pdl reads DELTASERVE_PDL once a process; each test here sets its own value."""
+    pdl._env_allows.cache_clear()
+    yield
+    pdl._env_allows.cache_clear()
+
+
 def test_cpu_tensors_launch_without_pdl(monkeypatch):
     monkeypatch.delenv(pdl.ENV_VAR, raising=False)
     assert not pdl.enabled(torch.device("cpu"))
