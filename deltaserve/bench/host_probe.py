@@ -120,6 +120,8 @@ def _serve_and_stream(llm, args: argparse.Namespace) -> None:
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:  # the engine thread starts with the app
+        if not thread.is_alive():
+            raise RuntimeError("the server thread exited before it started serving (its log says why)")
         time.sleep(0.05)
     threads = {"engine thread": state.engine._thread, "event-loop thread": thread}
     cpu_before = {name: _thread_cpu_seconds(t) for name, t in threads.items()}

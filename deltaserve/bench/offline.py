@@ -466,9 +466,11 @@ def main(argv: list[str] | None = None) -> int:
             concurrencies = {int(c) for c in args.concurrency.split(",") if c.strip()}
         except ValueError:
             parser.error(f"--concurrency must be comma-separated integers, got {args.concurrency!r}")
-        if not concurrencies or not concurrencies <= offered:
+        if not concurrencies:
+            parser.error(f"--concurrency names no concurrency: {args.concurrency!r}")
+        if not concurrencies <= offered:
             parser.error(f"--concurrency {args.concurrency}: no entry of {','.join(names)} runs at "
-                         f"{sorted(concurrencies - offered) or 'none'} (they run at {sorted(offered)})")
+                         f"{sorted(concurrencies - offered)} (they run at {sorted(offered)})")
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # the engine's plan and warm-up
     bandwidth, flops = measure_device()
     sustained = measure_sustained_matmul()

@@ -39,9 +39,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model", help="checkpoint or config.json directory")
     parser.add_argument("out", help="directory to write the tokenizer into (created)")
     args = parser.parse_args(argv)
-    from deltaserve.config import ModelConfig
+    from deltaserve.config import ConfigError, ModelConfig
 
-    cfg = ModelConfig.from_pretrained(args.model)
+    try:
+        cfg = ModelConfig.from_pretrained(args.model)
+    except ConfigError as exc:
+        parser.error(str(exc))
     tokenizer = build(cfg.vocab_size, cfg.eos_token_ids[0] if cfg.eos_token_ids else None)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(args.out)

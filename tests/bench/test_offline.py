@@ -66,6 +66,9 @@ def test_a_concurrency_no_workload_runs_at_is_refused_by_name(capsys):
     with pytest.raises(SystemExit):
         main(["config-dir", "--workloads", "W6", "--concurrency", "64;256"])
     assert "--concurrency must be comma-separated integers, got '64;256'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["config-dir", "--workloads", "W6", "--concurrency", ","])
+    assert "--concurrency names no concurrency: ','" in capsys.readouterr().err
 
 
 def test_compile_log_counts_variants_and_keeps_their_signatures_until_taken():

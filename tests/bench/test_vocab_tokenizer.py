@@ -35,3 +35,9 @@ def test_written_for_a_checkpoint_it_serves_it(make_checkpoint, tmp_path, capsys
 def test_a_vocabulary_of_nothing_is_refused():
     with pytest.raises(ValueError, match="vocab_size must be at least 1, got 0"):
         build(0)
+
+
+def test_a_directory_without_a_config_is_refused_by_name(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "nothing"), str(tmp_path / "tok")])
+    assert "no config.json found at" in capsys.readouterr().err
