@@ -1,7 +1,7 @@
 """The host's work per step at many sequences, without the model's forward: what bounds small models' decode.
 
     python -m deltaserve.bench.host_probe [--rows 256] [--prompt-len 128] [--output-len 512] [--steps 200]
-        [--output-kind delta] [--profile] [--server]
+        [--output-kind delta] [--profile] [--server [--clients 1] [--loop asyncio]]
 
 The demo model's engine on the CPU, its forward replaced by zeros (the lm_head, the sampler, batch building,
 scheduling, bookkeeping, detokenizing and outputs all run as served), decoding `rows` sequences at once:
@@ -9,7 +9,9 @@ milliseconds of host work a step, which a GPU step shorter than it cannot hide (
 a step of ~5.6 ms on an H200, docs/performance.md). --profile prints the engine's functions by own time.
 --server serves that engine over HTTP instead (the engine thread, the event loop, uvicorn) and streams `rows`
 completions of `output-len` tokens at once from `deltaserve bench serve` in another process: the step time
-then includes what serving adds (building and writing each stream's chunks, in the same process).
+then includes what serving adds (building and writing each stream's chunks, in the same process). --clients N
+splits the streams among N client processes, so that one client's own work (parsing every chunk) does not bound
+what is measured; the CPU time of the clients is reported beside the server's threads'.
 """
 
 from __future__ import annotations
@@ -34,10 +36,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-kind", default="delta", choices=[k.name.lower() for k in RequestOutputKind])
     parser.add_argument("--profile", action="store_true", help="print the top functions by own time")
     parser.add_argument("--server", action="store_true", help="through the HTTP server and a streaming client")
+    parser.add_argument("--loop", default="asyncio", choices=["asyncio", "uvloop", "auto"],
+                        help="with --server: uvicorn's event loop (asyncio, as `deltaserve serve` runs; auto: uvloop "
+                             "where installed)")
+    parser.add_argument("--clients", type=int, default=1, help="with --server: client processes sharing the streams")
     args = parser.parse_args(argv)
-    for name in ("rows", "prompt_len", "output_len", "steps"):
+    for name in ("rows", "prompt_len", "output_len", "steps", "clients"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.clients > args.rows:
+        parser.error(f"--clients {args.clients} is more than --rows {args.rows} (each client streams at least one)")
+    if args.clients != 1 and not args.server:
+        parser.error("--clients goes with --server")
     if args.steps >= args.output_len:
         parser.error(f"--steps {args.steps} must be below --output-len {args.output_len} (all sequences decode)")
     threads = torch.get_num_threads()
@@ -94,11 +104,14 @@ def _thread_cpu_seconds(thread) -> float:
 
 
 def _serve_and_stream(llm, args: argparse.Namespace) -> None:
-    """Serve llm's engine on a free port and stream rows x output_len tokens from a client process; print the
-    host time a step that implies (every stream gets one token a step), and the CPU time the engine thread and
-    the event-loop thread each used a step (the two take turns on the GIL)."""
+    """Serve llm's engine on a free port and stream rows x output_len tokens from args.clients client processes;
+    print the host time a step that implies (every stream gets one token a step), and the CPU time the engine
+    thread and the event-loop thread each used a step (the two take turns on the GIL) and the clients' (all
+    together, their start-up included)."""
     import json
+    import resource
     import socket
+    import statistics
     import subprocess
     import sys
     import tempfile
@@ -116,7 +129,8 @@ def _serve_and_stream(llm, args: argparse.Namespace) -> None:
     engine = llm.engine
     state = make_state(engine, engine.config, ServerSettings(port=port, served_model_names=("demo",),
                                                                      uvicorn_log_level="warning"))
-    server = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=port, log_level="warning",
+                                           loop=args.loop))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:  # the engine thread starts with the app
@@ -126,22 +140,35 @@ def _serve_and_stream(llm, args: argparse.Namespace) -> None:
     threads = {"engine thread": state.engine._thread, "event-loop thread": thread}
     cpu_before = {name: _thread_cpu_seconds(t) for name, t in threads.items()}
     with tempfile.TemporaryDirectory() as tmp:
-        client = [sys.executable, "-m", "deltaserve", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
-                  "--tokenizer", str(demo_model_path()), "--dataset-name", "random",
-                  "--random-input-len", str(args.prompt_len), "--random-output-len", str(args.output_len),
-                  "--num-prompts", str(args.rows), "--max-concurrency", str(args.rows), "--ignore-eos",
-                  "--temperature", "0", "--save-result", "--result-dir", tmp, "--result-filename", "r.json"]
+        shares = [args.rows // args.clients + (i < args.rows % args.clients) for i in range(args.clients)]
+        commands = [[sys.executable, "-m", "deltaserve", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
+                     "--tokenizer", str(demo_model_path()), "--dataset-name", "random",
+                     "--random-input-len", str(args.prompt_len), "--random-output-len", str(args.output_len),
+                     "--num-prompts", str(share), "--max-concurrency", str(share), "--ignore-eos", "--seed", str(i),
+                     "--temperature", "0", "--save-result", "--result-dir", tmp, "--result-filename", f"r{i}.json"]
+                    for i, share in enumerate(shares)]
+        children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
         try:
-            subprocess.run(client, check=True, stdout=subprocess.DEVNULL)
+            clients = [subprocess.Popen(command, stdout=subprocess.DEVNULL) for command in commands]
+            failed = [command for client, command in zip(clients, commands) if client.wait() != 0]
+            if failed:
+                raise RuntimeError(f"{len(failed)} of {len(commands)} clients failed (their stderr is above)")
             cpu = {name: _thread_cpu_seconds(t) - cpu_before[name] for name, t in threads.items()}
-            with open(f"{tmp}/r.json") as f:
-                result = json.load(f)
+            children = resource.getrusage(resource.RUSAGE_CHILDREN)
+            cpu["clients"] = (children.ru_utime + children.ru_stime - children_before.ru_utime
+                              - children_before.ru_stime)
+            results = []
+            for i in range(args.clients):
+                with open(f"{tmp}/r{i}.json") as f:
+                    results.append(json.load(f))
         finally:
             server.should_exit = True
             thread.join(timeout=30)
-    rate = result["output_throughput"]  # tokens a second, all streams together
+    # the clients ran at once: all their tokens over the longest one's duration
+    rate = sum(r["total_output_tokens"] for r in results) / max(r["duration"] for r in results)
+    tpot = statistics.median(r["median_tpot_ms"] for r in results)
     print(f"{args.rows} streams through the server: {rate:.0f} output tok/s, {1e3 * args.rows / rate:.2f} ms of host "
-          f"work a step ({1e6 / rate:.1f} us a token), median TPOT {result['median_tpot_ms']:.2f} ms; CPU a step: "
+          f"work a step ({1e6 / rate:.1f} us a token), median TPOT {tpot:.2f} ms; CPU a step: "
           + ", ".join(f"{name} {1e3 * seconds / args.output_len:.2f} ms" for name, seconds in cpu.items()))
 
 

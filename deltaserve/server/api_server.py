@@ -50,6 +50,12 @@ from deltaserve.server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
 _OPEN_HOSTS = ("0.0.0.0", "::", "")
+# uvicorn's event loop: Python's own asyncio, not uvloop (uvicorn's default where uvloop is installed). The engine
+# thread and the event-loop thread share one GIL; with uvloop the loop thread answered every step at once and wrote
+# one chunk per token per stream, and the two threads' CPU a step doubled: 256 streams of the demo engine on an
+# H200 machine's CPUs, 10.6-13.0K output tok/s with uvloop against 21.3-34.6K with asyncio (docs/performance.md,
+# fifteenth session). Under asyncio the loop thread, slowed at each socket send, joins the deltas that queued.
+EVENT_LOOP = "asyncio"
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -197,7 +203,7 @@ def run_server(engine_config: EngineConfig, settings: ServerSettings) -> None:
     app = build_app(state)
     # uvicorn's own deadline is a backstop: by then our abort has ended every request.
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.uvicorn_log_level,
-                            timeout_graceful_shutdown=settings.graceful_shutdown_seconds + 10)
+                            loop=EVENT_LOOP, timeout_graceful_shutdown=settings.graceful_shutdown_seconds + 10)
     # uvicorn re-raises the signal that stopped it once it is done; with these handlers in place that
     # re-raise is a no-op and the process exits 0 after its graceful shutdown.
     for sig in (signal.SIGTERM, signal.SIGINT):

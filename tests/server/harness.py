@@ -22,7 +22,7 @@ import uvicorn
 
 from deltaserve.outputs import CompletionOutput, RequestOutput
 from deltaserve.sampling import RequestOutputKind
-from deltaserve.server.api_server import build_app
+from deltaserve.server.api_server import EVENT_LOOP, build_app
 from deltaserve.server.serving import ServerState
 
 
@@ -64,7 +64,7 @@ class ServerThread:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(build_app(state), host="127.0.0.1", port=self.port, log_level="warning",
-                                timeout_graceful_shutdown=2)
+                                loop=EVENT_LOOP, timeout_graceful_shutdown=2)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, daemon=True)
 
