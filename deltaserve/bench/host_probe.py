@@ -1,7 +1,7 @@
 """The host's work per step at many sequences, without the model's forward: what bounds small models' decode.
 
     python -m deltaserve.bench.host_probe [--rows 256] [--prompt-len 128] [--output-len 512] [--steps 200]
-        [--output-kind delta] [--profile] [--server [--clients 1] [--loop asyncio]]
+        [--output-kind delta] [--profile] [--server [--clients 1] [--loop asyncio] [--stream-interval 1]]
 
 The demo model's engine on the CPU, its forward replaced by zeros (the lm_head, the sampler, batch building,
 scheduling, bookkeeping, detokenizing and outputs all run as served), decoding `rows` sequences at once:
@@ -39,15 +39,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loop", default="asyncio", choices=["asyncio", "uvloop", "auto"],
                         help="with --server: uvicorn's event loop (asyncio, as `deltaserve serve` runs; auto: uvloop "
                              "where installed)")
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="with --server: the server's --stream-interval (tokens a stream's chunks carry)")
     parser.add_argument("--clients", type=int, default=1, help="with --server: client processes sharing the streams")
     args = parser.parse_args(argv)
-    for name in ("rows", "prompt_len", "output_len", "steps", "clients"):
+    for name in ("rows", "prompt_len", "output_len", "steps", "clients", "stream_interval"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.clients > args.rows:
         parser.error(f"--clients {args.clients} is more than --rows {args.rows} (each client streams at least one)")
-    if args.clients != 1 and not args.server:
-        parser.error("--clients goes with --server")
+    for name, default in (("clients", 1), ("loop", "asyncio"), ("stream_interval", 1)):
+        if getattr(args, name) != default and not args.server:
+            parser.error(f"--{name.replace('_', '-')} goes with --server")
     if args.steps >= args.output_len:
         parser.error(f"--steps {args.steps} must be below --output-len {args.output_len} (all sequences decode)")
     threads = torch.get_num_threads()
@@ -128,6 +131,7 @@ def _serve_and_stream(llm, args: argparse.Namespace) -> None:
         port = sock.getsockname()[1]
     engine = llm.engine
     state = make_state(engine, engine.config, ServerSettings(port=port, served_model_names=("demo",),
+                                                                     stream_interval=args.stream_interval,
                                                                      uvicorn_log_level="warning"))
     server = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=port, log_level="warning",
                                            loop=args.loop))
