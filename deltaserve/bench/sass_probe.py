@@ -63,7 +63,7 @@ def compile_attention(kernel: str = "decode", cache: str = "bf16", arch: int = 9
         constants = {"GROUP": group, "HEADS_PAD": 16, "HEAD_DIM": HEAD_DIM, "HEAD_DIM_PAD": HEAD_DIM,
                      "BLOCK_SIZE": BLOCK, "BLOCK_N": block_n or tile.block_n,
                      "MIN_TOKENS_PER_SPLIT": cuda_decode.DECODE_ACTIVE_SPLIT_MIN_TOKENS, "DOT_DTYPE": dot_dtype,
-                     "PRECISION": "tf32", "V_SCALE_IN_TILE": size == 1}
+                     "PRECISION": "tf32", "V_SCALE_IN_TILE": size == 1, "DIRECT": False}  # the split path
     elif kernel == "prefill":
         fn, tile = cuda_prefill._prefill_kernel, cuda_prefill.prefill_tiles(HEAD_DIM, group)
         constants = {"GROUP": group, "HEAD_DIM": HEAD_DIM, "HEAD_DIM_PAD": HEAD_DIM, "BLOCK_SIZE": BLOCK,

@@ -175,6 +175,25 @@ def test_decode_long_contexts(cache_dtype):
         assert_rows_match(batch, out, seq, 0, 1)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_one_split_decode_writes_the_output_itself(cache_dtype):
+    """num_splits 1 (64 rows of 27B's heads plan one): the decode kernel writes the gated output, no merge, bit
+    for bit what 2 splits write for sequences one share covers (one active split and the merge), and it matches
+    the reference at every length."""
+    kv_lens = [1, 17, 50, 64, 1000, 3]
+    scales = (0.5, 0.25) if cache_dtype == torch.float8_e4m3fn else (1.0, 1.0)
+    batch = paged_batch(kv_lens, [1] * len(kv_lens), cache_dtype=cache_dtype, scales=scales, seed=4)
+    gate = torch.randn(batch.q.shape, device=DEVICE, dtype=batch.q.dtype)
+    direct = batch.run(max_query_len=1, num_splits=1)
+    merged = batch.run(max_query_len=1, num_splits=2)
+    short = [seq for seq, kv_len in enumerate(kv_lens) if kv_len <= cuda_decode.DECODE_ACTIVE_SPLIT_MIN_TOKENS]
+    assert torch.equal(direct[short], merged[short])
+    assert torch.equal(batch.run(max_query_len=1, num_splits=1, gate=gate)[short],
+                       batch.run(max_query_len=1, num_splits=2, gate=gate)[short])
+    for seq in range(len(kv_lens)):
+        assert_rows_match(batch, direct, seq, 0, 1)
+
+
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(24, 4, 256), (16, 2, 128)])
 def test_prefill_chunk_over_cached_prefix(num_heads, num_kv_heads, head_dim):
     """An 8192-token chunk after 8000 cached tokens beside a fresh prompt, a decode row and a short chunk.

@@ -134,6 +134,8 @@ class NanEmpty:
         return getattr(torch, name)
 
     def empty(self, *shape, **kwargs):
+        if len(shape) == 1 and not isinstance(shape[0], int):  # empty(size) as well as empty(*sizes)
+            shape = tuple(shape[0])
         self.made.append(torch.full(shape, float("nan"), **kwargs))
         return self.made[-1]
 
@@ -172,6 +174,32 @@ def test_decode_splits_follow_each_sequence_length(monkeypatch, num_splits, acti
     # The reference without that query: the last sequence's q_len becomes 0.
     without_empty = dict(batch, q=batch["q"][:-1], cu_seqlens_q=batch["cu_seqlens_q"].clamp(max=actual.shape[0] - 1))
     torch.testing.assert_close(actual[:-1], reference.paged_attention(**without_empty), **FP32_TOL)
+
+
+# Sequences that one split of 64+ positions covers whole, so that any num_splits leaves them one active split.
+ONE_SHARE = [(1, 1), (17, 1), (50, 1), (5, 0), (64, 1), (0, 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("gated", [False, True])
+def test_one_split_writes_the_output_without_a_merge(monkeypatch, dtype, gated):
+    """num_splits 1: the decode kernel writes the (gated) output itself, no partials are allocated (so no merge
+    runs), and it equals bit for bit a grid of 2 splits whose second split is idle (one split, then the merge),
+    the empty sequence's query included (zeros)."""
+    batch = make_batch(ONE_SHARE, block_size=16, head_dim=16, cache_dtype=dtype, q_dtype=dtype, seed=5)
+    gate = make_gate(batch["q"], seed=6) if gated else None
+    merged = kernels.paged_attention(**batch, max_query_len=1, num_splits=2, gate=gate)
+    decode_torch = NanEmpty()
+    monkeypatch.setattr(cuda_decode, "torch", decode_torch)
+    monkeypatch.setattr(kernels, "torch", NanEmpty())  # the output starts as NaN: every row must be written
+    direct = kernels.paged_attention(**batch, max_query_len=1, num_splits=1, gate=gate)
+    assert decode_torch.made == []
+    assert torch.equal(direct, merged)
+    assert torch.equal(direct[-1], torch.zeros_like(direct[-1]))
+    without_empty = dict(batch, q=batch["q"][:-1], cu_seqlens_q=batch["cu_seqlens_q"].clamp(max=direct.shape[0] - 1))
+    expected = reference.paged_attention(**without_empty, gate=None if gate is None else gate[:-1])
+    torch.testing.assert_close(direct[:-1], expected, **(FP32_TOL if dtype == torch.float32 else
+                                                         {"atol": 2e-3, "rtol": 2e-3}))
 
 
 def make_gate(q, seed):

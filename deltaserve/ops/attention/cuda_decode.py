@@ -5,7 +5,10 @@ KV positions are split. The first kernel runs a grid (N, n_kv, num_splits); each
 heads of its KV head group (G = n_heads / n_kv; every K/V tile is loaded once for all G heads) to its share
 of the sequence and writes a partial result: the normalized output and its log2-sum-exp. The second kernel
 (`merge_splits_kernel`, shared with the prefill kernel's split-KV path) merges the splits of each
-(sequence, head), applying the output gate when one is given.
+(sequence, head), applying the output gate when one is given. A grid of one split (many sequences: 27B's 64
+decode rows, or a block table short enough) needs no merge: the first kernel then writes the gated output
+itself (DIRECT), bit for bit what the merge of one split writes, and the merge kernel is not launched (its ~7 us
+a layer at 64 rows in a W6 profile: docs/performance.md).
 
 Split rule: num_splits, planned from the batch size and the block_tables width, is only an upper bound. Each
 sequence uses as many splits as its own length needs: shares of
@@ -39,6 +42,7 @@ from deltaserve.ops.attention.cuda_prefill import (
     MERGE_NUM_WARPS,
     attend_kv_range,
     merge_splits_kernel,
+    output_gate,
     split_share,
     split_v_scale,
     store_split_partial,
@@ -91,15 +95,19 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, device:
 # specialized, it compiled a new variant in the middle of serving (W6: a 2.8 s step on a cold Triton cache).
 @triton.jit(do_not_specialize=["num_splits", "stride_table"])
 def _decode_split_kernel(
-    q, k_cache, v_cache, partial_out, partial_lse, block_tables, cu_seqlens_q, seq_lens,
+    q, k_cache, v_cache, partial_out, partial_lse, out, gate, block_tables, cu_seqlens_q, seq_lens,
     num_heads, num_splits, qk_scale, v_tile_scale, v_out_scale,
     stride_q_tok, stride_q_head, stride_block, stride_slot, stride_kv_head, stride_table,
+    stride_o_tok, stride_o_head, stride_g_tok, stride_g_head,
     GROUP: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MIN_TOKENS_PER_SPLIT: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, V_SCALE_IN_TILE: tl.constexpr, PDL: tl.constexpr = False,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, V_SCALE_IN_TILE: tl.constexpr, DIRECT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Grid (N, n_kv, num_splits). Writes partial_out[seq, head, split, :] and partial_lse[seq, head, split]
-    for the sequence's active splits only."""
+    for the sequence's active splits only; or, with DIRECT (num_splits == 1), the finished rows of out (gated
+    by sigmoid(gate) when gate is given), as the merge of that one split would: zeros for a sequence of no
+    positions."""
     pdl.wait_for_previous_kernel(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -110,10 +118,14 @@ def _decode_split_kernel(
     seq_len = tl.load(seq_lens + seq).to(tl.int32)  # int32: a 32-bit loop variable pipelines (see prefill)
     tokens_per_split, num_active = split_share(seq_len, num_splits, MIN_TOKENS_PER_SPLIT, BLOCK_N)
     if split >= num_active:
+        if DIRECT:  # seq_len 0: the merge would write zeros
+            _store_zero_rows(out, gate, q_start, kv_head, stride_o_tok, stride_o_head, stride_g_tok,
+                             stride_g_head, GROUP, HEADS_PAD, HEAD_DIM, HEAD_DIM_PAD)
         return  # the merge reads only the active splits
     kv_lo = split * tokens_per_split
     kv_hi = tl.minimum(kv_lo + tokens_per_split, seq_len)  # > kv_lo: an active split is never empty
 
+    # (after the early return: computed before it, they cost the bf16 loop 7 more SASS instructions)
     rows = tl.arange(0, HEADS_PAD)
     heads = kv_head * GROUP + rows  # [HP] query heads of this KV head
     row_ok = rows < GROUP
@@ -137,8 +149,41 @@ def _decode_split_kernel(
         qk_scale, v_tile_scale, HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, DOT_DTYPE, PRECISION, MASKED=True,
         V_SCALE_IN_TILE=V_SCALE_IN_TILE,
     )
-    index = (seq * num_heads + heads).to(tl.int64) * num_splits + split  # [HP] row of [N, H, splits]
-    store_split_partial(partial_out, partial_lse, index, acc, m_i, l_i, v_out_scale, row_ok, dims, HEAD_DIM)
+    if DIRECT:
+        # as store_split_partial then the merge of one split compute it (weight 2^(lse - lse) = 1): bit for bit
+        result = acc * (v_out_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]  # [HP, D]
+        _store_rows(out, gate, q_start, heads, dims, result, row_ok[:, None] & dim_ok[None, :], stride_o_tok,
+                    stride_o_head, stride_g_tok, stride_g_head)
+    else:
+        index = (seq * num_heads + heads).to(tl.int64) * num_splits + split  # [HP] row of [N, H, splits]
+        store_split_partial(partial_out, partial_lse, index, acc, m_i, l_i, v_out_scale, row_ok, dims, HEAD_DIM)
+
+
+@triton.jit
+def _store_zero_rows(out, gate, token, kv_head, stride_o_tok, stride_o_head, stride_g_tok, stride_g_head,
+                     GROUP: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     HEAD_DIM_PAD: tl.constexpr):
+    """The output rows of a query over no positions: zeros (gated: 0 * sigmoid(gate) = 0), as the merge writes."""
+    rows = tl.arange(0, HEADS_PAD)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    zeros = tl.zeros([HEADS_PAD, HEAD_DIM_PAD], dtype=tl.float32)
+    mask = (rows < GROUP)[:, None] & (dims < HEAD_DIM)[None, :]
+    _store_rows(out, gate, token, kv_head * GROUP + rows, dims, zeros, mask, stride_o_tok, stride_o_head,
+                stride_g_tok, stride_g_head)
+
+
+@triton.jit
+def _store_rows(out, gate, token, heads, dims, result, mask, stride_o_tok, stride_o_head, stride_g_tok,
+                stride_g_head):
+    """out[token, heads, dims] = result [HP, D] (float32) in out's dtype, times sigmoid(gate) where gate is
+    given (`output_gate`, as the merge applies it)."""
+    o_rows = token.to(tl.int64) * stride_o_tok + heads * stride_o_head  # [HP]
+    if gate is None:
+        tl.store(out + o_rows[:, None] + dims[None, :], result.to(out.dtype.element_ty), mask=mask)
+    else:
+        g_rows = token.to(tl.int64) * stride_g_tok + heads * stride_g_head  # [HP]
+        gated = output_gate(result, gate + g_rows[:, None] + dims[None, :], mask, out.dtype.element_ty)
+        tl.store(out + o_rows[:, None] + dims[None, :], gated, mask=mask)
 
 
 def launch_decode(q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens, qk_scale: float,
@@ -157,21 +202,29 @@ def launch_decode(q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens
         max_kv_len = block_tables.shape[1] * block_size
         num_splits = decode_num_splits(num_seqs, num_kv_heads, max_kv_len, q.device, tile.resident_per_sm)
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs every dimension >= 16
-    # float32 partials: each split's output normalized by its own sum, and that sum's log2-sum-exp; only the
-    # active splits of each sequence are written.
-    partial_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-    partial_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     gate_strides = (0, 0) if gate is None else gate.stride()[:2]
+    # One split (many sequences, or a short block table): the kernel writes the output itself, no merge kernel.
+    direct = num_splits == 1
+    if direct:
+        partial_out = partial_lse = out  # not written
+    else:
+        # float32 partials: each split's output normalized by its own sum, and that sum's log2-sum-exp; only
+        # the active splits of each sequence are written.
+        partial_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        partial_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, partial_out, partial_lse, block_tables, cu_seqlens_q, seq_lens,
+        q, k_cache, v_cache, partial_out, partial_lse, out, gate, block_tables, cu_seqlens_q, seq_lens,
         num_heads, num_splits, qk_scale, *split_v_scale(v_scale, k_cache.element_size() == 1),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        out.stride(0), out.stride(1), *gate_strides,
         GROUP=group, HEADS_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size, BLOCK_N=tile.block_n,
         MIN_TOKENS_PER_SPLIT=DECODE_ACTIVE_SPLIT_MIN_TOKENS, DOT_DTYPE=dot_dtype, PRECISION=precision,
-        V_SCALE_IN_TILE=k_cache.element_size() == 1, num_warps=tile.num_warps, num_stages=tile.num_stages,
-        **pdl.launch_args(q.device),
+        V_SCALE_IN_TILE=k_cache.element_size() == 1, DIRECT=direct, num_warps=tile.num_warps,
+        num_stages=tile.num_stages, **pdl.launch_args(q.device),
     )
+    if direct:
+        return
     merge_splits_kernel[(num_seqs, num_heads)](
         out, partial_out, partial_lse, cu_seqlens_q, seq_lens, gate, num_heads, num_splits,
         out.stride(0), out.stride(1), *gate_strides, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
