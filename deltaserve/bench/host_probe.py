@@ -24,6 +24,7 @@ import time
 import torch
 
 from deltaserve.sampling import RequestOutputKind, SamplingParams
+from deltaserve.server.api_server import EVENT_LOOP
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,9 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-kind", default="delta", choices=[k.name.lower() for k in RequestOutputKind])
     parser.add_argument("--profile", action="store_true", help="print the top functions by own time")
     parser.add_argument("--server", action="store_true", help="through the HTTP server and a streaming client")
-    parser.add_argument("--loop", default="asyncio", choices=["asyncio", "uvloop", "auto"],
-                        help="with --server: uvicorn's event loop (asyncio, as `deltaserve serve` runs; auto: uvloop "
-                             "where installed)")
+    parser.add_argument("--loop", default=EVENT_LOOP, choices=["asyncio", "uvloop", "auto"],
+                        help=f"with --server: uvicorn's event loop ({EVENT_LOOP}, as `deltaserve serve` runs; auto: "
+                             "uvloop where installed)")
     parser.add_argument("--stream-interval", type=int, default=1,
                         help="with --server: the server's --stream-interval (tokens a stream's chunks carry)")
     parser.add_argument("--clients", type=int, default=1, help="with --server: client processes sharing the streams")
@@ -48,8 +49,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.clients > args.rows:
         parser.error(f"--clients {args.clients} is more than --rows {args.rows} (each client streams at least one)")
-    for name, default in (("clients", 1), ("loop", "asyncio"), ("stream_interval", 1)):
-        if getattr(args, name) != default and not args.server:
+    for name in ("clients", "loop", "stream_interval"):
+        if getattr(args, name) != parser.get_default(name) and not args.server:
             parser.error(f"--{name.replace('_', '-')} goes with --server")
     if args.steps >= args.output_len:
         parser.error(f"--steps {args.steps} must be below --output-len {args.output_len} (all sequences decode)")
