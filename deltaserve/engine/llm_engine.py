@@ -104,13 +104,11 @@ class LLMEngine:
 
     def warm_up(self) -> None:
         """Run once, before serving, the kind of steps whose kernels compile (Triton) or get planned (cuDNN)
-        at their first use, so that no user's first request pays for it (seconds on an H200): a short prompt
-        alone (its sampled row attends over a block table too short to split: the one-split decode kernel), a
-        prompt of two full chunks and a short tail (chunks over a cached prefix, a checkpoint inside the step),
-        a few short requests, then a prompt that joins while they all decode (a mixed step, with enough decoding
-        sequences for the GDN op to split it), then a resend of that prompt with a new ending (a prefix-cache
-        hit). Their outputs are dropped and the prefix cache is emptied after them."""
-        from deltaserve.ops.attention.cuda_decode import DECODE_MIN_TOKENS_PER_SPLIT
+        at their first use, so that no user's first request pays for it (seconds on an H200): a prompt of two
+        full chunks and a short tail (chunks over a cached prefix, a checkpoint inside the step), a few short
+        requests, then a prompt that joins while they all decode (a mixed step, with enough decoding sequences
+        for the GDN op to split it), then a resend of that prompt with a new ending (a prefix-cache hit).
+        Their outputs are dropped and the prefix cache is emptied after them."""
         from deltaserve.ops.gdn.cuda import SPLIT_MIN_SHORT_SEQS
 
         longest = self.max_model_len - 8  # room for the outputs and for the resend's longer ending
@@ -127,8 +125,6 @@ class LLMEngine:
                 pass
 
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-        self.add_request("deltaserve-warm-up-short", prompt(min(20, longest, DECODE_MIN_TOKENS_PER_SPLIT), 9), params)
-        run_until(lambda outputs: bool(outputs))  # its prompt's step sampled: it decodes beside what follows
         self.add_request("deltaserve-warm-up-long", prompt(min(2 * budget + 2 * block + 3, longest), 1), params)
         run_until(lambda outputs: bool(outputs))  # its first token: it decodes from now on
         for i in range(SPLIT_MIN_SHORT_SEQS):
