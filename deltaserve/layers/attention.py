@@ -57,6 +57,17 @@ class GatedAttention(nn.Module):
         return (q.is_cuda and batch.max_query_len >= SDPA_MIN_TOKENS and q.dtype in (torch.bfloat16, torch.float16)
                 and self.k_cache.dtype in (q.dtype, torch.float8_e4m3fn))
 
+    def warm_up_one_split_decode(self) -> None:
+        """Run the decode kernel once over a one-block table, so that start-up compiles its one-split variant
+        (the kernel writes its output itself, see `cuda_decode`): eager steps whose longest sequence is short
+        launch it, and graphs may never plan it (on 27B only from 34 sequences)."""
+        device, dtype = self.k_cache.device, self.qkv_weight.dtype
+        q = torch.zeros(1, self.num_heads, self.head_dim, dtype=dtype, device=device)  # also the gate
+        one_block = torch.zeros(1, 1, dtype=torch.int32, device=device)  # [1 sequence, 1 block]
+        paged_attention(q, self.k_cache, self.v_cache, one_block, torch.tensor([0, 1], device=device),
+                        torch.ones(1, dtype=torch.int64, device=device), self.scale, 1, k_scale=self.k_scale,
+                        v_scale=self.v_scale, gate=q)
+
     @property
     def in_weight(self) -> torch.Tensor:
         """The input projection [q | k | v] rows, applied by the decoder layer together with its norm."""

@@ -198,8 +198,8 @@ def test_serving_compiles_no_kernel_after_start_up(make_checkpoint, monkeypatch,
     compiled = []
 
     def record(*, fn, compile, **_):
-        # the argument types and the specializations (== 1, divisible by 16) that made the variant new
-        compiled.append(f"{fn.name}: {compile['signature']} {compile['configs']}")
+        # the argument types, the specializations (== 1, divisible by 16) and constexpr values of the new variant
+        compiled.append(f"{fn.name}: {compile['signature']} {compile['configs']} {compile.get('constants')}")
         return False  # compile as usual
 
     monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook", record)
@@ -223,7 +223,9 @@ def test_cudnn_attention_paths_agree_with_the_paged_path(make_checkpoint, monkey
 
     monkeypatch.setenv("DELTASERVE_CHUNK_GRAPHS", "0")
     path = str(make_checkpoint("qwen3_5"))
-    prompts = [prompt(n, 50 + n) for n in (600, 1300)]
+    # the long prompt first: alone in its first two steps, its second chunk starts at 512 (after the 600-token
+    # prompt's first chunk it would start at 424, which the cuDNN chunk path does not take)
+    prompts = [prompt(n, 50 + n) for n in (1300, 600)]
     params = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
     results, chunk_calls = {}, []
     over_prefix = attention.chunk_over_prefix_attention
