@@ -183,7 +183,9 @@ def test_serving_compiles_no_kernel_after_start_up(make_checkpoint, monkeypatch,
     arrive while others decode (eager mixed steps), with prompts of 1 to 2,100 tokens and a prefix-cache hit,
     so batch sizes and block-table widths take every class Triton specializes on (1, divisible by 16,
     neither), and the skinny GEMM serves every row count up to 64 (graphs cover only 1-16 here). A failure lists the variants with their argument types: warm that variant up at start-up, or
-    stop specializing on the argument that varies from step to step (`do_not_specialize`)."""
+    stop specializing on the argument that varies from step to step (`do_not_specialize`). Triton keeps what it
+    compiled for the life of the process, so this test only proves something run before any other (as
+    tests/gpu/run.sh runs it: alone, first)."""
     import triton
 
     from deltaserve.ops.linear import cuda_skinny
