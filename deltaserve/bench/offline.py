@@ -24,7 +24,7 @@ import zlib
 
 import torch
 
-from deltaserve.config import EngineConfig
+from deltaserve.config import SSM_CACHE_DTYPES, EngineConfig
 from deltaserve.engine.llm_engine import LLMEngine
 from deltaserve.sampling import RequestOutputKind, SamplingParams
 
@@ -437,6 +437,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="overlap the host work of a step with the previous step on the GPU")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--kv-cache-dtype", default="auto", help="as `deltaserve serve` takes it (auto, fp8, ...)")
+    parser.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=SSM_CACHE_DTYPES,
+                        help="the GDN recurrent state's dtype, as `deltaserve serve` takes it (auto: the config's)")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply prompt counts (quick runs: 0.34)")
     parser.add_argument("--out", help="append JSON lines of results here")
     parser.add_argument("--profile", action="store_true", help="print the top GPU kernels of a prefill and a decode")
@@ -484,7 +486,8 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer=args.tokenizer, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,
-        async_scheduling=args.async_scheduling, kv_cache_dtype=args.kv_cache_dtype))
+        async_scheduling=args.async_scheduling, kv_cache_dtype=args.kv_cache_dtype,
+        mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype))
     print(f"engine ready in {time.perf_counter() - t:.1f} s; Triton kernel variants compiled: {compiles.take()}",
           flush=True)
     print(f"garbage collector: {collector_load()}", flush=True)

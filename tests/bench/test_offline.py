@@ -107,3 +107,14 @@ def test_a_tokenizer_that_is_not_a_directory_is_refused_by_name(capsys):
     with pytest.raises(SystemExit):
         main(["config-dir", "--tokenizer", "/nonexistent/tok"])
     assert "--tokenizer '/nonexistent/tok' is not a directory" in capsys.readouterr().err
+
+
+def test_a_state_dtype_the_engine_does_not_take_is_refused_by_name(capsys):
+    import pytest
+
+    from deltaserve.bench.offline import main
+
+    with pytest.raises(SystemExit):
+        main(["config-dir", "--mamba-ssm-cache-dtype", "fp8"])
+    err = capsys.readouterr().err
+    assert "--mamba-ssm-cache-dtype" in err and "'fp8'" in err
