@@ -110,7 +110,7 @@ def test_conv_prefill_and_decode_match_reference(dtype):
 
 
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("block_v", [8, 16, 32, 64])
+@pytest.mark.parametrize("block_v", [8, 16, 32, 64, 128])
 def test_gdn_decode_matches_reference(pool_dtype, block_v):
     gen = torch.Generator(DEVICE).manual_seed(1)
     slots = torch.tensor(SLOTS, device=DEVICE)
@@ -252,7 +252,7 @@ def test_print_decode_bandwidth(batch, capsys):
         pool = pool.to(pool_dtype)
         state_bytes = 2 * batch * VALUE_HEADS * HEAD_DIM * HEAD_DIM * pool.element_size()
         io_bytes = sum(t.numel() * t.element_size() for t in (q, k, v, g, beta, v))  # v twice: o has its shape
-        for block_v in (16, 32, 64):
+        for block_v in (16, 32, 64, 128):
             def step(pool=pool, block_v=block_v):
                 gdn_kernels.gdn_decode(q, k, v, g, beta, pool, slots, block_v=block_v)
 
