@@ -202,6 +202,30 @@ def test_one_split_writes_the_output_without_a_merge(monkeypatch, dtype, gated):
                                                          {"atol": 2e-3, "rtol": 2e-3}))
 
 
+def test_attention_warm_up_launches_the_one_split_decode_kernel(monkeypatch):
+    """`GatedAttention.warm_up_one_split_decode` (run at start-up, so that serving never compiles that variant)
+    plans one split over a wide cache, launches no merge, and leaves the cache as it was."""
+    from deltaserve.layers import attention as attention_layer
+    from deltaserve.layers.attention import GatedAttention
+    from deltaserve.layers.rotary import PartialRotary
+
+    layer = GatedAttention(32, 4, 2, 16, PartialRotary(16, 8, 10000.0, 64), 1e-6)
+    layer.fuse()
+    layer.k_cache = torch.randn(64, 16, 2, 16)  # [blocks, block size, KV heads, hd]: a table of 64 could split
+    layer.v_cache = torch.randn(64, 16, 2, 16)
+    caches = layer.k_cache.clone(), layer.v_cache.clone()
+    planned, launch = [], kernels.launch_decode
+    monkeypatch.setattr(kernels, "launch_decode", lambda *args, **kwargs: planned.append(
+        cuda_decode.decode_num_splits(args[4].shape[0], args[1].shape[2], args[4].shape[1] * args[1].shape[1],
+                                      args[0].device, cuda_decode.DECODE_TILE_FLOAT32.resident_per_sm))
+        or launch(*args, **kwargs))
+    monkeypatch.setattr(cuda_decode, "merge_splits_kernel", None)  # launching a merge would raise
+    monkeypatch.setattr(attention_layer, "paged_attention", kernels.paged_attention)  # the Triton path on the CPU
+    layer.warm_up_one_split_decode()
+    assert planned == [1]
+    assert torch.equal(layer.k_cache, caches[0]) and torch.equal(layer.v_cache, caches[1])
+
+
 def make_gate(q, seed):
     """A gate shaped like q, sliced as the layer slices it from the [T, n_heads, 2 * hd] q|gate projection."""
     num_tokens, num_heads, head_dim = q.shape
