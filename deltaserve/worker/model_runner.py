@@ -78,11 +78,10 @@ class ModelRunner:
             warm_up_skinny(model.projection_weights())
             if model.gdn_layers:  # every GDN layer launches the same variants
                 model.gdn_layers[0].warm_up_output_norm(max_num_batched_tokens)
-            for attention in {layer.k_cache.dtype: layer for layer in model.attention_layers}.values():
-                attention.warm_up_one_split_decode()
             from deltaserve.ops.attention.cuda_sdpa import warm_up_cudnn_attention  # GPU only
 
-            attention = model.attention_layers[0]
+            attention = model.attention_layers[0]  # every attention layer launches the same variants
+            attention.warm_up_one_split_decode()
             try:
                 warm_up_cudnn_attention(attention.num_heads, attention.num_kv_heads, attention.head_dim,
                                         attention.qkv_weight.dtype, device, max_num_batched_tokens)
