@@ -1,8 +1,9 @@
 """Long-prefill attention: our Triton paged kernel beside PyTorch's SDPA backends, on the GPU; and (with
---decode-sweep) the decode kernel's tiles over bf16 and fp8 caches, or (with --prefill-split-sweep) the paged
-prefill kernel's split count for short chunks over long prefixes.
+--decode-sweep) the decode kernel's tiles over bf16 and fp8 caches, (with --prefill-split-sweep) the paged
+prefill kernel's split count for short chunks over long prefixes, or (with --chunk-over-prefix) the cuDNN path
+of a long chunk after its prefix beside its cuDNN calls alone.
 
-    python -m deltaserve.bench.attention_probe [--decode-sweep | --prefill-split-sweep]
+    python -m deltaserve.bench.attention_probe [--decode-sweep | --prefill-split-sweep | --chunk-over-prefix]
 
 Times one 27B attention layer (24 query / 4 KV heads, head_dim 256, bf16) for an 8,192-token chunk after
 0, 24,576 and 122,880 cached tokens (the last chunk of W3's 32K prompt and of W2's 131K prompt), causal with
@@ -188,6 +189,46 @@ def prefill_split_sweep(dtypes: tuple[str, ...] = ("bf16", "fp8"), table_width: 
                   flush=True)
 
 
+def chunk_over_prefix_probe(prefixes: tuple[int, ...] = (8192, 32768, 65536, 122880), q_len: int = 8192) -> None:
+    """The cuDNN path of a long chunk after its cached prefix (`chunk_over_prefix_attention`, gated, as W2's and
+    W3's later chunks run it) beside its cuDNN calls alone on the same operands: what the gathers, the merges
+    and the gate add (bf16 cache, 27B heads, shuffled blocks)."""
+    from deltaserve.ops.attention import cuda_sdpa
+
+    device = torch.device("cuda")
+    group = HEADS // KV_HEADS
+    scale = HEAD_DIM ** -0.5
+    for prefix in prefixes:
+        blocks = prefix // BLOCK
+        k_cache = torch.randn(blocks + 1, BLOCK, KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
+        v_cache = torch.randn_like(k_cache)
+        table = torch.randperm(blocks, device=device, dtype=torch.int32) + 1
+        q, gate = torch.randn(2, q_len, HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
+        k, v = torch.randn(2, q_len, KV_HEADS, HEAD_DIM, device=device, dtype=torch.bfloat16)
+        flops = 4 * HEAD_DIM * HEADS * (q_len * prefix + q_len * q_len / 2)
+        whole = timed(lambda: cuda_sdpa.chunk_over_prefix_attention(q, k, v, k_cache, v_cache, table, prefix, scale,
+                                                                   gate=gate))
+        # the same cuDNN calls on operands prepared outside the timing
+        q_folded = q.view(q_len, KV_HEADS, group, HEAD_DIM).permute(1, 2, 0, 3).reshape(1, KV_HEADS, group * q_len,
+                                                                                      HEAD_DIM)
+        piece = cuda_sdpa.PREFIX_PIECE_TOKENS
+        pieces = [(k_cache[table[i // BLOCK:(i + piece) // BLOCK].long()].flatten(0, 1).permute(1, 0, 2)[None],
+                   v_cache[table[i // BLOCK:(i + piece) // BLOCK].long()].flatten(0, 1).permute(1, 0, 2)[None])
+                  for i in range(0, prefix, piece)]
+        q_heads = q.transpose(0, 1)[None]
+        k_rep, v_rep = (x.repeat_interleave(group, 1).transpose(0, 1)[None] for x in (k, v))
+
+        def cudnn_alone():
+            for k_piece, v_piece in pieces:
+                cuda_sdpa._cudnn_attention(q_folded, k_piece, v_piece, scale, causal=False)
+            cuda_sdpa._cudnn_attention(q_heads, k_rep, v_rep, scale, causal=True)
+
+        alone = timed(cudnn_alone)
+        print(f"chunk {q_len} after {prefix}: whole path {whole:7.2f} ms ({flops / whole / 1e9:4.0f} TFLOP/s), "
+              f"cuDNN calls alone {alone:7.2f} ms ({flops / alone / 1e9:4.0f} TFLOP/s, {len(pieces)} pieces + "
+              f"the chunk): the rest {whole - alone:5.2f} ms", flush=True)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--decode-sweep", action="store_true", help="sweep the decode kernel's tiles instead")
@@ -195,8 +236,12 @@ if __name__ == "__main__":
                         help="with --decode-sweep, the cases to sweep (comma-separated: bf16, fp8, fp8 q-fp16)")
     parser.add_argument("--prefill-split-sweep", action="store_true",
                         help="time the paged prefill kernel at each split count over long prefixes instead")
+    parser.add_argument("--chunk-over-prefix", action="store_true",
+                        help="time the cuDNN path of a long chunk after its prefix beside its cuDNN calls alone")
     args = parser.parse_args()
-    if args.prefill_split_sweep:
+    if args.chunk_over_prefix:
+        chunk_over_prefix_probe()
+    elif args.prefill_split_sweep:
         prefill_split_sweep()
     elif args.decode_sweep:
         decode_sweep(tuple(name.strip() for name in args.decode_dtypes.split(",")))

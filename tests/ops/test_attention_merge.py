@@ -3,7 +3,8 @@
 import torch
 
 from deltaserve.ops.attention import cuda_sdpa as cuda_attention
-from deltaserve.ops.attention.cuda_sdpa import _merge_parts
+from deltaserve.ops.attention.cuda import attention_output_gate
+from deltaserve.ops.attention.cuda_sdpa import merge_attention_output, merge_attention_part
 from tests.ops.interpreter import use_math_cudnn
 
 
@@ -14,16 +15,31 @@ def part(q, k, v):
 
 
 def test_merging_parts_equals_attention_over_all_keys():
+    """Three parts of the keys folded by the merge kernels (Triton's interpreter on the CPU) give attention over
+    all of them: uneven parts, one of a single key, a part with strides like cuDNN's causal output, v_scale, the
+    gate, and padding rows dropped."""
     gen = torch.Generator().manual_seed(0)
-    q = torch.randn(5, 3, 8, generator=gen, dtype=torch.float64)
-    k = 2 * torch.randn(23, 3, 8, generator=gen, dtype=torch.float64)  # peaky scores
-    v = torch.randn(23, 3, 8, generator=gen, dtype=torch.float64)
+    length, real_length, heads, dim = 5, 4, 3, 8
+    q = torch.randn(length, heads, dim, generator=gen, dtype=torch.float64)
+    k = 2 * torch.randn(23, heads, dim, generator=gen, dtype=torch.float64)  # peaky scores
+    v = torch.randn(23, heads, dim, generator=gen, dtype=torch.float64)
+    gate = torch.randn(length, heads, dim, generator=gen)
+    acc = torch.empty(heads, length, dim)
+    lse_acc = torch.empty(heads, length)
+    for start, end in ((0, 9), (9, 10)):
+        out, lse = part(q, k[start:end], v[start:end])  # [L, H, D], [L, H]
+        merge_attention_part(acc, lse_acc, out.transpose(0, 1).contiguous().float(), lse.t().contiguous().float(),
+                             first=start == 0)
+    out, lse = part(q, k[10:], v[10:])
+    last = out.float().transpose(0, 1)  # [H, L, D] with token-major strides
     expected, _ = part(q, k, v)
-    acc = lse = None
-    for start, end in ((0, 9), (9, 10), (10, 23)):  # uneven parts, one of a single key
-        acc, lse = _merge_parts(acc, lse, *part(q, k[start:end], v[start:end]))
-    torch.testing.assert_close(acc.double(), expected, atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(lse.double(), part(q, k, v)[1], atol=1e-6, rtol=1e-6)
+    merged = merge_attention_output(acc, lse_acc, last, lse.t().float(), length, torch.float32)
+    torch.testing.assert_close(merged.double(), expected, atol=1e-6, rtol=1e-6)
+    gated = merge_attention_output(acc, lse_acc, last, lse.t().float(), real_length, torch.bfloat16, v_scale=2.0,
+                                   gate=gate.bfloat16())
+    # rounded as the other paths' gate rounds (attention_output_gate), bit for bit
+    assert gated.shape == (real_length, heads, dim) and gated.dtype == torch.bfloat16
+    assert torch.equal(gated, attention_output_gate(2.0 * merged[:real_length], gate[:real_length].bfloat16()))
 
 
 def oracle(q, k_cache, v_cache, table, prefix, length, scale):
@@ -125,3 +141,22 @@ def test_cudnn_refusal_falls_back_to_the_paged_kernel(monkeypatch):
     q = torch.randn(8, 6, 16, generator=gen)
     assert cuda_attention.chunk_over_prefix_attention(q, keys[32:], values[32:], k_cache, v_cache, table[0], 32,
                                                       0.25) is None
+
+
+def test_warm_up_compiles_every_merge_variant(monkeypatch):
+    """Start-up launches each merge kernel variant that a chunk after its prefix can (the first part and a later
+    one; the output gated and not), so that none compiles while serving."""
+    launched = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **constexprs: launched.append(
+                (self.name, constexprs.get("FIRST", constexprs.get("GATED"))))
+
+    monkeypatch.setattr(cuda_attention, "_merge_part_kernel", Recorder("part"))
+    monkeypatch.setattr(cuda_attention, "_merge_output_kernel", Recorder("output"))
+    cuda_attention.warm_up_merges(6, 16, torch.bfloat16, "cpu")
+    assert set(launched) == {("part", True), ("part", False), ("output", True), ("output", False)}

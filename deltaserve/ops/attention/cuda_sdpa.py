@@ -7,7 +7,8 @@
 
 cuDNN is about twice as fast as our paged kernel on long chunks (docs/performance.md) but builds an execution
 plan per shape: chunks are padded to multiples of SDPA_BUCKET and the plans built at startup. With `gate=`,
-the output is o * sigmoid(gate) through `cuda.attention_output_gate`, in place of the last copy or cast.
+the output is o * sigmoid(gate) (`cuda.attention_output_gate` for fresh prompts; for a chunk after its prefix
+the kernel that merges its parts applies it, `merge_attention_output`).
 
 An fp8 cache (it holds K / k_scale and V / v_scale) is served as the paged kernel serves it: the callers pass
 K/V as the cache holds them, cast to q's dtype (exact), the softmax scale times k_scale, and v_scale, by which
@@ -19,8 +20,11 @@ import logging
 import math
 
 import torch
+import triton
+import triton.language as tl
 
 from deltaserve.ops.attention.cuda import attention_output_gate
+from deltaserve.ops.attention.cuda_prefill import output_gate
 from deltaserve.ops.attention.reference import check_gate
 
 __all__ = ["chunk_over_prefix_attention", "fresh_causal_attention", "warm_up_cudnn_attention"]
@@ -31,6 +35,8 @@ logger = logging.getLogger(__name__)
 PREFIX_PIECE_TOKENS = 32768
 # cuDNN builds an execution plan per shape: chunks are padded to a multiple of this so that few shapes occur
 SDPA_BUCKET = 1024
+# Rows (query tokens of one head) per program of the merge kernels: [16, 256] float32 tiles
+MERGE_ROWS = 16
 _SDPA_BACKENDS = None  # None: cuDNN, else flash; CPU tests set PyTorch's math backend
 
 
@@ -83,15 +89,33 @@ def warm_up_cudnn_attention(num_heads: int, num_kv_heads: int, head_dim: int, dt
                             max_chunk_tokens: int) -> None:
     """Build cuDNN's attention plans at startup: its first use in a process costs ~2.7 s and each new shape
     ~50 ms (measured on the H200), which would otherwise land on the first requests. Covers every bucketed
-    fresh-prompt length up to max_chunk_tokens and the log-sum-exp check of `chunk_over_prefix_attention`."""
+    fresh-prompt length up to max_chunk_tokens, the log-sum-exp check of `chunk_over_prefix_attention` and its
+    merge kernels."""
     if dtype not in (torch.bfloat16, torch.float16):
         return
-    _cudnn_lse_base(device, dtype, head_dim)
+    if _cudnn_lse_base(device, dtype, head_dim):
+        warm_up_merges(num_heads, head_dim, dtype, device)
     for length in range(SDPA_BUCKET, _bucket(max_chunk_tokens) + 1, SDPA_BUCKET):
         q = torch.zeros(length, num_heads, head_dim, dtype=dtype, device=device)
         kv = torch.zeros(length, num_kv_heads, head_dim, dtype=dtype, device=device)
         if fresh_causal_attention(q, kv, kv, torch.tensor([0, length]), head_dim ** -0.5) is None:
             return
+
+
+def warm_up_merges(num_heads: int, head_dim: int, dtype, device) -> None:
+    """Compile every variant of the merge kernels that `chunk_over_prefix_attention` launches (a first part and a
+    later one; the output with and without a gate), on operands laid out as its own: a chunk after a prefix of
+    more than one piece would otherwise compile one while serving (W2 did, 2026-12-01)."""
+    length = SDPA_BUCKET
+    acc = torch.zeros(num_heads, length, head_dim, dtype=torch.float32, device=device)
+    lse = torch.zeros(num_heads, length, dtype=torch.float32, device=device)
+    folded = torch.zeros(num_heads, length, head_dim, dtype=dtype, device=device)  # the prefix pieces' layout
+    causal = torch.zeros(length, num_heads, head_dim, dtype=dtype, device=device).transpose(0, 1)  # the chunk's
+    gate = torch.zeros(length, num_heads, 2 * head_dim, dtype=dtype, device=device)[..., head_dim:]  # as the layer's
+    for first in (True, False):
+        merge_attention_part(acc, lse, folded, lse, first=first)
+    for layer_gate in (gate, None):
+        merge_attention_output(acc, lse, causal, lse, length - 1, dtype, gate=layer_gate)
 
 
 def _bucket(length: int) -> int:
@@ -118,19 +142,21 @@ def chunk_over_prefix_attention(q, k, v, k_cache, v_cache, block_table_row, pref
     """Causal attention of ONE sequence's chunk (queries and new K/V) after prefix_len cached tokens, through
     cuDNN in parts merged by their log-sum-exp: the queries against the prefix (no mask: every query sees all
     of it), in pieces of PREFIX_PIECE_TOKENS whose K/V are gathered from the paged cache into a contiguous
-    copy, then against the chunk itself (causal).
+    copy, then against the chunk itself (causal). Each part is folded into a float32 running output by one
+    Triton pass (`merge_attention_part`), and the last one also writes the gated output token-major
+    (`merge_attention_output`): W2's merges took ~0.5 s of its 131K prefill as separate torch ops.
 
     Measured on an H200 (bench/attention_probe.py, 27B heads, 8,192 queries): cuDNN runs ~640 TFLOP/s without
     a mask and with a plain causal one, our paged kernel ~300, and cuDNN with a bottom-right causal mask over
     prefix + chunk only ~220; hence the parts. Pieces bound the transient copies (27B: 134 MB of K/V per
-    piece, and two float32 [L, heads, hd] buffers), which stay below the activation peak the startup profile
+    piece, and the float32 [heads, L, hd] running output), which stay below the activation peak the startup profile
     measures (sampling's buffers, freed before the next forward). Returns None where cuDNN's log-sum-exp
     cannot be had; the caller then runs the paged kernel.
     The chunk is padded to a multiple of SDPA_BUCKET (causal: its padding rows come last and are dropped).
     q: [L, n_heads, hd]; k, v: [L, n_kv, hd] (q's dtype, bf16 or float16); caches: [blocks, bs, n_kv, hd] of
     q's dtype or fp8 (its pieces cast to q's dtype; scale then holds k_scale, and v_scale multiplies the
     output); block_table_row: [>= ceil(prefix_len / bs)] int32; gate: None or [L, n_heads, hd] in q.dtype,
-    applied by `attention_output_gate` in place of the final cast. Returns o: [L, n_heads, hd] (times
+    applied in the last merge, rounded as `attention_output_gate` rounds. Returns o: [L, n_heads, hd] (times
     sigmoid(gate)).
     """
     check_gate(gate, q)
@@ -153,9 +179,12 @@ def _chunk_over_prefix(q, k, v, k_cache, v_cache, block_table_row, prefix_len: i
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
     # Against the prefix rows need no order: fold each KV head's G query heads into its rows (GQA for free).
+    # Query head h = kv * G + g, so the folded rows [n_kv, G * L] are the head-major rows [H, L].
     q_folded = q.view(length, num_kv_heads, group, head_dim).permute(1, 2, 0, 3).reshape(
         1, num_kv_heads, group * length, head_dim)
-    acc = lse_acc = None  # running output (float32 [L, n_heads, hd]) and log-sum-exp ([L, n_heads])
+    # the prefix parts' running output and log-sum-exp, head-major as cuDNN writes them
+    acc = torch.empty(num_heads, length, head_dim, dtype=torch.float32, device=q.device)  # [H, L, hd]
+    lse_acc = torch.empty(num_heads, length, dtype=torch.float32, device=q.device)  # [H, L]
     piece_blocks = PREFIX_PIECE_TOKENS // block_size
     for first_block in range(0, -(-prefix_len // block_size), piece_blocks):
         tokens = min(prefix_len - first_block * block_size, piece_blocks * block_size)
@@ -164,29 +193,109 @@ def _chunk_over_prefix(q, k, v, k_cache, v_cache, block_table_row, prefix_len: i
         k_piece = k_cache[blocks].flatten(0, 1)[:tokens].to(q.dtype).permute(1, 0, 2)[None]
         v_piece = v_cache[blocks].flatten(0, 1)[:tokens].to(q.dtype).permute(1, 0, 2)[None]
         out, lse = _cudnn_attention(q_folded, k_piece, v_piece, scale, causal=False)  # [1, n_kv, G*L, hd]
-        out = out.reshape(num_kv_heads, group, length, head_dim).permute(2, 0, 1, 3).reshape(length, num_heads,
-                                                                                            head_dim)
-        lse = lse.reshape(num_kv_heads, group, length).permute(2, 0, 1).reshape(length, num_heads)
-        acc, lse_acc = _merge_parts(acc, lse_acc, out, lse)
+        merge_attention_part(acc, lse_acc, out.reshape(num_heads, length, head_dim), lse.reshape(num_heads, length),
+                             first=first_block == 0)
     # Against the chunk: causal, K/V repeated per query head (the chunk's K/V are small)
     out, lse = _cudnn_attention(q.transpose(0, 1)[None], k.repeat_interleave(group, 1).transpose(0, 1)[None],
                                 v.repeat_interleave(group, 1).transpose(0, 1)[None], scale, causal=True)
-    acc, _ = _merge_parts(acc, lse_acc, out[0].transpose(0, 1), lse.reshape(num_heads, length).transpose(0, 1))
-    if v_scale != 1.0:
-        acc.mul_(v_scale)
-    if gate is None:
-        return acc[:real_length].to(q.dtype)
-    return attention_output_gate(acc[:real_length], gate)  # float32 acc, rounded to q.dtype first
+    return merge_attention_output(acc, lse_acc, out[0], lse[0], real_length, q.dtype, v_scale, gate)
 
 
-def _merge_parts(acc, lse_acc, out, lse):
-    """Fold one part's softmax-normalized output out [L, H, hd] and log-sum-exp lse [L, H] into the running
-    (acc, lse_acc) (None at first): the weights of two parts are exp(lse_part - lse_total)."""
-    if acc is None:
-        return out.float(), lse.float()
-    total = torch.logaddexp(lse_acc, lse)
-    acc = acc.mul_((lse_acc - total).exp()[..., None]).add_(out.float() * (lse - total).exp()[..., None])
-    return acc, total
+@triton.jit
+def _merge_rows(acc, lse_acc, part, lse_part, head, rows, dims, length, num_rows, stride_part_head, stride_part_row,
+                stride_lse_head, stride_lse_row, HEAD_DIM: tl.constexpr, FIRST: tl.constexpr):
+    """Rows [R] of one head (those below num_rows): the running (acc [H, length, hd], lse_acc [H, length]) joined
+    with a part's output and log-sum-exp (the part alone when FIRST). Returns (output [R, D] float32,
+    log-sum-exp [R], the rows' mask [R, D])."""
+    row_ok = rows < num_rows
+    mask = row_ok[:, None] & (dims[None, :] < HEAD_DIM)  # [R, D]
+    part_tile = tl.load(part + head * stride_part_head + rows[:, None] * stride_part_row + dims[None, :], mask=mask,
+                        other=0.0).to(tl.float32)  # [R, D]
+    lse_p = tl.load(lse_part + head * stride_lse_head + rows * stride_lse_row, mask=row_ok, other=0.0)  # [R]
+    if FIRST:
+        return part_tile, lse_p, mask
+    acc_tile = tl.load(acc + (head * length + rows[:, None]) * HEAD_DIM + dims[None, :], mask=mask, other=0.0)
+    lse_a = tl.load(lse_acc + head * length + rows, mask=row_ok, other=0.0)  # [R]
+    top = tl.maximum(lse_a, lse_p)
+    weight_a, weight_p = tl.exp(lse_a - top), tl.exp(lse_p - top)  # [R] each; the larger one is 1
+    total = weight_a + weight_p
+    merged = (acc_tile * weight_a[:, None] + part_tile * weight_p[:, None]) / total[:, None]
+    return merged, top + tl.log(total), mask
+
+
+@triton.jit(do_not_specialize=["length"])  # one variant whatever the chunk's length
+def _merge_part_kernel(acc, lse_acc, part, lse_part, length, stride_part_head, stride_part_row, stride_lse_head,
+                       stride_lse_row, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, ROWS: tl.constexpr,
+                       FIRST: tl.constexpr):
+    """Grid (cdiv(L, ROWS), H): (acc, lse_acc) [H, L, hd] / [H, L] take in one part, in place."""
+    head = tl.program_id(1)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [R]
+    dims = tl.arange(0, HEAD_DIM_PAD)  # [D]
+    merged, lse, mask = _merge_rows(acc, lse_acc, part, lse_part, head, rows, dims, length, length,
+                                    stride_part_head, stride_part_row, stride_lse_head, stride_lse_row, HEAD_DIM,
+                                    FIRST)
+    tl.store(acc + (head * length + rows[:, None]) * HEAD_DIM + dims[None, :], merged, mask=mask)
+    tl.store(lse_acc + head * length + rows, lse, mask=rows < length)
+
+
+@triton.jit(do_not_specialize=["length", "real_length"])
+def _merge_output_kernel(acc, lse_acc, part, lse_part, gate, out, length, real_length, v_scale,
+                         stride_part_head, stride_part_row, stride_lse_head, stride_lse_row, stride_gate_tok,
+                         stride_gate_head, stride_out_tok, stride_out_head, HEAD_DIM: tl.constexpr,
+                         HEAD_DIM_PAD: tl.constexpr, ROWS: tl.constexpr, GATED: tl.constexpr):
+    """Grid (cdiv(real_length, ROWS), H): out [real_length, H, hd] = (acc [H, length, hd] joined with the last
+    part) * v_scale, times sigmoid(gate) when GATED (rounded as `output_gate` says), else cast to out's dtype."""
+    head = tl.program_id(1)
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [R]
+    dims = tl.arange(0, HEAD_DIM_PAD)  # [D]
+    merged, _, mask = _merge_rows(acc, lse_acc, part, lse_part, head, rows, dims, length, real_length,
+                                  stride_part_head, stride_part_row, stride_lse_head, stride_lse_row, HEAD_DIM, False)
+    merged = merged * v_scale
+    if GATED:
+        merged = output_gate(merged, gate + rows[:, None] * stride_gate_tok + head * stride_gate_head + dims[None, :],
+                             mask, out.dtype.element_ty)
+    tl.store(out + rows[:, None] * stride_out_tok + head * stride_out_head + dims[None, :],
+             merged.to(out.dtype.element_ty), mask=mask)
+
+
+def merge_attention_part(acc, lse_acc, part, lse_part, first: bool) -> None:
+    """Fold one part's attention (softmax-normalized over its keys) into the running output, in place:
+    acc [H, L, hd] float32 and lse_acc [H, L] float32 (natural log), contiguous; part [H, L, hd] (any float
+    dtype and strides, unit stride in hd); lse_part [H, L] float32. first: the part alone (acc is not read)."""
+    num_heads, length, head_dim = acc.shape
+    part = _unit_last_stride(part)
+    _merge_part_kernel[(triton.cdiv(length, MERGE_ROWS), num_heads)](
+        acc, lse_acc, part, lse_part, length, part.stride(0), part.stride(1), lse_part.stride(0), lse_part.stride(1),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim), ROWS=MERGE_ROWS, FIRST=first,
+    )
+
+
+def merge_attention_output(acc, lse_acc, part, lse_part, real_length: int, dtype, v_scale: float = 1.0, gate=None):
+    """The last part folded in and the layer's output written token-major in one pass: returns
+    [real_length, H, hd] in dtype = (acc joined with part) * v_scale, times sigmoid(gate) when gate
+    ([>= real_length, H, hd], unit stride in hd) is given. acc, lse_acc, part, lse_part as `merge_attention_part`
+    takes them, over a length of at least real_length (padding rows are dropped)."""
+    num_heads, length, head_dim = acc.shape
+    out = torch.empty(real_length, num_heads, head_dim, dtype=dtype, device=acc.device)
+    if real_length == 0:
+        return out
+    part = _unit_last_stride(part)
+    gated = gate is not None
+    if gated:
+        gate = _unit_last_stride(gate)
+    gate_strides = (gate.stride(0), gate.stride(1)) if gated else (0, 0)
+    _merge_output_kernel[(triton.cdiv(real_length, MERGE_ROWS), num_heads)](
+        acc, lse_acc, part, lse_part, gate if gated else acc, out, length, real_length, float(v_scale),
+        part.stride(0), part.stride(1), lse_part.stride(0), lse_part.stride(1), *gate_strides,
+        out.stride(0), out.stride(1), HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        ROWS=MERGE_ROWS, GATED=gated,
+    )
+    return out
+
+
+def _unit_last_stride(tensor):
+    """The merge kernels address the last dimension as contiguous; copy the rare tensor that is not."""
+    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
 
 
 def _cudnn_attention(q, k, v, scale: float, causal: bool):
