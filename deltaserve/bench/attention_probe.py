@@ -215,13 +215,12 @@ def chunk_over_prefix_probe(prefixes: tuple[int, ...] = (8192, 32768, 65536, 122
         pieces = [(k_cache[table[i // BLOCK:(i + piece) // BLOCK].long()].flatten(0, 1).permute(1, 0, 2)[None],
                    v_cache[table[i // BLOCK:(i + piece) // BLOCK].long()].flatten(0, 1).permute(1, 0, 2)[None])
                   for i in range(0, prefix, piece)]
-        q_heads = q.transpose(0, 1)[None]
-        k_rep, v_rep = (x.repeat_interleave(group, 1).transpose(0, 1)[None] for x in (k, v))
+        q_heads, k_heads, v_heads = (x.transpose(0, 1)[None] for x in (q, k, v))
 
         def cudnn_alone():
             for k_piece, v_piece in pieces:
                 cuda_sdpa._cudnn_attention(q_folded, k_piece, v_piece, scale, causal=False)
-            cuda_sdpa._cudnn_attention(q_heads, k_rep, v_rep, scale, causal=True)
+            cuda_sdpa._cudnn_attention(q_heads, k_heads, v_heads, scale, causal=True)
 
         alone = timed(cudnn_alone)
         print(f"chunk {q_len} after {prefix}: whole path {whole:7.2f} ms ({flops / whole / 1e9:4.0f} TFLOP/s), "

@@ -195,10 +195,11 @@ def _chunk_over_prefix(q, k, v, k_cache, v_cache, block_table_row, prefix_len: i
         out, lse = _cudnn_attention(q_folded, k_piece, v_piece, scale, causal=False)  # [1, n_kv, G*L, hd]
         merge_attention_part(acc, lse_acc, out.reshape(num_heads, length, head_dim), lse.reshape(num_heads, length),
                              first=first_block == 0)
-    # Against the chunk: causal, K/V repeated per query head (the chunk's K/V are small)
-    out, lse = _cudnn_attention(q.transpose(0, 1)[None], k.repeat_interleave(group, 1).transpose(0, 1)[None],
-                                v.repeat_interleave(group, 1).transpose(0, 1)[None], scale, causal=True)
-    return merge_attention_output(acc, lse_acc, out[0], lse[0], real_length, q.dtype, v_scale, gate)
+    # Against the chunk: causal; cuDNN serves the KV heads' groups of query heads itself (GQA: 4 KV heads for 24)
+    out, lse = _cudnn_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale,
+                                causal=True)  # [1, H, L, hd], [1, H, L]
+    return merge_attention_output(acc, lse_acc, out[0], lse.reshape(num_heads, length), real_length, q.dtype,
+                                  v_scale, gate)
 
 
 @triton.jit
@@ -299,7 +300,8 @@ def _unit_last_stride(tensor):
 
 
 def _cudnn_attention(q, k, v, scale: float, causal: bool):
-    """cuDNN's fused attention on [1, heads, rows, hd] tensors; returns (out, natural-log lse [1, heads, rows])."""
+    """cuDNN's fused attention on [1, heads, rows, hd] tensors (k and v may have fewer heads: each serves a group
+    of q's, GQA); returns (out [1, heads, rows, hd], natural-log lse [1, heads, rows, 1] as cuDNN shapes it)."""
     out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
         q, k, v, None, True, 0.0, causal, False, scale=scale)[:2]
     if _cudnn_lse_base(q.device, q.dtype, q.shape[-1]) == "log2":
