@@ -1,4 +1,5 @@
-"""The log-sum-exp merge that joins attention computed over separate parts of the keys (GPU long-chunk path)."""
+"""The log-sum-exp merge that joins attention computed over separate parts of the keys (GPU long-chunk path).
+The merge kernels are Triton's: on the GPU when there is one, else in Triton's CPU interpreter."""
 
 import torch
 
@@ -6,6 +7,8 @@ from deltaserve.ops.attention import cuda_sdpa as cuda_attention
 from deltaserve.ops.attention.cuda import attention_output_gate
 from deltaserve.ops.attention.cuda_sdpa import merge_attention_output, merge_attention_part
 from tests.ops.interpreter import use_math_cudnn
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def part(q, k, v):
@@ -20,12 +23,12 @@ def test_merging_parts_equals_attention_over_all_keys():
     gate, and padding rows dropped."""
     gen = torch.Generator().manual_seed(0)
     length, real_length, heads, dim = 5, 4, 3, 8
-    q = torch.randn(length, heads, dim, generator=gen, dtype=torch.float64)
-    k = 2 * torch.randn(23, heads, dim, generator=gen, dtype=torch.float64)  # peaky scores
-    v = torch.randn(23, heads, dim, generator=gen, dtype=torch.float64)
-    gate = torch.randn(length, heads, dim, generator=gen)
-    acc = torch.empty(heads, length, dim)
-    lse_acc = torch.empty(heads, length)
+    q = torch.randn(length, heads, dim, generator=gen, dtype=torch.float64).to(DEVICE)
+    k = 2 * torch.randn(23, heads, dim, generator=gen, dtype=torch.float64).to(DEVICE)  # peaky scores
+    v = torch.randn(23, heads, dim, generator=gen, dtype=torch.float64).to(DEVICE)
+    gate = torch.randn(length, heads, dim, generator=gen).to(DEVICE)
+    acc = torch.empty(heads, length, dim, device=DEVICE)
+    lse_acc = torch.empty(heads, length, device=DEVICE)
     for start, end in ((0, 9), (9, 10)):
         out, lse = part(q, k[start:end], v[start:end])  # [L, H, D], [L, H]
         merge_attention_part(acc, lse_acc, out.transpose(0, 1).contiguous().float(), lse.t().contiguous().float(),
@@ -92,10 +95,10 @@ def test_chunk_over_prefix_in_pieces_matches_reference(monkeypatch):
     for prefix, length, block_size in ((100, 21, 16), (37, 16, 5), (16, 1, 16)):
         k_cache, v_cache, table, keys, values = paged_sequence(prefix + length, block_size, gen)
         q = torch.randn(length, 6, 16, generator=gen)
-        out = cuda_attention.chunk_over_prefix_attention(q, keys[prefix:], values[prefix:], k_cache, v_cache,
-                                                         table[0], prefix, 0.25)
+        on_device = (x.to(DEVICE) for x in (q, keys[prefix:], values[prefix:], k_cache, v_cache, table[0]))
+        out = cuda_attention.chunk_over_prefix_attention(*on_device, prefix, 0.25)
         expected = oracle(q, k_cache, v_cache, table, prefix, length, 0.25)
-        torch.testing.assert_close(out.float(), expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out.cpu().float(), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_fp8_cache_is_attended_as_the_paged_kernel_reads_it(monkeypatch):
@@ -116,9 +119,9 @@ def test_fp8_cache_is_attended_as_the_paged_kernel_reads_it(monkeypatch):
     blocks, offsets = table[0, positions // 16].long(), positions % 16
     new_k, new_v = (c[blocks, offsets][prefix:] for c in (k_fp8, v_fp8))  # the chunk's K/V as the cache has them
     q = torch.randn(length, 6, 16, generator=gen)
-    out = cuda_attention.chunk_over_prefix_attention(q, new_k.float(), new_v.float(), k_fp8, v_fp8, table[0], prefix,
-                                                     0.25 * k_scale, v_scale=v_scale)
-    torch.testing.assert_close(out.float(), oracle(q, k_held, v_held, table, prefix, length, 0.25),
+    on_device = (x.to(DEVICE) for x in (q, new_k.float(), new_v.float(), k_fp8, v_fp8, table[0]))
+    out = cuda_attention.chunk_over_prefix_attention(*on_device, prefix, 0.25 * k_scale, v_scale=v_scale)
+    torch.testing.assert_close(out.cpu().float(), oracle(q, k_held, v_held, table, prefix, length, 0.25),
                                atol=1e-5, rtol=1e-5)
     # a fresh prompt: the whole sequence is the chunk
     fresh_k, fresh_v = (c[blocks, offsets] for c in (k_fp8, v_fp8))
