@@ -229,7 +229,7 @@ def _merge_part_kernel(acc, lse_acc, part, lse_part, length, stride_part_head, s
                        stride_lse_row, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, ROWS: tl.constexpr,
                        FIRST: tl.constexpr):
     """Grid (cdiv(L, ROWS), H): (acc, lse_acc) [H, L, hd] / [H, L] take in one part, in place."""
-    head = tl.program_id(1)
+    head = tl.program_id(1).to(tl.int64)  # head * length * hd may pass 2^31 for long chunks
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [R]
     dims = tl.arange(0, HEAD_DIM_PAD)  # [D]
     merged, lse, mask = _merge_rows(acc, lse_acc, part, lse_part, head, rows, dims, length, length,
@@ -246,7 +246,7 @@ def _merge_output_kernel(acc, lse_acc, part, lse_part, gate, out, length, real_l
                          HEAD_DIM_PAD: tl.constexpr, ROWS: tl.constexpr, GATED: tl.constexpr):
     """Grid (cdiv(real_length, ROWS), H): out [real_length, H, hd] = (acc [H, length, hd] joined with the last
     part) * v_scale, times sigmoid(gate) when GATED (rounded as `output_gate` says), else cast to out's dtype."""
-    head = tl.program_id(1)
+    head = tl.program_id(1).to(tl.int64)  # head * length * hd may pass 2^31 for long chunks
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [R]
     dims = tl.arange(0, HEAD_DIM_PAD)  # [D]
     merged, _, mask = _merge_rows(acc, lse_acc, part, lse_part, head, rows, dims, length, real_length,
