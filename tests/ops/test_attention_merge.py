@@ -92,7 +92,7 @@ def test_chunk_over_prefix_in_pieces_matches_reference(monkeypatch):
     monkeypatch.setattr(cuda_attention, "PREFIX_PIECE_TOKENS", 40)  # several pieces, the last one partial
     monkeypatch.setattr(cuda_attention, "SDPA_BUCKET", 16)
     gen = torch.Generator().manual_seed(2)
-    for prefix, length, block_size in ((100, 21, 16), (37, 16, 5), (16, 1, 16)):
+    for prefix, length, block_size in ((100, 21, 16), (37, 16, 5), (16, 1, 16), (0, 21, 16)):  # 0: no prefix part
         k_cache, v_cache, table, keys, values = paged_sequence(prefix + length, block_size, gen)
         q = torch.randn(length, 6, 16, generator=gen)
         on_device = (x.to(DEVICE) for x in (q, keys[prefix:], values[prefix:], k_cache, v_cache, table[0]))

@@ -185,6 +185,9 @@ def _chunk_over_prefix(q, k, v, k_cache, v_cache, block_table_row, prefix_len: i
     # the prefix parts' running output and log-sum-exp, head-major as cuDNN writes them
     acc = torch.empty(num_heads, length, head_dim, dtype=torch.float32, device=q.device)  # [H, L, hd]
     lse_acc = torch.empty(num_heads, length, dtype=torch.float32, device=q.device)  # [H, L]
+    if prefix_len == 0:  # no prefix part: the chunk's own part is the output (weight exp(-inf) = 0 for acc)
+        acc.zero_()
+        lse_acc.fill_(float("-inf"))
     piece_blocks = PREFIX_PIECE_TOKENS // block_size
     for first_block in range(0, -(-prefix_len // block_size), piece_blocks):
         tokens = min(prefix_len - first_block * block_size, piece_blocks * block_size)
@@ -197,7 +200,7 @@ def _chunk_over_prefix(q, k, v, k_cache, v_cache, block_table_row, prefix_len: i
                              first=first_block == 0)
     # Against the chunk: causal; cuDNN serves the KV heads' groups of query heads itself (GQA: 4 KV heads for 24)
     out, lse = _cudnn_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], scale,
-                                causal=True)  # [1, H, L, hd], [1, H, L]
+                                causal=True)  # [1, H, L, hd], [1, H, L, 1]
     return merge_attention_output(acc, lse_acc, out[0], lse.reshape(num_heads, length), real_length, q.dtype,
                                   v_scale, gate)
 
