@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deltaserve.ops.attention.cuda import attention_output_gate
+from deltaserve.ops.attention.cuda import _unit_last_stride, attention_output_gate
 from deltaserve.ops.attention.cuda_prefill import output_gate
 from deltaserve.ops.attention.reference import check_gate
 
@@ -232,8 +232,9 @@ def _merge_part_kernel(acc, lse_acc, part, lse_part, length, stride_part_head, s
                        stride_lse_row, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, ROWS: tl.constexpr,
                        FIRST: tl.constexpr):
     """Grid (cdiv(L, ROWS), H): (acc, lse_acc) [H, L, hd] / [H, L] take in one part, in place."""
-    head = tl.program_id(1).to(tl.int64)  # head * length * hd may pass 2^31 for long chunks
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [R]
+    # int64 offsets: head * length * hd, or a row times the gate's row stride, may pass 2^31 for long chunks
+    head = tl.program_id(1).to(tl.int64)
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)  # [R]
     dims = tl.arange(0, HEAD_DIM_PAD)  # [D]
     merged, lse, mask = _merge_rows(acc, lse_acc, part, lse_part, head, rows, dims, length, length,
                                     stride_part_head, stride_part_row, stride_lse_head, stride_lse_row, HEAD_DIM,
@@ -249,8 +250,9 @@ def _merge_output_kernel(acc, lse_acc, part, lse_part, gate, out, length, real_l
                          HEAD_DIM_PAD: tl.constexpr, ROWS: tl.constexpr, GATED: tl.constexpr):
     """Grid (cdiv(real_length, ROWS), H): out [real_length, H, hd] = (acc [H, length, hd] joined with the last
     part) * v_scale, times sigmoid(gate) when GATED (rounded as `output_gate` says), else cast to out's dtype."""
-    head = tl.program_id(1).to(tl.int64)  # head * length * hd may pass 2^31 for long chunks
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [R]
+    # int64 offsets: head * length * hd, or a row times the gate's row stride, may pass 2^31 for long chunks
+    head = tl.program_id(1).to(tl.int64)
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)  # [R]
     dims = tl.arange(0, HEAD_DIM_PAD)  # [D]
     merged, _, mask = _merge_rows(acc, lse_acc, part, lse_part, head, rows, dims, length, real_length,
                                   stride_part_head, stride_part_row, stride_lse_head, stride_lse_row, HEAD_DIM, False)
@@ -295,11 +297,6 @@ def merge_attention_output(acc, lse_acc, part, lse_part, real_length: int, dtype
         ROWS=MERGE_ROWS, GATED=gated,
     )
     return out
-
-
-def _unit_last_stride(tensor):
-    """The merge kernels address the last dimension as contiguous; copy the rare tensor that is not."""
-    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
 
 
 def _cudnn_attention(q, k, v, scale: float, causal: bool):
