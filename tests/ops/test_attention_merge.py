@@ -163,3 +163,19 @@ def test_warm_up_compiles_every_merge_variant(monkeypatch):
     monkeypatch.setattr(cuda_attention, "_merge_output_kernel", Recorder("output"))
     cuda_attention.warm_up_merges(6, 16, torch.bfloat16, "cpu")
     assert set(launched) == {("part", True), ("part", False), ("output", True), ("output", False)}
+
+
+def test_merge_operands_of_the_wrong_shape_are_refused_by_name():
+    import pytest
+
+    acc, lse = torch.zeros(3, 8, 16), torch.zeros(3, 8)
+    with pytest.raises(ValueError, match="part must have acc's shape"):
+        merge_attention_part(acc, lse, torch.zeros(3, 8, 8), lse, first=True)
+    with pytest.raises(ValueError, match="lse_acc"):
+        merge_attention_part(acc, torch.zeros(8, 3), acc, lse, first=False)
+    with pytest.raises(ValueError, match="acc must be a contiguous float32"):
+        merge_attention_part(acc.bfloat16(), lse, acc, lse, first=True)
+    with pytest.raises(ValueError, match="real_length must be in"):
+        merge_attention_output(acc, lse, acc, lse, 9, torch.float32)
+    with pytest.raises(ValueError, match="gate must be"):
+        merge_attention_output(acc, lse, acc, lse, 8, torch.float32, gate=torch.zeros(8, 3, 8))

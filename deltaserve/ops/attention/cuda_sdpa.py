@@ -269,6 +269,7 @@ def merge_attention_part(acc, lse_acc, part, lse_part, first: bool) -> None:
     acc [H, L, hd] float32 and lse_acc [H, L] float32 (natural log), contiguous; part [H, L, hd] (any float
     dtype and strides, unit stride in hd); lse_part [H, L] float32. first: the part alone (acc is not read)."""
     num_heads, length, head_dim = acc.shape
+    _check_merge_operands(acc, lse_acc, part, lse_part)
     part = _unit_last_stride(part)
     _merge_part_kernel[(triton.cdiv(length, MERGE_ROWS), num_heads)](
         acc, lse_acc, part, lse_part, length, part.stride(0), part.stride(1), lse_part.stride(0), lse_part.stride(1),
@@ -282,6 +283,11 @@ def merge_attention_output(acc, lse_acc, part, lse_part, real_length: int, dtype
     ([>= real_length, H, hd], unit stride in hd) is given. acc, lse_acc, part, lse_part as `merge_attention_part`
     takes them, over a length of at least real_length (padding rows are dropped)."""
     num_heads, length, head_dim = acc.shape
+    _check_merge_operands(acc, lse_acc, part, lse_part)
+    if not 0 <= real_length <= length:
+        raise ValueError(f"real_length must be in [0, {length}] (the parts' length), got {real_length}")
+    if gate is not None and (gate.dim() != 3 or gate.shape[0] < real_length or gate.shape[1:] != acc.shape[::2]):
+        raise ValueError(f"gate must be [>= {real_length}, {num_heads}, {head_dim}], got {tuple(gate.shape)}")
     out = torch.empty(real_length, num_heads, head_dim, dtype=dtype, device=acc.device)
     if real_length == 0:
         return out
@@ -297,6 +303,17 @@ def merge_attention_output(acc, lse_acc, part, lse_part, real_length: int, dtype
         ROWS=MERGE_ROWS, GATED=gated,
     )
     return out
+
+
+def _check_merge_operands(acc, lse_acc, part, lse_part) -> None:
+    """The merge kernels' operands, as `merge_attention_part` takes them (shapes only: the kernels trust values)."""
+    if acc.dim() != 3 or acc.dtype != torch.float32 or not acc.is_contiguous():
+        raise ValueError(f"acc must be a contiguous float32 [H, L, hd], got {acc.dtype} {tuple(acc.shape)}")
+    if part.shape != acc.shape:
+        raise ValueError(f"part must have acc's shape {tuple(acc.shape)}, got {tuple(part.shape)}")
+    if lse_acc.shape != acc.shape[:2] or lse_part.shape != acc.shape[:2] or not lse_acc.is_contiguous():
+        raise ValueError(f"lse_acc (contiguous) and lse_part must be {tuple(acc.shape[:2])}, got "
+                         f"{tuple(lse_acc.shape)} and {tuple(lse_part.shape)}")
 
 
 def _cudnn_attention(q, k, v, scale: float, causal: bool):
