@@ -17,6 +17,11 @@ costs, by kind (defaults measured on an H200 with Qwen3.5-27B, docs/performance.
 
 With the defaults it gives W6 at concurrency 64 as 36 prompt steps and 2,020 decode-only steps, 1,981 tok/s
 (measured: 36, 2,023 and 1,950-1,955; with the eighth session's 22.04 ms step it gave 1,965 against 1,940 measured).
+
+--staggered-chunk-tokens C replaces the scheduler by an ideal it does not implement, as a bound on what mixed
+steps could give: every step carries all decoding requests and up to C prompt tokens (oldest prompt first), so
+that requests start and finish a few steps apart and every step after the first wave is a mixed one, costed as
+above (a step without decodes as the 1-row decode step plus its chunk).
 """
 
 from __future__ import annotations
@@ -127,6 +132,36 @@ def simulate(traffic: Traffic, costs: StepCosts, max_num_batched_tokens: int = 8
     return result
 
 
+def simulate_staggered(traffic: Traffic, costs: StepCosts, chunk_tokens: int) -> ModelResult:
+    """The ideal staggered schedule of the module docstring: each step all decodes plus <= chunk_tokens prompt
+    tokens, a finished request's seat taken by the next prompt at once."""
+    waiting = traffic.prompts
+    prefilled: list[int] = []  # prompt tokens computed, per request in its prefill (oldest first)
+    decoded: list[int] = []  # output tokens, per decoding request
+    result = ModelResult(0.0, traffic.prompts * traffic.output_len)
+    while waiting or prefilled or decoded:
+        seats = traffic.concurrency - len(prefilled) - len(decoded)
+        prefilled += [0] * min(seats, waiting)
+        waiting -= min(seats, waiting)
+        decodes, budget = len(decoded), chunk_tokens
+        decoded = [count + 1 for count in decoded]  # this step's token for each decoding request
+        for i, done in enumerate(prefilled):
+            take = min(budget, traffic.input_len - done)
+            prefilled[i] += take
+            budget -= take
+        chunk = chunk_tokens - budget
+        # a prompt's last chunk samples its first output token, as the engine's does
+        decoded += [1 for done in prefilled if done == traffic.input_len]
+        prefilled = [done for done in prefilled if done < traffic.input_len]
+        decoded = [count for count in decoded if count < traffic.output_len]
+        kind = "mixed" if chunk else "decode"
+        ms = costs.decode(decodes) + (costs.mixed_extra_ms + costs.chunk_us * chunk / 1000 if chunk else 0.0)
+        result.steps[kind][0] += 1
+        result.steps[kind][1] += ms
+        result.seconds += ms / 1000
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m deltaserve.bench.schedule_model", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -136,15 +171,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--mixed-chunk-tokens", type=int, default=0,
                         help="the scheduler's mixed-step cap (DELTASERVE_MIXED_CHUNK_TOKENS); 0: none")
+    parser.add_argument("--staggered-chunk-tokens", type=int, default=0,
+                        help="model the ideal staggered schedule instead, this many prompt tokens a step (see above)")
     args = parser.parse_args(argv)
     for name in ("concurrency", "prompts", "input_len", "output_len", "max_num_batched_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.mixed_chunk_tokens < 0:
-        parser.error(f"--mixed-chunk-tokens must be 0 (none) or more, got {args.mixed_chunk_tokens}")
+    for name in ("mixed_chunk_tokens", "staggered_chunk_tokens"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be 0 (none) or more, got {getattr(args, name)}")
     traffic = Traffic(**{name: getattr(args, name) for name in vars(traffic)})
     costs = StepCosts(**{name: getattr(args, name) for name in vars(costs)})
-    print(simulate(traffic, costs, args.max_num_batched_tokens, args.mixed_chunk_tokens))
+    if args.staggered_chunk_tokens:
+        print(simulate_staggered(traffic, costs, args.staggered_chunk_tokens))
+    else:
+        print(simulate(traffic, costs, args.max_num_batched_tokens, args.mixed_chunk_tokens))
     return 0
 
 
