@@ -135,14 +135,16 @@ def simulate(traffic: Traffic, costs: StepCosts, max_num_batched_tokens: int = 8
 def simulate_staggered(traffic: Traffic, costs: StepCosts, chunk_tokens: int) -> ModelResult:
     """The ideal staggered schedule of the module docstring: each step all decodes plus <= chunk_tokens prompt
     tokens, a finished request's seat taken by the next prompt at once."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be at least 1 (no prompt would ever finish), got {chunk_tokens}")
     waiting = traffic.prompts
     prefilled: list[int] = []  # prompt tokens computed, per request in its prefill (oldest first)
     decoded: list[int] = []  # output tokens, per decoding request
     result = ModelResult(0.0, traffic.prompts * traffic.output_len)
     while waiting or prefilled or decoded:
-        seats = traffic.concurrency - len(prefilled) - len(decoded)
-        prefilled += [0] * min(seats, waiting)
-        waiting -= min(seats, waiting)
+        admitted = min(traffic.concurrency - len(prefilled) - len(decoded), waiting)
+        prefilled += [0] * admitted
+        waiting -= admitted
         decodes, budget = len(decoded), chunk_tokens
         decoded = [count + 1 for count in decoded]  # this step's token for each decoding request
         for i, done in enumerate(prefilled):

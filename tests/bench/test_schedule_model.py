@@ -59,3 +59,5 @@ def test_w6_staggered_bound_as_the_docs_quote_it(capsys):
     with pytest.raises(SystemExit):
         schedule_model.main(["--staggered-chunk-tokens", "-1"])
     assert "--staggered-chunk-tokens must be 0 (none) or more, got -1" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"chunk_tokens must be at least 1 .*got 0"):
+        simulate_staggered(Traffic(), StepCosts(), 0)
