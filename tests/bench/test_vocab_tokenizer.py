@@ -37,7 +37,16 @@ def test_a_vocabulary_of_nothing_is_refused():
         build(0)
 
 
-def test_a_directory_without_a_config_is_refused_by_name(tmp_path, capsys):
+def test_a_missing_model_or_config_is_refused_by_name(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([str(tmp_path / "nothing"), str(tmp_path / "tok")])
+    assert "nothing': no such file or directory" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([str(tmp_path), str(tmp_path / "tok")])  # a directory, but no config.json in it
     assert "no config.json found at" in capsys.readouterr().err
+
+
+def test_written_for_a_hub_id_from_its_shipped_config(tmp_path, capsys):
+    assert main(["Qwen/Qwen3.5-0.8B", str(tmp_path / "tok")]) == 0
+    assert "248320 tokens t0 .. t248319, EOS t248044" in capsys.readouterr().out
+    assert len(transformers.AutoTokenizer.from_pretrained(tmp_path / "tok")) == 248320
