@@ -87,3 +87,16 @@ def test_the_commands_need_no_extra():
         if not dists & core:
             missing[module] = sorted(dists)
     assert not missing, f"imported at start-up but not installed by the core dependencies: {missing}"
+
+
+def test_the_wheel_carries_every_shipped_config():
+    """Each published config file in deltaserve/model_configs matches a package-data pattern of
+    pyproject.toml: a wheel leaves any other behind."""
+    package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    configs = ROOT / "deltaserve" / "model_configs"
+    files = [p for p in configs.rglob("*") if p.is_file() and p.suffix != ".py" and "__pycache__" not in p.parts]
+    assert len(files) >= 17
+    patterns = package_data.get("deltaserve.model_configs", [])
+    unshipped = [str(p.relative_to(configs)) for p in files
+                 if not any(p.relative_to(configs).match(pattern) for pattern in patterns)]
+    assert not unshipped, f"not in [tool.setuptools.package-data] of pyproject.toml: {unshipped}"
