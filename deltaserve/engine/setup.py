@@ -24,8 +24,8 @@ from deltaserve.cache.state_pool import StatePool
 from deltaserve.config import ConfigError, EngineConfig, ModelConfig
 from deltaserve.layers.batch import ForwardBatch
 from deltaserve.model.loader import load_model
-from deltaserve.model_configs import is_shipped_config, resolve_model
 from deltaserve.model.qwen3_5 import HybridForCausalLM
+from deltaserve.model_configs import is_shipped_config, resolve_model
 from deltaserve.sampling import Sampler, SamplingParams
 from deltaserve.worker.kv_cache import TORCH_DTYPES, CacheShape, bind_caches, release_caches
 from deltaserve.worker.model_runner import ModelRunner
