@@ -21,7 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from deltaserve import __version__
 from deltaserve.config import DEVICES, DTYPES, KV_CACHE_DTYPES, SSM_CACHE_DTYPES, ConfigError, EngineConfig
+from deltaserve.model_configs import resolve_model
 from deltaserve.server.parsers import REASONING_PARSERS, TOOL_PARSERS
 from deltaserve.server.settings import DEMO_MODEL_NAME, UVICORN_LOG_LEVELS, ServerSettings
 
@@ -122,8 +124,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """The `serve` flags, grouped as in vLLM's --help."""
     h = _not_built_help
     parser.add_argument("model", nargs="?", default=None,
-                        help="checkpoint directory (config.json + safetensors + tokenizer); omitted: the "
-                             "built-in tiny demo model (random weights, no download)")
+                        help="checkpoint directory (config.json + safetensors + tokenizer), or a hub id: its copy "
+                             "in the local Hugging Face cache, or with --load-format dummy its published config "
+                             "shipped with deltaserve (nothing is downloaded); omitted: the built-in tiny demo "
+                             "model (random weights)")
     parser.add_argument("--model", dest="model_flag", metavar="MODEL", default=None,
                         help="the same as the positional MODEL (older vLLM spelling)")
 
@@ -165,7 +169,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                            "max_tokens); request fields still win")
 
     model = parser.add_argument_group("model")
-    model.add_argument("--tokenizer", default=None, help="tokenizer directory (default: MODEL)")
+    model.add_argument("--tokenizer", default=None,
+                       help="tokenizer directory or hub id (default: MODEL; for a shipped config, which has none, "
+                            "a synthetic tokenizer of its vocabulary)")
     model.add_argument("--dtype", default="auto", choices=DTYPES,
                        help="weight and activation dtype (auto: the checkpoint's on GPU, float32 on CPU)")
     model.add_argument("--seed", type=int, default=0, help="random seed (dummy weights, unseeded sampling)")
@@ -251,8 +257,10 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerSet
     if args.model is not None and args.model_flag is not None and args.model != args.model_flag:
         raise ConfigError(f"MODEL given twice: {args.model!r} and --model {args.model_flag!r}")
     model = args.model or args.model_flag
+    # a hub id becomes its local folder here, so the server reads that folder's generation_config.json too
+    model_path = None if model is None else str(resolve_model(model, need_weights=args.load_format != "dummy"))
     engine = EngineConfig(
-        model=model, tokenizer=args.tokenizer, dtype=args.dtype, seed=args.seed, load_format=args.load_format,
+        model=model_path, tokenizer=args.tokenizer, dtype=args.dtype, seed=args.seed, load_format=args.load_format,
         device=args.device, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
@@ -282,6 +290,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerSet
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deltaserve",
                                      description="Serve hybrid linear-attention LLMs (Qwen3.5, Qwen3-Next).")
+    parser.add_argument("--version", action="version", version=__version__)  # the bare version, as `vllm --version`
     commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,bench,plan}")
     serve = commands.add_parser("serve", help="start the OpenAI-compatible server (flags as `vllm serve`)",
                                 description="Start the OpenAI-compatible server. Flags follow `vllm serve`.",

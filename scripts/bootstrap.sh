@@ -13,4 +13,4 @@ fi
 if ! "$PYTHON" -c 'import triton' 2>/dev/null; then
   "$PYTHON" -m pip install -q "triton==3.6.0"
 fi
-"$PYTHON" -m pip install -q -e ".[server,test]"
+"$PYTHON" -m pip install -q -e ".[test]"

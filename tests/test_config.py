@@ -1,5 +1,6 @@
 """ModelConfig.from_hf / from_pretrained: the published configs parse to the facts of the architecture
-reference (../shared/reference/qwen3_5-architecture.md, section 1.4), derived fields follow the
+reference (../shared/reference/qwen3_5-architecture.md, section 1.4; the configs ship in
+deltaserve/model_configs), derived fields follow the
 transformers rules, and every bad config fails with a ConfigError naming the field and its value.
 """
 
@@ -12,10 +13,9 @@ import pytest
 
 from deltaserve.config import ConfigError, ModelConfig
 from deltaserve.demo import PAD_TOKEN_ID, TINY_CONFIGS
+from deltaserve.model_configs import CONFIGS_DIR
 
 # ---------------------------------------------------------------- ModelConfig
-
-SHARED_CONFIGS = Path(__file__).resolve().parents[1] / ".." / "shared" / "configs"
 
 # Facts common to every published model (reference 1.4: "All: ..."): rotary dim = 256 * 0.25 = 64.
 COMMON_FACTS = dict(head_dim=256, rotary_dim=64, gdn_k_dim=128, gdn_v_dim=128, conv_kernel=4,
@@ -24,7 +24,7 @@ QWEN3_5 = dict(vocab_size=248320, rope_theta=1e7, eos_token_ids=(248044,), gdn_n
 QWEN3_5_MOE = dict(QWEN3_5, family="qwen3_5_moe", intermediate_size=0, tie_word_embeddings=False,
                    norm_topk_prob=True)
 
-# Hand-copied from the reference table (section 1.4), one row per config in shared/configs.
+# Hand-copied from the reference table (section 1.4), one row per bf16 config in deltaserve/model_configs.
 EXPECTED = {
     "qwen3.5-0.8b": dict(QWEN3_5, family="qwen3_5", hidden_size=1024, num_layers=24, num_heads=8, num_kv_heads=2,
                          gdn_num_v_heads=16, intermediate_size=3584, tie_word_embeddings=True),
@@ -56,11 +56,8 @@ TINY_MODEL_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_tied": "qwen3_5_text",
                     "qwen3_5_moe": "qwen3_5_moe_text", "qwen3_next": "qwen3_next"}
 
 
-def shared_config(name: str) -> Path:
-    path = SHARED_CONFIGS / name / "config.json"
-    if not path.is_file():
-        pytest.skip(f"published config {path} is absent (shared/configs lives beside the repository)")
-    return path
+def shipped_config(name: str) -> Path:
+    return CONFIGS_DIR / name / "config.json"
 
 
 _DROP = object()  # an override value for `tiny` that removes the key
@@ -78,19 +75,18 @@ def multimodal(text: dict, model_type: str = "qwen3_5", **top) -> dict:
     return dict(model_type=model_type, architectures=["Qwen3_5ForConditionalGeneration"], text_config=text, **top)
 
 
-def test_every_shared_config_parses_and_has_reference_facts():
-    if not SHARED_CONFIGS.is_dir():
-        pytest.skip(f"{SHARED_CONFIGS} is absent (shared/configs lives beside the repository)")
-    names = sorted(p.parent.name for p in SHARED_CONFIGS.glob("*/config.json"))
-    assert names, f"no */config.json under {SHARED_CONFIGS}"
+def test_every_shipped_config_parses_and_has_reference_facts():
+    names = sorted(p.parent.name for p in CONFIGS_DIR.glob("*/config.json"))
+    assert names, f"no */config.json under {CONFIGS_DIR}"
     for name in names:
-        ModelConfig.from_pretrained(SHARED_CONFIGS / name)
-    assert set(names) <= set(EXPECTED), "add the new config's facts from the reference table to EXPECTED"
+        ModelConfig.from_pretrained(CONFIGS_DIR / name)
+    bf16 = {name for name in names if not name.endswith(("-fp8", "-awq", "-nvfp4"))}
+    assert bf16 == set(EXPECTED), "add the new config's facts from the reference table to EXPECTED"
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_published_config_matches_reference_table(name):
-    cfg = ModelConfig.from_pretrained(shared_config(name).parent)
+    cfg = ModelConfig.from_pretrained(shipped_config(name).parent)
     got = {field: getattr(cfg, field) for field in {**COMMON_FACTS, **EXPECTED[name]}}
     assert got == {**COMMON_FACTS, **EXPECTED[name]}
     # Full attention every 4th layer (3, 7, 11, ...), Gated DeltaNet elsewhere.
@@ -103,7 +99,7 @@ def test_published_config_matches_reference_table(name):
 
 
 def test_qwen3_5_27b_in_detail():
-    cfg = ModelConfig.from_pretrained(shared_config("qwen3.5-27b"))  # the json file itself, not its folder
+    cfg = ModelConfig.from_pretrained(shipped_config("qwen3.5-27b"))  # the json file itself, not its folder
     assert cfg.full_attention_layers == (3, 7, 11, 15, 19, 23, 27, 31, 35, 39, 43, 47, 51, 55, 59, 63)
     assert cfg.conv_dim == 10240
     assert (cfg.gdn_key_dim, cfg.gdn_value_dim) == (2048, 6144)

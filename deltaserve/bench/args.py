@@ -15,7 +15,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """Add every `bench serve` flag to `parser`."""
     server = parser.add_argument_group("server")
     server.add_argument("--backend", choices=BACKENDS, default="openai",
-                        help="openai: /v1/completions; openai-chat: /v1/chat/completions")
+                        help="openai or vllm: /v1/completions; openai-chat or vllm-chat: /v1/chat/completions")
     server.add_argument("--base-url", default=None, help="server URL, e.g. http://10.0.0.2:8000 (else --host/--port)")
     server.add_argument("--host", default="127.0.0.1")
     server.add_argument("--port", type=int, default=8000)
@@ -51,7 +51,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                       help="fixed output length (default: the dataset reply's length)")
     data.add_argument("--custom-output-len", type=int, default=256)
     data.add_argument("--skip-chat-template", action="store_true",
-                      help="custom dataset, openai backend: send prompts without the tokenizer's chat template")
+                      help="custom dataset, completions backends: send prompts without the tokenizer's chat "
+                           "template")
     data.add_argument("--multi-turn-num-turns", type=int, default=8)
     data.add_argument("--multi-turn-sessions", type=int, default=4)
     data.add_argument("--multi-turn-new-tokens", type=int, default=2000,

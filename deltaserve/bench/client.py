@@ -20,8 +20,11 @@ import aiohttp
 
 from deltaserve.bench.errors import BenchInputError
 
-BACKENDS = ("openai", "openai-chat")
-DEFAULT_ENDPOINTS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
+# `vllm bench serve`'s backend names -> the OpenAI API each speaks ("vllm" is the older default's name)
+BACKEND_APIS = {"openai": "completions", "vllm": "completions", "openai-chat": "chat", "vllm-chat": "chat"}
+BACKENDS = tuple(BACKEND_APIS)
+DEFAULT_ENDPOINTS = {name: "/v1/chat/completions" if api == "chat" else "/v1/completions"
+                     for name, api in BACKEND_APIS.items()}
 
 
 @dataclass(frozen=True)
@@ -29,11 +32,16 @@ class Endpoint:
     """Where and how every request of a run is sent."""
 
     api_url: str
-    backend: str  # "openai" (completions) or "openai-chat"
+    backend: str  # one of BACKENDS
     model: str  # the model name sent in the body
     headers: dict[str, str]
     extra_body: dict  # merged last into every body: sampling flags, then --extra-body
     ignore_eos: bool
+
+    @property
+    def chat(self) -> bool:
+        """Whether requests go to the chat completions API (messages) rather than completions (a prompt)."""
+        return BACKEND_APIS[self.backend] == "chat"
 
 
 @dataclass
@@ -57,6 +65,7 @@ class RequestOutput:
     output_tokens: int | None = None  # usage.completion_tokens, when reported
     ttft: float = 0.0
     itl: list[float] = field(default_factory=list)
+    chunk_texts: list[str] = field(default_factory=list)  # the text of each token chunk (content + reasoning)
     latency: float = 0.0
     start_time: float = 0.0
     error: str = ""
@@ -65,7 +74,7 @@ class RequestOutput:
 def build_payload(endpoint: Endpoint, request: RequestInput) -> dict:
     """The JSON body: vLLM's fields for the backend, then the endpoint's extra body on top."""
     payload: dict = {"model": endpoint.model, "stream": True, "stream_options": {"include_usage": True}}
-    if endpoint.backend == "openai-chat":
+    if endpoint.chat:
         prompt = request.prompt
         payload["messages"] = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
         # vLLM's client sends max_completion_tokens (the current OpenAI name); servers that only know the
@@ -104,10 +113,15 @@ class StreamRecorder:
             choice = choices[0]
             if "delta" in choice:  # chat
                 delta = choice["delta"] or {}
-                self.output.generated_text += delta.get("content") or ""
-                self.output.reasoning_text += delta.get("reasoning_content") or delta.get("reasoning") or ""
+                content = delta.get("content") or ""
+                reasoning = delta.get("reasoning_content") or delta.get("reasoning") or ""
+                self.output.generated_text += content
+                self.output.reasoning_text += reasoning
+                self.output.chunk_texts.append(reasoning + content)
             else:
-                self.output.generated_text += choice.get("text") or ""
+                text = choice.get("text") or ""
+                self.output.generated_text += text
+                self.output.chunk_texts.append(text)
         usage = event.get("usage")
         if usage:
             if usage.get("completion_tokens") is not None:

@@ -4,7 +4,8 @@
   [floor(len*(1-r)), ceil(len*(1+r))] for --random-range-ratio r (0 = fixed); the same for the output length
   (at least 1). --random-prefix-len tokens of one shared random prefix go before every prompt.
 - prefix_repetition: --prefix-repetition-num-prefixes random prefixes, each followed by random suffixes; every
-  prompt is prefix + suffix with exactly prefix_len + suffix_len tokens, prompts shuffled.
+  prompt is prefix + suffix with exactly prefix_len + suffix_len tokens, the prefix's tokens identical in
+  each, prompts shuffled (built in token space for any tokenizer: randtext.py).
 - sharegpt: a local ShareGPT JSON file (first human turn = prompt, first reply = output length unless
   --sharegpt-output-len), filtered like vLLM (prompt >= 4 tokens, output >= 4, prompt <= 1024, sum <= 2048).
 - custom: a JSONL file with a "prompt" field per line; output length --custom-output-len.
@@ -63,8 +64,7 @@ def sample_random(
     prefix = gen.prefix(prefix_len)
     requests = []
     for body_len, out_len in zip(input_lens.tolist(), output_lens.tolist()):
-        body = gen.text(body_len, context=prefix)
-        requests.append(SampleRequest(prefix + body, prefix_len + body_len, out_len))
+        requests.append(SampleRequest(gen.extend(prefix, body_len), prefix_len + body_len, out_len))
     return requests
 
 
@@ -93,8 +93,7 @@ def sample_prefix_repetition(
     for prefix_index in range(num_prefixes):
         prefix = gen.prefix(prefix_len)
         for _ in range(per_prefix + (prefix_index < extra)):
-            suffix = gen.text(suffix_len, context=prefix)
-            requests.append(SampleRequest(prefix + suffix, prefix_len + suffix_len, output_len))
+            requests.append(SampleRequest(gen.extend(prefix, suffix_len), prefix_len + suffix_len, output_len))
     order = gen.rng.permutation(len(requests))
     return [requests[i] for i in order]
 

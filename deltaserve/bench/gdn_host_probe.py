@@ -18,13 +18,13 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import os
 import pstats
 import time
 
 import torch
 
 from deltaserve.config import ModelConfig
+from deltaserve.model_configs import CONFIGS_DIR
 
 CALLS = 200
 
@@ -117,9 +117,8 @@ def _token_counts(text: str) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m deltaserve.bench.gdn_host_probe", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    default_dir = next((d for d in (".gpu_configs/qwen3.5-27b", "../shared/configs/qwen3.5-27b") if os.path.isdir(d)),
-                       None)
-    parser.add_argument("model", nargs="?", default=default_dir, help="config.json directory")
+    parser.add_argument("model", nargs="?", default=str(CONFIGS_DIR / "qwen3.5-27b"),
+                        help="config.json directory (default: the shipped Qwen3.5-27B config)")
     parser.add_argument("--tokens", type=_token_counts, default=[64, 256, 1024, 4096],
                         help="comma-separated sequence lengths (default 64,256,1024,4096)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
@@ -127,9 +126,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.profile < 0:
         parser.error(f"--profile must be 0 or more, got {args.profile}")
-    if args.model is None:
-        parser.error("no config directory given, and neither .gpu_configs/qwen3.5-27b nor "
-                     "../shared/configs/qwen3.5-27b exists")
     if not torch.cuda.is_available():
         parser.error("this probe times CUDA kernels: no CUDA device here")
     cfg = ModelConfig.from_pretrained(args.model)

@@ -15,12 +15,12 @@ import argparse
 import functools
 import itertools
 import json
-import os
 from pathlib import Path
 
 import torch
 
 from deltaserve.config import ModelConfig
+from deltaserve.model_configs import CONFIGS_DIR
 from deltaserve.ops.linear import cuda as linear_cuda
 from deltaserve.ops.linear import reference
 
@@ -85,9 +85,8 @@ def probe_parser(module: str, doc: str, default_out: str, package_table: str) ->
     """The arguments every probe takes: the model's config directory and the table to merge results into."""
     parser = argparse.ArgumentParser(prog=f"python -m deltaserve.bench.{module}", description=doc,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    default_dir = next((d for d in (".gpu_configs/qwen3.5-27b", "../shared/configs/qwen3.5-27b") if os.path.isdir(d)),
-                       None)
-    parser.add_argument("model", nargs="?", default=default_dir, help="config.json directory")
+    parser.add_argument("model", nargs="?", default=str(CONFIGS_DIR / "qwen3.5-27b"),
+                        help="config.json directory (default: the shipped Qwen3.5-27B config)")
     parser.add_argument("--out", default=default_out,
                         help=f"merge the tuned shapes into this table (deltaserve/ops/linear/{package_table} to "
                              "keep them)")

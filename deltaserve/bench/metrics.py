@@ -9,8 +9,12 @@ Over successful requests only (failed ones add 0 output tokens and nothing else)
 - throughputs divide by the benchmark duration: completed requests, output tokens, input + output tokens.
 - goodput: requests meeting every given SLO (ms; ttft, tpot, e2el; a request with <= 1 output token has
   TPOT 0 for this test) per second.
-- peak output throughput: token chunks (first chunk at start + ttft, then one per itl) counted in 1-second
-  buckets from the earliest request start; the fullest bucket.
+- peak output throughput: the output tokens each chunk carried (first chunk at start + ttft, then one per
+  itl), summed in 1-second buckets from the earliest request start; the fullest bucket. vLLM counts every
+  chunk as one token: the same where a chunk carries one token, but below the mean throughput where a server
+  joins several tokens a chunk (one that falls behind its streams, or --stream-interval N), and one too many
+  per chat request (its first chunk carries only the role). A chunk's tokens are its text's tokens, scaled
+  so that a request's chunks add up to its output tokens (chunk_token_counts).
 - peak concurrent requests: the most requests in flight at once, intervals [start, start + e2el).
 """
 
@@ -81,8 +85,13 @@ def compute_metrics(
     duration_s: float,
     percentiles: Sequence[float],
     goodput_slos_ms: dict[str, float] | None = None,
+    chunk_tokens: Sequence[np.ndarray] | None = None,
 ) -> BenchmarkMetrics:
-    """All run metrics from per-request outputs and their output token counts (see the module docstring)."""
+    """All run metrics from per-request outputs and their output token counts (see the module docstring).
+    chunk_tokens: per request, the tokens of each chunk (chunk_token_counts); None spreads each request's
+    tokens evenly over its chunks."""
+    if chunk_tokens is None:
+        chunk_tokens = chunk_token_counts(outputs, output_lens, None)
     ttfts, e2els, tpots, itls, tpots_for_goodput = [], [], [], [], []
     total_input = 0
     for out, num_out in zip(outputs, output_lens):
@@ -107,6 +116,7 @@ def compute_metrics(
         good = sum(all(values[i] <= slo_s for values, slo_s in checks) for i in range(completed))
 
     successes = [out for out in outputs if out.success]
+    success_chunk_tokens = [tokens for out, tokens in zip(outputs, chunk_tokens) if out.success]
     return BenchmarkMetrics(
         completed=completed,
         failed=len(outputs) - completed,
@@ -116,7 +126,7 @@ def compute_metrics(
         request_goodput=good / duration_s,
         output_throughput=total_output / duration_s,
         total_token_throughput=(total_input + total_output) / duration_s,
-        max_output_tokens_per_s=peak_chunks_per_second(successes),
+        max_output_tokens_per_s=peak_tokens_per_second(successes, success_chunk_tokens),
         max_concurrent_requests=peak_concurrency(successes),
         stats={
             "ttft": summarize_ms(ttfts, percentiles),
@@ -127,19 +137,37 @@ def compute_metrics(
     )
 
 
-def peak_chunks_per_second(successes: Sequence[RequestOutput]) -> float:
-    """Most token chunks that arrived within one 1-second bucket counted from the earliest start."""
+def chunk_token_counts(
+    outputs: Sequence[RequestOutput],
+    output_lens: Sequence[int],
+    count_texts: Callable[[list[str]], list[int]] | None,
+) -> list[np.ndarray]:
+    """Per request, the output tokens each of its chunks carried (floats; empty for a failed request): the
+    chunk texts' token counts (`count_texts`, a batch tokenizer count), scaled to add up to the request's
+    output tokens; where the texts hold no token (or count_texts is None) the tokens are spread evenly."""
+    counts = []
+    for out, num_out in zip(outputs, output_lens):
+        num_chunks = 1 + len(out.itl) if out.success else 0
+        texts = out.chunk_texts if len(out.chunk_texts) == num_chunks else []
+        tokens = np.asarray(count_texts(texts) if texts and count_texts else [0] * num_chunks, dtype=np.float64)
+        total = tokens.sum()
+        counts.append(tokens * (num_out / total) if total > 0 else np.full(num_chunks, num_out / max(num_chunks, 1)))
+    return counts
+
+
+def peak_tokens_per_second(successes: Sequence[RequestOutput], chunk_tokens: Sequence[np.ndarray]) -> float:
+    """Most output tokens that arrived within one 1-second bucket counted from the earliest start."""
     if not successes:
         return 0.0
     t0 = min(out.start_time for out in successes)
     end = max(out.start_time + out.latency for out in successes)
     buckets = np.zeros(int(np.ceil(end - t0)) + 1)
-    for out in successes:
+    for out, tokens in zip(successes, chunk_tokens):
         # chunk arrival times: start + ttft, then each itl after the previous chunk
         arrivals = out.start_time + out.ttft + np.concatenate(([0.0], np.cumsum(out.itl)))
         index = (arrivals - t0).astype(np.int64)
-        index = index[(index >= 0) & (index < len(buckets))]
-        np.add.at(buckets, index, 1)
+        inside = (index >= 0) & (index < len(buckets))
+        np.add.at(buckets, index[inside], tokens[inside])
     return float(buckets.max())
 
 

@@ -1,8 +1,8 @@
 """Multi-turn sessions: agent-like traffic where each request extends the conversation before it.
 
 Turn 0 sends a random prompt of --random-input-len tokens. Turn k > 0 sends the previous prompt + the
-previous answer text + a new random text of --multi-turn-new-tokens tokens (openai backend: one string;
-openai-chat: the message list grows by the assistant answer and a new user message). Turns of one session
+previous answer text + a new random text of --multi-turn-new-tokens tokens (completions backends: one string;
+chat backends: the message list grows by the assistant answer and a new user message). Turns of one session
 run strictly in order; sessions run side by side, at most --max-concurrency at once, and start at
 --request-rate arrival times. Later turns re-send everything before them, so a server's prefix cache shows
 up as a TTFT that stays flat across turns: the report gives TTFT per turn index.

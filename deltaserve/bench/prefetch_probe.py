@@ -22,6 +22,7 @@ import triton.language as tl
 
 from deltaserve.bench.gemv_probe import decode_projections, graph_time_us, inputs
 from deltaserve.config import ModelConfig
+from deltaserve.model_configs import CONFIGS_DIR
 from deltaserve.ops import linear
 from deltaserve.ops.linear import reference
 
@@ -74,7 +75,8 @@ def _prefetched(call, fn, weight, megabytes, pattern, first_wave_rows, side_stre
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m deltaserve.bench.prefetch_probe", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("model", nargs="?", default=".gpu_configs/qwen3.5-27b")
+    parser.add_argument("model", nargs="?", default=str(CONFIGS_DIR / "qwen3.5-27b"),
+                        help="config.json directory (default: the shipped Qwen3.5-27B config)")
     parser.add_argument("--rows", default="64", help="comma-separated decode batch sizes")
     parser.add_argument("--megabytes", default="4,8,16,32", help="comma-separated prefetch sizes")
     args = parser.parse_args(argv)

@@ -14,9 +14,9 @@ from datetime import datetime
 
 from deltaserve.bench import datasets, multi_turn
 from deltaserve.bench.args import add_serve_args, validate_args
-from deltaserve.bench.client import Endpoint, RequestInput, list_served_models
+from deltaserve.bench.client import BACKEND_APIS, Endpoint, RequestInput, list_served_models
 from deltaserve.bench.errors import BenchInputError
-from deltaserve.bench.metrics import compute_metrics, output_token_counts
+from deltaserve.bench.metrics import chunk_token_counts, compute_metrics, output_token_counts
 from deltaserve.bench.randtext import RandomTextGenerator
 from deltaserve.bench.report import detailed_dict, format_errors, format_table, summary_dict
 from deltaserve.bench.traffic import TimedRun, Workload, run_traffic
@@ -125,12 +125,17 @@ def report(args: argparse.Namespace, run: TimedRun, tokenizer, model: str, token
     def count_tokens(text: str) -> int:
         return len(tokenizer(text, add_special_tokens=False).input_ids)
 
+    def count_texts(texts: list[str]) -> list[int]:
+        return [len(ids) for ids in tokenizer(texts, add_special_tokens=False).input_ids]
+
     for request, output in zip(run.inputs, run.outputs):
         if output.prompt_len is None:  # a multi-turn prompt, and no usage.prompt_tokens from the server
             output.prompt_len = multi_turn.prompt_token_count(request.prompt, count_tokens)
     output_lens = output_token_counts(run.outputs, count_tokens)
     goodput = bool(args.goodput_slos_ms)
-    metrics = compute_metrics(run.outputs, output_lens, run.duration_s, args.percentiles, args.goodput_slos_ms)
+    chunk_tokens = chunk_token_counts(run.outputs, output_lens, count_texts)
+    metrics = compute_metrics(run.outputs, output_lens, run.duration_s, args.percentiles, args.goodput_slos_ms,
+                              chunk_tokens)
 
     result = _result_header(args, model, tokenizer_path, len(run.outputs))
     result.update(summary_dict(metrics, run.duration_s, goodput))
@@ -163,7 +168,7 @@ def _single_turn_samples(args: argparse.Namespace, tokenizer, gen: RandomTextGen
         return datasets.sample_sharegpt(args.dataset_path, tokenizer, args.num_prompts, args.sharegpt_output_len,
                                         args.seed)
     # custom: with the chat backend the server applies the chat template itself
-    apply_template = args.backend == "openai" and not args.skip_chat_template
+    apply_template = BACKEND_APIS[args.backend] == "completions" and not args.skip_chat_template
     return datasets.sample_custom(args.dataset_path, tokenizer, args.num_prompts, args.custom_output_len,
                                   apply_template, args.seed)
 

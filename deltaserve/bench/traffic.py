@@ -120,7 +120,7 @@ async def run_traffic(
         start = time.perf_counter()
         if workload.sessions:
             inputs, outputs, turn_indices = await multi_turn.gather_sessions(
-                workload.sessions, endpoint.backend == "openai-chat", workload.session_id_prefix, send,
+                workload.sessions, endpoint.chat, workload.session_id_prefix, send,
                 lambda jobs: dispatch(jobs, offsets, max_concurrency),
             )
         else:

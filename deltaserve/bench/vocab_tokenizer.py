@@ -1,8 +1,8 @@
 """A synthetic tokenizer of a checkpoint's vocabulary, so that a dummy-weight checkpoint (the published configs
 hold only config.json) can be served and benchmarked over HTTP like a real one.
 
-    python -m deltaserve.bench.vocab_tokenizer CONFIG_DIR OUT_DIR
-    deltaserve serve CONFIG_DIR --load-format dummy --tokenizer OUT_DIR
+    python -m deltaserve.bench.vocab_tokenizer Qwen/Qwen3.5-27B OUT_DIR     (or a config.json directory)
+    deltaserve serve Qwen/Qwen3.5-27B --load-format dummy      (builds the same tokenizer itself)
     deltaserve bench serve --tokenizer OUT_DIR --dataset-name random ...
 
 Token i is the word "t{i}" and text is words split on whitespace, so every id decodes to a word that encodes
@@ -36,13 +36,14 @@ def build(vocab_size: int, eos_token_id: int | None = None):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m deltaserve.bench.vocab_tokenizer", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("model", help="checkpoint or config.json directory")
+    parser.add_argument("model", help="checkpoint or config.json directory, or a hub id (e.g. Qwen/Qwen3.5-27B)")
     parser.add_argument("out", help="directory to write the tokenizer into (created)")
     args = parser.parse_args(argv)
     from deltaserve.config import ConfigError, ModelConfig
+    from deltaserve.model_configs import resolve_model
 
     try:
-        cfg = ModelConfig.from_pretrained(args.model)
+        cfg = ModelConfig.from_pretrained(resolve_model(args.model, need_weights=False))
     except ConfigError as exc:
         parser.error(str(exc))
     tokenizer = build(cfg.vocab_size, cfg.eos_token_ids[0] if cfg.eos_token_ids else None)

@@ -2,8 +2,9 @@
 
     deltaserve plan MODEL_OR_CONFIG [engine flags] [--gpu NAME | --gpu-memory BYTES] [--quantization fp8|int4]
 
-MODEL_OR_CONFIG is a checkpoint directory or a config.json: nothing else is read (no weights, no GPU, no
-download), so "does Qwen3.5-27B fit on a 32 GB card at 262K context with fp8 KV, and how many requests
+MODEL_OR_CONFIG is a checkpoint directory, a config.json, or a hub id (a copy in the local Hugging Face
+cache, else the published config shipped in deltaserve/model_configs): nothing else is read (no weights, no
+GPU, no download), so "does Qwen3.5-27B fit on a 32 GB card at 262K context with fp8 KV, and how many requests
 run at once?" is answered before anything is fetched. The engine flags are `deltaserve serve`'s; serve
 flags that do not change memory are accepted and listed as ignored. Exit status: 0 when the plan for the
 chosen device fits (or no device was chosen), 1 when it does not, 2 for bad input.
@@ -22,6 +23,7 @@ from deltaserve.cache.footprint import WEIGHT_FORMATS
 from deltaserve.cache.planner import MemoryPlan, plan
 from deltaserve.config import (DTYPES, KV_CACHE_DTYPES, PERFORMANCE_MODES, SSM_CACHE_DTYPES, ConfigError, EngineConfig,
                                ModelConfig)
+from deltaserve.model_configs import resolve_model
 
 
 @dataclass(frozen=True)
@@ -178,7 +180,8 @@ def _short_reason(p: MemoryPlan) -> str:
 
 def add_plan_args(parser: argparse.ArgumentParser) -> None:
     """The flags of `deltaserve plan` (the engine flags keep `deltaserve serve`'s names and defaults)."""
-    parser.add_argument("model", metavar="MODEL_OR_CONFIG", help="checkpoint directory or config.json")
+    parser.add_argument("model", metavar="MODEL_OR_CONFIG",
+                        help="checkpoint directory, config.json, or hub id (e.g. Qwen/Qwen3.5-27B: its shipped config)")
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--gpu", type=find_gpu, default=None, help=f"plan for one of: "
                        f"{', '.join(g.name for g in GPUS.values())}")
@@ -210,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     add_plan_args(parser)
     args, ignored = parser.parse_known_args(argv)
     try:
-        cfg = ModelConfig.from_pretrained(args.model)
+        source = resolve_model(args.model, need_weights=False)
+        cfg = ModelConfig.from_pretrained(source)
         engine = EngineConfig(
             model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
@@ -219,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
             mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype, enforce_eager=args.enforce_eager,
             enable_prefix_caching=args.enable_prefix_caching, prefix_cache_state_slots=args.prefix_cache_state_slots,
             performance_mode=args.performance_mode)
-        name = _model_name(args.model)
+        name = _model_name(args.model, source)
         common = dict(weight_format=args.quantization, model_name=name)
         table = [(gpu, plan(cfg, engine, device_memory_bytes=gpu.memory_bytes, device_name=gpu.name, **common))
                  for gpu in GPUS.values()]
@@ -233,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     out = []
     if ignored:
         out.append(f"ignored (they do not change the memory plan): {' '.join(ignored)}")
-    out += _quantization_note(Path(args.model), args.quantization)
+    out += _quantization_note(source, args.quantization)
     if chosen is not None:
         out += [describe_plan(chosen), ""]
     else:
@@ -245,9 +249,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if chosen is None or chosen.error is None else 1
 
 
-def _model_name(path: str) -> str:
-    folder = Path(path)
-    return (folder.parent if folder.name == "config.json" else folder).resolve().name
+def _model_name(model: str, source: Path) -> str:
+    """The hub id's name (Qwen3.5-27B for Qwen/Qwen3.5-27B), else the checkpoint folder's."""
+    if not Path(model).exists():
+        return model.split("/")[-1]
+    return (source.parent if source.name == "config.json" else source).resolve().name
 
 
 def _quantization_note(path: Path, weight_format: str | None) -> list[str]:

@@ -25,6 +25,7 @@ from deltaserve.config import ConfigError, EngineConfig, ModelConfig
 from deltaserve.layers.batch import ForwardBatch
 from deltaserve.model.loader import load_model
 from deltaserve.model.qwen3_5 import HybridForCausalLM
+from deltaserve.model_configs import is_shipped_config, resolve_model
 from deltaserve.sampling import Sampler, SamplingParams
 from deltaserve.worker.kv_cache import TORCH_DTYPES, CacheShape, bind_caches, release_caches
 from deltaserve.worker.model_runner import ModelRunner
@@ -38,13 +39,17 @@ class EngineSetup:
             from deltaserve.demo import demo_model_path
             model_path = demo_model_path()
             logger.info("no model given: serving the built-in tiny demo model at %s (random weights)", model_path)
-        else:
-            model_path = Path(config.model)
+        else:  # a local checkpoint, a cached hub snapshot, or (dummy weights) a hub id's shipped config
+            model_path = resolve_model(config.model, need_weights=config.load_format != "dummy")
         self.model_path = model_path
         self.model_config = ModelConfig.from_pretrained(model_path)
         self.device = self._device(config.device)
         self.dtype = TORCH_DTYPES[model_dtype(config.dtype, self.model_config, self.device.type == "cuda")]
-        self.tokenizer = None if config.skip_tokenizer_init else self._tokenizer(config.tokenizer or model_path)
+        self.tokenizer = None
+        if not config.skip_tokenizer_init:
+            tokenizer_path = model_path if config.tokenizer is None else resolve_model(
+                config.tokenizer, need_weights=False, flag="--tokenizer")
+            self.tokenizer = self._tokenizer(tokenizer_path, self.model_config)
         self.eos_token_ids = set(self.model_config.eos_token_ids)
         if not self.eos_token_ids and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids = {self.tokenizer.eos_token_id}
@@ -78,8 +83,15 @@ class EngineSetup:
         return torch.device(name)
 
     @staticmethod
-    def _tokenizer(path):
+    def _tokenizer(path: Path, model_config: ModelConfig):
         import transformers
+        if is_shipped_config(path):  # a published config has no tokenizer: one of its vocabulary's ids
+            from deltaserve.bench.vocab_tokenizer import build
+            logger.info("%s is a shipped config without a tokenizer: using a synthetic one of its %d ids "
+                        "(token i is the word t{i}; `python -m deltaserve.bench.vocab_tokenizer` writes the same "
+                        "for `deltaserve bench serve --tokenizer`)", path, model_config.vocab_size)
+            eos = model_config.eos_token_ids[0] if model_config.eos_token_ids else None
+            return build(model_config.vocab_size, eos)
         try:
             return transformers.AutoTokenizer.from_pretrained(str(path))
         except (OSError, ValueError) as exc:

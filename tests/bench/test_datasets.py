@@ -37,7 +37,7 @@ def test_random_text_after_context_keeps_context_tokens(tokenizer, gen):
     context_ids = _ids(tokenizer, context)
     for n in (1, 5, 64):
         for _ in range(10):
-            full = _ids(tokenizer, context + gen.text(n, context=context))
+            full = _ids(tokenizer, gen.extend(context, n))
             assert full[:100] == context_ids and len(full) == 100 + n
 
 

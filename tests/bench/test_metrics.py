@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from deltaserve.bench.client import Endpoint, RequestInput, RequestOutput, StreamError, StreamRecorder, build_payload
-from deltaserve.bench.metrics import compute_metrics, output_token_counts, peak_concurrency, summarize_ms
+from deltaserve.bench.metrics import (chunk_token_counts, compute_metrics, output_token_counts, peak_concurrency,
+                                      summarize_ms)
 from deltaserve.bench.report import format_errors, format_table, percentile_word, summary_dict
 from deltaserve.bench.traffic import arrival_offsets
 
@@ -51,8 +52,9 @@ def test_metrics_hand_made_timings_exact():
     assert dict(itl.percentiles)[99] == pytest.approx(98.5)
     assert dict(itl.percentiles)[50] == pytest.approx(40.0)
     assert m.stats["e2el"].mean == pytest.approx(1000 * (0.2 + 0.4 + 0.05) / 3)
-    # chunks: a at 0.1 .. 0.2 (4), b at 0.3, 0.4 (2) in second 0; single at 1.25 in second 1
-    assert m.max_output_tokens_per_s == 6.0
+    # chunks: a at 0.1 .. 0.2 (4 chunks, 4 tokens), b at 0.3, 0.4 (2 chunks, 3 tokens) in second 0; single at
+    # 1.25 in second 1. No chunk texts: each request's tokens spread evenly over its chunks.
+    assert m.max_output_tokens_per_s == 7.0
     assert m.max_concurrent_requests == 2  # a [0, 0.2) overlaps b [0.1, 0.5)
 
 
@@ -66,6 +68,32 @@ def test_empty_metrics_report_zero():
     assert (stats.mean, stats.median, stats.std, stats.percentiles) == (0.0, 0.0, 0.0, [(99, 0.0)])
     m = compute_metrics([RequestOutput(error="down")], [0], 1.0, [99])
     assert (m.completed, m.failed, m.max_output_tokens_per_s, m.max_concurrent_requests) == (0, 1, 0.0, 0)
+
+
+def _count_texts(texts: list[str]) -> list[int]:
+    return [_count_words(text) for text in texts]
+
+
+def test_chunk_tokens_follow_the_chunk_texts_and_add_up_to_the_usage():
+    out = RequestOutput(success=True, output_tokens=8, chunk_texts=["", "t1 t2 t3", "t4"], itl=[0.1, 0.1])
+    failed = RequestOutput(error="down")
+    words = chunk_token_counts([out, failed], [8, 0], _count_texts)  # the server said 8, the texts hold 4
+    assert [w.tolist() for w in words] == [[0.0, 6.0, 2.0], []]  # the role-only chat chunk carries nothing
+    silent = RequestOutput(success=True, chunk_texts=["", ""], itl=[0.1])
+    assert chunk_token_counts([silent], [3], _count_texts)[0].tolist() == [1.5, 1.5]
+    assert chunk_token_counts([out], [8], None)[0].tolist() == pytest.approx([8 / 3] * 3)
+
+
+def test_peak_output_throughput_counts_tokens_not_chunks():
+    """A server that joins two tokens a chunk (one falling behind its streams): 8 streams of 100 tokens in
+    50 chunks each, one chunk every 0.1 s from t = 1.005 s. Counting chunks (vLLM) halves the peak, below the
+    mean throughput; the tokens give 8 x 2 x 10 = 160 tok/s in every full second."""
+    outputs = [RequestOutput(success=True, prompt_len=1, output_tokens=100, start_time=0.0, ttft=1.005 + i / 1000,
+                             itl=[0.1] * 49, latency=5.905 + i / 1000, chunk_texts=["a b"] * 50) for i in range(8)]
+    lens = output_token_counts(outputs, _count_words)
+    m = compute_metrics(outputs, lens, 6.0, [99], chunk_tokens=chunk_token_counts(outputs, lens, _count_texts))
+    assert m.output_throughput == pytest.approx(800 / 6.0)
+    assert m.max_output_tokens_per_s == 160.0 >= m.output_throughput
 
 
 def test_peak_concurrency_uses_half_open_intervals():
@@ -100,7 +128,7 @@ def test_stream_recorder_completions_and_chat():
     rec.on_event({"choices": [{"text": None}]}, 11.0)  # a chunk with empty text still counts (vLLM)
     rec.on_event({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3}}, 11.5)
     rec.finish()
-    assert out.success and out.generated_text == "Hello"
+    assert out.success and out.generated_text == "Hello" and out.chunk_texts == ["Hel", "lo", ""]
     assert out.ttft == 0.5 and out.itl == pytest.approx([0.2, 0.3])
     assert out.latency == 1.0  # the usage event after the last token does not extend E2EL
     assert (out.prompt_len, out.output_tokens) == (7, 3)
@@ -111,6 +139,7 @@ def test_stream_recorder_completions_and_chat():
     rec.on_event({"choices": [{"delta": {"content": "ok"}}]}, 2.0)
     rec.finish()
     assert (chat.generated_text, chat.reasoning_text, chat.ttft, chat.itl) == ("ok", "think", 1.0, [1.0])
+    assert chat.chunk_texts == ["think", "ok"]
 
     with pytest.raises(StreamError, match="overloaded"):
         StreamRecorder(RequestOutput()).on_event({"error": {"message": "overloaded"}}, 0.0)

@@ -220,3 +220,32 @@ def test_api_key_from_flag_or_environment(fake_server, tokenizer_dir, monkeypatc
 def test_bad_flags_exit_2_before_contacting_the_server(flags, message, capsys):
     assert main(["serve", "--port", str(_closed_port()), *flags]) == 2
     assert message in _one_line_error(capsys)
+
+
+@pytest.mark.parametrize("backend, chat", [("vllm", False), ("openai", False), ("vllm-chat", True),
+                                           ("openai-chat", True)])
+def test_vllm_backend_names(fake_server, tokenizer_dir, backend, chat):
+    result = _run(fake_server, tokenizer_dir, "--backend", backend, "--random-input-len", "8",
+                  "--random-output-len", "3", "--num-prompts", "2")
+    bodies = [body for _, body in fake_server.received]
+    assert len(bodies) == 2 and all(("messages" in body, "prompt" in body) == (chat, not chat) for body in bodies)
+    assert (result["completed"], result["backend"]) == (2, backend)
+
+
+def test_report_places_each_chunks_tokens_by_its_text(tokenizer):
+    """The chunk texts reach the peak throughput: a role-only first chunk (chat), a chunk of several tokens,
+    then one of a single token, each in a second of its own."""
+    from deltaserve.bench.args import validate_args
+    from deltaserve.bench.client import RequestInput, RequestOutput
+    from deltaserve.bench.serve import report
+    from deltaserve.bench.traffic import TimedRun
+
+    args = build_parser().parse_args(["serve"])
+    validate_args(args)
+    texts = ["", " hello world, café", " done"]
+    out = RequestOutput(success=True, prompt_len=3, output_tokens=12, start_time=0.0, ttft=0.5, itl=[1.0, 1.0],
+                        latency=2.5, chunk_texts=texts)
+    counts = [len(_ids(tokenizer, text)) for text in texts]
+    result = report(args, TimedRun([RequestInput("p", 3, 12, "r0")], [out], [0], 3.0), tokenizer, "m", "t")
+    assert counts[1] > counts[2] > counts[0] == 0
+    assert result["max_output_tokens_per_s"] == pytest.approx(12 * counts[1] / sum(counts))

@@ -5,7 +5,6 @@
 import argparse
 import math
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,8 +16,7 @@ from deltaserve.cache.planner import CPU_CACHE_BYTES, PlanError, plan
 from deltaserve.config import ConfigError, EngineConfig, ModelConfig
 from deltaserve.demo import TINY_CONFIGS
 from deltaserve.model.loader import build_model
-
-SHARED_CONFIGS = Path(__file__).resolve().parents[2] / ".." / "shared" / "configs"
+from deltaserve.model_configs import CONFIGS_DIR
 GIB = 2**30
 
 # Hand-computed from the reference table (shared/reference, section 1.4); head_dim 256, dk = dv = 128, W = 4.
@@ -48,10 +46,7 @@ assert EXPECTED["qwen3.5-27b"][:4] == (65536, 32768, 153_944_064, 78_446_592)
 
 
 def shared_config(name: str) -> ModelConfig:
-    folder = SHARED_CONFIGS / name
-    if not folder.is_dir():
-        pytest.skip(f"{folder} is absent")
-    return ModelConfig.from_pretrained(folder)
+    return ModelConfig.from_pretrained(CONFIGS_DIR / name)
 
 
 def tiny_config() -> ModelConfig:
@@ -230,13 +225,10 @@ def test_engine_config_accepts_fp8_and_auto_and_rejects_e5m2():
 
 
 def test_plan_cli_27b_on_a_32gb_card_at_262k_with_fp8(capsys):
-    config = SHARED_CONFIGS / "qwen3.5-27b"
-    if not config.is_dir():
-        pytest.skip(f"{config} is absent")
-    flags = [str(config), "--gpu", "RTX 5090", "--max-model-len", "262144", "--kv-cache-dtype", "fp8"]
+    flags = ["Qwen/Qwen3.5-27B", "--gpu", "RTX 5090", "--max-model-len", "262144", "--kv-cache-dtype", "fp8"]
     assert main(flags) == 1  # bf16 weights alone (50.10 GiB) are larger than the card
     out = capsys.readouterr().out
-    assert "Memory plan for qwen3.5-27b on RTX 5090" in out
+    assert "Memory plan for Qwen3.5-27B on RTX 5090" in out
     assert "DOES NOT FIT: the budget is 28.22 GiB" in out and "weights take 50.10 GiB" in out
     assert "KV per token: 32,768 B = 16 attention layers x 2 (K, V) x 4 KV heads x 256 x 1 B" in out
     assert "GDN state per sequence: 153,944,064 B" in out
@@ -251,7 +243,7 @@ def test_plan_cli_27b_on_a_32gb_card_at_262k_with_fp8(capsys):
     assert int(running[1].replace(",", "")) >= 262144 and 1 < int(running[2]) < 256
 
 
-def test_plan_cli_refuses_unknown_gpus_and_bad_numbers(capsys):
+def test_plan_cli_refuses_unknown_gpus_and_bad_numbers(capsys, tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         main(["some/model", "--gpu", "RTX 9999"])
     assert exit_info.value.code == 2
@@ -261,7 +253,10 @@ def test_plan_cli_refuses_unknown_gpus_and_bad_numbers(capsys):
         main(["some/model", "--gpu-memory", "lots"])
     assert "expected a number of bytes such as" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_info:
-        main([str(SHARED_CONFIGS / "nonexistent")])
+        main([str(CONFIGS_DIR / "nonexistent")])
+    assert exit_info.value.code == 2 and "nonexistent': no such file or directory" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(tmp_path)])  # a directory, but no config.json in it
     assert exit_info.value.code == 2 and "no config.json found" in capsys.readouterr().err
 
 

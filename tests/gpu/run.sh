@@ -14,8 +14,7 @@
 #          (for deltaserve/ops/linear/); TUNE=fla makes fla's alone (~2 min), TUNE=skinny the skinny table alone
 #          (~3 min), then a GDN layer's recurrent step and out-proj together and apart (`--gdn-tail 64`)
 # Wheels the machine lacks (fla-core, the server stack) are installed from .whl/ when present
-# (../shared/tools/gpu-wheels.sh .whl); the published configs are read from .gpu_configs/ (a copy of
-# ../shared/configs) or ../shared/configs.
+# (../shared/tools/gpu-wheels.sh .whl); the published configs are the ones shipped in deltaserve/model_configs/.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${1:?usage: tests/gpu/run.sh OUTDIR [quick|full|tests|bench|serve|tune]}
@@ -27,8 +26,7 @@ if [ -d .whl ]; then
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-CONFIGS=.gpu_configs
-[ -d "$CONFIGS" ] || CONFIGS=../shared/configs
+CONFIGS=deltaserve/model_configs
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/device.txt" 2>&1
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)' >> "$OUT/device.txt" 2>&1
 status=0

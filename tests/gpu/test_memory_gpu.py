@@ -32,8 +32,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from deltaserve.model_configs import CONFIGS_DIR
+
 ROOT = Path(__file__).resolve().parents[2]
-CONFIG_DIRS = [ROOT / ".gpu_configs" / "qwen3.5-27b", ROOT.parent / "shared" / "configs" / "qwen3.5-27b"]
 UTILIZATION = 0.95
 OUTPUT_TOKENS = 16
 TOLERANCE = 0.02
@@ -159,11 +160,8 @@ def report(figures: dict) -> str:
 
 
 def config_dir() -> Path:
-    """The published Qwen3.5-27B config: .gpu_configs/ (a copy) or ../shared/configs."""
-    found = next((path for path in CONFIG_DIRS if (path / "config.json").is_file()), None)
-    if found is None:
-        pytest.skip(f"no Qwen3.5-27B config in {[str(p) for p in CONFIG_DIRS]}")
-    return found
+    """The published Qwen3.5-27B config, shipped in the package."""
+    return CONFIGS_DIR / "qwen3.5-27b"
 
 
 def test_plan_matches_memory_in_use_and_serves_a_full_length_request(tmp_path, capsys):

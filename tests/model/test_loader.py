@@ -20,9 +20,9 @@ from safetensors.torch import load_file, save_file
 from deltaserve.config import ModelConfig
 from deltaserve.layers.batch import ForwardBatch
 from deltaserve.model.loader import WeightLoadError, init_dummy_weights, load_model
+from deltaserve.model_configs import CONFIGS_DIR
 from deltaserve.worker.kv_cache import CacheShape, bind_caches
 
-SHARED_CONFIGS = Path(__file__).resolve().parents[2] / ".." / "shared" / "configs"
 # Published config -> nominal size in billions of parameters (from the model's name).
 NOMINAL_BILLIONS = {"qwen3.5-0.8b": 0.8, "qwen3.5-4b": 4, "qwen3.5-9b": 9, "qwen3.5-27b": 27,
                     "qwen3.5-35b-a3b": 35, "qwen3.5-122b-a10b": 122, "qwen3.5-397b-a17b": 397,
@@ -277,9 +277,7 @@ def test_unknown_load_format(make_checkpoint):
 
 @pytest.mark.parametrize("name", sorted(NOMINAL_BILLIONS))
 def test_dummy_load_builds_every_published_shape_on_meta(name):
-    path = SHARED_CONFIGS / name / "config.json"
-    if not path.is_file():
-        pytest.skip(f"published config {path} is absent (shared/configs lives beside the repository)")
+    path = CONFIGS_DIR / name / "config.json"
     cfg = ModelConfig.from_pretrained(path)
     model = load_model(None, cfg, torch.bfloat16, "meta", load_format="dummy")
     params = dict(model.named_parameters())
@@ -349,9 +347,7 @@ def test_init_dummy_weights_reseeds_a_loaded_model(make_checkpoint):
 
 
 def test_dummy_shrunken_qwen3_5_0_8b_gives_finite_logits():
-    path = SHARED_CONFIGS / "qwen3.5-0.8b" / "config.json"
-    if not path.is_file():
-        pytest.skip(f"published config {path} is absent (shared/configs lives beside the repository)")
+    path = CONFIGS_DIR / "qwen3.5-0.8b" / "config.json"
     # The full 0.8B is ~3 GB in float32: keep its real widths, cut it to 4 layers and a 1024-token vocab.
     raw = json.loads(path.read_text())
     text = raw["text_config"]

@@ -129,7 +129,7 @@ def test_not_built_flag_exits_2_with_one_line(capsys):
 
 @pytest.mark.parametrize("argv, fragment", [
     (["--max-num-seqs", "0"], "--max-num-seqs must be a positive integer, got 0"),
-    (["/no/such/checkpoint"], "no config.json found"),
+    (["/no/such/checkpoint"], "MODEL '/no/such/checkpoint': no such file or directory"),
     (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
     (["--chat-template", "no-such-file.jinja"], "--chat-template 'no-such-file.jinja'"),
     (["--port", "70000"], "--port must be in [0, 65535]"),
