@@ -21,8 +21,8 @@ tail would otherwise cost a whole step, a pass over the weights):
                  Where the shared chain just ends (nothing known continues it, as where a conversation's next
                  turn resends the previous one) no checkpoint goes, unless the cached chain runs at least one
                  decode-checkpoint interval past the hit (its checkpoints were evicted or never saved): the
-                 chunk must end there, and each turn paid a 16-48-token step before its new message for a
-                 checkpoint no later turn uses (W5 on 27B: ~60-100 ms of a ~250 ms turn)
+                 chunk must end there, so each turn would pay a step of its own for a checkpoint no later turn
+                 uses (the next turn hits this one's prompt end)
     prompt end   at floor((P-1)/bs)*bs, the longest hit a resend of the same P-token prompt can use
     decode       at the latest multiple of DECODE_CHECKPOINT_INTERVAL tokens (a whole number of blocks) a running
                  request has passed past its prompt end: one per request, replaced as it passes the next, so that
