@@ -1,5 +1,5 @@
 """The prompts that live requests are computing, as the prefix index sees them: the chain hashes of their full
-blocks (indexed in the BlockPool only once computed) and the keys of the checkpoints they are to save.
+prompt blocks (indexed in the BlockPool only once computed) and the keys of the checkpoints they are to save.
 
 Requests that arrive together compute their shared prefix side by side, so none of them finds the others'
 blocks in the cache. With this index a prompt finds where it branches off a prompt being computed beside it, as
@@ -13,7 +13,8 @@ from deltaserve.request import Request
 
 
 class InFlightPrompts:
-    def __init__(self, seed: bytes):
+    def __init__(self, block_size: int, seed: bytes):
+        self.block_size = block_size
         self.seed = seed  # h_0, the parent of a first block
         self._blocks: dict[bytes, int] = {}  # chain hash -> live requests computing that block
         self._children: dict[bytes, int] = {}  # chain hash -> blocks of live requests that continue it
@@ -22,11 +23,11 @@ class InFlightPrompts:
         self._added: dict[int, tuple[list[bytes], list[bytes], list[bytes]]] = {}
 
     def add(self, request: Request, first_block: int, checkpoint_keys: list[bytes]) -> None:
-        """`request` starts computing at block `first_block` (its hit): index its full blocks from there (its
-        block_hashes) and the keys of the checkpoints it is to save."""
-        hashes = request.block_hashes
-        blocks = hashes[first_block:]
-        parents = [hashes[i - 1] if i else self.seed for i in range(first_block, len(hashes))]
+        """`request` starts computing at block `first_block` (its hit): index its full prompt blocks from there
+        (hashed: block_hashes) and the keys of the checkpoints it is to save."""
+        hashes, end = request.block_hashes, request.num_prompt_tokens // self.block_size
+        blocks = hashes[first_block:end]
+        parents = [hashes[i - 1] if i else self.seed for i in range(first_block, end)]
         for block, parent in zip(blocks, parents):
             self._blocks[block] = self._blocks.get(block, 0) + 1
             self._children[parent] = self._children.get(parent, 0) + 1

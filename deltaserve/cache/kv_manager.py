@@ -57,8 +57,8 @@ class CacheManager:
         self.block_pool = block_pool
         self.state_pool = state_pool
         self.prefix_cache = prefix_cache
-        self.in_flight = InFlightPrompts(prefix_cache.seed) if prefix_cache is not None else None
         self.block_size = block_pool.block_size
+        self.in_flight = InFlightPrompts(self.block_size, prefix_cache.seed) if prefix_cache is not None else None
         interval = DECODE_CHECKPOINT_INTERVAL if decode_checkpoint_interval is None else decode_checkpoint_interval
         if interval < 1:
             raise ValueError(f"decode_checkpoint_interval must be a positive number of tokens, got {interval}")
@@ -167,8 +167,8 @@ class CacheManager:
         while end < max_blocks and (self.in_flight.has_block(hashes[end])
                                     or self.block_pool.cached_block(hashes[end]) is not None):
             end += 1
-        # a known block continues hashes[end - 1]; the prompt's own next block is not known: they differ
-        if end and (self.block_pool.has_cached_child(hashes[end - 1]) or self.in_flight.has_child(hashes[end - 1])):
+        # another prompt's block continues hashes[end - 1]; this prompt's own next block is not known: they differ
+        if end and (self.block_pool.has_prompt_child(hashes[end - 1]) or self.in_flight.has_child(hashes[end - 1])):
             point = end * bs
         elif hit.num_chain_tokens - hit.num_tokens >= self.decode_checkpoint_stride:
             point = hit.num_chain_tokens
@@ -253,9 +253,10 @@ class CacheManager:
         if num_full <= request.num_indexed_blocks:
             return
         self._hash_blocks(request)
-        hashes = request.block_hashes
+        hashes, num_prompt_blocks = request.block_hashes, request.num_prompt_tokens // self.block_size
         for i in range(request.num_indexed_blocks, num_full):
-            self.block_pool.cache_block(request.block_ids[i], hashes[i], hashes[i - 1] if i else self.prefix_cache.seed)
+            parent = (hashes[i - 1] if i else self.prefix_cache.seed) if i < num_prompt_blocks else None
+            self.block_pool.cache_block(request.block_ids[i], hashes[i], parent)
         request.num_indexed_blocks = num_full
 
     def _hash_blocks(self, request: Request) -> None:

@@ -89,21 +89,22 @@ def test_block_pool_rejects_bad_caching():
 
 
 def test_block_pool_knows_which_prefixes_an_indexed_block_continues():
-    """A branch point is a prefix that an indexed block continues: counted per parent hash, dropped with the
-    last such block's eviction (a duplicate is not indexed, so not counted)."""
-    pool = BlockPool(5, BS)  # 4 usable
-    a, b, c, d = pool.allocate(4)
+    """A branch point is a prefix that an indexed prompt block continues: counted per parent hash, dropped with
+    the last such block's eviction. A duplicate is not indexed, an output block (no prompt parent) not counted."""
+    pool = BlockPool(6, BS)  # 5 usable
+    a, b, c, d, e = pool.allocate(5)
     assert pool.cache_block(a, b"h1", b"seed") and pool.cache_block(b, b"h2", b"h1")
     assert pool.cache_block(c, b"h2'", b"h1") and not pool.cache_block(d, b"h2", b"h1")
-    assert pool.has_cached_child(b"seed") and pool.has_cached_child(b"h1") and not pool.has_cached_child(b"h2")
-    pool.free([a, b, c, d])  # LRU: c, b, then a; d goes to the free list
-    taken = pool.allocate(2)  # d, then evicts c: b still continues h1
-    assert pool.cached_block(b"h2'") is None and pool.has_cached_child(b"h1")
+    assert pool.cache_block(e, b"h3", None)  # continues h2 with output tokens
+    assert pool.has_prompt_child(b"seed") and pool.has_prompt_child(b"h1") and not pool.has_prompt_child(b"h2")
+    pool.free([a, b, c, d, e])  # LRU: e, c, b, then a; d goes to the free list
+    taken = pool.allocate(3)  # d, then evicts e and c: b still continues h1
+    assert pool.cached_block(b"h2'") is None and pool.has_prompt_child(b"h1")
     taken += pool.allocate(1)  # evicts b
-    assert not pool.has_cached_child(b"h1") and pool.has_cached_child(b"seed")
+    assert not pool.has_prompt_child(b"h1") and pool.has_prompt_child(b"seed")
     pool.free(taken)
     pool.forget_cached()  # a, the last indexed block
-    assert not pool.has_cached_child(b"seed")
+    assert not pool.has_prompt_child(b"seed")
 
 
 def test_state_pool_keeps_working_and_checkpoint_slots_apart():

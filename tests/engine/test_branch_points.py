@@ -3,9 +3,10 @@ stride, as served.
 
 When prompts branch off a shared prefix, the state at the last block boundary before the branch point is
 checkpointed by the first prompt that finds the branch, so that every later prompt sharing the prefix past that
-boundary hits it: a prompt sharing n tokens with a cached sequence that another one left at d <= n (in a block
-both of them filled) hits floor(d / 16) * 16. A conversation's next turn, whose cached chain simply ends where
-the previous turn ended, gets no such checkpoint (tests/engine/test_scheduler.py checks it takes one step).
+boundary hits it: a prompt sharing n tokens with a prompt that another one left at d <= n (inside a full block
+of the first one's prompt) hits floor(d / 16) * 16. A conversation's next turn, whose cached chain ends where
+the previous turn ended (tests/engine/test_scheduler.py checks it takes one step) or parts from the previous
+turn's output, gets no such checkpoint.
 tests/engine/test_prefix_cache.py runs the same branches on a model, with caching on against off.
 """
 
@@ -106,6 +107,21 @@ def test_branches_of_branches_hit_the_deepest_branch_point_they_pass(order):
         later = make_request(f"later{i}", 0, max_tokens=1, prompt=branch(source, shared, 12, 5000 + 100 * i))
         run(sched, later)
         assert later.num_cached_tokens == hit, owner
+    assert_only_cache_entries_left(sched)
+
+
+def test_a_prompt_parting_from_an_earlier_output_is_no_branch_point():
+    """A conversation's next turn that parts from the previous turn's output (the chat template strips its
+    reasoning, or its text re-tokenizes differently), here inside A's output block [48, 64): no chunk cut for a
+    checkpoint that no later turn would hit (the next one hits this turn's prompt end). It starts at A's
+    prompt-end checkpoint and prefills to its end in one step."""
+    sched = scheduler()
+    a = make_request("a", 0, max_tokens=40, prompt=BASE[:40])  # samples token 7 forty times
+    run(sched, a)
+    b = make_request("b", 0, max_tokens=1, prompt=BASE[:40] + [7] * 20 + list(range(1000, 1100)))
+    prompt_steps = [s for s in run(sched, b) if len(s.sequences[0].token_ids) > 1]
+    assert b.num_cached_tokens == 32  # A's prompt end, floor(39 / 16) * 16
+    assert [(s.sequences[0].num_computed, len(s.sequences[0].token_ids)) for s in prompt_steps] == [(32, 128)]
     assert_only_cache_entries_left(sched)
 
 
