@@ -14,15 +14,15 @@ Where checkpoints go (each is a chunk end: invariant 3, "a prefill chunk must en
 when L is at most one block before the chunk's end and at least one block after its start, a save inside
 the step: the GDN layers copy the state out after the chunk's first L - start tokens and go on; a 16-token
 tail would otherwise cost a whole step, a pass over the weights):
-    divergence   where a prompt branches off a known sequence: at the end M of the prefix it shares with the
-                 cached blocks and the prompts being computed beside it (cache/in_flight.py), when another of
-                 those blocks continues that prefix with other tokens (capped as below; unless another live
+    divergence   where a prompt branches off another prompt: at the end M of the prefix it shares with the
+                 cached blocks and the prompts being computed beside it (cache/in_flight.py), when a block of
+                 another prompt continues that prefix with other tokens (capped as below; unless another live
                  request is to save it already). Every later prompt that shares the prefix past M hits M.
-                 Where the shared chain just ends (nothing known continues it, as where a conversation's next
-                 turn resends the previous one) no checkpoint goes, unless the cached chain runs at least one
-                 decode-checkpoint interval past the hit (its checkpoints were evicted or never saved): the
-                 chunk must end there, so each turn would pay a step of its own for a checkpoint no later turn
-                 uses (the next turn hits this one's prompt end)
+                 Where the shared chain just ends or goes on only in an output (a conversation's next turn
+                 resends the previous one, perhaps without its reasoning) no checkpoint goes, unless the cached
+                 chain runs at least one decode-checkpoint interval past the hit (its checkpoints were evicted
+                 or never saved): the chunk must end there, so each turn would pay a step of its own for a
+                 checkpoint no later turn uses (the next turn hits this one's prompt end)
     prompt end   at floor((P-1)/bs)*bs, the longest hit a resend of the same P-token prompt can use
     decode       at the latest multiple of DECODE_CHECKPOINT_INTERVAL tokens (a whole number of blocks) a running
                  request has passed past its prompt end: one per request, replaced as it passes the next, so that
