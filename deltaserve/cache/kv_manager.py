@@ -159,9 +159,10 @@ class CacheManager:
 
     def _divergence_point(self, request: Request, hit: PrefixHit, max_blocks: int) -> int:
         """The divergence checkpoint target of a prompt about to start at `hit` (0: none; see the module): the
-        end of its chain over cached blocks and blocks of prompts being computed, if a block known there goes
-        on with other tokens (a branch point), else the end of its cached chain if that lies an interval or
-        more past the hit; none if another live request is to save it."""
+        end of its chain over cached blocks and blocks of prompts being computed, if another prompt's block goes
+        on there with other tokens (a branch point), else the end of its cached chain if that lies an interval
+        or more past the hit; none if another live request is to save it. (At the cap, max_blocks, the point
+        is the prompt end, a target anyway.)"""
         bs, hashes = self.block_size, request.block_hashes
         end = hit.num_chain_tokens // bs
         while end < max_blocks and (self.in_flight.has_block(hashes[end])
