@@ -36,3 +36,25 @@ def use_math_cudnn(monkeypatch, kernels) -> None:
     """Route the cuDNN attention of `kernels` (ops/attention/cuda_sdpa) through `math_cudnn_attention`."""
     monkeypatch.setattr(kernels, "_cudnn_lse_base", lambda *args: "natural")
     monkeypatch.setattr(kernels, "_cudnn_attention", math_cudnn_attention)
+
+
+@functools.cache
+def patch_interpreter_fp8_rounding() -> None:
+    """Triton 3.6's interpreter rounds 16/32-bit floats to fp8e4nv without carrying into the exponent (124.3 becomes
+    64, not 128) and with ties away from zero; the GPU's cvt.rn.satfinite rounds to nearest even. Route those
+    conversions through torch's float8_e4m3fn cast (round to nearest even; the kernels clamp to +-448 first)."""
+    import numpy as np
+    import triton.language as tl
+
+    original = interpreter._convert_float
+    sources = {"fp32": (np.float32, torch.float32), "fp16": (np.float16, torch.float16),
+               "bf16": (np.uint16, torch.bfloat16)}
+
+    def convert(values, input_dtype, output_dtype, rounding_mode):
+        if output_dtype != tl.float8e4nv or input_dtype.name not in sources:
+            return original(values, input_dtype, output_dtype, rounding_mode)
+        np_type, torch_type = sources[input_dtype.name]
+        flat = torch.from_numpy(np.frombuffer(values.tobytes(), dtype=np_type).copy()).view(torch_type)
+        return flat.to(torch.float8_e4m3fn).view(torch.uint8).numpy().reshape(values.shape)
+
+    interpreter._convert_float = convert
