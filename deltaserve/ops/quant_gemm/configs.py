@@ -3,8 +3,8 @@
 
 Keys are "format:N:K:rows", format one of fp8, int4, nvfp4 and rows the bucket of the batch's row count: 1, 16, 32
 or 64 (decode: the skinny kernel) or 512 / 8192 (prefill: up to 512 rows, more). Values are dicts:
-  {"kind": "skinny", "block_n", "block_k", "split_k", "warps", "stages"[, "quant_x"]}   decode, 1..64 rows
-  {"kind": "gemm", "block_m", "block_n", "block_k", "group_m", "warps", "stages"}       prefill, tiled
+  {"kind": "skinny", "block_n", "block_k", "split_k", "warps", "stages"[, "quant_x"]}   1..64 rows only
+  {"kind": "gemm", "block_m", "block_n", "block_k", "group_m", "warps", "stages"}       tiled, any rows
   {"kind": "torch"}    fp8 only: torch's block-scaled FP8 matmul (F.scaled_mm, 1x128 x 128x128 scales)
   {"kind": "cublas"}   int4 / nvfp4 only: dequantize the weight into a bf16 scratch buffer, then cuBLAS
 For fp8, block_k is the checkpoint's scale block (128) whatever the entry says, and quant_x 1 quantizes the
@@ -53,7 +53,7 @@ def check_entry(where: str, key: str, entry) -> None:
     if kind not in _KINDS_OF[parts[0]]:
         raise ValueError(f"{where}: entry {key!r}: {entry!r} needs a \"kind\" among {_KINDS_OF[parts[0]]}")
     bucket = int(parts[3])
-    if (kind == "skinny") != (bucket in DECODE_BUCKETS):
+    if bucket not in DECODE_BUCKETS + PREFILL_BUCKETS or (kind == "skinny" and bucket not in DECODE_BUCKETS):
         raise ValueError(f"{where}: entry {key!r}: kind {kind!r} does not serve the {bucket}-row bucket")
     for field in _FIELDS[kind]:
         value = entry.get(field)

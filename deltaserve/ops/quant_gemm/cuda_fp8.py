@@ -51,10 +51,12 @@ def _quantize_kernel(x, xq, sx, M, K, stride_xm, BLOCK_M: tl.constexpr, BK: tl.c
     tl.store(sx + g * M + ms, s, mask=ms < M)
 
 
-@triton.jit
+# Not specialised on the loop counts (a variant per shape otherwise); M is (1, a multiple of 16, other), as in
+# ops/linear/cuda_skinny.
+@triton.jit(do_not_specialize=["G", "k_iters"])
 def _skinny_kernel(
     x, xq, sx, w, ws, out, partial, M, N, K, G, k_iters, stride_xm, stride_out_m,
-    BN_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
+    BN_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
     QUANT_X: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, FLOOR: tl.constexpr, QMAX: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
@@ -90,13 +92,13 @@ def _skinny_kernel(
         part = tl.dot(wt, tl.trans(xt))  # [BN, BM], one K block from zero
         acc += part * (s_x[None, :] * s_w[:, None])
     ok = m_ok[None, :] & n_ok[:, None]
-    if SPLIT_K == 1:
+    if not SPLIT:
         tl.store(out + ms[None, :] * stride_out_m + ns[:, None], acc.to(out.dtype.element_ty), mask=ok)
     else:
         tl.store(partial + (pid_k * M + ms[None, :]).to(tl.int64) * N + ns[:, None], acc, mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["G"])
 def _gemm_kernel(
     xq, sx, w, ws, out, M, N, K, G, stride_out_m,
     BN_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
@@ -175,7 +177,7 @@ def skinny(x: torch.Tensor, w: Fp8BlockWeight, config: dict) -> torch.Tensor:
     launch = pdl.launch_args(x.device)
     _skinny_kernel[(triton.cdiv(n, block_n), split_k)](
         x, xq, sx, w.weight, w.scale_inv, out, partial, m, n, k, groups, k_iters, x.stride(0), out.stride(0),
-        BN_W=bn_w, BLOCK_M=block_m, BLOCK_N=block_n, BK=bk, SPLIT_K=split_k, QUANT_X=quant_x,
+        BN_W=bn_w, BLOCK_M=block_m, BLOCK_N=block_n, BK=bk, SPLIT=split_k > 1, QUANT_X=quant_x,
         EVEN_N=n % block_n == 0, EVEN_K=k % bk == 0 and groups % split_k == 0, FLOOR=ACT_AMAX_FLOOR, QMAX=E4M3_MAX,
         num_warps=config["warps"], num_stages=config["stages"], **launch)
     if split_k > 1:

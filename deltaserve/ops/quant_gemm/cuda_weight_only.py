@@ -39,12 +39,12 @@ def _weight_tile(packed, scale, zero, scale_2, ns, n_ok, k0, stride_pn, stride_s
     return w
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["k_iters"])
 def _skinny_kernel(
     x, packed, scale, zero, scale_2, out, partial, M, N, k_iters, stride_xm, stride_out_m, stride_pn, stride_sn,
     FORMAT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, CODE_BASE: tl.constexpr,
     CODE_OFFSET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BK: tl.constexpr,
-    SPLIT_K: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr = False,
+    SPLIT: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Grid (cdiv(N, BLOCK_N), SPLIT_K): out[:, n block] (or partial [SPLIT_K, M, N] float32) over the program's
     k_iters K blocks of BK columns (K = SPLIT_K * k_iters * BK exactly). x [M, K]; the weight as reference.py."""
@@ -76,7 +76,7 @@ def _skinny_kernel(
             wt = nvfp4_tile(packed, scale, scale_2, ns, n_ok, k0, stride_pn, stride_sn, BK, not EVEN_N, dtype)
             acc = tl.dot(wt, xt, acc)
     ok = m_ok[None, :] & n_ok[:, None]
-    if SPLIT_K == 1:
+    if not SPLIT:
         tl.store(out + ms[None, :] * stride_out_m + ns[:, None], acc.to(out.dtype.element_ty), mask=ok)
     else:
         tl.store(partial + (pid_k * M + ms[None, :]).to(tl.int64) * N + ns[:, None], acc, mask=ok)
@@ -171,7 +171,7 @@ def skinny(x: torch.Tensor, w, config: dict) -> torch.Tensor:
         x, packed, scale, zero, scale_2, out, partial, m, n, blocks // split_k, x.stride(0), out.stride(0),
         packed.stride(0), scale.stride(0), FORMAT=fmt, GROUP=group, HAS_ZERO=fmt == INT4 and w.zero is not None,
         CODE_BASE=code_base, CODE_OFFSET=code_offset, BLOCK_M=block_m, BLOCK_N=block_n, BK=block_k,
-        SPLIT_K=split_k, EVEN_N=n % block_n == 0, num_warps=config["warps"], num_stages=config["stages"], **launch)
+        SPLIT=split_k > 1, EVEN_N=n % block_n == 0, num_warps=config["warps"], num_stages=config["stages"], **launch)
     if split_k > 1:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](partial, out, m * n, SPLIT_K=split_k, BLOCK=block, **launch)
