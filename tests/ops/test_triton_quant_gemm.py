@@ -1,8 +1,9 @@
 """The quantized GEMMs' Triton kernels (ops/quant_gemm: cuda_fp8, cuda_weight_only) in Triton's CPU interpreter,
 against the float64 value of each format's semantics, on small odd shapes with small tiles: partial column tiles,
 a partial FP8 K block, split K (even and uneven), padded rows, zero points, act order, per-row NVFP4 scale_2.
-float32 activations (exact codes by conversion) and float16 (the bit-trick codes; the interpreter has no bf16
-arithmetic: bf16 runs on the GPU, tests/gpu/test_quant_gemm_gpu.py). The dispatch and the tuned table too.
+bf16 and fp16 activations (the bit-trick int4 codes 128 + q and 1024 + q; the interpreter patched to widen bf16
+dot operands and to round to bf16 / fp8 as the GPU does), float32 (codes by conversion). The dispatch and the
+tuned table too. The compiled kernels: tests/gpu/test_quant_gemm_gpu.py.
 """
 
 import os
@@ -19,12 +20,14 @@ import deltaserve.ops.quant_gemm as quant_gemm  # noqa: E402
 from deltaserve.ops.quant_gemm import configs, cuda_fp8, cuda_weight_only  # noqa: E402
 from deltaserve.ops.quant_gemm import reference as ref  # noqa: E402
 from tests.ops import quant_gemm_oracle as oracle  # noqa: E402
-from tests.ops.interpreter import patch_interpreter_fp8_rounding, patch_interpreter_index  # noqa: E402
+from tests.ops.interpreter import (patch_interpreter_bf16_dot, patch_interpreter_float_rounding,  # noqa: E402
+                                   patch_interpreter_index)
 
 patch_interpreter_index()
-patch_interpreter_fp8_rounding()
+patch_interpreter_float_rounding()
+patch_interpreter_bf16_dot()
 
-DTYPES = [torch.float32, torch.float16]
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 SKINNY = [dict(block_n=16, block_k=32, split_k=1, warps=4, stages=1, quant_x=1),
           dict(block_n=32, block_k=64, split_k=2, warps=4, stages=1, quant_x=0)]
 GEMM = dict(block_m=16, block_n=16, block_k=64, group_m=2, warps=4, stages=1)
