@@ -20,6 +20,7 @@ from torch import nn
 from tqdm import tqdm
 
 from deltaserve.config import ModelConfig
+from deltaserve.model.errors import WeightLoadError
 from deltaserve.model.qwen3_5 import HybridForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -30,10 +31,6 @@ _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up
 # fp8 KV-cache scales of fp8 checkpoints, under the names vLLM reads: self_attn.k_scale, self_attn.k_proj.k_scale,
 # self_attn.attn.k_scale (and v_scale alike)
 _KV_SCALE = re.compile(r"^(model\.layers\.\d+\.self_attn)\.(?:k_proj\.|v_proj\.|attn\.)?([kv])_scale$")
-
-
-class WeightLoadError(RuntimeError):
-    """A checkpoint could not be loaded; the message names the file or tensor."""
 
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> HybridForCausalLM:
