@@ -21,6 +21,7 @@ from deltaserve.cache.footprint import PADDED_CHUNK_MIN_ROWS, PADDED_GRAPH_MAX_P
 from deltaserve.device import to_device
 from deltaserve.layers.batch import ForwardBatch
 from deltaserve.layers.mlp import SparseMoE
+from deltaserve.layers.quant.weight import warm_up_quantized
 from deltaserve.model.qwen3_5 import HybridForCausalLM
 from deltaserve.ops.linear import warm_up_skinny
 from deltaserve.sampling import PendingSample, Sampler
@@ -76,6 +77,7 @@ class ModelRunner:
             self.graphs.capture()
             # kernel variants that steps outside the graphs may launch, compiled now rather than while serving
             warm_up_skinny(model.projection_weights())
+            warm_up_quantized(model.quantized_weights(), model.model.embed_tokens.weight.dtype, device)
             if model.gdn_layers:  # every GDN layer launches the same variants
                 model.gdn_layers[0].warm_up_output_norm(max_num_batched_tokens)
             from deltaserve.ops.attention.cuda_sdpa import warm_up_cudnn_attention  # GPU only
@@ -84,7 +86,7 @@ class ModelRunner:
             attention.warm_up_one_split_decode()
             try:
                 warm_up_cudnn_attention(attention.num_heads, attention.num_kv_heads, attention.head_dim,
-                                        attention.qkv_weight.dtype, device, max_num_batched_tokens)
+                                        attention.q_norm.weight.dtype, device, max_num_batched_tokens)
             except Exception:  # a speed-up only: the first requests pay for it instead, never a failed start
                 logger.exception("warming up cuDNN attention failed; continuing")
 
