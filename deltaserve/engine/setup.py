@@ -108,8 +108,8 @@ class EngineSetup:
             overhead = max(0, device_memory - free - ours)
             device_name = torch.cuda.get_device_name(self.device)
         memory_plan = plan(self.model_config, config, device_memory_bytes=device_memory, on_gpu=on_gpu,
-                           activation_bytes=activation, overhead_bytes=overhead, model_name=self.model_path.name,
-                           device_name=device_name or "CPU")
+                           activation_bytes=activation, overhead_bytes=overhead, weight_format=self.weight_format,
+                           model_name=self.model_path.name, device_name=device_name or "CPU")
         if memory_plan.error is not None:
             logger.error("%s", describe_plan(memory_plan))
             memory_plan.check()
