@@ -223,7 +223,7 @@ def test_e2m1_table_and_nibble_order_by_hand():
     w = ref.prepare_nvfp4(weight, scale, torch.tensor(0.5))
     want = [0.5, 1.0, 6.0, -6.0, 0.0, 0.0, -1.5, -0.0, 2.0, 1.5, 4.0, 3.0, -1.0, -0.5, -3.0, -2.0]
     assert w.dequantize(torch.float32).tolist() == [want]  # times 2.0 * 0.5
-    assert w.nbytes == 8 + 1
+    assert w.nbytes == 8 + 1 + 4
 
 
 @pytest.mark.parametrize("dtype", OUT_DTYPES)
@@ -234,10 +234,11 @@ def test_nvfp4_linear_matches_float64(dtype, m, n, k):
     codes = torch.randint(0, 16, (n, k), generator=gen)
     weight = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
     scale = (torch.rand(n, k // 16, generator=gen) * 4 + 0.01).to(torch.float8_e4m3fn)
-    scale_2 = 0.0123
-    w = ref.prepare_nvfp4(weight, scale, torch.tensor([scale_2]))
+    # one second-level scale, or one per row (a fused projection)
+    scale_2 = torch.tensor([0.0123]) if n % 2 else torch.rand(n, generator=gen) * 0.02 + 0.001
+    w = ref.prepare_nvfp4(weight, scale, scale_2)
     values = torch.tensor([e2m1_by_formula(c) for c in range(16)], dtype=torch.float64)[codes]
-    w64 = values * scale.double().repeat_interleave(16, 1) * scale_2
+    w64 = values * scale.double().repeat_interleave(16, 1) * scale_2.double()[:, None]
     x = torch.randn(m, k, generator=gen).to(dtype)
     got = ref.nvfp4_linear(x, w)
     assert got.dtype == dtype and got.shape == (m, n)
@@ -252,6 +253,9 @@ def test_nvfp4_prepare_names_bad_tensors():
         ref.prepare_nvfp4(torch.zeros(4, 8, dtype=torch.uint8), torch.zeros(4, 1), 1.0)
     with pytest.raises(ValueError, match="multiple of 16"):
         ref.prepare_nvfp4(torch.zeros(4, 9, dtype=torch.uint8), torch.zeros(4, 1), 1.0)
-    with pytest.raises(ValueError, match="weight_scale_2 must be a scalar"):
+    with pytest.raises(ValueError, match=r"weight_scale_2 must be a scalar or \[4\]"):
         ref.prepare_nvfp4(torch.zeros(4, 8, dtype=torch.uint8), torch.zeros(4, 1, dtype=torch.float8_e4m3fn),
                           torch.ones(2))
+    with pytest.raises(ValueError, match="weight_scale_2 must be finite"):
+        ref.prepare_nvfp4(torch.zeros(4, 8, dtype=torch.uint8), torch.zeros(4, 1, dtype=torch.float8_e4m3fn),
+                          float("nan"))

@@ -11,7 +11,8 @@ layout below) and an op `x [M, K] -> x @ W^T [M, N]` in x.dtype with float32 acc
                                  zero point's nibble, 8 when symmetric); act order (g_idx) is folded into a column
                                  permutation of the weight at load, applied to x at run time.
   NVFP4 weight-only (ModelOpt)   packed uint8 [N, K/2]: low nibble = even k, high = odd k, each e2m1 (sign bit 3);
-                                 scale e4m3 [N, K/16]; one float32 scale_2 per tensor.
+                                 scale e4m3 [N, K/16]; scale_2 float32 [N], the tensor's second-level scale on
+                                 every row (rows of fused projections may carry different ones).
 
   int4 layout (one weight row, g = 128):
       word:    |  0  |  1  | ... |  15 |  16 | ... |   (int32, little end first)
@@ -233,12 +234,12 @@ def int4_linear(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
 class Nvfp4Weight:
     packed: torch.Tensor  # [N, K/2] uint8: low nibble column 2j, high nibble column 2j + 1
     scale: torch.Tensor  # [N, K/16] float8_e4m3fn
-    scale_2: float  # the tensor's second-level scale
+    scale_2: torch.Tensor  # [N] float32: each row's second-level scale
     shape: tuple[int, int]
 
     @property
     def nbytes(self) -> int:
-        return self.packed.nbytes + self.scale.nbytes
+        return self.packed.nbytes + self.scale.nbytes + self.scale_2.nbytes
 
     def dequantize(self, dtype=torch.bfloat16) -> torch.Tensor:
         """[N, K] in dtype: e2m1(q) * scale * scale_2, in float32."""
@@ -246,23 +247,23 @@ class Nvfp4Weight:
         codes = torch.stack((self.packed & 0xF, self.packed >> 4), dim=2).view(n, k).long()
         values = torch.tensor(E2M1_VALUES, device=self.packed.device)[codes]
         group_scale = self.scale.float().repeat_interleave(NVFP4_GROUP, dim=1)
-        return (values * group_scale * self.scale_2).to(dtype)
+        return (values * group_scale * self.scale_2[:, None]).to(dtype)
 
 
 def prepare_nvfp4(weight, weight_scale, weight_scale_2) -> Nvfp4Weight:
-    """ModelOpt NVFP4: weight uint8 [N, K/2], weight_scale float8_e4m3fn [N, K/16], weight_scale_2 float32 scalar
-    (a one-element tensor or a float) -> Nvfp4Weight."""
+    """ModelOpt NVFP4: weight uint8 [N, K/2], weight_scale float8_e4m3fn [N, K/16], weight_scale_2 float32: a scalar
+    (a float or a one-element tensor) or one per row ([N], for projections fused along N) -> Nvfp4Weight."""
     _require(weight.dim() == 2 and weight.dtype == torch.uint8, f"weight must be 2-D uint8, got {_describe(weight)}")
     n, k = weight.shape[0], 2 * weight.shape[1]
     _require(k % NVFP4_GROUP == 0, f"weight's K ({k}) must be a multiple of {NVFP4_GROUP}")
     want = (n, k // NVFP4_GROUP)
     _require(tuple(weight_scale.shape) == want and weight_scale.dtype == torch.float8_e4m3fn,
              f"weight_scale must be {want} float8_e4m3fn, got {_describe(weight_scale)}")
-    if isinstance(weight_scale_2, torch.Tensor):
-        _require(weight_scale_2.numel() == 1, f"weight_scale_2 must be a scalar, got shape {tuple(weight_scale_2.shape)}")
-        weight_scale_2 = float(weight_scale_2.float().item())
-    _require(math.isfinite(weight_scale_2), f"weight_scale_2 must be finite, got {weight_scale_2}")
-    return Nvfp4Weight(weight.contiguous(), weight_scale.contiguous(), float(weight_scale_2), (n, k))
+    scale_2 = torch.as_tensor(weight_scale_2, dtype=torch.float32, device=weight.device).reshape(-1)
+    _require(scale_2.numel() in (1, n),
+             f"weight_scale_2 must be a scalar or [{n}] (one per row), got shape {tuple(torch.as_tensor(weight_scale_2).shape)}")
+    _require(bool(torch.isfinite(scale_2).all()), f"weight_scale_2 must be finite, got {scale_2[:4].tolist()}")
+    return Nvfp4Weight(weight.contiguous(), weight_scale.contiguous(), scale_2.expand(n).contiguous(), (n, k))
 
 
 def nvfp4_linear(x: torch.Tensor, w: Nvfp4Weight) -> torch.Tensor:
