@@ -149,11 +149,13 @@ class HybridForCausalLM(nn.Module):
         return list(weights.values())
 
     def quantized_weights(self) -> list:
-        """One QuantWeight of each shape and kernel of `_projections`, for start-up to warm the quantized GEMMs
-        up."""
+        """One QuantWeight of each shape and layout of `_projections` (the prepared weight's type, its non-tensor
+        fields and which tensors it lacks: group size, zero points, act order), for start-up to warm the
+        quantized GEMMs up."""
         weights: dict[tuple, object] = {}
         for weight in (part for candidate in self._projections() for part in quantized_parts(candidate)):
-            weights.setdefault((weight.shape, weight.op), weight)
+            layout = tuple("tensor" if isinstance(v, torch.Tensor) else v for v in vars(weight.prepared).values())
+            weights.setdefault((type(weight.prepared), layout), weight)
         return list(weights.values())
 
     @property

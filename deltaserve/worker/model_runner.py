@@ -21,8 +21,8 @@ from deltaserve.cache.footprint import PADDED_CHUNK_MIN_ROWS, PADDED_GRAPH_MAX_P
 from deltaserve.device import to_device
 from deltaserve.layers.batch import ForwardBatch
 from deltaserve.layers.mlp import SparseMoE
-from deltaserve.layers.quant.weight import warm_up_quantized
 from deltaserve.model.qwen3_5 import HybridForCausalLM
+from deltaserve.ops import quant_gemm
 from deltaserve.ops.linear import warm_up_skinny
 from deltaserve.sampling import PendingSample, Sampler
 from deltaserve.sched_output import ModelOutput, SchedulerOutput
@@ -74,10 +74,11 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, max_num_seqs, -(-max_model_len // self.block_size), device,
                                        use_graphs=use_graphs, performance_mode=performance_mode,
                                        block_size=self.block_size)
+            # the quantized GEMMs' variants at every row class, compiled before capture (ops.quant_gemm.warm_up)
+            quant_gemm.warm_up([w.prepared for w in model.quantized_weights()], model.model.embed_tokens.weight.dtype)
             self.graphs.capture()
             # kernel variants that steps outside the graphs may launch, compiled now rather than while serving
             warm_up_skinny(model.projection_weights())
-            warm_up_quantized(model.quantized_weights(), model.model.embed_tokens.weight.dtype, device)
             if model.gdn_layers:  # every GDN layer launches the same variants
                 model.gdn_layers[0].warm_up_output_norm(max_num_batched_tokens)
             from deltaserve.ops.attention.cuda_sdpa import warm_up_cudnn_attention  # GPU only

@@ -106,7 +106,8 @@ def test_projection_shapes_are_the_linear_parameters():
 def test_published_quantized_configs_count_their_formats(name, per_weight):
     """By hand: every projection but GDN's in_proj_a/b (kept bf16 by all three published configs) quantized:
     fp8 1 byte + a float32 scale per 128 x 128 block; int4 g128 half a byte, a 16-bit scale and a one-byte zero
-    point per 128; nvfp4 half a byte and an e4m3 scale per 16. Everything else bf16, A_log float32."""
+    point per 128; nvfp4 half a byte and an e4m3 scale per 16, a float32 scale per row. Everything else bf16,
+    A_log float32."""
     folder = shared(name)
     cfg, fmt = ModelConfig.from_pretrained(folder), detect_weight_format(folder)
     params = count_parameters(cfg)
@@ -117,6 +118,8 @@ def test_published_quantized_configs_count_their_formats(name, per_weight):
         expected = quantized + 4 * quantized // (128 * 128)
     else:
         expected = quantized * per_weight
+    if "nvfp4" in name:  # and a float32 second-level scale per row
+        expected += 4 * sum(n * c for proj, n, k, c in projection_shapes(cfg) if not re.search(r"in_proj_[ab]$", proj))
     got = weight_bytes(cfg, "bfloat16", fmt)
     assert got["bfloat16"] == bf16 and got["float32"] == 4 * params["A_log"]
     assert sum(v for k, v in got.items() if k not in ("bfloat16", "float32")) == expected

@@ -265,3 +265,10 @@ def test_quantized_modules_fuse_only_what_lines_up(sources, tmp_path):
     assert isinstance(attention.in_weight, SplitWeight) and [p.shape[0] for p in attention.in_weight.parts] == [576, 64]
     assert not isinstance(mlp.gate_up_weight, (SplitWeight, torch.Tensor)) and mlp.gate_up_weight.shape == (256, 128)
     assert all(not m.raw for m in model.modules() if isinstance(m, (QuantLinear, QuantExperts)))
+    # NVFP4: q, k and v have their own weight_scale_2 (quant_checkpoints.nvfp4), kept per row in one joined weight
+    pair = quantize_checkpoint(sources["qwen3_5"], tmp_path / "nvfp4", "nvfp4")
+    model = load_model(pair.path, ModelConfig.from_pretrained(pair.path), torch.float32, "cpu",
+                       weight_format=detect_weight_format(pair.path))
+    qkv = model.model.layers[3].self_attn.in_weight
+    assert not isinstance(qkv, SplitWeight) and qkv.shape == (640, 128)
+    assert len(set(qkv.prepared.scale_2.tolist())) == 3

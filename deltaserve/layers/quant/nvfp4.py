@@ -4,6 +4,7 @@ On disk, per quantized projection:
     weight          uint8 [N, K/2]: two e2m1 values a byte, the low nibble the even column
     weight_scale    float8_e4m3fn [N, K/16]: one scale per 16 columns
     weight_scale_2  float32, one value: the tensor's second-level scale; W = e2m1 * weight_scale * weight_scale_2
+                    (joined projections keep theirs per row: ops.quant_gemm takes a [N] weight_scale_2)
     input_scale     float32, one value: the activations' scale for FP4 activations; read and checked, unused
 Served weight-only (W4A16, activations in bf16): Hopper has no FP4 tensor cores, so the kernels dequantize the
 weight tiles. `exclude_modules` (or `ignore`) lists what stays bf16 as shell globs (fnmatch), as ModelOpt writes
@@ -43,17 +44,16 @@ class Nvfp4Scheme(Scheme):
         return loaded
 
     def joinable(self, rows_before, first, nxt):
-        # one second-level scale per weight: only projections calibrated to the same one share it
-        return float(first["weight_scale_2"]) == float(nxt["weight_scale_2"])
+        return True  # rows of any scales: each row keeps its own second-level scale
 
     def join(self, parts):
+        per_row = torch.cat([part["weight_scale_2"].reshape(1).expand(part["weight"].shape[0]) for part in parts])
         return {"weight": stack_rows(parts, "weight"), "weight_scale": stack_rows(parts, "weight_scale"),
-                "weight_scale_2": parts[0]["weight_scale_2"]}
+                "weight_scale_2": per_row}
 
     def prepare(self, tensors, shape, device):
-        prepared = prepare_nvfp4(tensors["weight"].to(device), tensors["weight_scale"].to(device),
-                                 float(tensors["weight_scale_2"]))
-        return QuantWeight(prepared, nvfp4_linear)
+        on = {name: tensor.to(device) for name, tensor in tensors.items()}
+        return QuantWeight(prepare_nvfp4(on["weight"], on["weight_scale"], on["weight_scale_2"]), nvfp4_linear)
 
     def dummy(self, shape, generator, device):
         n, k = shape
@@ -62,7 +62,9 @@ class Nvfp4Scheme(Scheme):
         return {"weight": codes, "weight_scale": scales, "weight_scale_2": torch.tensor(1 / (_E2M1_RMS * math.sqrt(k)))}
 
     def matrix_bytes(self, n, k):
-        return {"nvfp4 e2m1 weights": n * k // 2, "nvfp4 group scales (e4m3)": n * k // GROUP}
+        """As ops.quant_gemm.Nvfp4Weight holds it: the codes, the e4m3 scales and a float32 scale_2 per row."""
+        return {"nvfp4 e2m1 weights": n * k // 2, "nvfp4 group scales (e4m3)": n * k // GROUP,
+                "nvfp4 row scales (float32)": 4 * n}
 
 
 class Nvfp4Format(WeightFormat):

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 
 from deltaserve.layers.quant.scheme import Scheme
-from deltaserve.ops.linear import matmul, skinny_warm_up_rows
+from deltaserve.ops.linear import matmul
 
 
 @dataclass(frozen=True)
@@ -99,11 +99,3 @@ def quantized_parts(weight) -> list[QuantWeight]:
         return [part for part in weight.parts if isinstance(part, QuantWeight)]
     return []
 
-
-@torch.no_grad()
-def warm_up_quantized(weights: list[QuantWeight], dtype: torch.dtype, device) -> None:
-    """GPU start-up: multiply each quantized weight at every row count class a decode or eager step meets
-    (ops.linear.skinny_warm_up_rows: 1, 2, 16, 17, 32, 33, 64), so that serving compiles no kernel variant."""
-    for weight in weights:
-        for rows in skinny_warm_up_rows():
-            weight.matmul(torch.zeros(rows, weight.shape[1], dtype=dtype, device=device))
