@@ -22,6 +22,7 @@ import json
 import os
 import random
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -113,12 +114,14 @@ def candidates(fmt: str, n: int, k: int, rows: int) -> list[tuple[dict, object]]
         kernel = cuda_fp8.skinny if fmt == "fp8" else cuda_weight_only.skinny
         auto = configs.default_config(fmt, n, k, rows)["split_k"]
         for tile in DECODE_SWEEP:
-            entry = dict(kind="skinny", block_k=256 if fmt == "nvfp4" else 128, quant_x=1,
-                         **dict(tile, split_k=auto if tile["split_k"] == "auto" else tile["split_k"]))
+            entry = dict(kind="skinny", block_k=128, **dict(tile, split_k=auto if tile["split_k"] == "auto"
+                                                            else tile["split_k"]))
             out.append((entry, lambda x, w, e=entry: kernel(x, w, e)))
-        if fmt == "fp8":  # the activation quantized by its own kernel first
-            entry = dict(out[0][0], quant_x=0)
-            out.append((entry, lambda x, w, e=entry: kernel(x, w, e)))
+        first = out[0][0]
+        # fp8: the activation quantized by its own kernel first; NVFP4: longer K blocks (fp8 / int4 blocks are fixed)
+        extra = dict(first, quant_x=0) if fmt == "fp8" else dict(first, block_k=256) if fmt == "nvfp4" else None
+        if extra:
+            out.append((extra, lambda x, w, e=extra: kernel(x, w, e)))
     else:
         gemm = cuda_fp8.gemm if fmt == "fp8" else cuda_weight_only.gemm
         for tile in PREFILL_SWEEP["fp8" if fmt == "fp8" else "weight_only"]:
@@ -189,6 +192,8 @@ def main(argv=None) -> int:
     parser.add_argument("--formats", default="fp8,int4,nvfp4")
     parser.add_argument("--rows", default=",".join(map(str, ROWS)))
     parser.add_argument("--only", default="", help="comma-separated projection names (default: all)")
+    parser.add_argument("--budget-s", type=float, default=float("inf"),
+                        help="start no new shape after this many seconds (what was measured is kept)")
     args = parser.parse_args(argv)
     if args.model is None:
         parser.error("no config directory found: pass CONFIG_DIR")
@@ -196,16 +201,20 @@ def main(argv=None) -> int:
     rng = random.Random(0)
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
           f"F.scaled_mm {'present' if hasattr(torch.nn.functional, 'scaled_mm') else 'absent'}", flush=True)
-    seen, entries = set(), 0
-    for fmt in args.formats.split(","):
-        for name, n, k in projections(cfg):
+    seen, entries, start = set(), 0, time.monotonic()
+    for name, n, k in projections(cfg):  # every format's shape in turn: a budget cut drops the last shapes
+        for fmt in args.formats.split(","):
             if (args.only and name not in args.only.split(",")) or (fmt, n, k) in seen:
+                continue
+            if time.monotonic() - start > args.budget_s:
+                print(f"budget of {args.budget_s:.0f} s spent: {fmt} {name} ({n} x {k}) not probed", flush=True)
                 continue
             seen.add((fmt, n, k))
             table = {}
             for rows in sorted(int(r) for r in args.rows.split(",")):
                 key, best = probe_shape(fmt, name, n, k, rows, rng)
                 if best is not None:  # a bucket takes its largest row count (its decode graph's size)
+                    configs.check_entry("probe", key, best)
                     table[key] = best
             write_table(args.out, table)  # after every shape: a run cut short keeps what it measured
             entries += len(table)

@@ -11,7 +11,8 @@
 #          qwen3.5-27b), IN/OUT_LEN (1024/512), PROMPTS (256), CONCURRENCY (64), MAX_MODEL_LEN (4096) choose it
 #   quant  the quantized GEMMs: their GPU tests, then benchmarks/quant_gemm_probe.py at Qwen3.5-27B's shapes (every
 #          kernel and tile, TB/s and TFLOP/s beside the limits) writing OUTDIR/quant_gemm_configs.json (for
-#          deltaserve/ops/quant_gemm/configs.json); ~5-7 min on an H200, the probe cut at PROBE_TIMEOUT (300) seconds
+#          deltaserve/ops/quant_gemm/configs.json); ~6-7 min on an H200: the probe starts no shape after
+#          PROBE_BUDGET (240) s and is killed at PROBE_TIMEOUT (300) s, keeping what it measured
 #   tune   the tables this GPU should ship: fla-core's pinned kernel configurations as OUTDIR/fla_configs.tgz
 #          (unpack into deltaserve/ops/gdn/fla_configs/) and the skinny GEMM's tiles as OUTDIR/skinny_configs.json
 #          (for deltaserve/ops/linear/); TUNE=fla makes fla's alone (~2 min), TUNE=skinny the skinny table alone
@@ -52,7 +53,7 @@ if [ "$MODE" = quant ]; then
     | tee "$OUT/quant_tests.log"
   status=${PIPESTATUS[0]}
   timeout "${PROBE_TIMEOUT:-300}" python3 benchmarks/quant_gemm_probe.py "$CONFIGS/qwen3.5-27b" \
-    --out "$OUT/quant_gemm_configs.json" 2>&1 | tee "$OUT/quant_probe.log"
+    --budget-s "${PROBE_BUDGET:-240}" --out "$OUT/quant_gemm_configs.json" 2>&1 | tee "$OUT/quant_probe.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   exit $status
 fi

@@ -28,8 +28,9 @@ CONFIG_DIRS = [ROOT / ".gpu_configs" / "qwen3.5-27b", ROOT.parent / "shared" / "
 U_TC16 = 2.0**-23
 U_TC8 = 2.0**-12
 DECODE_ROWS = [1, 2, 8, 16, 64]
-SKINNY_TILES = [dict(block_n=64, block_k=128, split_k=1, warps=4, stages=4, quant_x=1),
-                dict(block_n=128, block_k=256, split_k=4, warps=4, stages=3, quant_x=0)]
+# tiles the probe (benchmarks/quant_gemm_probe.py) also sweeps, so that it finds them compiled
+SKINNY_TILES = [dict(block_n=64, block_k=128, split_k=1, warps=4, stages=6, quant_x=1),
+                dict(block_n=128, block_k=128, split_k=4, warps=4, stages=4, quant_x=0)]
 GEMM_TILES = [dict(block_m=128, block_n=128, block_k=128, group_m=8, warps=8, stages=3),
               dict(block_m=64, block_n=128, block_k=64, group_m=8, warps=4, stages=4)]
 
@@ -42,8 +43,9 @@ def projections() -> list[tuple[int, int]]:
     cfg = ModelConfig.from_pretrained(str(found))
     h, attn = cfg.hidden_size, cfg.num_heads * cfg.head_dim
     qkv = 2 * attn + 2 * cfg.num_kv_heads * cfg.head_dim  # q with its output gate, k, v
-    return [(2 * cfg.intermediate_size, h), (h, cfg.intermediate_size), (cfg.conv_dim + cfg.gdn_value_dim, h),
-            (h, cfg.gdn_value_dim), (qkv, h), (h, attn)]
+    shapes = [(2 * cfg.intermediate_size, h), (h, cfg.intermediate_size), (cfg.conv_dim + cfg.gdn_value_dim, h),
+              (h, cfg.gdn_value_dim), (qkv, h), (h, attn)]
+    return list(dict.fromkeys(shapes))  # the attention o_proj shares the GDN out-proj's shape
 
 
 def make_weight(fmt: str, n: int, k: int, seed: int = 0):

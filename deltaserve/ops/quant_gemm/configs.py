@@ -86,7 +86,7 @@ def default_config(fmt: str, n: int, k: int, rows: int) -> dict:
     """A config that builds on an H200 for any shape: split K on narrow weights so that ~2 programs run per SM."""
     if rows <= SKINNY_MAX_ROWS:
         block_n = 64
-        block_k = 128 if fmt != "nvfp4" else 256
+        block_k = 128  # fp8 and int4 take their scale block / group whatever it says
         programs = -(-n // block_n)
         split_k = max(1, min(8, 264 // programs, k // (4 * block_k)))
         return {"kind": "skinny", "block_n": block_n, "block_k": block_k, "split_k": split_k, "warps": 4,
