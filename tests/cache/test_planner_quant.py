@@ -17,7 +17,7 @@ from deltaserve.cache.planner import plan
 from deltaserve.config import EngineConfig, ModelConfig
 from deltaserve.demo import TINY_CONFIGS
 from deltaserve.layers.quant import detect_weight_format
-from deltaserve.layers.quant.weight import quantized_parts
+from deltaserve.layers.quant.weight import held_quantized_weights
 from deltaserve.model.loader import load_model
 from tests.model.quant_checkpoints import PUBLISHED, QUANT_SHAPES
 
@@ -67,12 +67,7 @@ def loaded_bytes(model) -> dict[str, int]:
     for param in model.parameters():
         key = str(param.dtype).removeprefix("torch.")
         held[key] = held.get(key, 0) + param.nbytes
-    quantized = {}
-    for module in model.modules():
-        for value in vars(module).values():
-            for weight in value if isinstance(value, list) else [value]:
-                quantized.update({id(part): part for part in quantized_parts(weight)})
-    held["quantized"] = sum(part.nbytes for part in quantized.values())
+    held["quantized"] = sum(weight.nbytes for weight in held_quantized_weights(model))
     return held
 
 
@@ -149,3 +144,26 @@ def test_users_32gb_card_configuration_is_refused_with_bf16_weights(capsys):
     out = capsys.readouterr().out
     assert ("DOES NOT FIT: the budget is 29.48 GiB (0.94 x 31.36 GiB); weights take 50.10 GiB and activations, CUDA "
             "graphs and runtime") in out
+
+
+def test_offline_bench_limits_count_quantized_weights(tmp_path):
+    """The benchmarks' bandwidth limit reads the bytes the quantized model holds; its FLOPs are the bf16 model's."""
+    from deltaserve.bench.offline import Limits
+    from deltaserve.engine.llm_engine import LLMEngine
+
+    limits = {}
+    for family in ("awq", None):
+        folder = tmp_path / str(family)
+        folder.mkdir()
+        if family is None:
+            raw = dict(TINY_CONFIGS["qwen3_5_moe"], **QUANT_SHAPES, model_type="qwen3_5_moe_text")
+            (folder / "config.json").write_text(json.dumps(raw))
+        else:
+            tiny_quantized(folder, "qwen3_5_moe", family)
+        engine = LLMEngine(EngineConfig(model=str(folder), load_format="dummy", skip_tokenizer_init=True,
+                                        max_num_seqs=2))
+        limits[family] = (Limits(engine, 1e12, 1e15), engine.memory_plan)
+    (quantized, plan), (bf16, _) = limits["awq"], limits[None]
+    embedding = 4 * TINY_CONFIGS["qwen3_5_moe"]["vocab_size"] * QUANT_SHAPES["hidden_size"]  # float32 on the CPU
+    assert quantized.weight_bytes == plan.weight_bytes - embedding < bf16.weight_bytes
+    assert quantized.matmul_params == bf16.matmul_params

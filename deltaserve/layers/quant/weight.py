@@ -99,3 +99,12 @@ def quantized_parts(weight) -> list[QuantWeight]:
         return [part for part in weight.parts if isinstance(part, QuantWeight)]
     return []
 
+
+def held_quantized_weights(model: torch.nn.Module) -> list[QuantWeight]:
+    """Every QuantWeight the modules of `model` hold (as attributes, in lists, in SplitWeights), each once."""
+    held: dict[int, QuantWeight] = {}
+    for module in model.modules():
+        for value in vars(module).values():
+            for weight in value if isinstance(value, list) else [value]:
+                held.update({id(part): part for part in quantized_parts(weight)})
+    return list(held.values())
