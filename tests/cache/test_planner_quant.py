@@ -51,7 +51,7 @@ def shared(name: str) -> Path:
 
 def tiny_quantized(tmp_path: Path, arch: str, family: str):
     """(config, format) of a tiny QUANT_SHAPES model quantized as `family` (a config file only)."""
-    raw = dict(TINY_CONFIGS[arch], **QUANT_SHAPES, model_type=f"{arch}_text")
+    raw = dict(TINY_CONFIGS[arch], **QUANT_SHAPES, model_type=arch if arch == "qwen3_next" else f"{arch}_text")
     quant = FAMILIES[family]
     if isinstance(quant, dict):
         raw["quantization_config"] = quant
@@ -71,7 +71,7 @@ def loaded_bytes(model) -> dict[str, int]:
     return held
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_planned_weight_bytes_are_what_the_loaded_model_holds(arch, family, tmp_path):
     cfg, fmt = tiny_quantized(tmp_path, arch, family)

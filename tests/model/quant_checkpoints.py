@@ -37,6 +37,7 @@ QUANT_SHAPES = dict(hidden_size=128, head_dim=64, num_attention_heads=4, num_key
 _QUANTIZED = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|in_proj_qkv|in_proj_z|out_proj|gate_proj|up_proj|down_proj)"
                         r"\.weight$")
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+KV_SCALES = (0.0625, 0.125)  # the NVFP4 checkpoints' k_scale and v_scale
 
 
 # The quantization configs of ../shared/configs/qwen3.5-27b-fp8/config.json, -awq/config.json (the ignore list) and
@@ -193,10 +194,17 @@ def quantize_checkpoint(source: Path, folder: Path, family: str, group_size: int
     kept = {name: t for name, t in tensors.items() if name not in names}
     if fused_experts:
         on_disk = _fuse_experts(on_disk)
+    if family == "nvfp4":  # ModelOpt's FP8 KV-cache scales, per attention layer
+        for name in names:
+            if name.endswith("self_attn.k_proj.weight"):
+                on_disk[name.replace(".weight", ".k_scale")] = torch.tensor(KV_SCALES[0])
+                on_disk[name.replace("k_proj.weight", "v_proj.v_scale")] = torch.tensor(KV_SCALES[1])
     out = dict(kept, **on_disk)
     quant_config, extra = _quant_config(family, group_size, symmetric)
-    if multimodal:
+    if multimodal:  # the language model's names, and quantized MTP and vision tensors the loader skips
         out = {re.sub(r"^model\.", "model.language_model.", k): v for k, v in out.items()}
+        out.update({f"{prefix}.{suffix}": t for prefix in ("mtp.layers.0.mlp.gate_proj", "model.visual.blocks.0.qkv")
+                    for suffix, t in fp8_block(torch.randn(64, 32))[0].items()})
         config = {"model_type": config["model_type"].removesuffix("_text"), "text_config": config,
                   "tie_word_embeddings": config.get("tie_word_embeddings", False)}
     if quant_config is not None:

@@ -39,7 +39,7 @@ from deltaserve.layers.mlp import QuantExperts
 from deltaserve.layers.quant import SplitWeight, detect_weight_format
 from deltaserve.model.loader import load_model
 from tests.model.helpers import SequenceRunner
-from tests.model.quant_checkpoints import quantize_checkpoint
+from tests.model.quant_checkpoints import KV_SCALES, quantize_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -269,6 +269,7 @@ def test_quantized_modules_fuse_only_what_lines_up(sources, tmp_path):
     pair = quantize_checkpoint(sources["qwen3_5"], tmp_path / "nvfp4", "nvfp4")
     model = load_model(pair.path, ModelConfig.from_pretrained(pair.path), torch.float32, "cpu",
                        weight_format=detect_weight_format(pair.path))
-    qkv = model.model.layers[3].self_attn.in_weight
-    assert not isinstance(qkv, SplitWeight) and qkv.shape == (640, 128)
-    assert len(set(qkv.prepared.scale_2.tolist())) == 3
+    attention = model.model.layers[3].self_attn
+    assert not isinstance(attention.in_weight, SplitWeight) and attention.in_weight.shape == (640, 128)
+    assert len(set(attention.in_weight.prepared.scale_2.tolist())) == 3
+    assert attention.kv_scales_from_checkpoint and (attention.k_scale, attention.v_scale) == KV_SCALES
