@@ -62,7 +62,8 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str
 
 
 def load_model(path: str | Path | None, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
-               load_format: str = "auto", seed: int = 0, weight_format: WeightFormat | None = None) -> HybridForCausalLM:
+               load_format: str = "auto", seed: int = 0,
+               weight_format: WeightFormat | None = None) -> HybridForCausalLM:
     """Build the model and load its weights (`load_format` "auto"/"safetensors" or "dummy"), quantized as
     `weight_format` says (layers/quant/detect.py; None: every weight in `dtype`)."""
     if load_format not in LOAD_FORMATS:

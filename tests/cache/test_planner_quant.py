@@ -31,9 +31,10 @@ FAMILIES = {
                     "config_groups": {"g": {"targets": ["Linear"], "weights": {
                         "num_bits": 4, "type": "int", "symmetric": False, "group_size": 32, "strategy": "group"}}}},
     "ct-g128-sym-actorder": {"quant_method": "compressed-tensors", "format": "pack-quantized",
-                             "ignore": PUBLISHED["ct_ignore"], "config_groups": {"g": {"targets": ["Linear"], "weights": {
-                                 "num_bits": 4, "type": "int", "symmetric": True, "group_size": 128,
-                                 "strategy": "group", "actorder": "group"}}}},
+                             "ignore": PUBLISHED["ct_ignore"], "config_groups": {"g": {
+                                 "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": True,
+                                                                    "group_size": 128, "strategy": "group",
+                                                                    "actorder": "group"}}}},
     "awq": {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True, "version": "gemm",
             "modules_to_not_convert": ["linear_attn.in_proj_a", "linear_attn.in_proj_b"]},
     "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True, "sym": True},

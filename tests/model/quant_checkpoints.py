@@ -10,7 +10,8 @@ that every group size divides it) has its projections quantized here and saved a
     nvfp4   by hand, ModelOpt's layout (uint8 e2m1 pairs, e4m3 scales per 16, float32 weight_scale_2 and
             input_scale), its quantization config in hf_quant_config.json
 The quantization configs are the published ones (PUBLISHED: ../shared/configs/qwen3.5-27b-fp8, -awq, -nvfp4, which
-test_quant_detect checks them against), so the real spellings of their exclusion lists are what is read. The twin holds the dequantized weights (float32, the source's names and config):
+test_quant_errors checks them against), so the real spellings of their exclusion lists are what is read. The twin
+holds the dequantized weights (float32, the source's names and config):
 what transformers runs as the reference. What stays bf16 is as in the public checkpoints: embeddings, lm_head,
 norms, conv1d, routers, shared_expert_gate and GDN in_proj_a/b.
 """
@@ -174,7 +175,8 @@ def quantize_checkpoint(source: Path, folder: Path, family: str, group_size: int
     names = sorted(name for name in tensors if _QUANTIZED.search(name))
     shared_amax: dict[str, float] = {}
     for name in names:
-        shared_amax[_nvfp4_share(name)] = max(shared_amax.get(_nvfp4_share(name), 0.0), tensors[name].abs().max().item())
+        share = _nvfp4_share(name)
+        shared_amax[share] = max(shared_amax.get(share, 0.0), tensors[name].abs().max().item())
     on_disk, dequantized = {}, dict(tensors)
     for name in names:
         w = tensors[name].float()
