@@ -115,6 +115,7 @@ def test_fp8_prepare_names_bad_tensors():
     with pytest.raises(ValueError, match=r"x must be \[M, 20\]"):
         ref.fp8_block_linear(torch.zeros(2, 21), w)
     assert w.shape == (10, 20) and w.nbytes == 200 + 4
+    assert ref.fp8_block_linear(torch.zeros(0, 20), w).shape == (0, 10)  # an empty batch, not an error
 
 
 # -------------------------------------------------------------------------------------------- int4 W4A16

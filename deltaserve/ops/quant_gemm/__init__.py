@@ -20,7 +20,7 @@ __all__ = ["Fp8BlockWeight", "Int4Weight", "Nvfp4Weight", "fp8_block_linear", "f
 
 
 def _kernels_serve(x: torch.Tensor) -> bool:
-    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.shape[0] > 0
 
 
 def fp8_block_linear(x, w: Fp8BlockWeight):

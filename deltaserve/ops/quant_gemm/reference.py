@@ -46,8 +46,8 @@ def _describe(t: torch.Tensor) -> str:
 
 
 def check_input(x: torch.Tensor, k: int) -> None:
-    """x must be [M >= 1, k], 16-bit or float32, with a unit last stride."""
-    _require(x.dim() == 2 and x.shape[0] >= 1 and x.shape[1] == k,
+    """x must be [M, k], 16-bit or float32, with a unit last stride (M = 0 gives an empty product)."""
+    _require(x.dim() == 2 and x.shape[1] == k,
              f"x must be [M, {k}], got {tuple(x.shape)}")
     _require(x.dtype in (torch.bfloat16, torch.float16, torch.float32), f"x dtype must be bf16/fp16/fp32, got {x.dtype}")
     _require(x.stride(1) == 1, f"x needs a unit last stride, got strides {tuple(x.stride())}")
