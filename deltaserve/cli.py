@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from deltaserve import __version__
-from deltaserve.config import DEVICES, DTYPES, KV_CACHE_DTYPES, SSM_CACHE_DTYPES, ConfigError, EngineConfig
+from deltaserve.config import (DEVICES, DTYPES, KV_CACHE_DTYPES, QUANTIZATION_FLAGS, SSM_CACHE_DTYPES, ConfigError,
+                               EngineConfig)
 from deltaserve.model_configs import resolve_model
 from deltaserve.server.parsers import REASONING_PARSERS, TOOL_PARSERS
 from deltaserve.server.settings import DEMO_MODEL_NAME, UVICORN_LOG_LEVELS, ServerSettings
@@ -177,6 +178,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--seed", type=int, default=0, help="random seed (dummy weights, unseeded sampling)")
     model.add_argument("--load-format", default="auto", choices=("auto", "safetensors", "dummy"),
                        help="'dummy' gives random weights of the checkpoint's shapes (config.json only)")
+    model.add_argument("-q", "--quantization", default=None, choices=tuple(QUANTIZATION_FLAGS),
+                       help="the checkpoint's quantization (default: read from its config; a value that contradicts "
+                            "it is refused); fp8 on a bf16 checkpoint quantizes it at load (docs/quantization.md)")
     model.add_argument("--device", default="auto", choices=DEVICES, help="where to run (auto: cuda if present)")
     model.add_argument("--max-model-len", type=model_len, default=None,
                        help="context length in tokens (e.g. 32768, 32k); default: the model's, capped by "
@@ -261,8 +265,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerSet
     model_path = None if model is None else str(resolve_model(model, need_weights=args.load_format != "dummy"))
     engine = EngineConfig(
         model=model_path, tokenizer=args.tokenizer, dtype=args.dtype, seed=args.seed, load_format=args.load_format,
-        device=args.device, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+        quantization=args.quantization, device=args.device, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         num_gpu_blocks_override=args.num_gpu_blocks_override, kv_cache_dtype=args.kv_cache_dtype,
         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype, enforce_eager=args.enforce_eager,

@@ -271,6 +271,10 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "fp8_e4m3")
 SSM_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+# --quantization (vLLM's names) -> the checkpoint quant_method it names (layers/quant/detect.py); "fp8" on a bf16
+# checkpoint quantizes it at load
+QUANTIZATION_FLAGS = {"fp8": "fp8", "compressed-tensors": "compressed-tensors", "awq": "awq", "gptq": "gptq",
+                      "modelopt": "modelopt", "modelopt_fp4": "modelopt"}
 PERFORMANCE_MODES = ("balanced", "interactivity", "throughput")
 
 
@@ -287,6 +291,7 @@ class EngineConfig:
     dtype: str = "auto"
     seed: int = 0
     load_format: str = "auto"
+    quantization: str | None = None  # None: as the checkpoint's config says (layers/quant/detect.py)
     device: str = "auto"
     max_model_len: int | None = None  # None (or "auto", stored as None): the longest the model and the cache allow
     max_num_seqs: int = 256
@@ -332,6 +337,8 @@ class EngineConfig:
         choice("mamba_ssm_cache_dtype", SSM_CACHE_DTYPES)
         choice("device", DEVICES)
         choice("performance_mode", PERFORMANCE_MODES)
+        if self.quantization is not None:
+            choice("quantization", tuple(QUANTIZATION_FLAGS))
         if self.max_num_batched_tokens is None:
             object.__setattr__(self, "max_num_batched_tokens", 16384 if self.performance_mode == "throughput" else 8192)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):

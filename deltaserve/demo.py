@@ -356,6 +356,7 @@ def build_checkpoint(
     dtype: torch.dtype = torch.float32,
     max_shard_size: str | int | None = None,
     matrix_gain: float = _MATRIX_GAIN,
+    config_overrides: dict | None = None,
 ) -> Path:
     """Write a tiny random `arch` checkpoint (config, safetensors, tokenizer, generation config) to `path`.
 
@@ -363,12 +364,13 @@ def build_checkpoint(
     `max_shard_size` (e.g. "20KB") gives a sharded checkpoint with model.safetensors.index.json.
     `matrix_gain` sets the weight scale (std = gain / sqrt(fan_in)): the default makes the model chaotic
     (small differences grow, so cache bugs show); about 0.5 makes it tame (rounding stays small), for
-    comparing precisions.
+    comparing precisions. `config_overrides` replaces fields of TINY_CONFIGS[arch] (other shapes, e.g. the
+    multiples of 128 that quantized formats group by).
     """
     if arch not in TINY_CONFIGS:
         raise ValueError(f"arch={arch!r} is not one of {sorted(TINY_CONFIGS)}")
     config_name, model_name = _CLASSES[arch]
-    config = getattr(transformers, config_name)(**TINY_CONFIGS[arch])
+    config = getattr(transformers, config_name)(**dict(TINY_CONFIGS[arch], **(config_overrides or {})))
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config)
     _randomize_weights(model, seed, matrix_gain)

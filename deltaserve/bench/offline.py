@@ -26,6 +26,8 @@ import torch
 
 from deltaserve.config import SSM_CACHE_DTYPES, EngineConfig
 from deltaserve.engine.llm_engine import LLMEngine
+from deltaserve.layers.linear import QuantLinear
+from deltaserve.layers.quant.weight import held_quantized_weights
 from deltaserve.sampling import RequestOutputKind, SamplingParams
 
 # (input tokens, output tokens, number of prompts, concurrency)
@@ -96,8 +98,10 @@ class Limits:
         embed = model.model.embed_tokens.weight
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) - (
             0 if cfg.tie_word_embeddings else embed.numel() * embed.element_size())
+        self.weight_bytes += sum(w.nbytes for w in held_quantized_weights(model))  # quantized: not parameters
         self.matmul_params = sum(p.numel() for n, p in model.named_parameters() if p.dim() >= 2
                                  and "embed_tokens" not in n and "experts" not in n)
+        self.matmul_params += sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, QuantLinear))
         if cfg.num_experts:  # only the routed experts a token uses count towards its FLOPs
             expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
             self.matmul_params += sum(cfg.moe_layers) * cfg.num_experts_per_tok * expert
@@ -426,6 +430,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", default="W1",
                         help="comma-separated ids: " + ",".join(list(WORKLOADS) + list(PREFIX_WORKLOADS)))
     parser.add_argument("--load-format", default="dummy")
+    parser.add_argument("--quantization", default=None, help="as `deltaserve serve` takes it (default: the "
+                        "checkpoint's own; fp8 quantizes a bf16 one at load)")
     parser.add_argument("--tokenizer", default=None,
                         help="detokenize outputs with this tokenizer, as a server does (default: none, token ids "
                              "only; `python -m deltaserve.bench.vocab_tokenizer` makes one for a config)")
@@ -482,7 +488,8 @@ def main(argv: list[str] | None = None) -> int:
     compiles.install()
     t = time.perf_counter()
     engine = LLMEngine(EngineConfig(
-        model=args.model, load_format=args.load_format, skip_tokenizer_init=args.tokenizer is None,
+        model=args.model, load_format=args.load_format, quantization=args.quantization,
+        skip_tokenizer_init=args.tokenizer is None,
         tokenizer=args.tokenizer, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enforce_eager=args.enforce_eager, gpu_memory_utilization=args.gpu_memory_utilization,

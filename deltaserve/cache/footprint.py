@@ -14,10 +14,6 @@ from deltaserve.config import ConfigError, ModelConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
 FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")  # both mean torch.float8_e4m3fn with per-tensor scales
-# Bytes per parameter of the decoder's projection matrices in quantized checkpoints, scales included:
-# fp8 with one float32 scale per 128 x 128 block; int4 (AWQ / GPTQ) with an fp16 scale and a 4-bit zero
-# point per group of 128. For planning only: the loader reads bf16 / fp16 / fp32 checkpoints.
-WEIGHT_FORMATS = {"fp8": 1 + 4 / (128 * 128), "int4": 0.5 + 2.5 / 128}
 # At the sampling peak a row of logits lives as: the lm_head output (model dtype), the float32 logits, the
 # sampler's float32 working copies (private copy, temperature-scaled, gathered, sorted, softmax, cumsum,
 # masked) and int64 sort indices when top-p runs without top-k: about 48 bytes per logit.
@@ -92,14 +88,51 @@ def count_parameters(cfg: ModelConfig) -> dict[str, int]:
             "linear": linear, "other": other, "A_log": num_gdn * HV}
 
 
-def weight_bytes(cfg: ModelConfig, dtype: str, weight_format: str | None = None) -> dict[str, int]:
-    """Weight bytes by storage format: the model dtype, float32 (A_log), and `weight_format` if given."""
+def projection_shapes(cfg: ModelConfig) -> list[tuple[str, int, int, int]]:
+    """(name, N, K, count) of every projection matrix count_parameters counts as "linear", named as our modules
+    are (a block's experts as its expert 0, `count` times): what a quantized checkpoint may store quantized."""
+    H, HV = cfg.hidden_size, cfg.gdn_num_v_heads
+    q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shapes = []
+    for i, kind in enumerate(cfg.layer_types):
+        layer = f"model.layers.{i}"
+        if kind == "full_attention":
+            shapes += [(f"{layer}.self_attn.q_proj", 2 * q_dim, H, 1), (f"{layer}.self_attn.k_proj", kv_dim, H, 1),
+                       (f"{layer}.self_attn.v_proj", kv_dim, H, 1), (f"{layer}.self_attn.o_proj", H, q_dim, 1)]
+        elif cfg.gdn_fused_inproj:
+            shapes += [(f"{layer}.linear_attn.in_proj_qkvz", cfg.conv_dim + cfg.gdn_value_dim, H, 1),
+                       (f"{layer}.linear_attn.in_proj_ba", 2 * HV, H, 1)]
+        else:
+            shapes += [(f"{layer}.linear_attn.in_proj_qkv", cfg.conv_dim, H, 1),
+                       (f"{layer}.linear_attn.in_proj_z", cfg.gdn_value_dim, H, 1),
+                       (f"{layer}.linear_attn.in_proj_b", HV, H, 1), (f"{layer}.linear_attn.in_proj_a", HV, H, 1)]
+        if kind == "linear_attention":
+            shapes.append((f"{layer}.linear_attn.out_proj", H, cfg.gdn_value_dim, 1))
+        mlps = [(f"{layer}.mlp", cfg.intermediate_size, 1)]
+        if cfg.moe_layers[i]:
+            mlps = [(f"{layer}.mlp.experts.0", cfg.moe_intermediate_size, cfg.num_experts)]
+            if cfg.shared_expert_intermediate_size:
+                mlps.append((f"{layer}.mlp.shared_expert", cfg.shared_expert_intermediate_size, 1))
+        for mlp, inter, count in mlps:
+            shapes += [(f"{mlp}.gate_proj", inter, H, count), (f"{mlp}.up_proj", inter, H, count),
+                       (f"{mlp}.down_proj", H, inter, count)]
+    return shapes
+
+
+def weight_bytes(cfg: ModelConfig, dtype: str, weight_format=None) -> dict[str, int]:
+    """Weight bytes by storage format: the model dtype, float32 (A_log), and with a quantized `weight_format`
+    (a layers/quant WeightFormat) each part of its projections (packed values, scales, zero points) as the
+    prepared weights hold them, the projections it keeps unquantized in the model dtype."""
     params = count_parameters(cfg)
     by_format = {dtype: (params["embed_tokens"] + params["lm_head"] + params["other"]) * DTYPE_BYTES[dtype]}
     if weight_format is None:
         by_format[dtype] += params["linear"] * DTYPE_BYTES[dtype]
     else:
-        by_format[weight_format] = math.ceil(params["linear"] * WEIGHT_FORMATS[weight_format])
+        for name, n, k, count in projection_shapes(cfg):
+            scheme = weight_format.scheme_for(name)
+            parts = {dtype: n * k * DTYPE_BYTES[dtype]} if scheme is None else scheme.matrix_bytes(n, k)
+            for part, nbytes in parts.items():
+                by_format[part] = by_format.get(part, 0) + count * nbytes
     by_format["float32"] = by_format.get("float32", 0) + params["A_log"] * 4
     return by_format
 

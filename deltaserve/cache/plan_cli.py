@@ -1,11 +1,13 @@
 """The memory plan as text: the block the engine logs at startup, and `deltaserve plan`.
 
-    deltaserve plan MODEL_OR_CONFIG [engine flags] [--gpu NAME | --gpu-memory BYTES] [--quantization fp8|int4]
+    deltaserve plan MODEL_OR_CONFIG [engine flags] [--gpu NAME | --gpu-memory BYTES] [--quantization METHOD]
 
 MODEL_OR_CONFIG is a checkpoint directory, a config.json, or a hub id (a copy in the local Hugging Face
 cache, else the published config shipped in deltaserve/model_configs): nothing else is read (no weights, no
 GPU, no download), so "does Qwen3.5-27B fit on a 32 GB card at 262K context with fp8 KV, and how many requests
-run at once?" is answered before anything is fetched. The engine flags are `deltaserve serve`'s; serve
+run at once?" is answered before anything is fetched. A quantized checkpoint's weights are counted in its format
+(its config's quantization_config or hf_quant_config.json; `--quantization fp8` plans a bf16 one quantized at
+load), as `deltaserve serve` would load them. The engine flags are `deltaserve serve`'s; serve
 flags that do not change memory are accepted and listed as ignored. Exit status: 0 when the plan for the
 chosen device fits (or no device was chosen), 1 when it does not, 2 for bad input.
 """
@@ -13,16 +15,15 @@ chosen device fits (or no device was chosen), 1 when it does not, 2 for bad inpu
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from deltaserve.cache.footprint import WEIGHT_FORMATS
 from deltaserve.cache.planner import MemoryPlan, plan
-from deltaserve.config import (DTYPES, KV_CACHE_DTYPES, PERFORMANCE_MODES, SSM_CACHE_DTYPES, ConfigError, EngineConfig,
-                               ModelConfig)
+from deltaserve.config import (DTYPES, KV_CACHE_DTYPES, PERFORMANCE_MODES, QUANTIZATION_FLAGS, SSM_CACHE_DTYPES,
+                               ConfigError, EngineConfig, ModelConfig)
+from deltaserve.layers.quant import detect_weight_format
 from deltaserve.model_configs import resolve_model
 
 
@@ -114,8 +115,8 @@ def describe_plan(p: MemoryPlan) -> str:
         lines.append(f"  {label:<20}{nbytes:>18,}{nbytes / 2**30:>9.2f}  {detail}".rstrip())
 
     formats = " + ".join(f"{name} {nbytes:,} B" for name, nbytes in p.weight_bytes_by_format.items() if nbytes)
-    planned = f" ({p.weight_format}: planned only, not loadable yet)" if p.weight_format else ""
-    row("weights", p.weight_bytes, f"{_count(p.num_parameters)} parameters: {formats}{planned}")
+    quantized = f" ({p.weight_format})" if p.weight_format else ""
+    row("weights", p.weight_bytes, f"{_count(p.num_parameters)} parameters: {formats}{quantized}")
     if p.cache_memory_source != "CPU default":
         how = "measured" if p.activation_measured else "estimated"
         row("activations", p.activation_bytes, f"{how}: {p.max_num_batched_tokens:,} batched tokens, "
@@ -187,9 +188,9 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
                        f"{', '.join(g.name for g in GPUS.values())}")
     where.add_argument("--gpu-memory", type=parse_bytes, default=None, metavar="BYTES",
                        help="plan for a device with this much total memory (e.g. 34190917632 or 31.84GiB)")
-    parser.add_argument("--quantization", choices=sorted(WEIGHT_FORMATS), default=None,
-                        help="plan quantized weights (fp8: 128x128 block scales; int4: AWQ/GPTQ, group 128); "
-                             "deltaserve cannot load them yet")
+    parser.add_argument("-q", "--quantization", choices=tuple(QUANTIZATION_FLAGS), default=None,
+                        help="as `deltaserve serve --quantization`: the checkpoint's own format is read from its "
+                             "config; fp8 on a bf16 checkpoint plans it quantized at load")
     parser.add_argument("--dtype", choices=DTYPES, default="auto")
     parser.add_argument("--max-model-len", type=parse_model_len, default=None, help="tokens, or auto (default)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
@@ -224,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             enable_prefix_caching=args.enable_prefix_caching, prefix_cache_state_slots=args.prefix_cache_state_slots,
             performance_mode=args.performance_mode)
         name = _model_name(args.model, source)
-        common = dict(weight_format=args.quantization, model_name=name)
+        common = dict(weight_format=detect_weight_format(source, args.quantization), model_name=name)
         table = [(gpu, plan(cfg, engine, device_memory_bytes=gpu.memory_bytes, device_name=gpu.name, **common))
                  for gpu in GPUS.values()]
         chosen = None
@@ -237,7 +238,6 @@ def main(argv: list[str] | None = None) -> int:
     out = []
     if ignored:
         out.append(f"ignored (they do not change the memory plan): {' '.join(ignored)}")
-    out += _quantization_note(source, args.quantization)
     if chosen is not None:
         out += [describe_plan(chosen), ""]
     else:
@@ -254,16 +254,6 @@ def _model_name(model: str, source: Path) -> str:
     if not Path(model).exists():
         return model.split("/")[-1]
     return (source.parent if source.name == "config.json" else source).resolve().name
-
-
-def _quantization_note(path: Path, weight_format: str | None) -> list[str]:
-    """A hint when the checkpoint says it is quantized but the plan counts unquantized weights."""
-    file = path / "config.json" if path.is_dir() else path
-    method = (json.loads(file.read_text()).get("quantization_config") or {}).get("quant_method")
-    if method is None or weight_format is not None:
-        return []
-    return [f"note: config.json has quantization_config (quant_method {method!r}); weights are counted "
-            f"unquantized unless --quantization fp8 or int4 is given (deltaserve cannot load them yet)"]
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from deltaserve.cache.footprint import (DTYPE_BYTES, WEIGHT_FORMATS, count_parameters, cuda_graph_count,
+from deltaserve.cache.footprint import (DTYPE_BYTES, count_parameters, cuda_graph_count,
                                         estimate_activation_bytes, estimate_cuda_graph_bytes, kv_bytes_per_token,
                                         kv_cache_dtype, model_dtype, ssm_cache_dtype, state_bytes_per_slot,
                                         weight_bytes)
@@ -74,7 +74,7 @@ class MemoryPlan:
     kv_cache_dtype: str
     conv_state_dtype: str
     ssm_state_dtype: str
-    weight_format: str | None  # None: weights in the model dtype; "fp8" / "int4": planned quantized
+    weight_format: str | None  # None: weights in the model dtype; else the quantized format's description
     num_parameters: int
     weight_bytes_by_format: dict[str, int]
     activation_bytes: int
@@ -241,17 +241,15 @@ class _Budget:
 
 def plan(cfg: ModelConfig, engine: EngineConfig, *, device_memory_bytes: int | None = None, on_gpu: bool = True,
          activation_bytes: int | None = None, overhead_bytes: int | None = None,
-         weight_format: str | None = None, model_name: str = "model", device_name: str | None = None) -> MemoryPlan:
+         weight_format=None, model_name: str = "model", device_name: str | None = None) -> MemoryPlan:
     """Plan the memory of `cfg` served with `engine`'s flags.
 
     device_memory_bytes: the device's total memory (needed on the GPU unless --kv-cache-memory-bytes is set).
     on_gpu: False plans the CPU engine (cache memory from the flag, else CPU_CACHE_BYTES; nothing else counts).
     activation_bytes, overhead_bytes: measured at GPU startup; None estimates them.
-    weight_format: "fp8" / "int4" plans quantized weights (the loader cannot load them yet).
+    weight_format: the checkpoint's quantization (a layers/quant WeightFormat, from detect_weight_format), or None.
     A configuration that does not fit gives a plan whose `error` says why; `plan(...).check()` raises it.
     """
-    if weight_format is not None and weight_format not in WEIGHT_FORMATS:
-        raise ValueError(f"weight format {weight_format!r} is not one of {sorted(WEIGHT_FORMATS)}")
     dtype = model_dtype(engine.dtype, cfg, on_gpu)
     kv_dtype = kv_cache_dtype(engine.kv_cache_dtype, dtype)
     ssm_dtype = ssm_cache_dtype(engine.mamba_ssm_cache_dtype, cfg, dtype)
@@ -292,7 +290,8 @@ def plan(cfg: ModelConfig, engine: EngineConfig, *, device_memory_bytes: int | N
     return MemoryPlan(
         model_name=model_name, device_name=device_name, device_memory_bytes=device_memory_bytes,
         gpu_memory_utilization=engine.gpu_memory_utilization, model_dtype=dtype, kv_cache_dtype=kv_dtype,
-        conv_state_dtype=dtype, ssm_state_dtype=ssm_dtype, weight_format=weight_format,
+        conv_state_dtype=dtype, ssm_state_dtype=ssm_dtype,
+        weight_format=None if weight_format is None else weight_format.description,
         num_parameters=sum(count_parameters(cfg).values()), weight_bytes_by_format=weights,
         activation_bytes=activation, activation_measured=on_gpu and activation_bytes is not None,
         cuda_graph_bytes=graphs, num_cuda_graphs=cuda_graph_count(num_seqs, engine.performance_mode) if graphs else 0,

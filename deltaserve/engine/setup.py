@@ -23,6 +23,7 @@ from deltaserve.cache.prefix_cache import PrefixCache
 from deltaserve.cache.state_pool import StatePool
 from deltaserve.config import ConfigError, EngineConfig, ModelConfig
 from deltaserve.layers.batch import ForwardBatch
+from deltaserve.layers.quant import detect_weight_format
 from deltaserve.model.loader import load_model
 from deltaserve.model.qwen3_5 import HybridForCausalLM
 from deltaserve.model_configs import is_shipped_config, resolve_model
@@ -55,8 +56,12 @@ class EngineSetup:
             self.eos_token_ids = {self.tokenizer.eos_token_id}
         if config.seed is not None:
             torch.manual_seed(config.seed)
+        self.weight_format = detect_weight_format(model_path, config.quantization)
+        if self.weight_format is not None:
+            logger.info("quantized weights: %s", self.weight_format.description)
         reserved_before = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
-        model = load_model(model_path, self.model_config, self.dtype, self.device, config.load_format, config.seed)
+        model = load_model(model_path, self.model_config, self.dtype, self.device, config.load_format, config.seed,
+                           self.weight_format)
 
         self.memory_plan = self._plan(config, model, reserved_before)
         self.max_num_seqs = self.memory_plan.max_num_seqs
@@ -68,7 +73,9 @@ class EngineSetup:
         prefix_cache = None
         if config.enable_prefix_caching:
             # entries are only shared between requests of one model, cache layout and dtypes
-            identity = f"{model_path.resolve()}|{self.dtype}|{shape.kv_dtype}|{shape.ssm_dtype}|{shape.block_size}"
+            quantized = self.weight_format.description if self.weight_format else "unquantized"
+            identity = (f"{model_path.resolve()}|{self.dtype}|{quantized}|{shape.kv_dtype}|{shape.ssm_dtype}|"
+                        f"{shape.block_size}")
             prefix_cache = PrefixCache(block_pool, state_pool, identity)
         self.cache_manager = CacheManager(block_pool, state_pool, prefix_cache)
         self.runner = ModelRunner(model, shape, self.device, self.max_num_seqs, self.max_model_len,
@@ -113,8 +120,8 @@ class EngineSetup:
             overhead = max(0, device_memory - free - ours)
             device_name = torch.cuda.get_device_name(self.device)
         memory_plan = plan(self.model_config, config, device_memory_bytes=device_memory, on_gpu=on_gpu,
-                           activation_bytes=activation, overhead_bytes=overhead, model_name=self.model_path.name,
-                           device_name=device_name or "CPU")
+                           activation_bytes=activation, overhead_bytes=overhead, weight_format=self.weight_format,
+                           model_name=self.model_path.name, device_name=device_name or "CPU")
         if memory_plan.error is not None:
             logger.error("%s", describe_plan(memory_plan))
             memory_plan.check()

@@ -25,6 +25,8 @@ SDPA_PREFIX_ALIGN = 8192
 
 
 class GatedAttention(nn.Module):
+    PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")  # the linears a quantized checkpoint may store quantized
+
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  rotary: PartialRotary, eps: float):
         super().__init__()
@@ -61,7 +63,7 @@ class GatedAttention(nn.Module):
         """Run the decode kernel once over a one-block table, so that start-up compiles its one-split variant
         (the kernel writes its output itself, see `cuda_decode`): eager steps whose longest sequence is short
         launch it, and graphs may never plan it (on 27B only from 34 sequences)."""
-        device, dtype = self.k_cache.device, self.qkv_weight.dtype
+        device, dtype = self.k_cache.device, self.q_norm.weight.dtype
         q = torch.zeros(1, self.num_heads, self.head_dim, dtype=dtype, device=device)  # also the gate
         one_block = torch.zeros(1, 1, dtype=torch.int32, device=device)  # [1 sequence, 1 block]
         paged_attention(q, self.k_cache, self.v_cache, one_block, torch.tensor([0, 1], device=device),

@@ -23,6 +23,9 @@ from deltaserve.ops.linear import gated_norm_linear
 
 
 class GatedDeltaNet(nn.Module):
+    # the linears a quantized checkpoint may store quantized (conv1d never is)
+    PROJECTIONS = ("in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         H = cfg.hidden_size
@@ -147,12 +150,12 @@ class GatedDeltaNet(nn.Module):
         `forward`'s, so that serving compiles none of them."""
         from deltaserve.ops.norm.cuda import gated_norm_warm_up_token_counts  # GPU only
 
-        weight = self.in_weight
+        like = dict(dtype=self.norm.weight.dtype, device=self.norm.weight.device)  # the activations' (the model's)
         counts = gated_norm_warm_up_token_counts(self.num_v_heads, self.v_dim, max_tokens)  # 27B: 1 to 342
-        projected = torch.zeros(max(counts), weight.shape[0], dtype=weight.dtype, device=weight.device)
+        projected = torch.zeros(max(counts), self.in_weight.shape[0], **like)
         for tokens in counts:
             _, z, _, _ = self._split_projection(projected[:tokens])
-            o = torch.zeros(tokens, self.num_v_heads, self.v_dim, dtype=weight.dtype, device=weight.device)
+            o = torch.zeros(tokens, self.num_v_heads, self.v_dim, **like)
             self.norm(o, z)
 
     def _conv_and_delta_rule(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,

@@ -4,6 +4,9 @@ Checkpoint names map onto ours by a few rules (`_map_name`): multimodal Qwen3.5 
 model under `model.language_model.`; `visual.*` and `mtp.*` tensors are skipped; per-expert MoE tensors
 (`mlp.experts.{e}.gate_proj.weight` ...) are stacked into our fused `experts.gate_up_proj` / `down_proj`.
 Any missing, unexpected or mis-shaped tensor is an error naming it: nothing partially loaded is served.
+Quantized checkpoints (a WeightFormat, layers/quant/) have their projections' tensors routed to quantized modules
+by model/quant_loading.py; everything else loads as here, and a quantized tensor where a parameter expects a float
+one is an error too.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ from torch import nn
 from tqdm import tqdm
 
 from deltaserve.config import ModelConfig
+from deltaserve.layers.quant.scheme import WeightFormat
+from deltaserve.model.errors import WeightLoadError
+from deltaserve.model.quant_loading import QuantTensors, fill_dummy, quantize_modules
 from deltaserve.model.qwen3_5 import HybridForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -30,14 +36,13 @@ _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up
 # fp8 KV-cache scales of fp8 checkpoints, under the names vLLM reads: self_attn.k_scale, self_attn.k_proj.k_scale,
 # self_attn.attn.k_scale (and v_scale alike)
 _KV_SCALE = re.compile(r"^(model\.layers\.\d+\.self_attn)\.(?:k_proj\.|v_proj\.|attn\.)?([kv])_scale$")
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-class WeightLoadError(RuntimeError):
-    """A checkpoint could not be loaded; the message names the file or tensor."""
-
-
-def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> HybridForCausalLM:
-    """Allocate the model on `device` in `dtype` without initialising it (weights must be loaded next)."""
+def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+                weight_format: WeightFormat | None = None) -> HybridForCausalLM:
+    """Allocate the model on `device` in `dtype` without initialising it (weights must be loaded next); the
+    projections `weight_format` quantizes get quantized modules, which allocate nothing until loaded."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -45,6 +50,8 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str
             model = HybridForCausalLM(cfg)
     finally:
         torch.set_default_dtype(previous)
+    if weight_format is not None:
+        quantize_modules(model, weight_format, device)
     model = model.to_empty(device=device)
     for gdn in model.gdn_layers:  # the decay parameter stays float32 (stored so in checkpoints)
         gdn.A_log.data = gdn.A_log.data.float()
@@ -55,11 +62,13 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str
 
 
 def load_model(path: str | Path | None, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
-               load_format: str = "auto", seed: int = 0) -> HybridForCausalLM:
-    """Build the model and load its weights (`load_format` "auto"/"safetensors" or "dummy")."""
+               load_format: str = "auto", seed: int = 0,
+               weight_format: WeightFormat | None = None) -> HybridForCausalLM:
+    """Build the model and load its weights (`load_format` "auto"/"safetensors" or "dummy"), quantized as
+    `weight_format` says (layers/quant/detect.py; None: every weight in `dtype`)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"--load-format {load_format!r} is not supported; choose one of {LOAD_FORMATS}")
-    model = build_model(cfg, dtype, device)
+    model = build_model(cfg, dtype, device, weight_format)
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     else:
@@ -105,6 +114,7 @@ def load_safetensors(model: HybridForCausalLM, path: Path) -> None:
     # slice repeated in two files cannot stand in for a missing one.
     expert_parts: dict[str, set[tuple[int, str]]] = {}
     skipped = 0
+    quantized = QuantTensors(model)
     for file in tqdm(_checkpoint_files(path), desc="Loading safetensors", unit="file", leave=False):
         try:
             handle = safe_open(str(file), framework="pt", device="cpu")
@@ -121,6 +131,8 @@ def load_safetensors(model: HybridForCausalLM, path: Path) -> None:
                 if kv_scale:
                     _load_kv_scale(model, kv_scale, tensor, raw_name)
                     continue
+                if quantized.take(name, raw_name, tensor):
+                    continue
                 expert = _EXPERT.match(name)
                 if expert:
                     _load_expert_slice(params, expert, tensor, raw_name, expert_parts)
@@ -129,6 +141,7 @@ def load_safetensors(model: HybridForCausalLM, path: Path) -> None:
                     raise WeightLoadError(f"unexpected tensor '{raw_name}' in '{file.name}' (no such parameter)")
                 _copy(params[name], tensor, raw_name)
                 pending.discard(name)
+    quantized.finish()
     for name, loaded in expert_parts.items():
         experts = params[name].shape[0]
         needed = experts * (2 if name.endswith("gate_up_proj") else 1)
@@ -180,6 +193,9 @@ def _copy(param: nn.Parameter, tensor: torch.Tensor, raw_name: str) -> None:
 
 
 def _copy_into(dest: torch.Tensor, tensor: torch.Tensor, raw_name: str) -> None:
+    if tensor.dtype not in _FLOAT_DTYPES:  # copy_ would cast the codes, unscaled
+        raise WeightLoadError(f"tensor '{raw_name}' is {str(tensor.dtype).removeprefix('torch.')}, but its module is "
+                              "not quantized (the checkpoint's quantization config keeps it in the model dtype)")
     if dest.shape != tensor.shape:
         raise WeightLoadError(f"tensor '{raw_name}' has shape {list(tensor.shape)}, expected {list(dest.shape)}")
     dest.copy_(tensor)
@@ -192,6 +208,7 @@ def init_dummy_weights(model: HybridForCausalLM, seed: int = 0) -> None:
     if device.type == "meta":  # a shape-only model (sizing, planning) holds no values to fill
         return
     gen = torch.Generator(device=device).manual_seed(seed)
+    fill_dummy(model, gen)
     for name, param in model.named_parameters():
         if name.endswith("A_log"):  # decay rates as transformers initialises them: log U(1, 16)
             param.uniform_(1.0, 16.0, generator=gen).log_()

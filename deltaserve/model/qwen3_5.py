@@ -19,6 +19,7 @@ from deltaserve.layers.attention import GatedAttention
 from deltaserve.layers.batch import ForwardBatch
 from deltaserve.layers.gdn import GatedDeltaNet
 from deltaserve.layers.mlp import SparseMoE, SwiGLU
+from deltaserve.layers.quant.weight import plain_parts, quantized_parts
 from deltaserve.layers.norm import RMSNorm
 from deltaserve.layers.rotary import PartialRotary
 from deltaserve.ops.linear import rms_norm_linear
@@ -120,25 +121,41 @@ class HybridForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def fuse(self) -> None:
-        """After the weights are loaded: merge projections that share an input (see layers/linear.py)."""
+        """After the weights are loaded: merge projections that share an input (see layers/linear.py) and prepare
+        quantized weights for their kernels (a parent's fuse runs before its children's)."""
         for module in self.modules():
             if module is not self and hasattr(module, "fuse"):
                 module.fuse()
 
-    def projection_weights(self) -> list[torch.Tensor]:
-        """One weight of each shape and dtype that `ops.linear` multiplies at decode-sized row counts (the
-        mixers' input and output projections, the dense MLPs', the shared experts' down projections), for
-        start-up to warm its kernels up."""
-        weights: dict[tuple, torch.Tensor] = {}
+    def _projections(self) -> list:
+        """The weights `ops.linear` multiplies at decode-sized row counts (the mixers' input and output
+        projections, the dense MLPs', the shared experts' down projections): tensors or quantized weights."""
+        candidates = []
         for layer in self.model.layers:
             mixer = layer.linear_attn if layer.is_linear else layer.self_attn
-            candidates = [mixer.in_weight, mixer.out_proj.weight if layer.is_linear else mixer.o_proj.weight]
+            candidates += [mixer.in_weight, mixer.out_proj.weight if layer.is_linear else mixer.o_proj.weight]
             if isinstance(layer.mlp, SwiGLU):
                 candidates += [layer.mlp.gate_up_weight, layer.mlp.down_proj.weight]
             elif layer.mlp.shared_expert is not None:  # its down projection (silu_mul_linear)
                 candidates.append(layer.mlp.shared_expert.down_proj.weight)
-            for weight in candidates:
-                weights.setdefault((tuple(weight.shape), weight.dtype), weight)
+        return candidates
+
+    def projection_weights(self) -> list[torch.Tensor]:
+        """One plain-tensor weight of each shape and dtype of `_projections` (bf16 row blocks of a quantized
+        projection included), for start-up to warm the skinny GEMM up."""
+        weights: dict[tuple, torch.Tensor] = {}
+        for weight in (part for candidate in self._projections() for part in plain_parts(candidate)):
+            weights.setdefault((tuple(weight.shape), weight.dtype), weight)
+        return list(weights.values())
+
+    def quantized_weights(self) -> list:
+        """One QuantWeight of each shape and layout of `_projections` (the prepared weight's type, its non-tensor
+        fields and which tensors it lacks: group size, zero points, act order), for start-up to warm the
+        quantized GEMMs up."""
+        weights: dict[tuple, object] = {}
+        for weight in (part for candidate in self._projections() for part in quantized_parts(candidate)):
+            layout = tuple("tensor" if isinstance(v, torch.Tensor) else v for v in vars(weight.prepared).values())
+            weights.setdefault((type(weight.prepared), layout), weight)
         return list(weights.values())
 
     @property

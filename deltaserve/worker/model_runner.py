@@ -22,6 +22,7 @@ from deltaserve.device import to_device
 from deltaserve.layers.batch import ForwardBatch
 from deltaserve.layers.mlp import SparseMoE
 from deltaserve.model.qwen3_5 import HybridForCausalLM
+from deltaserve.ops import quant_gemm
 from deltaserve.ops.linear import warm_up_skinny
 from deltaserve.sampling import PendingSample, Sampler
 from deltaserve.sched_output import ModelOutput, SchedulerOutput
@@ -73,6 +74,8 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, max_num_seqs, -(-max_model_len // self.block_size), device,
                                        use_graphs=use_graphs, performance_mode=performance_mode,
                                        block_size=self.block_size)
+            # the quantized GEMMs' variants at every row class, compiled before capture (ops.quant_gemm.warm_up)
+            quant_gemm.warm_up([w.prepared for w in model.quantized_weights()], model.model.embed_tokens.weight.dtype)
             self.graphs.capture()
             # kernel variants that steps outside the graphs may launch, compiled now rather than while serving
             warm_up_skinny(model.projection_weights())
@@ -84,7 +87,7 @@ class ModelRunner:
             attention.warm_up_one_split_decode()
             try:
                 warm_up_cudnn_attention(attention.num_heads, attention.num_kv_heads, attention.head_dim,
-                                        attention.qkv_weight.dtype, device, max_num_batched_tokens)
+                                        attention.q_norm.weight.dtype, device, max_num_batched_tokens)
             except Exception:  # a speed-up only: the first requests pay for it instead, never a failed start
                 logger.exception("warming up cuDNN attention failed; continuing")
 

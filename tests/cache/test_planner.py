@@ -15,6 +15,7 @@ from deltaserve.cache.plan_cli import GPUS, main, parse_bytes
 from deltaserve.cache.planner import CPU_CACHE_BYTES, PlanError, plan
 from deltaserve.config import ConfigError, EngineConfig, ModelConfig
 from deltaserve.demo import TINY_CONFIGS
+from deltaserve.layers.quant import detect_weight_format
 from deltaserve.model.loader import build_model
 from deltaserve.model_configs import CONFIGS_DIR
 GIB = 2**30
@@ -193,9 +194,9 @@ def test_max_num_seqs_is_clamped_with_a_note_never_an_error():
 
 
 def test_when_not_even_one_full_length_request_fits_states_get_half_the_cache():
-    cfg = shared_config("qwen3.5-27b")
+    cfg = shared_config("qwen3.5-27b-awq")
     p = plan(cfg, EngineConfig(enable_prefix_caching=False), device_memory_bytes=GPUS["rtx5090"].memory_bytes,
-             weight_format="int4")
+             weight_format=detect_weight_format(SHARED_CONFIGS / "qwen3.5-27b-awq"))
     assert p.error is None and p.max_model_len == p.pool_tokens < 262144
     states = (p.max_num_seqs + 1) * p.state_bytes_per_slot
     assert 2 * states <= p.cache_memory_bytes < 2 * (states + p.state_bytes_per_slot)
@@ -235,7 +236,8 @@ def test_plan_cli_27b_on_a_32gb_card_at_262k_with_fp8(capsys):
     h200 = next(line for line in out.splitlines() if line.strip().startswith("H200"))
     assert "yes" in h200 and "262,144" in h200
 
-    assert main(flags + ["--quantization", "int4", "--served-model-name", "x"]) == 0  # 4-bit weights: it fits
+    awq = [str(SHARED_CONFIGS / "qwen3.5-27b-awq")] + flags[1:]  # its int4 weights read from its config: it fits
+    assert main(awq + ["--served-model-name", "x"]) == 0
     out = capsys.readouterr().out
     assert "ignored (they do not change the memory plan): --served-model-name x" in out
     assert "=> max_model_len 262,144" in out and "full-length requests at once: 1" in out

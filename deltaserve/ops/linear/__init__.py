@@ -7,6 +7,9 @@ written and its kernel never launched. On CUDA, for 16-bit inputs, each shape ta
 an H200 for its row count: the prologue op and then the skinny tensor-core GEMM (`cuda_skinny`, its table
 `skinny_configs.json`, 1 to 64 rows), else at one row the fused GEMV (`cuda`, its table `configs.json`), else
 the prologue op and cuBLAS. Elsewhere (the CPU, float32, larger batches) the unfused reference ops run.
+
+A weight that is not a plain tensor (a quantized one, layers/quant/weight.py) runs the prologue op and then its
+own `.matmul` (the ops.quant_gemm kernels).
 """
 
 import torch
@@ -23,8 +26,9 @@ def _on_gpu(x) -> bool:
 
 
 def _skinny_config(x, weight):
-    """The skinny GEMM's tuned tile for x @ weight^T, or None (also for an x without a unit last stride)."""
-    if not _on_gpu(x) or x.stride(-1) != 1:
+    """The skinny GEMM's tuned tile for x @ weight^T, or None (also for an x without a unit last stride, and for
+    a quantized weight)."""
+    if not _on_gpu(x) or x.stride(-1) != 1 or not isinstance(weight, torch.Tensor):
         return None
     from deltaserve.ops.linear import cuda_skinny
     return cuda_skinny.config_for(*weight.shape, x.shape[0])
@@ -33,14 +37,19 @@ def _skinny_config(x, weight):
 def _gemv_serves(prologue: str, x, weight) -> bool:
     """Whether the batch-1 fused GEMV takes this product: measured to beat the unfused ops, and the skinny GEMM
     not measured to beat it."""
-    if not _on_gpu(x) or x.shape[0] != 1 or _skinny_config(x, weight) is not None:
+    if not _on_gpu(x) or x.shape[0] != 1 or not isinstance(weight, torch.Tensor):
+        return False
+    if _skinny_config(x, weight) is not None:
         return False
     from deltaserve.ops.linear import cuda
     return cuda.config_for(prologue, *weight.shape) is not None
 
 
 def matmul(x, weight):
-    """x: [M, K] -> x @ weight^T: [M, N] (the skinny GEMM where tuned, else cuBLAS)."""
+    """x: [M, K] -> x @ weight^T: [M, N] (the skinny GEMM where tuned, else cuBLAS; a quantized weight's own
+    product)."""
+    if not isinstance(weight, torch.Tensor):
+        return weight.matmul(x)
     config = _skinny_config(x, weight)
     if config is not None:
         from deltaserve.ops.linear import cuda_skinny

@@ -1,0 +1,110 @@
+"""What a quantized projection holds once loaded, and how neighbours that share an input become one weight.
+
+`QuantWeight` is one prepared matrix and its `ops.quant_gemm` op; `SplitWeight` a fused projection whose row
+blocks could not become one weight (a bf16 block beside quantized ones, as GDN's in_proj_b/a beside in_proj_qkv/z
+in Qwen's FP8 checkpoints, or quantized blocks whose scales do not line up): its product is the parts' products
+side by side. Both have `.shape` ([N, K]), `.matmul(x)`, `.dequantize(dtype)` and `.nbytes`, and `ops.linear`
+dispatches any weight that is not a plain tensor to its `.matmul` after the prologue op (norm, SiLU, gated norm).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from deltaserve.layers.quant.scheme import Scheme
+from deltaserve.ops.linear import matmul
+
+
+@dataclass(frozen=True)
+class QuantWeight:
+    """A prepared quantized [N, K] matrix (an ops.quant_gemm *Weight) and the op that multiplies by it."""
+
+    prepared: Any
+    op: Callable[[torch.Tensor, Any], torch.Tensor]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.prepared.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.prepared.nbytes
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [M, K] -> x @ W^T: [M, N] in x.dtype."""
+        return self.op(x, self.prepared)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.prepared.dequantize(dtype)
+
+
+@dataclass(frozen=True)
+class SplitWeight:
+    """Row blocks [n_i, K] (plain tensors or QuantWeights) of one fused projection, multiplied one by one."""
+
+    parts: tuple
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(part.shape[0] for part in self.parts), self.parts[0].shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for part in self.parts)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [M, K] -> [M, sum n_i]."""
+        return torch.cat([matmul(x, part) for part in self.parts], dim=-1)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return torch.cat([part.to(dtype) if isinstance(part, torch.Tensor) else part.dequantize(dtype)
+                          for part in self.parts])
+
+
+def fuse_quantized(scheme_parts: list[tuple[Scheme, dict[str, torch.Tensor], int]], k: int, device):
+    """Loaded projections (scheme, tensors, rows) that read the same [*, k] input, in row order -> one QuantWeight,
+    or a SplitWeight of the fewest that can be joined (consecutive parts of one scheme whose joints line up)."""
+    runs: list[list[tuple[Scheme, dict, int]]] = []
+    for part in scheme_parts:
+        run = runs[-1] if runs else None
+        if run and part[0] is run[0][0] and part[0].joinable(sum(p[2] for p in run), run[0][1], part[1]):
+            run.append(part)
+        else:
+            runs.append([part])
+    weights = []
+    for run in runs:
+        scheme, rows = run[0][0], sum(p[2] for p in run)
+        tensors = run[0][1] if len(run) == 1 else scheme.join([p[1] for p in run])
+        weights.append(scheme.prepare(tensors, (rows, k), device))
+    return weights[0] if len(weights) == 1 else SplitWeight(tuple(weights))
+
+
+def plain_parts(weight) -> list[torch.Tensor]:
+    """The plain-tensor matrices a projection multiplies by: the weight itself, a SplitWeight's tensor parts."""
+    if isinstance(weight, torch.Tensor):
+        return [weight]
+    if isinstance(weight, SplitWeight):
+        return [part for part in weight.parts if isinstance(part, torch.Tensor)]
+    return []
+
+
+def quantized_parts(weight) -> list[QuantWeight]:
+    """The QuantWeights a projection multiplies by."""
+    if isinstance(weight, QuantWeight):
+        return [weight]
+    if isinstance(weight, SplitWeight):
+        return [part for part in weight.parts if isinstance(part, QuantWeight)]
+    return []
+
+
+def held_quantized_weights(model: torch.nn.Module) -> list[QuantWeight]:
+    """Every QuantWeight the modules of `model` hold (as attributes, in lists, in SplitWeights), each once."""
+    held: dict[int, QuantWeight] = {}
+    for module in model.modules():
+        for value in vars(module).values():
+            for weight in value if isinstance(value, list) else [value]:
+                held.update({id(part): part for part in quantized_parts(weight)})
+    return list(held.values())
