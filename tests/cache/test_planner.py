@@ -196,7 +196,7 @@ def test_max_num_seqs_is_clamped_with_a_note_never_an_error():
 def test_when_not_even_one_full_length_request_fits_states_get_half_the_cache():
     cfg = shared_config("qwen3.5-27b-awq")
     p = plan(cfg, EngineConfig(enable_prefix_caching=False), device_memory_bytes=GPUS["rtx5090"].memory_bytes,
-             weight_format=detect_weight_format(SHARED_CONFIGS / "qwen3.5-27b-awq"))
+             weight_format=detect_weight_format(CONFIGS_DIR / "qwen3.5-27b-awq"))
     assert p.error is None and p.max_model_len == p.pool_tokens < 262144
     states = (p.max_num_seqs + 1) * p.state_bytes_per_slot
     assert 2 * states <= p.cache_memory_bytes < 2 * (states + p.state_bytes_per_slot)
@@ -236,7 +236,7 @@ def test_plan_cli_27b_on_a_32gb_card_at_262k_with_fp8(capsys):
     h200 = next(line for line in out.splitlines() if line.strip().startswith("H200"))
     assert "yes" in h200 and "262,144" in h200
 
-    awq = [str(SHARED_CONFIGS / "qwen3.5-27b-awq")] + flags[1:]  # its int4 weights read from its config: it fits
+    awq = [str(CONFIGS_DIR / "qwen3.5-27b-awq")] + flags[1:]  # its int4 weights read from its config: it fits
     assert main(awq + ["--served-model-name", "x"]) == 0
     out = capsys.readouterr().out
     assert "ignored (they do not change the memory plan): --served-model-name x" in out

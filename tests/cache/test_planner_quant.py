@@ -19,9 +19,9 @@ from deltaserve.demo import TINY_CONFIGS
 from deltaserve.layers.quant import detect_weight_format
 from deltaserve.layers.quant.weight import held_quantized_weights
 from deltaserve.model.loader import load_model
+from deltaserve.model_configs import CONFIGS_DIR
 from tests.model.quant_checkpoints import PUBLISHED, QUANT_SHAPES
 
-SHARED_CONFIGS = Path(__file__).resolve().parents[2] / ".." / "shared" / "configs"
 USERS_FLAGS = ["--max-num-seqs", "128", "--max-model-len", "200000", "--kv-cache-dtype", "fp8",
                "--gpu-memory-utilization", "0.94", "--enable-prefix-caching"]
 # quantization configs of each family, as config.json's quantization_config (None: hf_quant_config.json)
@@ -44,10 +44,7 @@ FAMILIES = {
 
 
 def shared(name: str) -> Path:
-    folder = SHARED_CONFIGS / name
-    if not folder.is_dir():
-        pytest.skip(f"{folder} is absent (shared/configs lives beside the repository)")
-    return folder
+    return CONFIGS_DIR / name
 
 
 def tiny_quantized(tmp_path: Path, arch: str, family: str):

@@ -9,7 +9,7 @@ that every group size divides it) has its projections quantized here and saved a
     gptq    by hand, GPTQ's layout (qweight [K/8, N], qzeros holding zero - 1, scales, g_idx with act order)
     nvfp4   by hand, ModelOpt's layout (uint8 e2m1 pairs, e4m3 scales per 16, float32 weight_scale_2 and
             input_scale), its quantization config in hf_quant_config.json
-The quantization configs are the published ones (PUBLISHED: ../shared/configs/qwen3.5-27b-fp8, -awq, -nvfp4, which
+The quantization configs are the published ones (PUBLISHED: deltaserve/model_configs/qwen3.5-27b-fp8, -awq, -nvfp4, which
 test_quant_errors checks them against), so the real spellings of their exclusion lists are what is read. The twin
 holds the dequantized weights (float32, the source's names and config):
 what transformers runs as the reference. What stays bf16 is as in the public checkpoints: embeddings, lm_head,
@@ -41,7 +41,7 @@ E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 KV_SCALES = (0.0625, 0.125)  # the NVFP4 checkpoints' k_scale and v_scale
 
 
-# The quantization configs of ../shared/configs/qwen3.5-27b-fp8/config.json, -awq/config.json (the ignore list) and
+# The quantization configs of deltaserve/model_configs/qwen3.5-27b-fp8/config.json, -awq/config.json (the ignore list) and
 # -nvfp4/hf_quant_config.json, as published.
 PUBLISHED = {
     "fp8": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],

@@ -18,9 +18,9 @@ from deltaserve import LLM
 from deltaserve.config import ConfigError, EngineConfig, ModelConfig
 from deltaserve.layers.quant import detect_weight_format
 from deltaserve.model.loader import WeightLoadError, load_model
+from deltaserve.model_configs import CONFIGS_DIR
 from tests.model.quant_checkpoints import PUBLISHED, quantize_checkpoint
 
-SHARED_CONFIGS = Path(__file__).resolve().parents[2] / ".." / "shared" / "configs"
 
 
 def with_quant_config(folder: Path, quant: dict | None, hf_quant: dict | None = None) -> Path:
@@ -109,9 +109,7 @@ def test_quantization_config_under_text_config_is_found(tmp_path):
                                           ("qwen3.5-35b-a3b-awq", "compressed-tensors"),
                                           ("qwen3.5-27b-nvfp4", "modelopt"), ("qwen3.5-35b-a3b-nvfp4", "modelopt")])
 def test_published_configs_are_read_with_their_bf16_exceptions(name, method):
-    folder = SHARED_CONFIGS / name
-    if not folder.is_dir():
-        pytest.skip(f"{folder} is absent (shared/configs lives beside the repository)")
+    folder = CONFIGS_DIR / name
     fmt = detect_weight_format(folder)
     assert fmt.method == method
     for kept in ("model.layers.0.linear_attn.in_proj_a", "model.layers.0.linear_attn.in_proj_b"):
