@@ -36,6 +36,14 @@ NVFP4_GROUP = 16
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
+def _e2m1_value(codes: torch.Tensor) -> torch.Tensor:
+    """E2M1_VALUES[codes] computed from the bits (sign | 2-bit exponent | 1-bit mantissa), float32: no lookup table
+    is copied to the device, so this also runs inside CUDA-graph capture."""
+    exponent, mantissa = (codes >> 1) & 3, (codes & 1).float()
+    magnitude = torch.where(exponent == 0, 0.5 * mantissa, torch.exp2(exponent.float() - 1) * (1 + 0.5 * mantissa))
+    return torch.where(codes >= 8, -magnitude, magnitude)
+
+
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
@@ -245,7 +253,7 @@ class Nvfp4Weight:
         """[N, K] in dtype: e2m1(q) * scale * scale_2, in float32."""
         n, k = self.shape
         codes = torch.stack((self.packed & 0xF, self.packed >> 4), dim=2).view(n, k).long()
-        values = torch.tensor(E2M1_VALUES, device=self.packed.device)[codes]
+        values = _e2m1_value(codes)
         group_scale = self.scale.float().repeat_interleave(NVFP4_GROUP, dim=1)
         return (values * group_scale * self.scale_2[:, None]).to(dtype)
 
