@@ -4,7 +4,7 @@ candidate side by side, printed against the physical limits, and the table of th
     python benchmarks/quant_gemm_probe.py [CONFIG_DIR] [--out quant_gemm_configs.json] [--formats fp8,int4,nvfp4]
                                           [--rows 1,8,16,32,64,512,8192]
 
-CONFIG_DIR defaults to the published Qwen3.5-27B config (.gpu_configs/ or ../shared/configs). Decode row counts
+CONFIG_DIR defaults to the Qwen3.5-27B config shipped in deltaserve/model_configs. Decode row counts
 (<= 64) are timed inside CUDA graphs over copies of the weight (400 MB of them, so that no call finds its weight in
 the 50 MB L2), and reported as the bytes of weights and scales read over the time (TB/s, beside the ~4.2 TB/s copy
 rate of an H200); prefill row counts by triton.testing.do_bench (the L2 flushed before each call) as TFLOP/s,
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import random
 import sys
 import time
@@ -31,6 +30,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from deltaserve.config import ModelConfig  # noqa: E402
+from deltaserve.model_configs import shipped_config  # noqa: E402
 from deltaserve.ops.quant_gemm import configs, cuda_fp8, cuda_weight_only  # noqa: E402
 from deltaserve.ops.quant_gemm import reference as ref  # noqa: E402
 
@@ -185,9 +185,8 @@ def write_table(path: str, measured: dict) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    default_dir = next((d for d in (".gpu_configs/qwen3.5-27b", "../shared/configs/qwen3.5-27b",
-                                    "shared/configs/qwen3.5-27b") if os.path.isdir(d)), None)
-    parser.add_argument("model", nargs="?", default=default_dir, help="config.json directory")
+    parser.add_argument("model", nargs="?", default=str(shipped_config("Qwen/Qwen3.5-27B")),
+                        help="config.json directory (default: the Qwen3.5-27B config shipped in the package)")
     parser.add_argument("--out", default="quant_gemm_configs.json", help="merge the fastest entries into this table")
     parser.add_argument("--formats", default="fp8,int4,nvfp4")
     parser.add_argument("--rows", default=",".join(map(str, ROWS)))
@@ -195,8 +194,6 @@ def main(argv=None) -> int:
     parser.add_argument("--budget-s", type=float, default=float("inf"),
                         help="start no new shape after this many seconds (what was measured is kept)")
     args = parser.parse_args(argv)
-    if args.model is None:
-        parser.error("no config directory found: pass CONFIG_DIR")
     cfg = ModelConfig.from_pretrained(args.model)
     rng = random.Random(0)
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "

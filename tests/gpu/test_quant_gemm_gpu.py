@@ -9,12 +9,11 @@ its own dot added in float32.
 Run on an H200 by `tests/gpu/run.sh OUT quant`.
 """
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from deltaserve.config import ModelConfig
+from deltaserve.model_configs import shipped_config
 from deltaserve.ops import quant_gemm
 from deltaserve.ops.quant_gemm import configs, cuda_fp8, cuda_weight_only
 from deltaserve.ops.quant_gemm import reference as ref
@@ -22,9 +21,6 @@ from tests.ops import quant_gemm_oracle as oracle
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-ROOT = Path(__file__).resolve().parents[2]
-CONFIG_DIRS = [ROOT / ".gpu_configs" / "qwen3.5-27b", ROOT.parent / "shared" / "configs" / "qwen3.5-27b",
-               ROOT / "shared" / "configs" / "qwen3.5-27b"]
 U_TC16 = 2.0**-23
 U_TC8 = 2.0**-12
 DECODE_ROWS = [1, 2, 8, 16, 64]
@@ -37,10 +33,7 @@ GEMM_TILES = [dict(block_m=128, block_n=128, block_k=128, group_m=8, warps=8, st
 
 def projections() -> list[tuple[int, int]]:
     """(N, K) of 27B's quantized projections, fused as the bf16 path fuses them (GDN's in_proj_a/b stay bf16)."""
-    found = next((p for p in CONFIG_DIRS if (p / "config.json").is_file()), None)
-    if found is None:
-        pytest.skip(f"no Qwen3.5-27B config in {[str(p) for p in CONFIG_DIRS]}")
-    cfg = ModelConfig.from_pretrained(str(found))
+    cfg = ModelConfig.from_pretrained(str(shipped_config("Qwen/Qwen3.5-27B")))  # shipped in the package
     h, attn = cfg.hidden_size, cfg.num_heads * cfg.head_dim
     qkv = 2 * attn + 2 * cfg.num_kv_heads * cfg.head_dim  # q with its output gate, k, v
     shapes = [(2 * cfg.intermediate_size, h), (h, cfg.intermediate_size), (cfg.conv_dim + cfg.gdn_value_dim, h),
