@@ -1,0 +1,198 @@
+"""One-row products (batch-1 decode) of the quantized formats on the CUDA cores: y [1, N] = x [1, K] @ W^T.
+
+At one row a tensor-core tile wastes 15 of its 16 rows, and the int4 / NVFP4 tiles must be rebuilt as bf16 in
+the MMA's register layout; here each weight element is decoded from its packed word by a few integer ops straight
+into a float32 number, multiplied by x in float32 and accumulated elementwise in a [BLOCK_N, columns] tile that
+is reduced once at the end (as ops/linear/cuda.py's bf16 GEMV: a reduction per K block makes the loop
+compute-bound). Grid (cdiv(N, BLOCK_N),): every program streams BLOCK_N whole weight rows.
+
+  int4   a word holds columns 8j .. 8j+7 (nibble i: bits 4i..4i+3); the nibbles of its low half, masked in place
+         and ORed into the bits of 2048.0, are the floats 2048 + q * 16^(i-3) exactly (2048's ulp is 2^-12);
+         subtracting 2048 + z * 16^(i-3) gives (q - z) * 16^(i-3) exactly, and x is taken times 16^(3-i)
+         instead (a power of two: exact). The high half is shifted down once. So a nibble costs one mask-or,
+         one subtraction and one FMA; the word's 8-term sum is multiplied by its group's scale.
+  NVFP4  two codes at once: e2m1's magnitude bits moved to fp16's exponent/mantissa (bits 9-11 of each half)
+         and its sign to bit 15 make two fp16 numbers 2^-14 * e2m1 exactly; the 2^14 joins the group scale
+         (e4m3 scale * scale_2), applied to each word's sum (a group of 16 is two words).
+  FP8    the activation quantized first (cuda_fp8.quantize: the same e4m3 codes and scales as at every M); a
+         program's rows share one 128-row scale block (BLOCK_N divides it), so s_x[g] * s_w[block, g] folds into
+         the activation: y[n] = sum_k wq[n, k] * (xq[k] * s_x[g] * s_w[g]).
+Products are float32 and summed in float32 (in another order than the reference's per-block sums: bounded as
+float32 sums over K).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deltaserve.ops import pdl
+from deltaserve.ops.pdl import wait_for_previous_kernel
+from deltaserve.ops.quant_gemm.reference import Fp8BlockWeight, Int4Weight
+
+INT4: tl.constexpr = tl.constexpr(0)
+NVFP4: tl.constexpr = tl.constexpr(1)
+MAGIC_2048: tl.constexpr = tl.constexpr(0x45000000)  # the float32 bits of 2048.0
+E2M1_FP16_SCALE: tl.constexpr = tl.constexpr(16384.0)  # 2^14
+
+
+@triton.jit
+def _fp16_halves(h):
+    """uint32 h holding two fp16 bit patterns -> (low half, high half) as float32."""
+    lo = (h & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (h >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _word_sum(word, z, x_ptrs, FORMAT: tl.constexpr):
+    """[BN, W] float32: per packed word, sum_i decode(nibble i) * x[8j + i]. x_ptrs [W]: x's column 8j of each word.
+    int4: decode = (q - z) (z [BN, W] float32, the zero point); NVFP4: 2^-14 * e2m1."""
+    t = tl.zeros(word.shape, dtype=tl.float32)
+    if FORMAT == INT4:
+        hi_word = word >> 16  # nibbles 4..7 into bits 0..15 (the sign bits shifted in are masked off)
+        for i in tl.static_range(4):
+            step = 16.0 ** (i - 3)  # the weight of nibble i's bits in 2048.0's mantissa
+            c = 2048.0 + z * step  # [BN, W], exact
+            x_lo = tl.load(x_ptrs + i).to(tl.float32) * (1.0 / step)  # [W]
+            x_hi = tl.load(x_ptrs + 4 + i).to(tl.float32) * (1.0 / step)
+            lo = ((word & (0xF << (4 * i))) | MAGIC_2048).to(tl.float32, bitcast=True) - c  # (q - z) * step
+            hi = ((hi_word & (0xF << (4 * i))) | MAGIC_2048).to(tl.float32, bitcast=True) - c
+            t += lo * x_lo[None, :] + hi * x_hi[None, :]
+    else:
+        bits = word.to(tl.uint32, bitcast=True)  # logical shifts
+        for p in tl.static_range(4):
+            # nibble p in the low half and nibble p + 4 in the high half, moved into fp16 bits (magnitude to
+            # bits 9-11, sign to 15)
+            if p < 3:
+                mag = (bits << (9 - 4 * p)) & 0x0E000E00
+            else:
+                mag = (bits >> 3) & 0x0E000E00
+            lo, hi = _fp16_halves(mag | ((bits << (12 - 4 * p)) & 0x80008000))
+            x_lo = tl.load(x_ptrs + p).to(tl.float32)
+            x_hi = tl.load(x_ptrs + 4 + p).to(tl.float32)
+            t += lo * x_lo[None, :] + hi * x_hi[None, :]
+    return t
+
+
+@triton.jit
+def _weight_only_gemv_kernel(
+    x, words, scale, zero, scale_2, out, N, K, stride_wn, stride_sn,
+    FORMAT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr = False,
+):
+    """Grid (cdiv(N, BLOCK_N),): out [N] = x [K] @ dequant(W)^T. words [N, K/8] int32 (int4 packed, or NVFP4's
+    bytes read as words: the same nibble order), scale [N, K/GROUP], zero [N, K/GROUP] uint8 (int4), scale_2 [N]
+    float32 (NVFP4). K is a multiple of BLOCK_K, BLOCK_K of GROUP."""
+    wait_for_previous_kernel(PDL)
+    W: tl.constexpr = BLOCK_K // 8  # words per row and K block
+    WORDS_PER_GROUP: tl.constexpr = GROUP // 8
+    ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    n_ok = ns < N
+    js = tl.arange(0, W)  # [W]
+    w_rows = words + ns[:, None].to(tl.int64) * stride_wn  # [BN, 1]
+    s_rows = ns[:, None].to(tl.int64) * stride_sn  # [BN, 1]
+    acc = tl.zeros([BLOCK_N, W], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        word_ids = k0 // 8 + js  # [W]
+        groups = (word_ids // WORDS_PER_GROUP)[None, :]  # [1, W]
+        if EVEN_N:
+            word = tl.load(w_rows + word_ids[None, :])  # [BN, W]
+            s = tl.load(scale + s_rows + groups).to(tl.float32)
+        else:
+            word = tl.load(w_rows + word_ids[None, :], mask=n_ok[:, None], other=0)
+            s = tl.load(scale + s_rows + groups, mask=n_ok[:, None], other=0.0).to(tl.float32)
+        if FORMAT == INT4:
+            if HAS_ZERO:
+                z = tl.load(zero + s_rows + groups, mask=n_ok[:, None], other=0).to(tl.float32)
+            else:
+                z = tl.full(word.shape, 8.0, tl.float32)
+        else:
+            z = s  # unused
+        acc += _word_sum(word, z, x + word_ids * 8, FORMAT) * s
+    y = tl.sum(acc, axis=1)  # [BN]
+    if FORMAT == NVFP4:
+        y = y * (tl.load(scale_2 + ns, mask=n_ok, other=0.0) * E2M1_FP16_SCALE)
+    tl.store(out + ns, y.to(out.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _fp8_gemv_kernel(
+    xq, sx, w, ws, out, N, K, G, BN_W: tl.constexpr, BK: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr = False,
+):
+    """Grid (cdiv(N, BLOCK_N),): out [N] = the block-scaled product of xq [K] e4m3 (scales sx [G]) and w [N, K]
+    e4m3 (scales ws [cdiv(N, BN_W), G]); BLOCK_N divides BN_W, BLOCK_K is a multiple of BK."""
+    wait_for_previous_kernel(PDL)
+    pid = tl.program_id(0)
+    ns = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    n_ok = ns < N
+    ws_row = ws + (pid * BLOCK_N // BN_W) * G  # the program's scale-block row
+    w_rows = w + ns[:, None].to(tl.int64) * K  # [BN, 1]
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)  # [BK]
+        k_ok = ks < K
+        g = ks // BK
+        factor = tl.load(sx + g, mask=k_ok, other=0.0) * tl.load(ws_row + g, mask=k_ok, other=0.0)  # [BK]
+        a = tl.load(xq + ks, mask=k_ok, other=0.0).to(tl.float32) * factor
+        if EVEN_N and EVEN_K:
+            wt = tl.load(w_rows + ks[None, :])  # [BN, BK] e4m3
+        else:
+            wt = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += wt.to(tl.float32) * a[None, :]
+    tl.store(out + ns, tl.sum(acc, axis=1).to(out.dtype.element_ty), mask=n_ok)
+
+
+def _block_k(k: int, wanted: int, unit: int) -> int | None:
+    """The largest power of two <= wanted, >= unit, dividing k; None if there is none."""
+    block = triton.next_power_of_2(wanted)
+    while block >= unit and k % block:
+        block //= 2
+    return block if block >= unit else None
+
+
+def supports(w, config: dict) -> bool:
+    """Whether the one-row kernel takes this weight with this config: int4 / NVFP4 a K block that divides K and
+    holds whole scale groups; FP8 128-wide-or-less scale blocks of K that BLOCK_K covers whole and a row block
+    (BLOCK_N) inside one scale block of rows."""
+    n, k = w.shape
+    if isinstance(w, Fp8BlockWeight):
+        bn, bk = w.block_size
+        return bn % config["block_n"] == 0 and config["block_k"] % bk == 0
+    group = w.group_size if isinstance(w, Int4Weight) else 16
+    return _block_k(k, config["block_k"], group) is not None
+
+
+def gemv(x: torch.Tensor, w, config: dict) -> torch.Tensor:
+    """x [1, K] -> [1, N] in x.dtype (w of any format; `supports(w, config)` first). config: block_n, block_k,
+    warps, stages. Act order (int4 g_idx) gathers x's columns first."""
+    from deltaserve.ops.quant_gemm import cuda_fp8
+
+    n, k = w.shape
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    launch = pdl.launch_args(x.device)
+    block_n = config["block_n"]
+    grid = (triton.cdiv(n, block_n),)
+    if isinstance(w, Fp8BlockWeight):
+        bn_w, bk = w.block_size
+        xq, sx = cuda_fp8.quantize(x, bk)  # sx [G, 1]
+        block_k = config["block_k"]
+        _fp8_gemv_kernel[grid](
+            xq, sx, w.weight, w.scale_inv, out, n, k, triton.cdiv(k, bk), BN_W=bn_w, BK=bk, BLOCK_N=block_n,
+            BLOCK_K=block_k, EVEN_N=n % block_n == 0, EVEN_K=k % block_k == 0, num_warps=config["warps"],
+            num_stages=config["stages"], **launch)
+        return out
+    if isinstance(w, Int4Weight):
+        fmt, words, group, zero, scale_2 = INT4, w.packed, w.group_size, w.zero, w.scale
+        if w.perm is not None:
+            x = x.index_select(1, w.perm)
+    else:
+        fmt, words, group, zero, scale_2 = NVFP4, w.packed.view(torch.int32), 16, None, w.scale_2
+    block_k = _block_k(k, config["block_k"], group)
+    _weight_only_gemv_kernel[grid](
+        x, words, w.scale, zero if zero is not None else w.scale, scale_2, out, n, k, words.stride(0),
+        w.scale.stride(0), FORMAT=fmt, GROUP=group, HAS_ZERO=zero is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN_N=n % block_n == 0, num_warps=config["warps"], num_stages=config["stages"], **launch)
+    return out
