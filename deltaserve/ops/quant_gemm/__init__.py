@@ -35,7 +35,7 @@ def fp8_block_linear(x, w: Fp8BlockWeight):
         return reference.fp8_block_linear(x, w)
     config = configs.config_for("fp8", *w.shape, x.shape[0])
     if config["kind"] == "gemv":
-        if x.shape[0] == 1 and cuda_gemv.supports(w, config):
+        if cuda_gemv.supports(w, config, x.shape[0]):
             return cuda_gemv.gemv(x, w, config)
         config = configs.skinny_config(*w.shape)
     if config["kind"] == "skinny":
@@ -52,7 +52,7 @@ def _weight_only(fmt: str, x, w):
 
     config = configs.config_for(fmt, *w.shape, x.shape[0])
     if config["kind"] == "gemv":
-        if x.shape[0] == 1 and cuda_gemv.supports(w, config):
+        if cuda_gemv.supports(w, config, x.shape[0]):
             return cuda_gemv.gemv(x, w, config)
         config = configs.skinny_config(*w.shape)
     if config["kind"] == "skinny":
@@ -76,9 +76,10 @@ def nvfp4_linear(x, w: Nvfp4Weight):
 
 def warm_up_rows() -> list[int]:
     """Row counts that compile every kernel variant a product can meet: per decode bucket its tile, and Triton's
-    specialisation of the row count (1, a multiple of 16, any other), then a prefill count of each kind."""
-    rows = [1]
-    for smaller, bucket in zip(configs.DECODE_BUCKETS, configs.DECODE_BUCKETS[1:]):
+    specialisation of the row count (1, a multiple of 16, any other), the GEMV's row blocks (1, 2, 4, 8), then a
+    prefill count of each kind."""
+    rows = [1, 2, 4, 8]
+    for smaller, bucket in zip(configs.DECODE_BUCKETS[1:], configs.DECODE_BUCKETS[2:]):
         rows += [smaller + 1, bucket]
     first, _ = configs.PREFILL_BUCKETS
     return rows + [configs.SKINNY_MAX_ROWS + 1, first // 2, first + 1, 2 * first]

@@ -1,9 +1,9 @@
 """Launch configurations of the quantized GEMMs: the tuned table (configs.json, measured on an H200 by
 `python benchmarks/quant_gemm_probe.py`) and the defaults for shapes it does not name.
 
-Keys are "format:N:K:rows", format one of fp8, int4, nvfp4 and rows the bucket of the batch's row count: 1, 16, 32
-or 64 (decode: the skinny kernel) or 512 / 8192 (prefill: up to 512 rows, more). Values are dicts:
-  {"kind": "gemv", "block_n", "block_k", "warps", "stages"}                            one row only (cuda_gemv)
+Keys are "format:N:K:rows", format one of fp8, int4, nvfp4 and rows the bucket of the batch's row count: 1, 8, 16,
+32 or 64 (decode) or 512 / 8192 (prefill: up to 512 rows, more). Values are dicts:
+  {"kind": "gemv", "block_n", "block_k", "warps", "stages"}     cuda_gemv: fp8 1 row, int4 / nvfp4 1..8 rows
   {"kind": "skinny", "block_n", "block_k", "split_k", "warps", "stages"[, "quant_x"]}   1..64 rows only
   {"kind": "gemm", "block_m", "block_n", "block_k", "group_m", "warps", "stages"}       tiled, any rows
   {"kind": "torch"}    fp8 only: torch's block-scaled FP8 matmul (F.scaled_mm, 1x128 x 128x128 scales)
@@ -22,7 +22,7 @@ from pathlib import Path
 CONFIGS_FILE = Path(__file__).with_name("configs.json")
 ENV_VAR = "DELTASERVE_QUANT_GEMM_CONFIGS"
 FORMATS = ("fp8", "int4", "nvfp4")
-DECODE_BUCKETS = (1, 16, 32, 64)
+DECODE_BUCKETS = (1, 8, 16, 32, 64)
 PREFILL_BUCKETS = (512, 8192)
 SKINNY_MAX_ROWS = DECODE_BUCKETS[-1]
 
@@ -56,7 +56,7 @@ def check_entry(where: str, key: str, entry) -> None:
         raise ValueError(f"{where}: entry {key!r}: {entry!r} needs a \"kind\" among {_KINDS_OF[parts[0]]}")
     bucket = int(parts[3])
     if (bucket not in DECODE_BUCKETS + PREFILL_BUCKETS or (kind == "skinny" and bucket not in DECODE_BUCKETS)
-            or (kind == "gemv" and bucket != 1)):
+            or (kind == "gemv" and bucket > (1 if parts[0] == "fp8" else 8))):
         raise ValueError(f"{where}: entry {key!r}: kind {kind!r} does not serve the {bucket}-row bucket")
     for field in _FIELDS[kind]:
         value = entry.get(field)
@@ -87,13 +87,15 @@ def tuned_table() -> dict:
 
 def default_config(fmt: str, n: int, k: int, rows: int) -> dict:
     """A config that builds on an H200 for any shape, from what the first probe measured there: one row the
-    CUDA-core GEMV (int4 / NVFP4 always; FP8 on narrow weights, its tensor-core skinny kernel reading the wide
-    gate/up at 3.6 TB/s); up to 64 rows the skinny kernels, K split on narrow weights so that ~2 programs run per
+    CUDA-core GEMV (int4 / NVFP4 always, and up to 8 rows: their tensor-core skinny kernel read 0.4-0.8 TB/s;
+    FP8 on narrow weights, its skinny kernel reading the wide gate/up at 3.6 TB/s); up to 64 rows the skinny kernels, K split on narrow weights so that ~2 programs run per
     SM, FP8's activation quantized by its own kernel (4-8x faster than in every program); above, torch's
     block-scaled F.scaled_mm for FP8 (~1,100 TFLOP/s against our GEMM's ~600) and the dequantized weight through
     cuBLAS for int4 / NVFP4 (~470-730 TFLOP/s against ~150-230)."""
     if rows == 1 and (fmt != "fp8" or n <= 8192):  # fp8: [8, 1024] float32 products a program, as the bf16 GEMV
         return {"kind": "gemv", "block_n": 8 if fmt == "fp8" else 16, "block_k": 1024, "warps": 4, "stages": 1}
+    if rows <= 8 and fmt != "fp8":  # [rows, 8, 64] float32 sums a program
+        return {"kind": "gemv", "block_n": 8, "block_k": 512, "warps": 4, "stages": 1}
     if rows <= SKINNY_MAX_ROWS:
         return skinny_config(n, k)
     return {"kind": "torch"} if fmt == "fp8" else {"kind": "cublas"}

@@ -1,10 +1,12 @@
-"""One-row products (batch-1 decode) of the quantized formats on the CUDA cores: y [1, N] = x [1, K] @ W^T.
+"""Products of few rows (batch-1 decode; int4 / NVFP4 up to MAX_ROWS rows) of the quantized formats on the CUDA
+cores: y [M, N] = x [M, K] @ W^T.
 
 At one row a tensor-core tile wastes 15 of its 16 rows, and the int4 / NVFP4 tiles must be rebuilt as bf16 in
 the MMA's register layout; here each weight element is decoded from its packed word by a few integer ops straight
 into a float32 number, multiplied by x in float32 and accumulated elementwise in a [BLOCK_N, columns] tile that
 is reduced once at the end (as ops/linear/cuda.py's bf16 GEMV: a reduction per K block makes the loop
-compute-bound). Grid (cdiv(N, BLOCK_N),): every program streams BLOCK_N whole weight rows.
+compute-bound). Grid (cdiv(N, BLOCK_N),): every program streams BLOCK_N whole weight rows; each decoded weight
+serves all M rows of x (M FMAs a weight: the tensor-core skinny kernels take over as M grows).
 
   int4   a word holds columns 8j .. 8j+7 (nibble i: bits 4i..4i+3); the nibbles of its low half, masked in place
          and ORed into the bits of 2048.0, are the floats 2048 + q * 16^(i-3) exactly (2048's ulp is 2^-12);
@@ -35,6 +37,8 @@ INT4: tl.constexpr = tl.constexpr(0)
 NVFP4: tl.constexpr = tl.constexpr(1)
 MAGIC_2048: tl.constexpr = tl.constexpr(0x45000000)  # the float32 bits of 2048.0
 E2M1_FP16_SCALE: tl.constexpr = tl.constexpr(16384.0)  # 2^14
+# Rows the weight-only GEMV takes (each decoded weight multiplied by every row on the CUDA cores)
+MAX_ROWS = 8
 
 
 @triton.jit
@@ -46,20 +50,21 @@ def _fp16_halves(h):
 
 
 @triton.jit
-def _word_sum(word, z, x_ptrs, FORMAT: tl.constexpr):
-    """[BN, W] float32: per packed word, sum_i decode(nibble i) * x[8j + i]. x_ptrs [W]: x's column 8j of each word.
-    int4: decode = (q - z) (z [BN, W] float32, the zero point); NVFP4: 2^-14 * e2m1."""
-    t = tl.zeros(word.shape, dtype=tl.float32)
+def _word_sum(word, z, x_ptrs, m_ok, FORMAT: tl.constexpr):
+    """[BM, BN, W] float32: per row of x and packed word, sum_i decode(nibble i) * x[m, 8j + i]. word [BN, W];
+    x_ptrs [BM, W]: x's column 8j of each word in each row (rows m_ok [BM, 1]). int4: decode = q - z (z [BN, W]
+    float32, the zero point); NVFP4: 2^-14 * e2m1."""
+    t = tl.zeros([x_ptrs.shape[0], word.shape[0], word.shape[1]], dtype=tl.float32)
     if FORMAT == INT4:
         hi_word = word >> 16  # nibbles 4..7 into bits 0..15 (the sign bits shifted in are masked off)
         for i in tl.static_range(4):
             step = 16.0 ** (i - 3)  # the weight of nibble i's bits in 2048.0's mantissa
             c = 2048.0 + z * step  # [BN, W], exact
-            x_lo = tl.load(x_ptrs + i).to(tl.float32) * (1.0 / step)  # [W]
-            x_hi = tl.load(x_ptrs + 4 + i).to(tl.float32) * (1.0 / step)
+            x_lo = tl.load(x_ptrs + i, mask=m_ok, other=0.0).to(tl.float32) * (1.0 / step)  # [BM, W]
+            x_hi = tl.load(x_ptrs + 4 + i, mask=m_ok, other=0.0).to(tl.float32) * (1.0 / step)
             lo = ((word & (0xF << (4 * i))) | MAGIC_2048).to(tl.float32, bitcast=True) - c  # (q - z) * step
             hi = ((hi_word & (0xF << (4 * i))) | MAGIC_2048).to(tl.float32, bitcast=True) - c
-            t += lo * x_lo[None, :] + hi * x_hi[None, :]
+            t += lo[None, :, :] * x_lo[:, None, :] + hi[None, :, :] * x_hi[:, None, :]
     else:
         bits = word.to(tl.uint32, bitcast=True)  # logical shifts
         for p in tl.static_range(4):
@@ -70,30 +75,33 @@ def _word_sum(word, z, x_ptrs, FORMAT: tl.constexpr):
             else:
                 mag = (bits >> 3) & 0x0E000E00
             lo, hi = _fp16_halves(mag | ((bits << (12 - 4 * p)) & 0x80008000))
-            x_lo = tl.load(x_ptrs + p).to(tl.float32)
-            x_hi = tl.load(x_ptrs + 4 + p).to(tl.float32)
-            t += lo * x_lo[None, :] + hi * x_hi[None, :]
+            x_lo = tl.load(x_ptrs + p, mask=m_ok, other=0.0).to(tl.float32)
+            x_hi = tl.load(x_ptrs + 4 + p, mask=m_ok, other=0.0).to(tl.float32)
+            t += lo[None, :, :] * x_lo[:, None, :] + hi[None, :, :] * x_hi[:, None, :]
     return t
 
 
 @triton.jit
 def _weight_only_gemv_kernel(
-    x, words, scale, zero, scale_2, out, N, K, stride_wn, stride_sn,
-    FORMAT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr = False,
+    x, words, scale, zero, scale_2, out, M, N, K, stride_xm, stride_om, stride_wn, stride_sn,
+    FORMAT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    """Grid (cdiv(N, BLOCK_N),): out [N] = x [K] @ dequant(W)^T. words [N, K/8] int32 (int4 packed, or NVFP4's
-    bytes read as words: the same nibble order), scale [N, K/GROUP], zero [N, K/GROUP] uint8 (int4), scale_2 [N]
-    float32 (NVFP4). K is a multiple of BLOCK_K, BLOCK_K of GROUP."""
+    """Grid (cdiv(N, BLOCK_N),): out [M, N] = x [M, K] @ dequant(W)^T (M <= BLOCK_M). words [N, K/8] int32 (int4
+    packed, or NVFP4's bytes read as words: the same nibble order), scale [N, K/GROUP], zero [N, K/GROUP] uint8
+    (int4), scale_2 [N] float32 (NVFP4). K is a multiple of BLOCK_K, BLOCK_K of GROUP."""
     wait_for_previous_kernel(PDL)
     W: tl.constexpr = BLOCK_K // 8  # words per row and K block
     WORDS_PER_GROUP: tl.constexpr = GROUP // 8
     ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     n_ok = ns < N
+    ms = tl.arange(0, BLOCK_M)  # [BM]
+    m_ok = (ms < M)[:, None]  # [BM, 1]
     js = tl.arange(0, W)  # [W]
     w_rows = words + ns[:, None].to(tl.int64) * stride_wn  # [BN, 1]
     s_rows = ns[:, None].to(tl.int64) * stride_sn  # [BN, 1]
-    acc = tl.zeros([BLOCK_N, W], dtype=tl.float32)
+    x_rows = x + ms[:, None] * stride_xm  # [BM, 1]
+    acc = tl.zeros([BLOCK_M, BLOCK_N, W], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         word_ids = k0 // 8 + js  # [W]
         groups = (word_ids // WORDS_PER_GROUP)[None, :]  # [1, W]
@@ -110,11 +118,11 @@ def _weight_only_gemv_kernel(
                 z = tl.full(word.shape, 8.0, tl.float32)
         else:
             z = s  # unused
-        acc += _word_sum(word, z, x + word_ids * 8, FORMAT) * s
-    y = tl.sum(acc, axis=1)  # [BN]
+        acc += _word_sum(word, z, x_rows + word_ids[None, :] * 8, m_ok, FORMAT) * s[None, :, :]
+    y = tl.sum(acc, axis=2)  # [BM, BN]
     if FORMAT == NVFP4:
-        y = y * (tl.load(scale_2 + ns, mask=n_ok, other=0.0) * E2M1_FP16_SCALE)
-    tl.store(out + ns, y.to(out.dtype.element_ty), mask=n_ok)
+        y = y * (tl.load(scale_2 + ns, mask=n_ok, other=0.0) * E2M1_FP16_SCALE)[None, :]
+    tl.store(out + ms[:, None] * stride_om + ns[None, :], y.to(out.dtype.element_ty), mask=m_ok & n_ok[None, :])
 
 
 @triton.jit
@@ -153,25 +161,27 @@ def _block_k(k: int, wanted: int, unit: int) -> int | None:
     return block if block >= unit else None
 
 
-def supports(w, config: dict) -> bool:
-    """Whether the one-row kernel takes this weight with this config: int4 / NVFP4 a K block that divides K and
-    holds whole scale groups; FP8 128-wide-or-less scale blocks of K that BLOCK_K covers whole and a row block
-    (BLOCK_N) inside one scale block of rows."""
+def supports(w, config: dict, rows: int = 1) -> bool:
+    """Whether the kernel takes this weight at `rows` rows with this config: int4 / NVFP4 up to MAX_ROWS rows and a
+    K block that divides K and holds whole scale groups; FP8 one row, scale blocks of K that BLOCK_K covers whole
+    and a row block (BLOCK_N) inside one scale block of rows."""
     n, k = w.shape
     if isinstance(w, Fp8BlockWeight):
         bn, bk = w.block_size
-        return bn % config["block_n"] == 0 and config["block_k"] % bk == 0
+        return rows == 1 and bn % config["block_n"] == 0 and config["block_k"] % bk == 0
     group = w.group_size if isinstance(w, Int4Weight) else 16
-    return _block_k(k, config["block_k"], group) is not None
+    return 1 <= rows <= MAX_ROWS and _block_k(k, config["block_k"], group) is not None
 
 
 def gemv(x: torch.Tensor, w, config: dict) -> torch.Tensor:
-    """x [1, K] -> [1, N] in x.dtype (w of any format; `supports(w, config)` first). config: block_n, block_k,
-    warps, stages. Act order (int4 g_idx) gathers x's columns first."""
+    """x [M, K] -> [M, N] in x.dtype, M <= MAX_ROWS (FP8: one row; `supports(w, config, M)` first; the rows
+    padded to a power of two: variants for 1, 2, 4, 8). config:
+    block_n, block_k, warps, stages. Act order (int4 g_idx) gathers x's columns first."""
     from deltaserve.ops.quant_gemm import cuda_fp8
 
     n, k = w.shape
-    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    m = x.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     launch = pdl.launch_args(x.device)
     block_n = config["block_n"]
     grid = (triton.cdiv(n, block_n),)
@@ -192,7 +202,8 @@ def gemv(x: torch.Tensor, w, config: dict) -> torch.Tensor:
         fmt, words, group, zero, scale_2 = NVFP4, w.packed.view(torch.int32), 16, None, w.scale_2
     block_k = _block_k(k, config["block_k"], group)
     _weight_only_gemv_kernel[grid](
-        x, words, w.scale, zero if zero is not None else w.scale, scale_2, out, n, k, words.stride(0),
-        w.scale.stride(0), FORMAT=fmt, GROUP=group, HAS_ZERO=zero is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_N=n % block_n == 0, num_warps=config["warps"], num_stages=config["stages"], **launch)
+        x, words, w.scale, zero if zero is not None else w.scale, scale_2, out, m, n, k, x.stride(0), out.stride(0),
+        words.stride(0), w.scale.stride(0), FORMAT=fmt, GROUP=group, HAS_ZERO=zero is not None,
+        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=n % block_n == 0,
+        num_warps=config["warps"], num_stages=config["stages"], **launch)
     return out
