@@ -37,14 +37,18 @@ from deltaserve.ops.quant_gemm import reference as ref  # noqa: E402
 COPY_TBS, FP8_TFLOPS, BF16_TFLOPS = 4.2, 1580.0, 790.0
 COPIES_BYTES = 400e6
 ROWS = (1, 8, 16, 32, 64, 512, 8192)
-# One-row GEMV tiles (cuda_gemv): rows, columns per K step, warps, stages. FP8's float32 product tile is
-# block_n x block_k (~64 registers a thread at 8 x 1024 and 4 warps), the 4-bit formats' one float per word.
-GEMV_SWEEP = {"fp8": [dict(block_n=8, block_k=1024, warps=4, stages=1), dict(block_n=16, block_k=512, warps=4,
-                      stages=1), dict(block_n=16, block_k=1024, warps=8, stages=1)],
-              "weight_only": [dict(block_n=16, block_k=1024, warps=4, stages=1),
-                              dict(block_n=32, block_k=1024, warps=4, stages=1),
-                              dict(block_n=16, block_k=2048, warps=4, stages=1),
-                              dict(block_n=8, block_k=4096, warps=4, stages=1)]}
+# GEMV tiles (cuda_gemv): rows, columns per K step, warps, stages. FP8 (one row) holds a block_n x block_k float32
+# product tile (~64 registers a thread at 8 x 1024 and 4 warps), the 4-bit formats one float per word and row of x.
+GEMV_SWEEP = {("fp8", 1): [dict(block_n=8, block_k=1024, warps=4, stages=1),
+                           dict(block_n=16, block_k=512, warps=4, stages=1),
+                           dict(block_n=16, block_k=1024, warps=8, stages=1)],
+              ("weight_only", 1): [dict(block_n=16, block_k=1024, warps=4, stages=1),
+                                   dict(block_n=32, block_k=1024, warps=4, stages=1),
+                                   dict(block_n=16, block_k=2048, warps=4, stages=1),
+                                   dict(block_n=8, block_k=4096, warps=4, stages=1)],
+              ("weight_only", 8): [dict(block_n=8, block_k=512, warps=4, stages=1),
+                                   dict(block_n=16, block_k=256, warps=4, stages=1),
+                                   dict(block_n=4, block_k=1024, warps=4, stages=1)]}
 # Skinny tiles: column block, K splits ("auto": ~2 programs per SM, configs.auto_split_k), warps, stages. FP8
 # quantizes the activation by its own kernel (quant_x 0; in every program it measured 4-8x slower).
 DECODE_SWEEP = {"fp8": [dict(block_n=64, split_k="auto", warps=4, stages=4, quant_x=0),
@@ -148,11 +152,10 @@ def candidates(fmt: str, n: int, k: int, rows: int, w) -> list[tuple[dict, objec
     "tinygemm" are timed only."""
     out = []
     weight_only = "fp8" if fmt == "fp8" else "weight_only"
-    if rows == 1:
-        for tile in GEMV_SWEEP[weight_only]:
-            entry = dict(kind="gemv", **tile)
-            if cuda_gemv.supports(w, entry):
-                out.append((entry, lambda x, w, e=entry: cuda_gemv.gemv(x, w, e)))
+    for tile in GEMV_SWEEP.get((weight_only, configs.row_bucket(rows)), []):
+        entry = dict(kind="gemv", **tile)
+        if cuda_gemv.supports(w, entry, rows):
+            out.append((entry, lambda x, w, e=entry: cuda_gemv.gemv(x, w, e)))
     if rows <= configs.SKINNY_MAX_ROWS:
         kernel = cuda_fp8.skinny if fmt == "fp8" else cuda_weight_only.skinny
         for tile in DECODE_SWEEP[weight_only]:

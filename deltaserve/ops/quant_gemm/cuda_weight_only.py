@@ -218,7 +218,10 @@ _scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 def reserve_scratch(numel: int, dtype: torch.dtype, device: torch.device) -> None:
     """Make the scratch buffer of (device, dtype) hold at least `numel` elements (grown only here)."""
-    key = (torch.device(device), dtype)
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (device, dtype)
     if key not in _scratch or _scratch[key].numel() < numel:
         _scratch.pop(key, None)
         _scratch[key] = torch.empty(numel, dtype=dtype, device=device)
