@@ -50,21 +50,32 @@ def _fp16_halves(h):
 
 
 @triton.jit
-def _word_sum(word, z, x_ptrs, m_ok, FORMAT: tl.constexpr):
-    """[BM, BN, W] float32: per row of x and packed word, sum_i decode(nibble i) * x[m, 8j + i]. word [BN, W];
-    x_ptrs [BM, W]: x's column 8j of each word in each row (rows m_ok [BM, 1]). int4: decode = q - z (z [BN, W]
-    float32, the zero point); NVFP4: 2^-14 * e2m1."""
-    t = tl.zeros([x_ptrs.shape[0], word.shape[0], word.shape[1]], dtype=tl.float32)
+def _split8(x3):
+    """[..., 8] -> its 8 columns, each [...] (in registers: the 8 are one thread's)."""
+    e, o = tl.split(tl.reshape(x3, x3.shape[:-1] + [4, 2]))  # columns 0 2 4 6 / 1 3 5 7
+    e0, e1 = tl.split(tl.reshape(e, e.shape[:-1] + [2, 2]))  # 0 4 / 2 6
+    o0, o1 = tl.split(tl.reshape(o, o.shape[:-1] + [2, 2]))  # 1 5 / 3 7
+    c0, c4 = tl.split(e0)
+    c2, c6 = tl.split(e1)
+    c1, c5 = tl.split(o0)
+    c3, c7 = tl.split(o1)
+    return c0, c1, c2, c3, c4, c5, c6, c7
+
+
+@triton.jit
+def _word_sum(t, word, z, xs, FORMAT: tl.constexpr):
+    """t + per packed word sum_i decode(nibble i) * xs[i], float32 in t's shape (broadcast of word, z and the
+    xs): xs the 8 float32 x columns 8j + i of each word j. int4: decode = q - z (z float32, the zero point);
+    NVFP4: 2^-14 * e2m1."""
     if FORMAT == INT4:
         hi_word = word >> 16  # nibbles 4..7 into bits 0..15 (the sign bits shifted in are masked off)
         for i in tl.static_range(4):
             step = 16.0 ** (i - 3)  # the weight of nibble i's bits in 2048.0's mantissa
-            c = 2048.0 + z * step  # [BN, W], exact
-            x_lo = tl.load(x_ptrs + i, mask=m_ok, other=0.0).to(tl.float32) * (1.0 / step)  # [BM, W]
-            x_hi = tl.load(x_ptrs + 4 + i, mask=m_ok, other=0.0).to(tl.float32) * (1.0 / step)
+            c = 2048.0 + z * step  # exact
             lo = ((word & (0xF << (4 * i))) | MAGIC_2048).to(tl.float32, bitcast=True) - c  # (q - z) * step
             hi = ((hi_word & (0xF << (4 * i))) | MAGIC_2048).to(tl.float32, bitcast=True) - c
-            t += lo[None, :, :] * x_lo[:, None, :] + hi[None, :, :] * x_hi[:, None, :]
+            t += lo * (xs[i] * (1.0 / step))
+            t += hi * (xs[4 + i] * (1.0 / step))
     else:
         bits = word.to(tl.uint32, bitcast=True)  # logical shifts
         for p in tl.static_range(4):
@@ -75,9 +86,8 @@ def _word_sum(word, z, x_ptrs, m_ok, FORMAT: tl.constexpr):
             else:
                 mag = (bits >> 3) & 0x0E000E00
             lo, hi = _fp16_halves(mag | ((bits << (12 - 4 * p)) & 0x80008000))
-            x_lo = tl.load(x_ptrs + p, mask=m_ok, other=0.0).to(tl.float32)
-            x_hi = tl.load(x_ptrs + 4 + p, mask=m_ok, other=0.0).to(tl.float32)
-            t += lo[None, :, :] * x_lo[:, None, :] + hi[None, :, :] * x_hi[:, None, :]
+            t += lo * xs[p]
+            t += hi * xs[4 + p]
     return t
 
 
@@ -89,40 +99,79 @@ def _weight_only_gemv_kernel(
 ):
     """Grid (cdiv(N, BLOCK_N),): out [M, N] = x [M, K] @ dequant(W)^T (M <= BLOCK_M). words [N, K/8] int32 (int4
     packed, or NVFP4's bytes read as words: the same nibble order), scale [N, K/GROUP], zero [N, K/GROUP] uint8
-    (int4), scale_2 [N] float32 (NVFP4). K is a multiple of BLOCK_K, BLOCK_K of GROUP."""
+    (int4), scale_2 [N] float32 (NVFP4). K is a multiple of BLOCK_K, BLOCK_K of GROUP. One row runs in 2-D tiles
+    with the scales loaded once per group: [BN, groups, words] tiles whose scales broadcast along the words (the
+register layouts of words, scales and products then agree; converting them through shared memory every step
+would cost more than the arithmetic)."""
     wait_for_previous_kernel(PDL)
     W: tl.constexpr = BLOCK_K // 8  # words per row and K block
     WORDS_PER_GROUP: tl.constexpr = GROUP // 8
     ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     n_ok = ns < N
     ms = tl.arange(0, BLOCK_M)  # [BM]
-    m_ok = (ms < M)[:, None]  # [BM, 1]
     js = tl.arange(0, W)  # [W]
     w_rows = words + ns[:, None].to(tl.int64) * stride_wn  # [BN, 1]
     s_rows = ns[:, None].to(tl.int64) * stride_sn  # [BN, 1]
-    x_rows = x + ms[:, None] * stride_xm  # [BM, 1]
-    acc = tl.zeros([BLOCK_M, BLOCK_N, W], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        word_ids = k0 // 8 + js  # [W]
-        groups = (word_ids // WORDS_PER_GROUP)[None, :]  # [1, W]
-        if EVEN_N:
-            word = tl.load(w_rows + word_ids[None, :])  # [BN, W]
-            s = tl.load(scale + s_rows + groups).to(tl.float32)
-        else:
-            word = tl.load(w_rows + word_ids[None, :], mask=n_ok[:, None], other=0)
-            s = tl.load(scale + s_rows + groups, mask=n_ok[:, None], other=0.0).to(tl.float32)
-        if FORMAT == INT4:
-            if HAS_ZERO:
-                z = tl.load(zero + s_rows + groups, mask=n_ok[:, None], other=0).to(tl.float32)
+    if BLOCK_M == 1:
+        # [BN, groups, words of a group]: the scales load once per group and broadcast along the words
+        GPI: tl.constexpr = W // WORDS_PER_GROUP
+        gs = tl.arange(0, GPI)  # [GPI]
+        ws = tl.arange(0, WORDS_PER_GROUP)  # [WPG]
+        acc1 = tl.zeros([BLOCK_N, GPI, WORDS_PER_GROUP], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            g0 = k0 // GROUP
+            word_ids = (g0 + gs)[:, None] * WORDS_PER_GROUP + ws[None, :]  # [GPI, WPG]
+            s_ptrs = scale + s_rows + (g0 + gs)[None, :]  # [BN, GPI]
+            if EVEN_N:
+                word = tl.load(w_rows[:, :, None] + word_ids[None, :, :])  # [BN, GPI, WPG]
+                s1 = tl.load(s_ptrs).to(tl.float32)[:, :, None]  # [BN, GPI, 1]
             else:
-                z = tl.full(word.shape, 8.0, tl.float32)
-        else:
-            z = s  # unused
-        acc += _word_sum(word, z, x_rows + word_ids[None, :] * 8, m_ok, FORMAT) * s[None, :, :]
-    y = tl.sum(acc, axis=2)  # [BM, BN]
+                word = tl.load(w_rows[:, :, None] + word_ids[None, :, :], mask=n_ok[:, None, None], other=0)
+                s1 = tl.load(s_ptrs, mask=n_ok[:, None], other=0.0).to(tl.float32)[:, :, None]
+            if FORMAT == INT4 and HAS_ZERO:
+                z1 = tl.load(zero + s_rows + (g0 + gs)[None, :], mask=n_ok[:, None], other=0).to(tl.float32)[:, :, None]
+            else:
+                z1 = tl.full([BLOCK_N, GPI, 1], 8.0, tl.float32)
+            # x's BLOCK_K columns in one contiguous load, split into the 8 nibble positions [GPI, WPG] each
+            x3 = tl.reshape(tl.load(x + k0 + tl.arange(0, BLOCK_K)).to(tl.float32), [GPI, WORDS_PER_GROUP, 8])
+            c0, c1, c2, c3, c4, c5, c6, c7 = _split8(x3)
+            xs = (c0[None], c1[None], c2[None], c3[None], c4[None], c5[None], c6[None], c7[None])
+            t = _word_sum(tl.zeros([BLOCK_N, GPI, WORDS_PER_GROUP], dtype=tl.float32), word, z1, xs, FORMAT)
+            acc1 += t * s1
+        y = tl.sum(tl.sum(acc1, axis=2), axis=1)[None, :]  # [1, BN]
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N, W], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            word_ids = k0 // 8 + js  # [W]
+            groups = (word_ids // WORDS_PER_GROUP)[None, :]  # [1, W]
+            if EVEN_N:
+                word = tl.load(w_rows + word_ids[None, :])  # [BN, W]
+                s2 = tl.load(scale + s_rows + groups).to(tl.float32)
+            else:
+                word = tl.load(w_rows + word_ids[None, :], mask=n_ok[:, None], other=0)
+                s2 = tl.load(scale + s_rows + groups, mask=n_ok[:, None], other=0.0).to(tl.float32)
+            if FORMAT == INT4 and HAS_ZERO:
+                z2 = tl.load(zero + s_rows + groups, mask=n_ok[:, None], other=0).to(tl.float32)
+            else:
+                z2 = tl.full(word.shape, 8.0, tl.float32)
+            x_ptrs = x + ms[:, None, None] * stride_xm + word_ids[None, None, :] * 8  # [BM, 1, W]
+            m_ok = (ms < M)[:, None, None]
+            xs = (tl.load(x_ptrs, mask=m_ok, other=0.0).to(tl.float32),
+                  tl.load(x_ptrs + 1, mask=m_ok, other=0.0).to(tl.float32),
+                  tl.load(x_ptrs + 2, mask=m_ok, other=0.0).to(tl.float32),
+                  tl.load(x_ptrs + 3, mask=m_ok, other=0.0).to(tl.float32),
+                  tl.load(x_ptrs + 4, mask=m_ok, other=0.0).to(tl.float32),
+                  tl.load(x_ptrs + 5, mask=m_ok, other=0.0).to(tl.float32),
+                  tl.load(x_ptrs + 6, mask=m_ok, other=0.0).to(tl.float32),
+                  tl.load(x_ptrs + 7, mask=m_ok, other=0.0).to(tl.float32))
+            t = _word_sum(tl.zeros([BLOCK_M, BLOCK_N, W], dtype=tl.float32), word[None, :, :], z2[None, :, :], xs,
+                          FORMAT)
+            acc += t * s2[None, :, :]
+        y = tl.sum(acc, axis=2)  # [BM, BN]
     if FORMAT == NVFP4:
         y = y * (tl.load(scale_2 + ns, mask=n_ok, other=0.0) * E2M1_FP16_SCALE)[None, :]
-    tl.store(out + ms[:, None] * stride_om + ns[None, :], y.to(out.dtype.element_ty), mask=m_ok & n_ok[None, :])
+    tl.store(out + ms[:, None] * stride_om + ns[None, :], y.to(out.dtype.element_ty),
+             mask=(ms < M)[:, None] & n_ok[None, :])
 
 
 @triton.jit
