@@ -99,10 +99,10 @@ def _weight_only_gemv_kernel(
 ):
     """Grid (cdiv(N, BLOCK_N),): out [M, N] = x [M, K] @ dequant(W)^T (M <= BLOCK_M). words [N, K/8] int32 (int4
     packed, or NVFP4's bytes read as words: the same nibble order), scale [N, K/GROUP], zero [N, K/GROUP] uint8
-    (int4), scale_2 [N] float32 (NVFP4). K is a multiple of BLOCK_K, BLOCK_K of GROUP. One row runs in 2-D tiles
-    with the scales loaded once per group: [BN, groups, words] tiles whose scales broadcast along the words (the
-register layouts of words, scales and products then agree; converting them through shared memory every step
-would cost more than the arithmetic)."""
+    (int4), scale_2 [N] float32 (NVFP4). K is a multiple of BLOCK_K, BLOCK_K of GROUP. One row runs in
+    [BN, groups, words] tiles, the scales loaded once per group and broadcast along the words and x's columns
+    loaded contiguously and split per nibble in registers, so that the decoded weights never change register
+    layout (converting them through shared memory every step would cost more than the arithmetic)."""
     wait_for_previous_kernel(PDL)
     W: tl.constexpr = BLOCK_K // 8  # words per row and K block
     WORDS_PER_GROUP: tl.constexpr = GROUP // 8
@@ -129,7 +129,8 @@ would cost more than the arithmetic)."""
                 word = tl.load(w_rows[:, :, None] + word_ids[None, :, :], mask=n_ok[:, None, None], other=0)
                 s1 = tl.load(s_ptrs, mask=n_ok[:, None], other=0.0).to(tl.float32)[:, :, None]
             if FORMAT == INT4 and HAS_ZERO:
-                z1 = tl.load(zero + s_rows + (g0 + gs)[None, :], mask=n_ok[:, None], other=0).to(tl.float32)[:, :, None]
+                z1 = tl.load(zero + s_rows + (g0 + gs)[None, :], mask=n_ok[:, None], other=0).to(tl.float32)
+                z1 = z1[:, :, None]
             else:
                 z1 = tl.full([BLOCK_N, GPI, 1], 8.0, tl.float32)
             # x's BLOCK_K columns in one contiguous load, split into the 8 nibble positions [GPI, WPG] each
@@ -214,7 +215,7 @@ def supports(w, config: dict, rows: int = 1) -> bool:
     """Whether the kernel takes this weight at `rows` rows with this config: int4 / NVFP4 up to MAX_ROWS rows and a
     K block that divides K and holds whole scale groups; FP8 one row, scale blocks of K that BLOCK_K covers whole
     and a row block (BLOCK_N) inside one scale block of rows."""
-    n, k = w.shape
+    k = w.shape[1]
     if isinstance(w, Fp8BlockWeight):
         bn, bk = w.block_size
         return rows == 1 and bn % config["block_n"] == 0 and config["block_k"] % bk == 0
