@@ -126,7 +126,8 @@ def tinygemm(w):
     + zero_f per group, so zero_f = (8 - z) * scale, rounded to bf16 (relative 2^-9: not our semantics exactly).
     For timing beside ours, not dispatched."""
     aten = torch.ops.aten
-    if not (hasattr(aten, "_weight_int4pack_mm") and hasattr(aten, "_convert_weight_to_int4pack")) or w.perm is not None:
+    has_ops = hasattr(aten, "_weight_int4pack_mm") and hasattr(aten, "_convert_weight_to_int4pack")
+    if not has_ops or w.perm is not None:
         return None
     converted = {}
 

@@ -1,7 +1,7 @@
 """The quantized GEMMs (ops/quant_gemm) compiled on the GPU against the float64 value of each format's semantics, at
 Qwen3.5-27B's projection shapes: every kernel (the CUDA-core GEMV of each format, FP8 skinny with the activation
-quantized in its prologue and apart, FP8 tiled GEMM, torch's block-scaled F.scaled_mm where torch has it; int4 and NVFP4 skinny, tiled GEMM,
-dequantize + cuBLAS) and the dispatch at 1 to 8192 rows; decode kernels inside a CUDA graph equal to eager.
+quantized in its prologue and apart, FP8 tiled GEMM, torch's block-scaled F.scaled_mm where torch has it; int4 and
+NVFP4 skinny, tiled GEMM, dequantize + cuBLAS) and the dispatch at 1 to 8192 rows; decode kernels inside a CUDA graph equal to eager.
 
 Bounds (tests/ops/quant_gemm_oracle.py): 16-bit tensor-core products accumulate at 2^-23 (a truncating float32);
 FP8 ones at 2^-12 within a K block (Hopper keeps ~14 bits; DeepSeek-V3 section 3.3.2), which is why each block is

@@ -9,7 +9,8 @@ Keys are "format:N:K:rows", format one of fp8, int4, nvfp4 and rows the bucket o
   {"kind": "torch"}    fp8 only: torch's block-scaled FP8 matmul (F.scaled_mm, 1x128 x 128x128 scales)
   {"kind": "cublas"}   int4 / nvfp4 only: dequantize the weight into a bf16 scratch buffer, then cuBLAS
 For fp8, block_k is the checkpoint's scale block (128) whatever the entry says, and quant_x 1 quantizes the
-activation inside the skinny kernel (0, the default: a separate kernel first). DELTASERVE_QUANT_GEMM_CONFIGS names another file.
+activation inside the skinny kernel (0, the default: a separate kernel first). DELTASERVE_QUANT_GEMM_CONFIGS names
+another file.
 """
 
 from __future__ import annotations
@@ -88,8 +89,8 @@ def tuned_table() -> dict:
 def default_config(fmt: str, n: int, k: int, rows: int) -> dict:
     """A config that builds on an H200 for any shape, from what the first probe measured there: one row the
     CUDA-core GEMV (int4 / NVFP4 always, and up to 8 rows: their tensor-core skinny kernel read 0.4-0.8 TB/s;
-    FP8 on narrow weights, its skinny kernel reading the wide gate/up at 3.6 TB/s); up to 64 rows the skinny kernels, K split on narrow weights so that ~2 programs run per
-    SM, FP8's activation quantized by its own kernel (4-8x faster than in every program); above, torch's
+    FP8 on narrow weights, its skinny kernel reading the wide gate/up at 3.6 TB/s); up to 64 rows the skinny
+    kernels, K split on narrow weights so that ~2 programs run per SM, FP8's activation quantized by its own kernel (4-8x faster than in every program); above, torch's
     block-scaled F.scaled_mm for FP8 (~1,100 TFLOP/s against our GEMM's ~600) and the dequantized weight through
     cuBLAS for int4 / NVFP4 (~470-730 TFLOP/s against ~150-230)."""
     if rows == 1 and (fmt != "fp8" or n <= 8192):  # fp8: [8, 1024] float32 products a program, as the bf16 GEMV
