@@ -87,12 +87,11 @@ def tuned_table() -> dict:
 
 
 def default_config(fmt: str, n: int, k: int, rows: int) -> dict:
-    """A config that builds on an H200 for any shape, from what the first probe measured there: one row the
-    CUDA-core GEMV (int4 / NVFP4 always, and up to 8 rows: their tensor-core skinny kernel read 0.4-0.8 TB/s;
-    FP8 on narrow weights, its skinny kernel reading the wide gate/up at 3.6 TB/s); up to 64 rows the skinny
-    kernels, K split on narrow weights so that ~2 programs run per SM, FP8's activation quantized by its own kernel (4-8x faster than in every program); above, torch's
-    block-scaled F.scaled_mm for FP8 (~1,100 TFLOP/s against our GEMM's ~600) and the dequantized weight through
-    cuBLAS for int4 / NVFP4 (~470-730 TFLOP/s against ~150-230)."""
+    """A config that builds on an H200 for any shape (the reasons: docs/quantization.md, ## Kernels): one row the
+    CUDA-core GEMV (int4 / NVFP4 up to 8 rows; FP8 but on the wide gate/up, where its skinny kernel streams
+    well); up to 64 rows the skinny kernels, K split on narrow weights so that ~2 programs run per SM, FP8's
+    activation quantized by its own kernel first; above, torch's block-scaled F.scaled_mm for FP8 and the
+    dequantized weight through cuBLAS for int4 / NVFP4."""
     if rows == 1 and (fmt != "fp8" or n <= 8192):  # fp8: [8, 1024] float32 products a program, as the bf16 GEMV
         return {"kind": "gemv", "block_n": 8 if fmt == "fp8" else 16, "block_k": 1024, "warps": 4, "stages": 1}
     if rows <= 8 and fmt != "fp8":  # [rows, 8, 64] float32 sums a program
