@@ -4,7 +4,7 @@ candidate side by side, printed against the physical limits, and the table of th
     python benchmarks/quant_gemm_probe.py [CONFIG_DIR] [--out quant_gemm_configs.json] [--formats fp8,int4,nvfp4]
                                           [--rows 1,8,16,32,64,512,8192]
 
-CONFIG_DIR defaults to the published Qwen3.5-27B config (.gpu_configs/ or ../shared/configs). Decode row counts
+CONFIG_DIR defaults to the Qwen3.5-27B config shipped in deltaserve/model_configs. Decode row counts
 (<= 64) are timed inside CUDA graphs over copies of the weight (400 MB of them, so that no call finds its weight in
 the 50 MB L2), and reported as the bytes of weights and scales read over the time (TB/s, beside the ~4.2 TB/s copy
 rate of an H200); prefill row counts by triton.testing.do_bench (the L2 flushed before each call) as TFLOP/s,
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import random
 import sys
 import time
@@ -31,22 +30,36 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from deltaserve.config import ModelConfig  # noqa: E402
-from deltaserve.ops.quant_gemm import configs, cuda_fp8, cuda_weight_only  # noqa: E402
+from deltaserve.model_configs import shipped_config  # noqa: E402
+from deltaserve.ops.quant_gemm import configs, cuda_fp8, cuda_gemv, cuda_weight_only  # noqa: E402
 from deltaserve.ops.quant_gemm import reference as ref  # noqa: E402
 
 COPY_TBS, FP8_TFLOPS, BF16_TFLOPS = 4.2, 1580.0, 790.0
 COPIES_BYTES = 400e6
 ROWS = (1, 8, 16, 32, 64, 512, 8192)
-# Decode tiles: column block, K splits ("auto": ~2 programs per SM, as configs.default_config), warps, stages.
-DECODE_SWEEP = [dict(block_n=64, split_k="auto", warps=4, stages=4), dict(block_n=128, split_k="auto", warps=4,
-                stages=4), dict(block_n=64, split_k=1, warps=4, stages=6)]
+# GEMV tiles (cuda_gemv): rows, columns per K step, warps, stages. FP8 (one row) holds a block_n x block_k float32
+# product tile (~64 registers a thread at 8 x 1024 and 4 warps), the 4-bit formats one float per word and row of x.
+GEMV_SWEEP = {("fp8", 1): [dict(block_n=8, block_k=1024, warps=4, stages=1),
+                           dict(block_n=16, block_k=512, warps=4, stages=1),
+                           dict(block_n=16, block_k=1024, warps=8, stages=1)],
+              ("weight_only", 1): [dict(block_n=16, block_k=1024, warps=4, stages=1),
+                                   dict(block_n=32, block_k=1024, warps=4, stages=1),
+                                   dict(block_n=16, block_k=2048, warps=4, stages=1),
+                                   dict(block_n=8, block_k=4096, warps=4, stages=1)],
+              ("weight_only", 8): [dict(block_n=8, block_k=512, warps=4, stages=1),
+                                   dict(block_n=16, block_k=256, warps=4, stages=1),
+                                   dict(block_n=4, block_k=1024, warps=4, stages=1)]}
+# Skinny tiles: column block, K splits ("auto": ~2 programs per SM, configs.auto_split_k), warps, stages. FP8
+# quantizes the activation by its own kernel (quant_x 0; in every program it measured 4-8x slower).
+DECODE_SWEEP = {"fp8": [dict(block_n=64, split_k="auto", warps=4, stages=4, quant_x=0),
+                        dict(block_n=128, split_k="auto", warps=8, stages=4, quant_x=0),
+                        dict(block_n=32, split_k="auto", warps=4, stages=4, quant_x=0)],
+                "weight_only": [dict(block_n=64, split_k="auto", warps=4, stages=4),
+                                dict(block_n=64, split_k=1, warps=4, stages=6)]}
+# Prefill: the Triton GEMMs' best tile of the first run beside torch's F.scaled_mm (FP8) / dequantize + cuBLAS.
 PREFILL_SWEEP = {
-    "fp8": [dict(block_m=128, block_n=128, block_k=128, group_m=8, warps=8, stages=3),
-            dict(block_m=128, block_n=256, block_k=128, group_m=8, warps=8, stages=3),
-            dict(block_m=64, block_n=128, block_k=128, group_m=8, warps=4, stages=4)],
-    "weight_only": [dict(block_m=128, block_n=128, block_k=64, group_m=8, warps=8, stages=3),
-                    dict(block_m=128, block_n=128, block_k=128, group_m=8, warps=8, stages=3),
-                    dict(block_m=64, block_n=128, block_k=64, group_m=8, warps=4, stages=4)],
+    "fp8": [dict(block_m=128, block_n=128, block_k=128, group_m=8, warps=8, stages=3)],
+    "weight_only": [dict(block_m=128, block_n=128, block_k=64, group_m=8, warps=8, stages=3)],
 }
 
 
@@ -107,24 +120,54 @@ def reference(fmt, x, w):
     return {"fp8": ref.fp8_block_linear, "int4": ref.int4_linear, "nvfp4": ref.nvfp4_linear}[fmt](x, w).float()
 
 
-def candidates(fmt: str, n: int, k: int, rows: int) -> list[tuple[dict, object]]:
-    """(table entry, function x, w -> y) of every way to run the product at `rows` rows."""
+def tinygemm(w):
+    """(x, int4 weight -> y) by torch's int4 decode kernel (aten._weight_int4pack_mm) on a copy of the weight in its
+    layout (made at the first call per weight), or None where torch lacks it. Its dequantization is (q - 8) * scale
+    + zero_f per group, so zero_f = (8 - z) * scale, rounded to bf16 (relative 2^-9: not our semantics exactly).
+    For timing beside ours, not dispatched."""
+    aten = torch.ops.aten
+    has_ops = hasattr(aten, "_weight_int4pack_mm") and hasattr(aten, "_convert_weight_to_int4pack")
+    if not has_ops or w.perm is not None:
+        return None
+    converted = {}
+
+    def convert(w):
+        q = ref.unpack_int4(w.packed, w.shape[1])  # [N, K] uint8
+        packed = aten._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).contiguous(), 8)  # even k high
+        scale = w.scale.float()  # [N, G]
+        zero = 8.0 if w.zero is None else w.zero.float()
+        scale_zero = torch.stack((scale, (8.0 - zero) * scale), dim=2).transpose(0, 1).contiguous()
+        return packed, scale_zero.to(torch.bfloat16)  # [K/g, N, 2]
+
+    def run(x, w):
+        if id(w) not in converted:
+            converted[id(w)] = convert(w)
+        packed, scale_zero = converted[id(w)]
+        return aten._weight_int4pack_mm(x, packed, w.group_size, scale_zero)
+
+    return run
+
+
+def candidates(fmt: str, n: int, k: int, rows: int, w) -> list[tuple[dict, object]]:
+    """(table entry, function x, w -> y) of every way to run the product at `rows` rows; entries of kind
+    "tinygemm" are timed only."""
     out = []
+    weight_only = "fp8" if fmt == "fp8" else "weight_only"
+    for tile in GEMV_SWEEP.get((weight_only, configs.row_bucket(rows)), []):
+        entry = dict(kind="gemv", **tile)
+        if cuda_gemv.supports(w, entry, rows):
+            out.append((entry, lambda x, w, e=entry: cuda_gemv.gemv(x, w, e)))
     if rows <= configs.SKINNY_MAX_ROWS:
         kernel = cuda_fp8.skinny if fmt == "fp8" else cuda_weight_only.skinny
-        auto = configs.default_config(fmt, n, k, rows)["split_k"]
-        for tile in DECODE_SWEEP:
-            entry = dict(kind="skinny", block_k=128, **dict(tile, split_k=auto if tile["split_k"] == "auto"
-                                                            else tile["split_k"]))
+        for tile in DECODE_SWEEP[weight_only]:
+            split = configs.auto_split_k(n, k, tile["block_n"]) if tile["split_k"] == "auto" else tile["split_k"]
+            entry = dict(kind="skinny", block_k=128, **dict(tile, split_k=split))
             out.append((entry, lambda x, w, e=entry: kernel(x, w, e)))
-        first = out[0][0]
-        # fp8: the activation quantized by its own kernel first; NVFP4: longer K blocks (fp8 / int4 blocks are fixed)
-        extra = dict(first, quant_x=0) if fmt == "fp8" else dict(first, block_k=256) if fmt == "nvfp4" else None
-        if extra:
-            out.append((extra, lambda x, w, e=extra: kernel(x, w, e)))
+        if fmt == "int4" and (fn := tinygemm(w)) is not None:
+            out.append(({"kind": "tinygemm"}, fn))
     else:
         gemm = cuda_fp8.gemm if fmt == "fp8" else cuda_weight_only.gemm
-        for tile in PREFILL_SWEEP["fp8" if fmt == "fp8" else "weight_only"]:
+        for tile in PREFILL_SWEEP[weight_only]:
             entry = dict(kind="gemm", **tile)
             out.append((entry, lambda x, w, e=entry: gemm(x, w, e)))
         if fmt != "fp8":
@@ -142,10 +185,11 @@ def probe_shape(fmt, name, n, k, rows, rng) -> tuple[str, dict | None]:
     scale = want.abs().max().item()
     decode = rows <= configs.SKINNY_MAX_ROWS
     weights = copies_of(w) if decode else [w]
-    results, order = [], candidates(fmt, n, k, rows)
+    results, order = [], candidates(fmt, n, k, rows, w)
     rng.shuffle(order)
     for entry, fn in order:
         label = entry["kind"] if len(entry) == 1 else json.dumps(entry)
+        label += " (torch's int4 kernel, timed only)" if entry["kind"] == "tinygemm" else ""
         try:
             err = (fn(x, w).float() - want).abs().max().item()
             if not err <= 0.02 * scale:
@@ -164,6 +208,7 @@ def probe_shape(fmt, name, n, k, rows, rng) -> tuple[str, dict | None]:
         print(f"{head}: no candidate ran", flush=True)
         return "", None
     results.sort(key=lambda r: r[0])
+    chosen = next((r for r in results if r[2]["kind"] != "tinygemm"), None)
     flops = 2.0 * rows * n * k
     for t, label, _ in results:
         speed = (f"{w.nbytes / t / 1e6:.2f} TB/s of {COPY_TBS}" if decode else
@@ -172,7 +217,7 @@ def probe_shape(fmt, name, n, k, rows, rng) -> tuple[str, dict | None]:
     bf16_speed = (f"{2 * n * k / bf16 / 1e6:.2f} TB/s" if decode else f"{flops / bf16 / 1e6:.0f} TFLOP/s")
     print(f"{head}: bf16 cuBLAS {bf16:.1f} us ({bf16_speed}, {2 * n * k / 1e6:.0f} MB of weights; "
           f"{fmt} {w.nbytes / 1e6:.0f} MB)", flush=True)
-    return f"{fmt}:{n}:{k}:{configs.row_bucket(rows)}", results[0][2]
+    return f"{fmt}:{n}:{k}:{configs.row_bucket(rows)}", chosen[2] if chosen else None
 
 
 def write_table(path: str, measured: dict) -> None:
@@ -185,9 +230,8 @@ def write_table(path: str, measured: dict) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    default_dir = next((d for d in (".gpu_configs/qwen3.5-27b", "../shared/configs/qwen3.5-27b",
-                                    "shared/configs/qwen3.5-27b") if os.path.isdir(d)), None)
-    parser.add_argument("model", nargs="?", default=default_dir, help="config.json directory")
+    parser.add_argument("model", nargs="?", default=str(shipped_config("Qwen/Qwen3.5-27B")),
+                        help="config.json directory (default: the Qwen3.5-27B config shipped in the package)")
     parser.add_argument("--out", default="quant_gemm_configs.json", help="merge the fastest entries into this table")
     parser.add_argument("--formats", default="fp8,int4,nvfp4")
     parser.add_argument("--rows", default=",".join(map(str, ROWS)))
@@ -195,8 +239,6 @@ def main(argv=None) -> int:
     parser.add_argument("--budget-s", type=float, default=float("inf"),
                         help="start no new shape after this many seconds (what was measured is kept)")
     args = parser.parse_args(argv)
-    if args.model is None:
-        parser.error("no config directory found: pass CONFIG_DIR")
     cfg = ModelConfig.from_pretrained(args.model)
     rng = random.Random(0)
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "

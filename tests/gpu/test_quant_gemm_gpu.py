@@ -1,7 +1,7 @@
 """The quantized GEMMs (ops/quant_gemm) compiled on the GPU against the float64 value of each format's semantics, at
-Qwen3.5-27B's projection shapes: every kernel (FP8 skinny with the activation quantized in its prologue and
-apart, FP8 tiled GEMM, torch's block-scaled F.scaled_mm where torch has it; int4 and NVFP4 skinny, tiled GEMM,
-dequantize + cuBLAS) and the dispatch at 1 to 8192 rows; decode kernels inside a CUDA graph equal to eager.
+Qwen3.5-27B's projection shapes: every kernel (the CUDA-core GEMV of each format, FP8 skinny with the activation
+quantized in its prologue and apart, FP8 tiled GEMM, torch's block-scaled F.scaled_mm where torch has it; int4 and
+NVFP4 skinny, tiled GEMM, dequantize + cuBLAS) and the dispatch at 1 to 8192 rows; decode kernels inside a CUDA graph equal to eager.
 
 Bounds (tests/ops/quant_gemm_oracle.py): 16-bit tensor-core products accumulate at 2^-23 (a truncating float32);
 FP8 ones at 2^-12 within a K block (Hopper keeps ~14 bits; DeepSeek-V3 section 3.3.2), which is why each block is
@@ -9,38 +9,35 @@ its own dot added in float32.
 Run on an H200 by `tests/gpu/run.sh OUT quant`.
 """
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from deltaserve.config import ModelConfig
+from deltaserve.model_configs import shipped_config
 from deltaserve.ops import quant_gemm
-from deltaserve.ops.quant_gemm import configs, cuda_fp8, cuda_weight_only
+from deltaserve.ops.quant_gemm import configs, cuda_fp8, cuda_gemv, cuda_weight_only
 from deltaserve.ops.quant_gemm import reference as ref
 from tests.ops import quant_gemm_oracle as oracle
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-ROOT = Path(__file__).resolve().parents[2]
-CONFIG_DIRS = [ROOT / ".gpu_configs" / "qwen3.5-27b", ROOT.parent / "shared" / "configs" / "qwen3.5-27b",
-               ROOT / "shared" / "configs" / "qwen3.5-27b"]
 U_TC16 = 2.0**-23
 U_TC8 = 2.0**-12
 DECODE_ROWS = [1, 2, 8, 16, 64]
 # tiles the probe (benchmarks/quant_gemm_probe.py) also sweeps, so that it finds them compiled
 SKINNY_TILES = [dict(block_n=64, block_k=128, split_k=1, warps=4, stages=6, quant_x=1),
                 dict(block_n=128, block_k=128, split_k=4, warps=4, stages=4, quant_x=0)]
+# the GEMV's first tiles in the probe's sweep: (format class, rows bucket) -> tile
+GEMV_TILES = {("fp8", 1): dict(block_n=8, block_k=1024, warps=4, stages=1),
+              ("weight_only", 1): dict(block_n=16, block_k=1024, warps=4, stages=1),
+              ("weight_only", 8): dict(block_n=8, block_k=512, warps=4, stages=1)}
 GEMM_TILES = [dict(block_m=128, block_n=128, block_k=128, group_m=8, warps=8, stages=3),
               dict(block_m=64, block_n=128, block_k=64, group_m=8, warps=4, stages=4)]
 
 
 def projections() -> list[tuple[int, int]]:
     """(N, K) of 27B's quantized projections, fused as the bf16 path fuses them (GDN's in_proj_a/b stay bf16)."""
-    found = next((p for p in CONFIG_DIRS if (p / "config.json").is_file()), None)
-    if found is None:
-        pytest.skip(f"no Qwen3.5-27B config in {[str(p) for p in CONFIG_DIRS]}")
-    cfg = ModelConfig.from_pretrained(str(found))
+    cfg = ModelConfig.from_pretrained(str(shipped_config("Qwen/Qwen3.5-27B")))  # shipped in the package
     h, attn = cfg.hidden_size, cfg.num_heads * cfg.head_dim
     qkv = 2 * attn + 2 * cfg.num_kv_heads * cfg.head_dim  # q with its output gate, k, v
     shapes = [(2 * cfg.intermediate_size, h), (h, cfg.intermediate_size), (cfg.conv_dim + cfg.gdn_value_dim, h),
@@ -67,6 +64,14 @@ def make_weight(fmt: str, n: int, k: int, seed: int = 0):
 def activations(m, k, dtype=torch.bfloat16, seed=1):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     return torch.randn(m, k, device="cuda", generator=gen).to(dtype)
+
+
+def weight_rounding(fmt, kind):
+    """(u_w, exact_codes) of a kernel kind: FP8 and int4 on the CUDA cores or as exact codes round no weight;
+    NVFP4's GEMV rounds its group scale products in float32 (3 roundings); bf16 tiles round each weight."""
+    if fmt == "fp8" or (fmt == "int4" and kind in ("gemv", "skinny")):
+        return 0.0, fmt == "int4" and kind == "skinny"
+    return (3 * 2.0**-24 if kind == "gemv" else 2.0**-8), False
 
 
 def check(fmt, x, w, got, what, u_w=0.0, exact_codes=False):
@@ -98,9 +103,8 @@ def test_dispatch_at_every_row_count(fmt, weights):
                   "nvfp4": quant_gemm.nvfp4_linear}[fmt]
             x = activations(m, k)
             kind = configs.config_for(fmt, n, k, m)["kind"]
-            u_w = 0.0 if fmt == "fp8" or kind == "skinny" and fmt == "int4" else 2.0**-8
-            check(fmt, x, w, op(x, w), f"{fmt} {kind} N={n} K={k} M={m}", u_w=u_w,
-                  exact_codes=fmt == "int4" and kind == "skinny")
+            u_w, exact_codes = weight_rounding(fmt, kind)
+            check(fmt, x, w, op(x, w), f"{fmt} {kind} N={n} K={k} M={m}", u_w=u_w, exact_codes=exact_codes)
 
 
 @pytest.mark.parametrize("tile", SKINNY_TILES)
@@ -111,8 +115,22 @@ def test_skinny_tiles(fmt, tile, weights):
         kernel = cuda_fp8.skinny if fmt == "fp8" else cuda_weight_only.skinny
         for m in (1, 17, 64):
             x = activations(m, k)
-            check(fmt, x, w, kernel(x, w, tile), f"{fmt} skinny {tile} N={n} K={k} M={m}",
-                  u_w=2.0**-8 if fmt == "nvfp4" else 0.0, exact_codes=fmt == "int4")
+            u_w, exact_codes = weight_rounding(fmt, "skinny")
+            check(fmt, x, w, kernel(x, w, tile), f"{fmt} skinny {tile} N={n} K={k} M={m}", u_w=u_w,
+                  exact_codes=exact_codes)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4", "nvfp4"])
+def test_gemv_tiles(fmt, weights):
+    """The CUDA-core GEMV at the widest and the longest shape: one row (every format), 3 and 8 rows (int4, NVFP4)."""
+    for n, k in projections()[:2]:
+        w = weights[(fmt, n, k)]
+        for m in (1,) if fmt == "fp8" else (1, 3, 8):
+            tile = GEMV_TILES[("fp8" if fmt == "fp8" else "weight_only", configs.row_bucket(m))]
+            assert cuda_gemv.supports(w, tile, m)
+            x = activations(m, k)
+            u_w, _ = weight_rounding(fmt, "gemv")
+            check(fmt, x, w, cuda_gemv.gemv(x, w, tile), f"{fmt} gemv {tile} N={n} K={k} M={m}", u_w=u_w)
 
 
 @pytest.mark.parametrize("tile", GEMM_TILES)
@@ -148,8 +166,8 @@ def test_fp16_activations(weights):
             kind = configs.config_for(fmt, n, k, m)["kind"]
             op = {"fp8": quant_gemm.fp8_block_linear, "int4": quant_gemm.int4_linear,
                   "nvfp4": quant_gemm.nvfp4_linear}[fmt]
-            check(fmt, x, w, op(x, w), f"{fmt} fp16 M={m}", u_w=0.0 if fmt == "fp8" else 2.0**-11,
-                  exact_codes=fmt == "int4" and kind == "skinny")
+            u_w, exact_codes = weight_rounding(fmt, kind)
+            check(fmt, x, w, op(x, w), f"{fmt} fp16 M={m}", u_w=min(u_w, 2.0**-11), exact_codes=exact_codes)
 
 
 def test_act_order_and_odd_shapes():
@@ -166,24 +184,24 @@ def test_act_order_and_odd_shapes():
                            torch.rand(n, device="cuda", generator=gen) * 1e-4)
     q, s = ref.fp8_block_quantize(torch.randn(1000, 1000, device="cuda", generator=gen), (128, 128))
     f8 = ref.prepare_fp8_block(q, s, (128, 128))
-    for m in (1, 9, 130):
+    for m in (1, 5, 9, 130):
         x = activations(m, k)
         for fmt, w, op in (("int4", w4, quant_gemm.int4_linear), ("nvfp4", nv, quant_gemm.nvfp4_linear)):
-            kind = configs.config_for(fmt, n, k, m)["kind"]
-            check(fmt, x, w, op(x, w), f"{fmt} odd M={m}", u_w=0.0 if kind == "skinny" and fmt == "int4" else 2**-8,
-                  exact_codes=fmt == "int4" and kind == "skinny")
+            u_w, exact_codes = weight_rounding(fmt, configs.config_for(fmt, n, k, m)["kind"])
+            check(fmt, x, w, op(x, w), f"{fmt} odd M={m}", u_w=u_w, exact_codes=exact_codes)
         x = activations(m, 1000)
         check("fp8", x, f8, quant_gemm.fp8_block_linear(x, f8), f"fp8 1000x1000 M={m}")
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "int4", "nvfp4"])
 def test_cuda_graph_replay_equals_eager(fmt, weights):
-    """Decode products captured in a CUDA graph (as the engine replays them) give the eager bits, split K
-    included."""
+    """Products captured in a CUDA graph (as the engine replays decode steps and prefill chunks of up to 1,024
+    tokens) give the eager bits: split K, the GEMV, F.scaled_mm and the weight-only prefill's scratch included."""
     op = {"fp8": quant_gemm.fp8_block_linear, "int4": quant_gemm.int4_linear, "nvfp4": quant_gemm.nvfp4_linear}[fmt]
+    cuda_weight_only.reserve_scratch(max(n * k for n, k in projections()), torch.bfloat16, "cuda")  # as warm_up
     for n, k in projections()[:2]:
         w = weights[(fmt, n, k)]
-        for m in (1, 8, 64):
+        for m in (1, 8, 64, 600):
             x = activations(m, k)
             eager = op(x, w)
             graph = torch.cuda.CUDAGraph()
@@ -197,5 +215,8 @@ def test_cuda_graph_replay_equals_eager(fmt, weights):
 
 
 def test_warm_up_compiles_every_variant(weights):
+    """warm_up runs every row count, and reserves the weight-only prefill's scratch for the largest weight (a
+    later "cublas" product writes its bf16 copy there, not into memory of its own)."""
     n, k = projections()[3]
     quant_gemm.warm_up([weights[(fmt, n, k)] for fmt in ("fp8", "int4", "nvfp4")])
+    assert cuda_weight_only.scratch_bytes() >= n * k * 2

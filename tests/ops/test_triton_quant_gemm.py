@@ -17,7 +17,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
 import deltaserve.ops.quant_gemm as quant_gemm  # noqa: E402
-from deltaserve.ops.quant_gemm import configs, cuda_fp8, cuda_weight_only  # noqa: E402
+from deltaserve.ops.quant_gemm import configs, cuda_fp8, cuda_gemv, cuda_weight_only  # noqa: E402
 from deltaserve.ops.quant_gemm import reference as ref  # noqa: E402
 from tests.ops import quant_gemm_oracle as oracle  # noqa: E402
 from tests.ops.interpreter import (patch_interpreter_bf16_dot, patch_interpreter_float_rounding,  # noqa: E402
@@ -31,6 +31,7 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 SKINNY = [dict(block_n=16, block_k=32, split_k=1, warps=4, stages=1, quant_x=1),
           dict(block_n=32, block_k=64, split_k=2, warps=4, stages=1, quant_x=0)]
 GEMM = dict(block_m=16, block_n=16, block_k=64, group_m=2, warps=4, stages=1)
+GEMV = dict(block_n=16, block_k=256, warps=4, stages=1)
 
 
 def fp8_weight(n, k, block, gen):
@@ -159,6 +160,80 @@ def test_nvfp4_gemm_and_dequantize(dtype, per_row):
                                rtol=2 * oracle.U32, atol=0)
 
 
+# ------------------------------------------------------------------------------------------------ one-row GEMV
+
+
+def gemv_bound(x, w, y64, terms, extra_roundings=0):
+    """The GEMV's float32 sums run over all of K (not per block): K + 2 roundings a term (+ the scales')."""
+    return (w.shape[1] + 2 + extra_roundings) * oracle.U32 * terms + oracle.UNIT_ROUNDOFF[x.dtype] * y64.abs() + \
+        torch.finfo(x.dtype).tiny
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("g,n,block_k", [(64, 40, 256), (128, 48, 512), (32, 16, 128)])
+@pytest.mark.parametrize("symmetric,act_order", [(False, False), (True, False), (False, True)])
+def test_int4_gemv(dtype, m, g, n, block_k, symmetric, act_order):
+    """Every nibble position with its own zero point per group (codes and zeros cover 0..15); partial and whole
+    row blocks; K blocks of several groups, one K block shorter than asked (K = 256 < 512); 3 rows padded to 4."""
+    gen = torch.Generator().manual_seed(g + n + m)
+    w, x = int4_weight(n, 256, g, symmetric, act_order, gen), activations(m, 256, dtype, gen)
+    y64, terms = oracle.weight_only_exact(x, w)
+    config = dict(GEMV, block_k=block_k)
+    assert cuda_gemv.supports(w, config, m) and not cuda_gemv.supports(w, config, cuda_gemv.MAX_ROWS + 1)
+    got = cuda_gemv.gemv(x, w, config)
+    assert got.dtype == dtype and got.shape == (m, n)
+    oracle.assert_within(got, y64, gemv_bound(x, w, y64, terms), "int4 gemv")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 2, 7])
+@pytest.mark.parametrize("n,k,per_row", [(40, 96, False), (24, 256, True)])
+def test_nvfp4_gemv(dtype, m, n, k, per_row):
+    """All 16 e2m1 codes in all 8 nibble positions (random bytes), subnormal e4m3 scales; K = 96 takes 32-column
+    blocks. The group scale times scale_2 and 2^14 are rounded twice more than the reference's dequantization."""
+    gen = torch.Generator().manual_seed(n + k + m)
+    w, x = nvfp4_weight(n, k, per_row, gen), activations(m, k, dtype, gen)
+    y64, terms = oracle.weight_only_exact(x, w)
+    got = cuda_gemv.gemv(x, w, GEMV)
+    oracle.assert_within(got, y64, gemv_bound(x, w, y64, terms, extra_roundings=3), "nvfp4 gemv")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k,block,config", [(40, 300, (16, 128), dict(GEMV, block_n=8)),
+                                              (48, 256, (32, 64), dict(GEMV, block_n=16, block_k=128))])
+def test_fp8_gemv(dtype, n, k, block, config):
+    """The activation's e4m3 codes and scales as the reference's; a partial last K block (300) and row block
+    (40 rows in 8-row programs inside 16-row scale blocks); the scales folded into the activation (one rounding)."""
+    gen = torch.Generator().manual_seed(n)
+    w, x = fp8_weight(n, k, block, gen), activations(1, k, dtype, gen)
+    y64, terms = oracle.fp8_exact(x, w)
+    assert cuda_gemv.supports(w, config) and not cuda_gemv.supports(w, dict(config, block_n=64))
+    assert not cuda_gemv.supports(w, config, 2)
+    got = cuda_gemv.gemv(x, w, config)
+    oracle.assert_within(got, y64, gemv_bound(x, w, y64, terms, extra_roundings=2), "fp8 gemv")
+
+
+def test_cublas_kind_uses_the_reserved_scratch(monkeypatch):
+    """The weight-only prefill's bf16 copy goes into the buffer reserved at warm-up when it fits (graphs keep its
+    address), else into memory of its own."""
+    gen = torch.Generator().manual_seed(1)
+    w, x = int4_weight(40, 256, 64, False, False, gen), activations(5, 256, torch.bfloat16, gen)
+    monkeypatch.setattr(cuda_weight_only, "_scratch", {})
+    seen = []
+    real = cuda_weight_only.dequantize
+    monkeypatch.setattr(cuda_weight_only, "dequantize", lambda w, dtype, out=None: seen.append(out) or
+                        real(w, dtype, out))
+    cuda_weight_only.cublas(x, w)
+    cuda_weight_only.reserve_scratch(40 * 256, torch.bfloat16, x.device)
+    assert cuda_weight_only.scratch_bytes() == 40 * 256 * 2
+    y64, terms = oracle.weight_only_exact(x, w)
+    got = cuda_weight_only.cublas(x, w)
+    oracle.assert_within(got, y64, oracle.weight_only_bound(x, w, y64, terms, u_w=2.0**-8), "int4 cublas scratch")
+    buffer = cuda_weight_only._scratch[(x.device, torch.bfloat16)]
+    assert seen[0] is None and seen[1].data_ptr() == buffer.data_ptr()
+
+
 # ------------------------------------------------------------------------------------------------ dispatch
 
 
@@ -170,11 +245,13 @@ def test_dispatch_follows_the_table(monkeypatch):
                "nvfp4": nvfp4_weight(40, 256, False, gen)}
     ops = {"fp8": quant_gemm.fp8_block_linear, "int4": quant_gemm.int4_linear, "nvfp4": quant_gemm.nvfp4_linear}
     table = {"fp8:40:256:16": dict(SKINNY[1], kind="skinny"), "fp8:40:256:512": {"kind": "torch"},
-             "int4:40:256:512": {"kind": "cublas"}, "nvfp4:40:256:8192": dict(GEMM, kind="gemm")}
+             "int4:40:256:512": {"kind": "cublas"}, "nvfp4:40:256:8192": dict(GEMM, kind="gemm"),
+             "fp8:40:256:1": dict(GEMV, block_n=8, kind="gemv"), "int4:40:256:1": dict(GEMV, kind="gemv"),
+             "nvfp4:40:256:1": dict(GEMV, block_n=64, kind="gemv"), "int4:40:256:8": dict(GEMV, kind="gemv")}
     monkeypatch.setattr(configs, "tuned_table", lambda: table)
     calls = []
     for module, names in ((cuda_fp8, ("skinny", "gemm", "torch_scaled_mm")),
-                          (cuda_weight_only, ("skinny", "gemm", "cublas"))):
+                          (cuda_weight_only, ("skinny", "gemm", "cublas")), (cuda_gemv, ("gemv",))):
         for name in names:
             real = getattr(module, name)
             monkeypatch.setattr(module, name, lambda *a, _n=name, _r=real, **kw: calls.append(_n) or _r(*a, **kw))
@@ -182,13 +259,17 @@ def test_dispatch_follows_the_table(monkeypatch):
                         ref.fp8_block_linear(x, w))
     monkeypatch.setattr(cuda_fp8, "torch_supports", lambda w: True)
     monkeypatch.setattr(quant_gemm, "_kernels_serve", lambda x: True)
-    for fmt, rows in [("fp8", 3), ("fp8", 100), ("fp8", 600), ("int4", 1), ("int4", 100), ("int4", 600),
-                      ("nvfp4", 64), ("nvfp4", 600)]:
+    for fmt, rows in [("fp8", 3), ("fp8", 100), ("fp8", 600), ("int4", 2), ("int4", 100), ("int4", 600),
+                      ("nvfp4", 64), ("nvfp4", 600), ("fp8", 1), ("int4", 1), ("nvfp4", 1), ("int4", 5),
+                      ("nvfp4", 8)]:
         x = activations(rows, 256, torch.float32, gen)
         y64, terms = (oracle.fp8_exact if fmt == "fp8" else oracle.weight_only_exact)(x, weights[fmt])
         got = ops[fmt](x, weights[fmt])
         assert got.shape == (rows, 40) and bool(((got.double() - y64).abs() <= 1e-4 * terms + 1e-6).all()), fmt
-    assert calls == ["skinny", "torch_scaled_mm", "gemm", "skinny", "cublas", "gemm", "skinny", "gemm"]
+    # without an entry: fp8 above 64 rows F.scaled_mm, int4 / NVFP4 up to 8 rows the GEMV, to 64 skinny, above
+    # cuBLAS
+    assert calls == ["skinny", "torch_scaled_mm", "torch_scaled_mm", "gemv", "cublas", "cublas", "skinny", "gemm",
+                     "gemv", "gemv", "gemv", "gemv", "gemv"]
     monkeypatch.setattr(quant_gemm, "_kernels_serve", lambda x: False)
     calls.clear()
     quant_gemm.int4_linear(activations(2, 256, torch.float32, gen), weights["int4"])
@@ -197,9 +278,10 @@ def test_dispatch_follows_the_table(monkeypatch):
 
 def test_warm_up_meets_every_variant(monkeypatch):
     """warm_up_rows covers each decode bucket with Triton's three row-count classes (1, a multiple of 16, other)
-    and both prefill buckets with two classes each."""
+    and the GEMV's row blocks, and both prefill buckets with two classes each."""
     def variant(rows):
-        return configs.row_bucket(rows), "one" if rows == 1 else "16s" if rows % 16 == 0 else "other"
+        gemv_rows = 1 << (rows - 1).bit_length() if rows <= cuda_gemv.MAX_ROWS else None
+        return configs.row_bucket(rows), "one" if rows == 1 else "16s" if rows % 16 == 0 else "other", gemv_rows
 
     rows = quant_gemm.warm_up_rows()
     assert sorted({variant(r) for r in rows}) == sorted({variant(r) for r in range(1, 1100)})
@@ -212,11 +294,14 @@ def test_warm_up_meets_every_variant(monkeypatch):
 
 
 def test_table_entries_are_checked(tmp_path, monkeypatch):
-    assert configs.row_bucket(1) == 1 and configs.row_bucket(2) == 16 and configs.row_bucket(65) == 512
+    assert configs.row_bucket(1) == 1 and configs.row_bucket(2) == 8 and configs.row_bucket(9) == 16
+    assert configs.row_bucket(65) == 512
     assert configs.row_bucket(513) == 8192 and configs.row_bucket(100000) == 8192
     for key, entry, message in [("fp9:1:2:16", {"kind": "skinny"}, "format:N:K:rows"),
                                 ("int4:1:2:16", {"kind": "torch"}, "needs a \"kind\""),
                                 ("fp8:1:2:512", dict(SKINNY[0], kind="skinny"), "does not serve the 512-row"),
+                                ("fp8:1:2:8", dict(GEMV, kind="gemv"), "does not serve the 8-row"),
+                                ("int4:1:2:16", dict(GEMV, kind="gemv"), "does not serve the 16-row"),
                                 ("nvfp4:1:2:8192", dict(GEMM, kind="gemm", warps=0), "warps must be a positive")]:
         path = tmp_path / "table.json"
         path.write_text(__import__("json").dumps({key: entry}))

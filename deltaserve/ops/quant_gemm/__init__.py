@@ -3,10 +3,11 @@ weights. `prepare_*` runs once at load and returns the weight in the kernels' la
 each format and layout); the ops take any M >= 1 and return x.dtype.
 
 On CUDA, for bf16 / fp16 activations, each product runs what configs.py names for its (format, N, K, row bucket):
-the tuned table where the probe measured the shape, else the defaults: up to 64 rows the skinny decode kernels
-(cuda_fp8, cuda_weight_only), more rows the tiled GEMMs (or torch's block-scaled F.scaled_mm for FP8, or a bf16
-dequantization + cuBLAS for the weight-only formats, where those measured faster). Elsewhere (the CPU, float32
-activations, an FP8 scale block tl.dot cannot take) the plain-torch reference runs.
+the tuned table where the probe measured the shape, else the defaults: one row the CUDA-core GEMV (cuda_gemv), up
+to 64 rows the skinny tensor-core kernels (cuda_fp8, cuda_weight_only), more rows torch's block-scaled F.scaled_mm
+for FP8 and a bf16 dequantization + cuBLAS for the weight-only formats (or the Triton tiled GEMMs where the
+table names them). Elsewhere (the CPU, float32 activations, an FP8 scale block tl.dot cannot take) the
+plain-torch reference runs.
 """
 
 import torch
@@ -28,24 +29,32 @@ def fp8_block_linear(x, w: Fp8BlockWeight):
     reference.check_input(x, w.shape[1])
     if not _kernels_serve(x):
         return reference.fp8_block_linear(x, w)
-    from deltaserve.ops.quant_gemm import cuda_fp8
+    from deltaserve.ops.quant_gemm import cuda_fp8, cuda_gemv
 
     if not cuda_fp8.supports(w):
         return reference.fp8_block_linear(x, w)
     config = configs.config_for("fp8", *w.shape, x.shape[0])
+    if config["kind"] == "gemv":
+        if cuda_gemv.supports(w, config, x.shape[0]):
+            return cuda_gemv.gemv(x, w, config)
+        config = configs.skinny_config(*w.shape)
     if config["kind"] == "skinny":
         return cuda_fp8.skinny(x, w, config)
     if config["kind"] == "torch" and cuda_fp8.torch_supports(w):
         return cuda_fp8.torch_scaled_mm(x, w)
     if config["kind"] != "gemm":
-        config = configs.default_config("fp8", *w.shape, x.shape[0])
+        config = configs.tiled_config("fp8")
     return cuda_fp8.gemm(x, w, config)
 
 
 def _weight_only(fmt: str, x, w):
-    from deltaserve.ops.quant_gemm import cuda_weight_only
+    from deltaserve.ops.quant_gemm import cuda_gemv, cuda_weight_only
 
     config = configs.config_for(fmt, *w.shape, x.shape[0])
+    if config["kind"] == "gemv":
+        if cuda_gemv.supports(w, config, x.shape[0]):
+            return cuda_gemv.gemv(x, w, config)
+        config = configs.skinny_config(*w.shape)
     if config["kind"] == "skinny":
         return cuda_weight_only.skinny(x, w, config)
     if config["kind"] == "cublas":
@@ -67,9 +76,10 @@ def nvfp4_linear(x, w: Nvfp4Weight):
 
 def warm_up_rows() -> list[int]:
     """Row counts that compile every kernel variant a product can meet: per decode bucket its tile, and Triton's
-    specialisation of the row count (1, a multiple of 16, any other), then a prefill count of each kind."""
-    rows = [1]
-    for smaller, bucket in zip(configs.DECODE_BUCKETS, configs.DECODE_BUCKETS[1:]):
+    specialisation of the row count (1, a multiple of 16, any other), the GEMV's row blocks (1, 2, 4, 8), then a
+    prefill count of each kind."""
+    rows = [1, 2, 4, 8]
+    for smaller, bucket in zip(configs.DECODE_BUCKETS[1:], configs.DECODE_BUCKETS[2:]):
         rows += [smaller + 1, bucket]
     first, _ = configs.PREFILL_BUCKETS
     return rows + [configs.SKINNY_MAX_ROWS + 1, first // 2, first + 1, 2 * first]
@@ -80,8 +90,18 @@ _OPS = {Fp8BlockWeight: fp8_block_linear, Int4Weight: int4_linear, Nvfp4Weight: 
 
 @torch.no_grad()
 def warm_up(weights, dtype=torch.bfloat16) -> None:
-    """GPU start-up, before graph capture: multiply each prepared weight once at each of `warm_up_rows`, so that
-    no step compiles a kernel while serving."""
+    """GPU start-up, before graph capture: reserve the weight-only prefill's scratch buffer for the largest weight
+    (graphs keep its address), then multiply each prepared weight once at each of `warm_up_rows`, so that no step
+    compiles a kernel while serving."""
+    weights = list(weights)
+    devices = {(w.weight if isinstance(w, Fp8BlockWeight) else w.packed).device for w in weights}
+    weight_only = [w for w in weights if not isinstance(w, Fp8BlockWeight)]
+    if weight_only and all(d.type == "cuda" for d in devices):
+        from deltaserve.ops.quant_gemm import cuda_weight_only
+
+        for device in devices:
+            largest = max(w.shape[0] * w.shape[1] for w in weight_only if w.packed.device == device)
+            cuda_weight_only.reserve_scratch(largest, dtype, device)
     for w in weights:
         device = (w.weight if isinstance(w, Fp8BlockWeight) else w.packed).device
         for rows in warm_up_rows():

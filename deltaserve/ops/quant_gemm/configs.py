@@ -1,14 +1,16 @@
 """Launch configurations of the quantized GEMMs: the tuned table (configs.json, measured on an H200 by
 `python benchmarks/quant_gemm_probe.py`) and the defaults for shapes it does not name.
 
-Keys are "format:N:K:rows", format one of fp8, int4, nvfp4 and rows the bucket of the batch's row count: 1, 16, 32
-or 64 (decode: the skinny kernel) or 512 / 8192 (prefill: up to 512 rows, more). Values are dicts:
+Keys are "format:N:K:rows", format one of fp8, int4, nvfp4 and rows the bucket of the batch's row count: 1, 8, 16,
+32 or 64 (decode) or 512 / 8192 (prefill: up to 512 rows, more). Values are dicts:
+  {"kind": "gemv", "block_n", "block_k", "warps", "stages"}     cuda_gemv: fp8 1 row, int4 / nvfp4 1..8 rows
   {"kind": "skinny", "block_n", "block_k", "split_k", "warps", "stages"[, "quant_x"]}   1..64 rows only
   {"kind": "gemm", "block_m", "block_n", "block_k", "group_m", "warps", "stages"}       tiled, any rows
   {"kind": "torch"}    fp8 only: torch's block-scaled FP8 matmul (F.scaled_mm, 1x128 x 128x128 scales)
   {"kind": "cublas"}   int4 / nvfp4 only: dequantize the weight into a bf16 scratch buffer, then cuBLAS
 For fp8, block_k is the checkpoint's scale block (128) whatever the entry says, and quant_x 1 quantizes the
-activation inside the skinny kernel (0: a separate kernel first). DELTASERVE_QUANT_GEMM_CONFIGS names another file.
+activation inside the skinny kernel (0, the default: a separate kernel first). DELTASERVE_QUANT_GEMM_CONFIGS names
+another file.
 """
 
 from __future__ import annotations
@@ -21,18 +23,19 @@ from pathlib import Path
 CONFIGS_FILE = Path(__file__).with_name("configs.json")
 ENV_VAR = "DELTASERVE_QUANT_GEMM_CONFIGS"
 FORMATS = ("fp8", "int4", "nvfp4")
-DECODE_BUCKETS = (1, 16, 32, 64)
+DECODE_BUCKETS = (1, 8, 16, 32, 64)
 PREFILL_BUCKETS = (512, 8192)
 SKINNY_MAX_ROWS = DECODE_BUCKETS[-1]
 
 _FIELDS = {
+    "gemv": ("block_n", "block_k", "warps", "stages"),
     "skinny": ("block_n", "block_k", "split_k", "warps", "stages"),
     "gemm": ("block_m", "block_n", "block_k", "group_m", "warps", "stages"),
     "torch": (),
     "cublas": (),
 }
-_KINDS_OF = {"fp8": ("skinny", "gemm", "torch"), "int4": ("skinny", "gemm", "cublas"),
-             "nvfp4": ("skinny", "gemm", "cublas")}
+_KINDS_OF = {"fp8": ("gemv", "skinny", "gemm", "torch"), "int4": ("gemv", "skinny", "gemm", "cublas"),
+             "nvfp4": ("gemv", "skinny", "gemm", "cublas")}
 
 
 def row_bucket(rows: int) -> int:
@@ -53,7 +56,8 @@ def check_entry(where: str, key: str, entry) -> None:
     if kind not in _KINDS_OF[parts[0]]:
         raise ValueError(f"{where}: entry {key!r}: {entry!r} needs a \"kind\" among {_KINDS_OF[parts[0]]}")
     bucket = int(parts[3])
-    if bucket not in DECODE_BUCKETS + PREFILL_BUCKETS or (kind == "skinny" and bucket not in DECODE_BUCKETS):
+    if (bucket not in DECODE_BUCKETS + PREFILL_BUCKETS or (kind == "skinny" and bucket not in DECODE_BUCKETS)
+            or (kind == "gemv" and bucket > (1 if parts[0] == "fp8" else 8))):
         raise ValueError(f"{where}: entry {key!r}: kind {kind!r} does not serve the {bucket}-row bucket")
     for field in _FIELDS[kind]:
         value = entry.get(field)
@@ -83,14 +87,34 @@ def tuned_table() -> dict:
 
 
 def default_config(fmt: str, n: int, k: int, rows: int) -> dict:
-    """A config that builds on an H200 for any shape: split K on narrow weights so that ~2 programs run per SM."""
+    """A config that builds on an H200 for any shape (the reasons: docs/quantization.md, ## Kernels): one row the
+    CUDA-core GEMV (int4 / NVFP4 up to 8 rows; FP8 but on the wide gate/up, where its skinny kernel streams
+    well); up to 64 rows the skinny kernels, K split on narrow weights so that ~2 programs run per SM, FP8's
+    activation quantized by its own kernel first; above, torch's block-scaled F.scaled_mm for FP8 and the
+    dequantized weight through cuBLAS for int4 / NVFP4."""
+    if rows == 1 and (fmt != "fp8" or n <= 8192):  # fp8: [8, 1024] float32 products a program, as the bf16 GEMV
+        return {"kind": "gemv", "block_n": 8 if fmt == "fp8" else 16, "block_k": 1024, "warps": 4, "stages": 1}
+    if rows <= 8 and fmt != "fp8":  # [rows, 8, 64] float32 sums a program
+        return {"kind": "gemv", "block_n": 8, "block_k": 512, "warps": 4, "stages": 1}
     if rows <= SKINNY_MAX_ROWS:
-        block_n = 64
-        block_k = 128  # fp8 and int4 take their scale block / group whatever it says
-        programs = -(-n // block_n)
-        split_k = max(1, min(8, 264 // programs, k // (4 * block_k)))
-        return {"kind": "skinny", "block_n": block_n, "block_k": block_k, "split_k": split_k, "warps": 4,
-                "stages": 4, "quant_x": 1}
+        return skinny_config(n, k)
+    return {"kind": "torch"} if fmt == "fp8" else {"kind": "cublas"}
+
+
+def auto_split_k(n: int, k: int, block_n: int, block_k: int = 128) -> int:
+    """K splits of the skinny kernel that put ~2 programs on each of an H200's 132 SMs (at most 8, each split
+    at least 4 K blocks long)."""
+    return max(1, min(8, 264 // -(-n // block_n), k // (4 * block_k)))
+
+
+def skinny_config(n: int, k: int) -> dict:
+    """The skinny kernel's default tile (fp8 and int4 take their scale block / group as block_k)."""
+    return {"kind": "skinny", "block_n": 64, "block_k": 128, "split_k": auto_split_k(n, k, 64), "warps": 4,
+            "stages": 4, "quant_x": 0}
+
+
+def tiled_config(fmt: str) -> dict:
+    """The Triton tiled GEMM's tile where another kind cannot run (FP8 blocks F.scaled_mm does not take)."""
     if fmt == "fp8":
         return {"kind": "gemm", "block_m": 128, "block_n": 128, "block_k": 128, "group_m": 8, "warps": 8, "stages": 3}
     return {"kind": "gemm", "block_m": 128, "block_n": 128, "block_k": 64, "group_m": 8, "warps": 8, "stages": 3}

@@ -4,7 +4,8 @@ cuda_weight_only.py; the layouts are reference.py's.
 Hopper has no int4 or FP4 tensor cores: a tile is turned into 16-bit values and multiplied by bf16 / fp16
 activations. Two forms:
   int4_codes   the codes alone, OFFSET + q exactly, built by bit tricks instead of integer-to-float conversions:
-               for bf16 the bits 0x4300 | q are the number 128 + q (0x6400 | q: 1024 + q in fp16). The kernel
+               for bf16 the bits 0x4300 | q are the number 128 + q (0x6400 | q: 1024 + q in fp16), two at a time
+               ((word >> 4p) & 0x000F000F | 0x43004300: nibbles p and p + 4 in the halves of one int32). The kernel
                multiplies one scale group per tl.dot and applies (. - (OFFSET + zero) * sum(x)) * scale to the
                float32 result, so nothing is rounded but the float32 sums.
   int4_tile / nvfp4_tile
@@ -35,16 +36,33 @@ def _int4_nibbles(packed, ns, n_ok, k0, stride_pn, BK: tl.constexpr, MASK_N: tl.
 
 
 @triton.jit
+def _pair_codes(words, shift: tl.constexpr, PAIR_BASE: tl.constexpr, dtype: tl.constexpr):
+    """Nibbles `shift / 4` and `shift / 4 + 4` of every word as two 16-bit codes from one mask-or of the shifted
+    word: (low half, high half) in dtype, CODE_BASE | q each."""
+    h = ((words >> shift) & 0x000F000F) | PAIR_BASE
+    return h.to(tl.int16).to(dtype, bitcast=True), (h >> 16).to(tl.int16).to(dtype, bitcast=True)
+
+
+@triton.jit
 def int4_codes(packed, ns, n_ok, k0, stride_pn, BK: tl.constexpr, CODE_BASE: tl.constexpr, dtype: tl.constexpr,
                MASK_N: tl.constexpr):
     """[BN, BK] in dtype: OFFSET + q per column (q the stored nibble 0..15), exact. CODE_BASE is the 16-bit pattern
-    whose low bits take q (0x4300 for bf16, 0x6400 for fp16), 0 for a plain conversion (float32)."""
-    q = _int4_nibbles(packed, ns, n_ok, k0, stride_pn, BK, MASK_N)  # [BN, BK/8, 8]
+    whose low bits take q (0x4300 for bf16, 0x6400 for fp16), 0 for a plain conversion (float32). The 16-bit codes
+    are made two at a time from packed words: nibbles p and p + 4 land in the two halves of one int32."""
     if CODE_BASE != 0:
-        v = (q | CODE_BASE).to(tl.int16).to(dtype, bitcast=True)
-    else:
-        v = q.to(dtype)
-    return tl.reshape(v, [q.shape[0], BK])
+        words = k0 // 8 + tl.arange(0, BK // 8)  # [BK/8]
+        ptrs = packed + ns[:, None].to(tl.int64) * stride_pn + words[None, :]  # [BN, BK/8]
+        w = tl.load(ptrs, mask=n_ok[:, None], other=0) if MASK_N else tl.load(ptrs)
+        PAIR_BASE: tl.constexpr = CODE_BASE * 65537  # CODE_BASE in both halves
+        lo0, hi0 = _pair_codes(w, 0, PAIR_BASE, dtype)
+        lo1, hi1 = _pair_codes(w, 4, PAIR_BASE, dtype)
+        lo2, hi2 = _pair_codes(w, 8, PAIR_BASE, dtype)
+        lo3, hi3 = _pair_codes(w, 12, PAIR_BASE, dtype)
+        # [BN, BK/8, 2 (half), 2 (p // 2), 2 (p % 2)]: flattened, nibble 4 * half + p = the word's column
+        v = tl.join(tl.join(tl.join(lo0, hi0), tl.join(lo2, hi2)), tl.join(tl.join(lo1, hi1), tl.join(lo3, hi3)))
+        return tl.reshape(v, [w.shape[0], BK])
+    q = _int4_nibbles(packed, ns, n_ok, k0, stride_pn, BK, MASK_N)  # [BN, BK/8, 8]
+    return tl.reshape(q.to(dtype), [q.shape[0], BK])
 
 
 @triton.jit

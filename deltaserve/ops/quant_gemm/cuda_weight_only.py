@@ -7,7 +7,7 @@ dequantized in registers (cuda_dequant.py) and multiplied on the 16-bit tensor c
                        among SPLIT_K programs whose partial sums a second kernel adds in order.
   prefill              `_gemm_kernel`: [BLOCK_M, BLOCK_N] output tiles of x @ dequant(W tile)^T, grouped along M for
                        L2 reuse; or `dequantize` the whole weight into a bf16 scratch buffer and cuBLAS (the
-                       "cublas" kind: N * K * 2 bytes of scratch while it runs).
+                       "cublas" kind: one buffer of the largest weight's N * K * 2 bytes, `reserve_scratch`).
 Activation order (int4 g_idx) is a permutation of x's columns, gathered before the kernel.
 """
 
@@ -197,11 +197,12 @@ def gemm(x: torch.Tensor, w, config: dict) -> torch.Tensor:
     return out
 
 
-def dequantize(w, dtype: torch.dtype) -> torch.Tensor:
-    """[N, K] in dtype (16-bit), columns in the packed order (act order's permutation applied)."""
+def dequantize(w, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """[N, K] in dtype (16-bit), columns in the packed order (act order's permutation applied); into `out` (a
+    contiguous [N, K] tensor of dtype) when given."""
     fmt, packed, scale, zero, scale_2, group = _operands(w)
     n, k = w.shape
-    out = torch.empty(n, k, dtype=dtype, device=packed.device)
+    out = torch.empty(n, k, dtype=dtype, device=packed.device) if out is None else out
     block_n, block_k = 32, _block_k(k, 128, 16 if fmt == NVFP4 else min(group, 32))
     _dequant_kernel[(triton.cdiv(n, block_n), k // block_k)](
         packed, scale, zero, scale_2, out, n, k, packed.stride(0), scale.stride(0), FORMAT=fmt, GROUP=group,
@@ -210,6 +211,31 @@ def dequantize(w, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
+# The "cublas" kind's bf16 / fp16 copy of a weight: one buffer per (device, dtype), sized by `reserve_scratch` at
+# start-up (warm-up, before any graph is captured, so that graphs keep its address) for the largest weight.
+_scratch: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def reserve_scratch(numel: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Make the scratch buffer of (device, dtype) hold at least `numel` elements (grown only here)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (device, dtype)
+    if key not in _scratch or _scratch[key].numel() < numel:
+        _scratch.pop(key, None)
+        _scratch[key] = torch.empty(numel, dtype=dtype, device=device)
+
+
+def scratch_bytes() -> int:
+    """Bytes the scratch buffers hold on the GPU."""
+    return sum(t.nbytes for t in _scratch.values())
+
+
 def cublas(x: torch.Tensor, w) -> torch.Tensor:
-    """x [M, K] -> x @ dequant(w)^T by cuBLAS on a bf16 (x.dtype) copy of the weight made for this call."""
-    return torch.nn.functional.linear(_gathered(x, w), dequantize(w, x.dtype))
+    """x [M, K] -> x @ dequant(w)^T by cuBLAS on a bf16 (x.dtype) copy of the weight: in the reserved scratch
+    buffer where it is large enough, else in memory taken for this call."""
+    n, k = w.shape
+    buffer = _scratch.get((x.device, x.dtype))
+    out = buffer[: n * k].view(n, k) if buffer is not None and buffer.numel() >= n * k else None
+    return torch.nn.functional.linear(_gathered(x, w), dequantize(w, x.dtype, out))

@@ -1,0 +1,259 @@
+"""Products of few rows (batch-1 decode; int4 / NVFP4 up to MAX_ROWS rows) of the quantized formats on the CUDA
+cores: y [M, N] = x [M, K] @ W^T.
+
+At one row a tensor-core tile wastes 15 of its 16 rows, and the int4 / NVFP4 tiles must be rebuilt as bf16 in
+the MMA's register layout; here each weight element is decoded from its packed word by a few integer ops straight
+into a float32 number, multiplied by x in float32 and accumulated elementwise in a [BLOCK_N, columns] tile that
+is reduced once at the end (as ops/linear/cuda.py's bf16 GEMV: a reduction per K block makes the loop
+compute-bound). Grid (cdiv(N, BLOCK_N),): every program streams BLOCK_N whole weight rows; each decoded weight
+serves all M rows of x (M FMAs a weight: the tensor-core skinny kernels take over as M grows).
+
+  int4   a word holds columns 8j .. 8j+7 (nibble i: bits 4i..4i+3); the nibbles of its low half, masked in place
+         and ORed into the bits of 2048.0, are the floats 2048 + q * 16^(i-3) exactly (2048's ulp is 2^-12);
+         subtracting 2048 + z * 16^(i-3) gives (q - z) * 16^(i-3) exactly, and x is taken times 16^(3-i)
+         instead (a power of two: exact). The high half is shifted down once. So a nibble costs one mask-or,
+         one subtraction and one FMA; the word's 8-term sum is multiplied by its group's scale.
+  NVFP4  two codes at once: e2m1's magnitude bits moved to fp16's exponent/mantissa (bits 9-11 of each half)
+         and its sign to bit 15 make two fp16 numbers 2^-14 * e2m1 exactly; the 2^14 joins the group scale
+         (e4m3 scale * scale_2), applied to each word's sum (a group of 16 is two words).
+  FP8    the activation quantized first (cuda_fp8.quantize: the same e4m3 codes and scales as at every M); a
+         program's rows share one 128-row scale block (BLOCK_N divides it), so s_x[g] * s_w[block, g] folds into
+         the activation: y[n] = sum_k wq[n, k] * (xq[k] * s_x[g] * s_w[g]).
+Products are float32 and summed in float32 (in another order than the reference's per-block sums: bounded as
+float32 sums over K).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deltaserve.ops import pdl
+from deltaserve.ops.pdl import wait_for_previous_kernel
+from deltaserve.ops.quant_gemm.reference import Fp8BlockWeight, Int4Weight
+
+INT4: tl.constexpr = tl.constexpr(0)
+NVFP4: tl.constexpr = tl.constexpr(1)
+MAGIC_2048: tl.constexpr = tl.constexpr(0x45000000)  # the float32 bits of 2048.0
+E2M1_FP16_SCALE: tl.constexpr = tl.constexpr(16384.0)  # 2^14
+# Rows the weight-only GEMV takes (each decoded weight multiplied by every row on the CUDA cores)
+MAX_ROWS = 8
+
+
+@triton.jit
+def _fp16_halves(h):
+    """uint32 h holding two fp16 bit patterns -> (low half, high half) as float32."""
+    lo = (h & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (h >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _split8(x3):
+    """[..., 8] -> its 8 columns, each [...] (in registers: the 8 are one thread's)."""
+    e, o = tl.split(tl.reshape(x3, x3.shape[:-1] + [4, 2]))  # columns 0 2 4 6 / 1 3 5 7
+    e0, e1 = tl.split(tl.reshape(e, e.shape[:-1] + [2, 2]))  # 0 4 / 2 6
+    o0, o1 = tl.split(tl.reshape(o, o.shape[:-1] + [2, 2]))  # 1 5 / 3 7
+    c0, c4 = tl.split(e0)
+    c2, c6 = tl.split(e1)
+    c1, c5 = tl.split(o0)
+    c3, c7 = tl.split(o1)
+    return c0, c1, c2, c3, c4, c5, c6, c7
+
+
+@triton.jit
+def _word_sum(t, word, z, xs, FORMAT: tl.constexpr):
+    """t + per packed word sum_i decode(nibble i) * xs[i], float32 in t's shape (broadcast of word, z and the
+    xs): xs the 8 float32 x columns 8j + i of each word j. int4: decode = q - z (z float32, the zero point);
+    NVFP4: 2^-14 * e2m1."""
+    if FORMAT == INT4:
+        hi_word = word >> 16  # nibbles 4..7 into bits 0..15 (the sign bits shifted in are masked off)
+        for i in tl.static_range(4):
+            step = 16.0 ** (i - 3)  # the weight of nibble i's bits in 2048.0's mantissa
+            c = 2048.0 + z * step  # exact
+            lo = ((word & (0xF << (4 * i))) | MAGIC_2048).to(tl.float32, bitcast=True) - c  # (q - z) * step
+            hi = ((hi_word & (0xF << (4 * i))) | MAGIC_2048).to(tl.float32, bitcast=True) - c
+            t += lo * (xs[i] * (1.0 / step))
+            t += hi * (xs[4 + i] * (1.0 / step))
+    else:
+        bits = word.to(tl.uint32, bitcast=True)  # logical shifts
+        for p in tl.static_range(4):
+            # nibble p in the low half and nibble p + 4 in the high half, moved into fp16 bits (magnitude to
+            # bits 9-11, sign to 15)
+            if p < 3:
+                mag = (bits << (9 - 4 * p)) & 0x0E000E00
+            else:
+                mag = (bits >> 3) & 0x0E000E00
+            lo, hi = _fp16_halves(mag | ((bits << (12 - 4 * p)) & 0x80008000))
+            t += lo * xs[p]
+            t += hi * xs[4 + p]
+    return t
+
+
+@triton.jit
+def _weight_only_gemv_kernel(
+    x, words, scale, zero, scale_2, out, M, N, K, stride_xm, stride_om, stride_wn, stride_sn,
+    FORMAT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr = False,
+):
+    """Grid (cdiv(N, BLOCK_N),): out [M, N] = x [M, K] @ dequant(W)^T (M <= BLOCK_M). words [N, K/8] int32 (int4
+    packed, or NVFP4's bytes read as words: the same nibble order), scale [N, K/GROUP], zero [N, K/GROUP] uint8
+    (int4), scale_2 [N] float32 (NVFP4). K is a multiple of BLOCK_K, BLOCK_K of GROUP. One row runs in
+    [BN, groups, words] tiles, the scales loaded once per group and broadcast along the words and x's columns
+    loaded contiguously and split per nibble in registers, so that the decoded weights never change register
+    layout (converting them through shared memory every step would cost more than the arithmetic)."""
+    wait_for_previous_kernel(PDL)
+    W: tl.constexpr = BLOCK_K // 8  # words per row and K block
+    WORDS_PER_GROUP: tl.constexpr = GROUP // 8
+    ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    n_ok = ns < N
+    ms = tl.arange(0, BLOCK_M)  # [BM]
+    js = tl.arange(0, W)  # [W]
+    w_rows = words + ns[:, None].to(tl.int64) * stride_wn  # [BN, 1]
+    s_rows = ns[:, None].to(tl.int64) * stride_sn  # [BN, 1]
+    if BLOCK_M == 1:
+        # [BN, groups, words of a group]: the scales load once per group and broadcast along the words
+        GPI: tl.constexpr = W // WORDS_PER_GROUP
+        gs = tl.arange(0, GPI)  # [GPI]
+        ws = tl.arange(0, WORDS_PER_GROUP)  # [WPG]
+        acc1 = tl.zeros([BLOCK_N, GPI, WORDS_PER_GROUP], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            g0 = k0 // GROUP
+            word_ids = (g0 + gs)[:, None] * WORDS_PER_GROUP + ws[None, :]  # [GPI, WPG]
+            s_ptrs = scale + s_rows + (g0 + gs)[None, :]  # [BN, GPI]
+            if EVEN_N:
+                word = tl.load(w_rows[:, :, None] + word_ids[None, :, :])  # [BN, GPI, WPG]
+                s1 = tl.load(s_ptrs).to(tl.float32)[:, :, None]  # [BN, GPI, 1]
+            else:
+                word = tl.load(w_rows[:, :, None] + word_ids[None, :, :], mask=n_ok[:, None, None], other=0)
+                s1 = tl.load(s_ptrs, mask=n_ok[:, None], other=0.0).to(tl.float32)[:, :, None]
+            if FORMAT == INT4 and HAS_ZERO:
+                z1 = tl.load(zero + s_rows + (g0 + gs)[None, :], mask=n_ok[:, None], other=0).to(tl.float32)
+                z1 = z1[:, :, None]
+            else:
+                z1 = tl.full([BLOCK_N, GPI, 1], 8.0, tl.float32)
+            # x's BLOCK_K columns in one contiguous load, split into the 8 nibble positions [GPI, WPG] each
+            x3 = tl.reshape(tl.load(x + k0 + tl.arange(0, BLOCK_K)).to(tl.float32), [GPI, WORDS_PER_GROUP, 8])
+            c0, c1, c2, c3, c4, c5, c6, c7 = _split8(x3)
+            xs = (c0[None], c1[None], c2[None], c3[None], c4[None], c5[None], c6[None], c7[None])
+            t = _word_sum(tl.zeros([BLOCK_N, GPI, WORDS_PER_GROUP], dtype=tl.float32), word, z1, xs, FORMAT)
+            acc1 += t * s1
+        y = tl.sum(tl.sum(acc1, axis=2), axis=1)[None, :]  # [1, BN]
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N, W], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            word_ids = k0 // 8 + js  # [W]
+            groups = (word_ids // WORDS_PER_GROUP)[None, :]  # [1, W]
+            if EVEN_N:
+                word = tl.load(w_rows + word_ids[None, :])  # [BN, W]
+                s2 = tl.load(scale + s_rows + groups).to(tl.float32)
+            else:
+                word = tl.load(w_rows + word_ids[None, :], mask=n_ok[:, None], other=0)
+                s2 = tl.load(scale + s_rows + groups, mask=n_ok[:, None], other=0.0).to(tl.float32)
+            if FORMAT == INT4 and HAS_ZERO:
+                z2 = tl.load(zero + s_rows + groups, mask=n_ok[:, None], other=0).to(tl.float32)
+            else:
+                z2 = tl.full(word.shape, 8.0, tl.float32)
+            x_ptrs = x + ms[:, None, None] * stride_xm + word_ids[None, None, :] * 8  # [BM, 1, W]
+            m_ok = (ms < M)[:, None, None]
+            xs = (tl.load(x_ptrs, mask=m_ok, other=0.0).to(tl.float32),
+                  tl.load(x_ptrs + 1, mask=m_ok, other=0.0).to(tl.float32),
+                  tl.load(x_ptrs + 2, mask=m_ok, other=0.0).to(tl.float32),
+                  tl.load(x_ptrs + 3, mask=m_ok, other=0.0).to(tl.float32),
+                  tl.load(x_ptrs + 4, mask=m_ok, other=0.0).to(tl.float32),
+                  tl.load(x_ptrs + 5, mask=m_ok, other=0.0).to(tl.float32),
+                  tl.load(x_ptrs + 6, mask=m_ok, other=0.0).to(tl.float32),
+                  tl.load(x_ptrs + 7, mask=m_ok, other=0.0).to(tl.float32))
+            t = _word_sum(tl.zeros([BLOCK_M, BLOCK_N, W], dtype=tl.float32), word[None, :, :], z2[None, :, :], xs,
+                          FORMAT)
+            acc += t * s2[None, :, :]
+        y = tl.sum(acc, axis=2)  # [BM, BN]
+    if FORMAT == NVFP4:
+        y = y * (tl.load(scale_2 + ns, mask=n_ok, other=0.0) * E2M1_FP16_SCALE)[None, :]
+    tl.store(out + ms[:, None] * stride_om + ns[None, :], y.to(out.dtype.element_ty),
+             mask=(ms < M)[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _fp8_gemv_kernel(
+    xq, sx, w, ws, out, N, K, G, BN_W: tl.constexpr, BK: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr = False,
+):
+    """Grid (cdiv(N, BLOCK_N),): out [N] = the block-scaled product of xq [K] e4m3 (scales sx [G]) and w [N, K]
+    e4m3 (scales ws [cdiv(N, BN_W), G]); BLOCK_N divides BN_W, BLOCK_K is a multiple of BK."""
+    wait_for_previous_kernel(PDL)
+    pid = tl.program_id(0)
+    ns = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    n_ok = ns < N
+    ws_row = ws + (pid * BLOCK_N // BN_W) * G  # the program's scale-block row
+    w_rows = w + ns[:, None].to(tl.int64) * K  # [BN, 1]
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)  # [BK]
+        k_ok = ks < K
+        g = ks // BK
+        factor = tl.load(sx + g, mask=k_ok, other=0.0) * tl.load(ws_row + g, mask=k_ok, other=0.0)  # [BK]
+        a = tl.load(xq + ks, mask=k_ok, other=0.0).to(tl.float32) * factor
+        if EVEN_N and EVEN_K:
+            wt = tl.load(w_rows + ks[None, :])  # [BN, BK] e4m3
+        else:
+            wt = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += wt.to(tl.float32) * a[None, :]
+    tl.store(out + ns, tl.sum(acc, axis=1).to(out.dtype.element_ty), mask=n_ok)
+
+
+def _block_k(k: int, wanted: int, unit: int) -> int | None:
+    """The largest power of two <= wanted, >= unit, dividing k; None if there is none."""
+    block = triton.next_power_of_2(wanted)
+    while block >= unit and k % block:
+        block //= 2
+    return block if block >= unit else None
+
+
+def supports(w, config: dict, rows: int = 1) -> bool:
+    """Whether the kernel takes this weight at `rows` rows with this config: int4 / NVFP4 up to MAX_ROWS rows and a
+    K block that divides K and holds whole scale groups; FP8 one row, scale blocks of K that BLOCK_K covers whole
+    and a row block (BLOCK_N) inside one scale block of rows."""
+    k = w.shape[1]
+    if isinstance(w, Fp8BlockWeight):
+        bn, bk = w.block_size
+        return rows == 1 and bn % config["block_n"] == 0 and config["block_k"] % bk == 0
+    group = w.group_size if isinstance(w, Int4Weight) else 16
+    return 1 <= rows <= MAX_ROWS and _block_k(k, config["block_k"], group) is not None
+
+
+def gemv(x: torch.Tensor, w, config: dict) -> torch.Tensor:
+    """x [M, K] -> [M, N] in x.dtype, M <= MAX_ROWS (FP8: one row; `supports(w, config, M)` first; the rows
+    padded to a power of two: variants for 1, 2, 4, 8). config:
+    block_n, block_k, warps, stages. Act order (int4 g_idx) gathers x's columns first."""
+    from deltaserve.ops.quant_gemm import cuda_fp8
+
+    n, k = w.shape
+    m = x.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    launch = pdl.launch_args(x.device)
+    block_n = config["block_n"]
+    grid = (triton.cdiv(n, block_n),)
+    if isinstance(w, Fp8BlockWeight):
+        bn_w, bk = w.block_size
+        xq, sx = cuda_fp8.quantize(x, bk)  # sx [G, 1]
+        block_k = config["block_k"]
+        _fp8_gemv_kernel[grid](
+            xq, sx, w.weight, w.scale_inv, out, n, k, triton.cdiv(k, bk), BN_W=bn_w, BK=bk, BLOCK_N=block_n,
+            BLOCK_K=block_k, EVEN_N=n % block_n == 0, EVEN_K=k % block_k == 0, num_warps=config["warps"],
+            num_stages=config["stages"], **launch)
+        return out
+    if isinstance(w, Int4Weight):
+        fmt, words, group, zero, scale_2 = INT4, w.packed, w.group_size, w.zero, w.scale
+        if w.perm is not None:
+            x = x.index_select(1, w.perm)
+    else:
+        fmt, words, group, zero, scale_2 = NVFP4, w.packed.view(torch.int32), 16, None, w.scale_2
+    block_k = _block_k(k, config["block_k"], group)
+    _weight_only_gemv_kernel[grid](
+        x, words, w.scale, zero if zero is not None else w.scale, scale_2, out, m, n, k, x.stride(0), out.stride(0),
+        words.stride(0), w.scale.stride(0), FORMAT=fmt, GROUP=group, HAS_ZERO=zero is not None,
+        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=n % block_n == 0,
+        num_warps=config["warps"], num_stages=config["stages"], **launch)
+    return out
