@@ -216,6 +216,9 @@ def torch_scaled_mm(x: torch.Tensor, w: Fp8BlockWeight) -> torch.Tensor:
     (1, that)."""
     F = torch.nn.functional
     n, k = w.shape
+    m = x.shape[0]
+    if m % 4:  # cuBLASLt takes the activation scales [M, K/128] (strides (1, M)) only with M a multiple of 4
+        return torch_scaled_mm(F.pad(x, (0, 0, 0, -m % 4)), w)[:m]
     xq, sx = quantize(x, 128)
     groups = k // 128
     sw = w.scale_inv  # [N/128, G]: its transpose has the strides wanted when G is a multiple of 4
