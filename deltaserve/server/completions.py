@@ -86,8 +86,10 @@ def _tokenize_prompts(state: ServerState, request: CompletionRequest) -> list[_P
             text = item
         else:
             ids = list(item)
-            text = state.tokenizer.decode(ids) if request.echo and state.tokenizer is not None else ""
+        # before echo decodes them: the tokenizer takes ids as C integers, and overflows on others
         state.check_token_ids(ids, "prompt", f"prompt[{i}]" if len(items) > 1 else "prompt")
+        if not isinstance(item, str):
+            text = state.tokenizer.decode(ids) if request.echo and state.tokenizer is not None else ""
         prompts.append(_Prompt(text, ids))
     return prompts
 

@@ -227,6 +227,11 @@ ERROR_CASES = [
     ("/v1/completions", {"prompt": ""}, 400, "prompt", "must not be empty"),
     ("/v1/completions", {"prompt": ["a", ""]}, 400, "prompt", "prompt[1] must not be empty"),
     ("/v1/completions", {"prompt": [5, 10**7]}, 400, "prompt", "out of range"),
+    # echo decodes the prompt: the ids are checked first (a C long would overflow on these)
+    ("/v1/completions", {"prompt": [-1], "echo": True, "max_tokens": 2}, 400, "prompt", "token id -1 is out of range"),
+    ("/v1/completions", {"prompt": [2**32], "echo": True, "max_tokens": 2}, 400, "prompt", "out of range"),
+    ("/v1/completions", {"prompt": [[5], [2**64]], "echo": True, "max_tokens": 2}, 400, "prompt",
+     f"prompt[1]: token id {2**64} is out of range"),
     ("/v1/completions", b'{"prompt": "\\ud800 lone surrogate"}', 400, "prompt", "tokenized"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 1}}, 400, "logit_bias", "not supported"),
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options", ""),
