@@ -234,6 +234,8 @@ ERROR_CASES = [
      f"prompt[1]: token id {2**64} is out of range"),
     ("/v1/completions", b'{"prompt": "\\ud800 lone surrogate"}', 400, "prompt", "tokenized"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 1}}, 400, "logit_bias", "not supported"),
+    ("/v1/completions", {"prompt": "hi", "seed": 2**64}, 400, "seed", "seed must be in [-2**63, 2**63)"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "seed": -2**63 - 1}, 400, "seed", "vLLM's range"),
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options", ""),
     ("/v1/completions", {}, 400, "prompt", "Field required"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages", "at least 1"),
