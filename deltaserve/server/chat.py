@@ -19,7 +19,9 @@ from pathlib import Path
 import jinja2
 
 from deltaserve.config import ConfigError
+from deltaserve.server import json_limits
 from deltaserve.server.errors import bad_request
+from deltaserve.server.json_limits import JSONLimitError
 from deltaserve.server.protocol import ChatMessageIn, NamedToolChoice, ToolDefinition
 
 logger = logging.getLogger(__name__)
@@ -109,11 +111,13 @@ def _message_dict(index: int, message: ChatMessageIn) -> dict:
             raise bad_request(f"messages[{index}].tool_calls[{j}] needs a function with a name", "messages")
         arguments = function.get("arguments")
         if isinstance(arguments, str):  # OpenAI clients send a JSON string; templates iterate a mapping
+            where = f"messages[{index}].tool_calls[{j}].function.arguments"
             try:
-                function["arguments"] = json.loads(arguments) if arguments.strip() else {}
-            except json.JSONDecodeError as exc:
-                raise bad_request(f"messages[{index}].tool_calls[{j}].function.arguments is not valid JSON: "
-                                  f"{exc}", "messages") from exc
+                function["arguments"] = json_limits.loads(arguments) if arguments.strip() else {}
+            except JSONLimitError as exc:  # bounded as the body is: deeper, the template recursed past Python's limit
+                raise bad_request(f"{where}: {exc}", "messages") from exc
+            except ValueError as exc:
+                raise bad_request(f"{where} is not valid JSON: {exc}", "messages") from exc
     return out
 
 

@@ -14,7 +14,7 @@ from deltaserve import LLM, SamplingParams
 from deltaserve.config import EngineConfig
 from deltaserve.engine.llm_engine import LLMEngine
 from deltaserve.server.api_server import make_state
-from deltaserve.server.serving import MAX_JSON_DEPTH, _nested_deeper_than
+from deltaserve.server.json_limits import MAX_JSON_DEPTH, nested_deeper_than
 from deltaserve.server.settings import ServerSettings
 from tests.server.harness import ServerThread, wait_until
 
@@ -209,6 +209,18 @@ def test_non_finite_logprobs_are_reported_as_the_floor():
 
 _LONG = "word " * 2100  # > MAX_MODEL_LEN tokens
 
+
+def _nested(depth: int) -> str:
+    """Tool-call arguments (a JSON object as text) holding `depth` - 1 nested arrays."""
+    return '{"a": ' + "[" * (depth - 1) + "]" * (depth - 1) + "}"
+
+
+def _with_arguments(arguments: str) -> list[dict]:
+    """A conversation whose assistant turn called a tool with these arguments."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    return [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "content": "done", "tool_call_id": "call_1"}]
+
 ERROR_CASES = [
     # (path, raw body, status, param, message fragment)
     ("/v1/completions", b'{"model": "tiny", "prompt": "hi",', 400, None, "not valid JSON"),
@@ -254,7 +266,19 @@ ERROR_CASES = [
     ("/v1/completions", b'{"prompt": "hi", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, None, "nested too deeply"),
     # deeper than MAX_JSON_DEPTH, shallower than any Python's parser limit: refused on 3.11 and 3.12 alike
     ("/v1/completions", b'{"prompt": "hi", "x": ' + b"[" * 300 + b"]" * 300 + b"}", 400, None, "nested too deeply"),
-    ("/v1/completions", b'{"prompt": "hi", "seed": ' + b"7" * 5000 + b"}", 400, None, "not valid JSON"),
+    ("/v1/completions", b'{"prompt": "hi", "seed": ' + b"7" * 5000 + b"}", 400, "seed",
+     "seed: an integer of 5,000 digits is longer than this server reads (4,300 digits)"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi", "x": [1, ' + b"7" * 5001 + b"]}]}",
+     400, "messages", "messages.0.x.1: an integer of 5,001 digits"),
+    ("/v1/completions", b'{"prompt": "hi", "seed": ' + b"7" * 5000 + b", }", 400, None, "not valid JSON"),
+    # JSON inside a string (tool-call arguments) is bounded as the body is: the template recursed past Python's
+    # limit on ~489 levels (a 500), and json.loads itself past ~1,000
+    ("/v1/chat/completions", {"messages": _with_arguments(_nested(489))}, 400, "messages",
+     "messages[1].tool_calls[0].function.arguments: nested too deeply (more than 256 levels)"),
+    ("/tokenize", {"messages": _with_arguments(_nested(489))}, 400, "messages", "arguments: nested too deeply"),
+    ("/tokenize", {"messages": _with_arguments(_nested(5000))}, 400, "messages", "arguments: nested too deeply"),
+    ("/tokenize", {"messages": _with_arguments('{"a": ' + "7" * 5001 + "}")}, 400, "messages",
+     "arguments: a: an integer of 5,001 digits"),
     ("/v1/completions", b'{"prompt": "hi", "temperature": 1e999}', 400, "temperature", "finite number"),
     ("/v1/completions", b'{"prompt": "hi", "model": "\\ud800"}', 404, "model", "\\ud800"),  # echoed, escaped
     ("/v1/nowhere", {}, 404, None, "Not Found"),
@@ -263,12 +287,12 @@ ERROR_CASES = [
 
 def test_json_nesting_depth_is_counted_without_recursion():
     nested = {"a": [1, [2, {"b": []}]]}  # object, list, list, object, list: 5 levels
-    assert not _nested_deeper_than(nested, 5) and _nested_deeper_than(nested, 4)
-    assert not _nested_deeper_than({}, 1) and not _nested_deeper_than("text", 1)
+    assert not nested_deeper_than(nested, 5) and nested_deeper_than(nested, 4)
+    assert not nested_deeper_than({}, 1) and not nested_deeper_than("text", 1)
     deep: list = []
     for _ in range(20000):  # deeper than Python's recursion limit: built in a loop, walked without recursing
         deep = [deep]
-    assert _nested_deeper_than(deep, MAX_JSON_DEPTH) and not _nested_deeper_than(deep, 20001)
+    assert nested_deeper_than(deep, MAX_JSON_DEPTH) and not nested_deeper_than(deep, 20001)
 
 
 @pytest.mark.parametrize("path, body, status, param, fragment", ERROR_CASES,
