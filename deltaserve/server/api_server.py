@@ -154,7 +154,9 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
-        return APIError(exc.status_code, str(exc.detail)).response()
+        response = APIError(exc.status_code, str(exc.detail)).response()
+        response.headers.update(exc.headers or {})  # a 405's Allow
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> Response:

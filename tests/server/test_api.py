@@ -288,6 +288,15 @@ ERROR_CASES = [
 ]
 
 
+def test_wrong_method_is_a_405_with_allow(server):
+    """RFC 9110: a 405 says which methods the resource takes."""
+    for method, path, allowed in [("GET", "/v1/completions", {"POST"}), ("DELETE", "/v1/chat/completions", {"POST"}),
+                                  ("POST", "/health", {"GET"}), ("PUT", "/v1/models", {"GET"})]:
+        response = httpx.request(method, f"{server.base_url}{path}")
+        assert response.status_code == 405 and response.json()["error"]["type"] == "invalid_request_error"
+        assert {m.strip() for m in response.headers["allow"].split(",")} == allowed, (method, path)
+
+
 def test_json_nesting_depth_is_counted_without_recursion():
     nested = {"a": [1, [2, {"b": []}]]}  # object, list, list, object, list: 5 levels
     assert not nested_deeper_than(nested, 5) and nested_deeper_than(nested, 4)
