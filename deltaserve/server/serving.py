@@ -50,6 +50,7 @@ class ServerState:
     metrics: ServerMetrics
     sampling_defaults: dict = field(default_factory=dict)
     model_root: str = ""
+    max_num_seqs_per_request: int = 256  # prompts x n (make_state sets it from the settings or the engine)
     # Tokenizing and template rendering run here, off the event loop and one at a time (HF fast
     # tokenizers must not be reconfigured from two threads at once).
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "deltaserve-tokenize"))
@@ -99,6 +100,15 @@ class ServerState:
             return tokenizer.encode(text, add_special_tokens=add_special_tokens)
         except (UnicodeError, TypeError, ValueError) as exc:  # e.g. lone surrogates from "\ud800"
             raise bad_request(f"{param} could not be tokenized: {exc}", param) from exc
+
+    def check_num_seqs(self, num_prompts: int, n: int) -> None:
+        """400 for a request that asks for more sequences than one request may run."""
+        total = num_prompts * n
+        limit = self.max_num_seqs_per_request
+        if total > limit:
+            asked = f"{num_prompts} prompts x n={n} = {total:,} sequences" if num_prompts > 1 else f"n={n} sequences"
+            raise bad_request(f"this request asks for {asked}; a request may run at most {limit} "
+                              "(--max-num-seqs-per-request)", "n" if n > 1 else "prompt")
 
     def check_token_ids(self, ids: list[int], param: str, label: str | None = None) -> None:
         """400 naming `label` (the element, e.g. prompt[2]; default the field) for empty or out-of-vocab ids."""

@@ -229,6 +229,11 @@ ERROR_CASES = [
     ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature", "valid number"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 2.5}, 400, "max_tokens", "integer"),
     ("/v1/completions", {"prompt": "hi", "n": 100000}, 400, "n", "128"),
+    # at most max_num_seqs (8 here) sequences a request: 64 prompts x 128 would have queued 8,192
+    ("/v1/completions", {"prompt": ["hi"] * 64, "n": 128}, 400, "n",
+     "64 prompts x n=128 = 8,192 sequences; a request may run at most 8 (--max-num-seqs-per-request)"),
+    ("/v1/completions", {"prompt": [[5]] * 9}, 400, "prompt", "9 prompts x n=1 = 9 sequences"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "n": 9}, 400, "n", "n=9 sequences; a request may run at most 8"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 10**9}, 400, "max_tokens",
      f"maximum context length is {MAX_MODEL_LEN} tokens, you requested"),
     ("/v1/completions", {"prompt": _LONG}, 400, "prompt", f"maximum context length is {MAX_MODEL_LEN}"),
