@@ -3,10 +3,13 @@
 Each step, every request's num_computed_tokens catches up with its num_tokens inside one token budget
 (max_num_batched_tokens): running requests first (in arrival order), then waiting ones while at most
 max_num_seqs run: in arrival order, except that the sequences of one client request (`Request.group`: its n
-choices, its batch of prompts) take turns with other clients' (the group with the fewest running goes first). A prompt longer than the remaining budget is cut into chunks (chunked prefill), and
-prefill chunks share the step with decode tokens. When KV blocks or state slots run out, the newest
+choices, its batch of prompts) take turns with other clients' (the group with the fewest running goes first).
+A prompt longer than the remaining budget is cut into chunks (chunked prefill), and prefill chunks share the
+step with decode tokens. When KV blocks or state slots run out, the newest
 running request is preempted: its cache is freed and it is recomputed later from its tokens, so nothing
-is dropped and greedy output is unchanged.
+is dropped. Batching, chunking and preemption change only which steps compute a sequence's tokens, so its
+greedy output is the same token for token, except at a near tie, where the different float reduction order of
+another batch shape may pick the other of two nearly equal logits (docs/architecture.md, 'What "exact" means').
 
 Mixed steps (opt-in: DELTASERVE_MIXED_CHUNK_TOKENS, see cache/footprint.py): when most running requests decode
 (MIXED_MIN_DECODES to MIXED_MAX_DECODES of them, and at least MIXED_DECODE_SHARE of the requests with work), a
