@@ -132,7 +132,8 @@ def _soak_requests(rng: random.Random, num: int, vocab: int) -> list[dict]:
         elif kind in ("stream", "disconnect"):
             body.update(stream=True, max_tokens=120 if kind == "disconnect" else body["max_tokens"])
         elif kind == "chat":
-            body = {"messages": [{"role": "user", "content": f"question {i}"}], "max_tokens": 12, "stream": i % 2 == 0}
+            body = {"messages": [{"role": "user", "content": f"question {i}"}], "max_tokens": 12, "ignore_eos": True,
+                    "stream": i % 2 == 0}
         elif kind == "n2":
             body.update(n=2, temperature=0.8)
         elif kind == "give_up":
