@@ -148,6 +148,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="stream every N tokens (the first and the last go out at once)")
     server.add_argument("--api-server-count", type=int, default=1, help=h("api_server_count",
                         "number of API server processes"))
+    server.add_argument("--max-num-seqs-per-request", type=int, default=None, metavar="N",
+                        help="most sequences (prompts x n) one request may ask for (default: --max-num-seqs)")
+    server.add_argument("--request-body-timeout", type=float, default=30.0, metavar="SECONDS",
+                        help="seconds a request's body may take to arrive, else a 408")
+    server.add_argument("--disable-fastapi-docs", action="store_true",
+                        help="serve no /docs, /redoc, /openapi.json (they answer without --api-key)")
 
     chat = parser.add_argument_group("chat, reasoning and tools")
     chat.add_argument("--chat-template", default=None,
@@ -285,7 +291,9 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerSet
             enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
             reasoning_parser=args.reasoning_parser,
             default_chat_template_kwargs=args.default_chat_template_kwargs or {},
-            stream_interval=args.stream_interval, uvicorn_log_level=args.uvicorn_log_level)
+            stream_interval=args.stream_interval, uvicorn_log_level=args.uvicorn_log_level,
+            max_num_seqs_per_request=args.max_num_seqs_per_request, request_body_timeout=args.request_body_timeout,
+            disable_fastapi_docs=args.disable_fastapi_docs)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     return engine, settings

@@ -53,6 +53,7 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
         ids = []
+        group = f"generate-{self._counter}"  # one call, one client: admitted in order, as a batch
         for prompt, params in zip(prompts, sampling_params):
             # only the finished outputs are returned: none is built before (O(length) a step each, cumulative)
             params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
@@ -60,7 +61,7 @@ class LLM:
                 prompt = prompt.get("prompt_token_ids", prompt.get("prompt"))
             request_id = str(self._counter)
             self._counter += 1
-            self.engine.add_request(request_id, prompt, params)
+            self.engine.add_request(request_id, prompt, params, group=group)
             ids.append(request_id)
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:

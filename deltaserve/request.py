@@ -37,8 +37,11 @@ class Request:
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, max_tokens: int,
-                 eos_token_ids: set[int], arrival_time: float | None = None):
+                 eos_token_ids: set[int], arrival_time: float | None = None, group: str | None = None):
         self.request_id = request_id
+        # the client request this sequence belongs to (its n choices, its batch of prompts): the scheduler admits
+        # fairly between groups (scheduler.py)
+        self.group = request_id if group is None else group
         # unique in the process: a step still in flight for a finished request must not feed a new request
         # that reuses its id (async scheduling processes a step's samples after the next step is scheduled)
         self.serial = next(_SERIALS)

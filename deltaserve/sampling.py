@@ -34,6 +34,8 @@ from deltaserve.device import to_device
 
 _GREEDY_TEMPERATURE = 1e-5  # below this a temperature is treated as 0, i.e. greedy (as vLLM does)
 _MAX_LOGPROBS = 20  # the OpenAI API's limit on top logprobs
+# Seeds are int64, as in vLLM's API; each maps to its own torch seed (make_generator), none is folded onto another
+_SEED_RANGE = (-2**63, 2**63)
 
 
 def _is_int(value) -> bool:
@@ -119,6 +121,9 @@ class SamplingParams:
         if self.max_tokens is not None:
             _require(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
                      f"<= max_tokens ({self.max_tokens})")
+        if self.seed is not None:
+            _require(_SEED_RANGE[0] <= self.seed < _SEED_RANGE[1], "seed", self.seed,
+                     "in [-2**63, 2**63) (vLLM's range)")
         if self.logprobs is not None:
             _require(0 <= self.logprobs <= _MAX_LOGPROBS, "logprobs", self.logprobs,
                      f"in [0, {_MAX_LOGPROBS}]")
@@ -200,7 +205,8 @@ class PendingSample:
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
-    """A generator on `device` seeded with `seed` (any Python int: folded into torch's 64-bit range)."""
+    """A generator on `device` seeded with `seed`, taken modulo 2**64 (two's complement): one to one on the
+    int64 seeds SamplingParams accepts; a child's seed + i past 2**63 wraps the same way."""
     generator = torch.Generator(device=device)
     generator.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
     return generator

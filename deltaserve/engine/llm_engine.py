@@ -156,8 +156,12 @@ class LLMEngine:
     # -- requests ------------------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
-        """Queue a request. Raises ValueError (naming the problem) for an id in use or an unusable prompt."""
+                    arrival_time: float | None = None, group: str | None = None) -> None:
+        """Queue a request. Raises ValueError (naming the problem) for an id in use or an unusable prompt.
+
+        `group` names the client request it is part of (default: its own id); the scheduler admits fairly between
+        groups, so that one client's many sequences cannot keep every other client waiting.
+        """
         params = params or SamplingParams()
         child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         for used in (request_id, *child_ids):  # "x#0" may be a child of "x": checked before anything changes
@@ -171,7 +175,8 @@ class LLMEngine:
         max_tokens = self.max_model_len - len(ids) if params.max_tokens is None else params.max_tokens
         parent = _Parent(request_id, text, ids, params.output_kind, arrival_time=arrival_time or time.monotonic())
         for i, child_id in enumerate(child_ids):
-            request = Request(child_id, ids, params, max(1, max_tokens), self.eos_token_ids, arrival_time)
+            request = Request(child_id, ids, params, max(1, max_tokens), self.eos_token_ids, arrival_time,
+                              request_id if group is None else group)
             if params.seed is not None:  # children of one seeded request draw different samples
                 request.generator = make_generator(params.seed + i, self.runner.device)
             detok = None

@@ -1,11 +1,15 @@
 """The scheduler: one rule, no prefill/decode phases.
 
 Each step, every request's num_computed_tokens catches up with its num_tokens inside one token budget
-(max_num_batched_tokens): running requests first (in arrival order), then waiting ones (FCFS) while at
-most max_num_seqs run. A prompt longer than the remaining budget is cut into chunks (chunked prefill), and
-prefill chunks share the step with decode tokens. When KV blocks or state slots run out, the newest
+(max_num_batched_tokens): running requests first (in arrival order), then waiting ones while at most
+max_num_seqs run: in arrival order, except that the sequences of one client request (`Request.group`: its n
+choices, its batch of prompts) take turns with other clients' (the group with the fewest running goes first).
+A prompt longer than the remaining budget is cut into chunks (chunked prefill), and prefill chunks share the
+step with decode tokens. When KV blocks or state slots run out, the newest
 running request is preempted: its cache is freed and it is recomputed later from its tokens, so nothing
-is dropped and greedy output is unchanged.
+is dropped. Batching, chunking and preemption change only which steps compute a sequence's tokens, so its
+greedy output is the same token for token, except at a near tie, where the different float reduction order of
+another batch shape may pick the other of two nearly equal logits (docs/architecture.md, 'What "exact" means').
 
 Mixed steps (opt-in: DELTASERVE_MIXED_CHUNK_TOKENS, see cache/footprint.py): when most running requests decode
 (MIXED_MIN_DECODES to MIXED_MAX_DECODES of them, and at least MIXED_DECODE_SHARE of the requests with work), a
@@ -24,7 +28,7 @@ checkpoints go.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 
 from deltaserve.cache.footprint import MIXED_MAX_DECODES, MIXED_MIN_DECODES
 from deltaserve.cache.kv_manager import CacheManager
@@ -155,17 +159,20 @@ class Scheduler:
                 prompt_rows_left -= not decoding
                 index += 1
 
-        # 2. Waiting requests in arrival order, unless this step had to preempt (no room to grow).
+        # 2. Waiting requests, fairly between groups (_next_waiting), unless this step had to preempt (no room to grow).
+        running_per_group = Counter(request.group for request in self.running) if self.waiting else Counter()
         while (self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs
                and prompt_rows_left):
-            request = self.waiting[0]
+            position = self._next_waiting(running_per_group)
+            request = self.waiting[position]
             hit = self.cache.find_hit(request)
             num_new = self._chunk(request, hit.num_tokens, budget, cap)
             if not self.cache.admit(request, num_new, hit):
-                break  # FCFS: a later request never overtakes one that does not fit
+                break  # a request later in the order never overtakes one that does not fit
             if hit.checkpoint_slot is not None:
                 restores.append((hit.checkpoint_slot, request.state_slot))
-            self.waiting.popleft()
+            del self.waiting[position]
+            running_per_group[request.group] += 1
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             chosen.append((request, num_new))
@@ -188,6 +195,24 @@ class Scheduler:
             request.num_computed_tokens += num_new
             request.num_pending_tokens += row.sample
         return SchedulerOutput(rows, restores, saves)
+
+    def _next_waiting(self, running_per_group: Counter) -> int:
+        """Position in `waiting` of the request to admit next: the first one of the group with the fewest sequences
+        running. One client request's many sequences (n, a batch of prompts) then take turns with other clients'
+        instead of all going first: a request arriving behind a thousand sequences of another waits for one seat
+        to free, not for the thousand. Requests of one group, and groups with as many running, go in arrival order
+        (a preempted request is back at the head); with one sequence per group this is FCFS."""
+        best, best_running, seen = 0, None, set()
+        for position, request in enumerate(self.waiting):
+            if request.group in seen:
+                continue
+            running = running_per_group[request.group]
+            if running == 0:
+                return position  # none has fewer; the earliest such
+            seen.add(request.group)
+            if best_running is None or running < best_running:
+                best, best_running = position, running
+        return best
 
     def _chunk(self, request: Request, start: int, budget: int, cap: int | None) -> int:
         """Tokens to compute this step from `start`: the rest, within the budget (and a mixed step's cap), cut

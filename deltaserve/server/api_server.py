@@ -5,8 +5,10 @@
     run_server(engine_config, settings) load the engine, then serve until SIGTERM / Ctrl-C
 
 Routes: GET /health /version /metrics /v1/models; POST /v1/completions /v1/chat/completions /tokenize
-/detokenize. With --api-key, every route except /health, /version and /metrics needs
-"Authorization: Bearer <key>".
+/detokenize; the API's description at /openapi.json, /docs and /redoc (off with --disable-fastapi-docs).
+With --api-key, the /v1 routes, /tokenize and /detokenize need "Authorization: Bearer <key>"; the probes
+(/health, /version, /metrics) and the description answer without it, as vLLM's do.
+A request's body must arrive within --request-body-timeout seconds (body_deadline.py), else a 408.
 
 Shutdown (SIGTERM or Ctrl-C): uvicorn stops accepting connections, in-flight requests get
 `graceful_shutdown_seconds` to finish, then the engine aborts the rest (they end with finish_reason
@@ -25,12 +27,14 @@ from pathlib import Path
 import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deltaserve import __version__
 from deltaserve.config import EngineConfig
+from deltaserve.server import openapi
 from deltaserve.server.async_engine import AsyncEngine, EngineError
+from deltaserve.server.body_deadline import BodyDeadline
 from deltaserve.generation_defaults import sampling_defaults
 from deltaserve.server.chat import ChatRenderer
 from deltaserve.server.chat_completions import create_chat_completion
@@ -38,6 +42,10 @@ from deltaserve.server.completions import create_completion
 from deltaserve.server.errors import APIError, bad_request, from_value_error
 from deltaserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from deltaserve.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
     ModelCard,
@@ -67,8 +75,11 @@ def build_app(state: ServerState) -> FastAPI:
         state.engine.shutdown()
         state.executor.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="deltaserve", version=__version__, lifespan=lifespan)
+    docs = {} if not state.settings.disable_fastapi_docs else dict(openapi_url=None, docs_url=None, redoc_url=None)
+    app = FastAPI(title="deltaserve", version=__version__, lifespan=lifespan, **docs)
+    openapi.install(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
     app.state.server = state
+    app.add_middleware(BodyDeadline, timeout=state.settings.request_body_timeout)
     _add_error_handlers(app)
 
     async def check_api_key(request: Request) -> None:
@@ -83,7 +94,9 @@ def build_app(state: ServerState) -> FastAPI:
 
     protected = [Depends(check_api_key)]
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response,
+             responses={200: {"description": "the engine is running (empty body, as vLLM's)"},
+                        503: {"description": "the engine thread has stopped (empty body)"}})
     async def health() -> Response:
         return Response(status_code=200 if state.engine.is_running else 503)
 
@@ -91,25 +104,31 @@ def build_app(state: ServerState) -> FastAPI:
     async def version() -> dict:
         return {"version": __version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text format (vLLM's metric names)"}})
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models", dependencies=protected)
+    @app.get("/v1/models", dependencies=protected, responses={200: {"model": ModelList}, **openapi.errors(401)})
     async def list_models() -> JSONResponse:
         cards = [ModelCard(id=name, root=state.model_root, max_model_len=state.max_model_len)
                  for name in state.settings.served_model_names]
         return JSONResponse(ModelList(data=cards).model_dump())
 
-    @app.post("/v1/completions", dependencies=protected)
+    generation_errors = openapi.errors(400, 401, 404, 408, 500)
+
+    @app.post("/v1/completions", dependencies=protected, openapi_extra=openapi.json_body(CompletionRequest),
+              responses={**openapi.streamed(CompletionResponse, "completion"), **generation_errors})
     async def completions(raw_request: Request) -> Response:
         return await create_completion(state, raw_request)
 
-    @app.post("/v1/chat/completions", dependencies=protected)
+    @app.post("/v1/chat/completions", dependencies=protected, openapi_extra=openapi.json_body(ChatCompletionRequest),
+              responses={**openapi.streamed(ChatCompletionResponse, "chat completion"), **generation_errors})
     async def chat_completions(raw_request: Request) -> Response:
         return await create_chat_completion(state, raw_request)
 
-    @app.post("/tokenize", dependencies=protected)
+    @app.post("/tokenize", dependencies=protected, openapi_extra=openapi.json_body(TokenizeRequest),
+              responses={200: {"model": TokenizeResponse}, **openapi.errors(400, 401, 404, 408)})
     async def tokenize(raw_request: Request) -> JSONResponse:
         request = await parse_body(raw_request, TokenizeRequest)
         state.check_model(request.model)
@@ -126,7 +145,8 @@ def build_app(state: ServerState) -> FastAPI:
         body = TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids, token_strs=strs)
         return JSONResponse(body.model_dump())
 
-    @app.post("/detokenize", dependencies=protected)
+    @app.post("/detokenize", dependencies=protected, openapi_extra=openapi.json_body(DetokenizeRequest),
+              responses={200: {"model": DetokenizeResponse}, **openapi.errors(400, 401, 404, 408)})
     async def detokenize(raw_request: Request) -> JSONResponse:
         request = await parse_body(raw_request, DetokenizeRequest)
         state.check_model(request.model)
@@ -154,7 +174,9 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
-        return APIError(exc.status_code, str(exc.detail)).response()
+        response = APIError(exc.status_code, str(exc.detail)).response()
+        response.headers.update(exc.headers or {})  # a 405's Allow
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> Response:
@@ -174,7 +196,10 @@ def make_state(engine, engine_config: EngineConfig, settings: ServerSettings, de
                             cache_info=plan.info_labels() if plan is not None else None)
     async_engine = AsyncEngine(engine, metrics, settings.stream_interval)
     renderer = ChatRenderer(engine.tokenizer, settings.chat_template, settings.default_chat_template_kwargs)
-    return ServerState(async_engine, settings, renderer, metrics, dict(defaults or {}), model_root)
+    # the engine's max_num_seqs, as the memory plan may have clamped it
+    max_num_seqs = getattr(engine.scheduler, "max_num_seqs", engine_config.max_num_seqs)
+    return ServerState(async_engine, settings, renderer, metrics, dict(defaults or {}), model_root,
+                       settings.max_num_seqs_per_request or max_num_seqs)
 
 
 def warn_if_open(settings: ServerSettings) -> bool:

@@ -77,6 +77,7 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     stream: _RequestStream
+    group: str | None = None  # the client request it belongs to (LLMEngine.add_request)
     arrival: float = field(default_factory=time.monotonic)
 
 
@@ -132,10 +133,11 @@ class AsyncEngine:
         """Abort every request in flight; each ends with finish_reason "abort". Thread-safe."""
         self._commands.put(_AbortAll())
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       group: str | None = None) -> AsyncIterator[RequestOutput]:
         """Run one request; yields its outputs as deltas (what is new since the previous one; any output_kind
-        in params is replaced), the last with `finished` set. `collect_output` joins them.
+        in params is replaced), the last with `finished` set. `collect_output` joins them. `group`: the client
+        request it is part of (LLMEngine.add_request; default: its own).
 
         If the request is aborted by the server (abort() or shutdown), the last output has finish_reason
         "abort" for every choice not finished yet. Raises ValueError if the engine refuses the request and
@@ -144,7 +146,7 @@ class AsyncEngine:
         """
         params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
         stream = _RequestStream(asyncio.get_running_loop())
-        self._commands.put(_Add(request_id, prompt_token_ids, params, stream))
+        self._commands.put(_Add(request_id, prompt_token_ids, params, stream, group))
         done = False
         latest = None  # the latest output received
         try:
@@ -208,7 +210,8 @@ class AsyncEngine:
                 self._record_finish(tracked, ["abort"] * tracked.num_choices)
             return
         try:
-            self.engine.add_request(command.request_id, command.prompt_token_ids, command.params)
+            self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
+                                    group=command.group)
         except ValueError as exc:
             command.stream.put(exc)
             return

@@ -16,10 +16,10 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import jinja2
-
 from deltaserve.config import ConfigError
+from deltaserve.server import json_limits
 from deltaserve.server.errors import bad_request
+from deltaserve.server.json_limits import JSONLimitError
 from deltaserve.server.protocol import ChatMessageIn, NamedToolChoice, ToolDefinition
 
 logger = logging.getLogger(__name__)
@@ -84,8 +84,9 @@ class ChatRenderer:
                 conversation, tools=tool_dicts, chat_template=self.chat_template, tokenize=False,
                 add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
                 **kwargs)
-        except (jinja2.TemplateError, ValueError, TypeError, KeyError) as exc:
-            raise bad_request(f"the chat template could not render these messages: {exc}", "messages") from exc
+        except Exception as exc:  # what a template does with a request's messages is the request's to answer for
+            raise bad_request(f"the chat template could not render these messages: {exc or type(exc).__name__}",
+                              "messages") from exc
         thinking = kwargs.get("enable_thinking", True) is not False
         return RenderedChat(prompt, thinking, thinking and prompt.rstrip("\n").endswith(THINK_START))
 
@@ -98,9 +99,12 @@ def _message_dict(index: int, message: ChatMessageIn) -> dict:
     if isinstance(message.content, list):
         texts = []
         for j, part in enumerate(message.content):
-            if part.type != "text" or part.text is None:
+            if part.type != "text":
                 raise bad_request(f"messages[{index}].content[{j}]: content part type {part.type!r} is not "
                                   "supported (this server serves text only)", "messages")
+            if part.text is None:
+                raise bad_request(f"messages[{index}].content[{j}]: a text content part needs `text`, a string",
+                                  "messages")
             texts.append(part.text)
         out["content"] = "\n".join(texts)
     for j, call in enumerate(out.get("tool_calls") or []):
@@ -109,11 +113,13 @@ def _message_dict(index: int, message: ChatMessageIn) -> dict:
             raise bad_request(f"messages[{index}].tool_calls[{j}] needs a function with a name", "messages")
         arguments = function.get("arguments")
         if isinstance(arguments, str):  # OpenAI clients send a JSON string; templates iterate a mapping
+            where = f"messages[{index}].tool_calls[{j}].function.arguments"
             try:
-                function["arguments"] = json.loads(arguments) if arguments.strip() else {}
-            except json.JSONDecodeError as exc:
-                raise bad_request(f"messages[{index}].tool_calls[{j}].function.arguments is not valid JSON: "
-                                  f"{exc}", "messages") from exc
+                function["arguments"] = json_limits.loads(arguments) if arguments.strip() else {}
+            except JSONLimitError as exc:  # bounded as the body is: deeper, the template recursed past Python's limit
+                raise bad_request(f"{where}: {exc}", "messages") from exc
+            except ValueError as exc:
+                raise bad_request(f"{where} is not valid JSON: {exc}", "messages") from exc
     return out
 
 

@@ -50,6 +50,7 @@ from deltaserve.server.serving import (
 async def create_chat_completion(state: ServerState, raw_request: Request) -> Response:
     request = await parse_body(raw_request, ChatCompletionRequest)
     state.check_model(request.model)
+    state.check_num_seqs(1, request.n)
     tool_choice = _tool_choice(state, request)
     if request.top_logprobs is not None and not request.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")

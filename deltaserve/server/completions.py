@@ -46,6 +46,7 @@ async def create_completion(state: ServerState, raw_request: Request) -> Respons
         raise bad_request("suffix is not supported", "suffix")
     if request.echo and request.logprobs is not None:
         raise bad_request("echo together with logprobs is not supported yet (no prompt logprobs)", "echo")
+    state.check_num_seqs(len(_prompt_items(request.prompt)), request.n)
     prompts = await state.off_loop(_tokenize_prompts, state, request)
     default = state.sampling_defaults.get("max_tokens", _DEFAULT_MAX_TOKENS)
     params = [sampling_params(request, state.sampling_defaults,
@@ -55,7 +56,7 @@ async def create_completion(state: ServerState, raw_request: Request) -> Respons
               for p in prompts]
     request_id = new_id("cmpl")
     engine_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
-    streams = [state.engine.generate(engine_id, p.token_ids, sp)
+    streams = [state.engine.generate(engine_id, p.token_ids, sp, group=request_id)  # one client request
                for engine_id, p, sp in zip(engine_ids, prompts, params)]
     if request.stream:
         return SSEResponse(_stream(state, request, request_id, prompts, streams))
@@ -71,12 +72,13 @@ async def create_completion(state: ServerState, raw_request: Request) -> Respons
     return JSONResponse(_response(state, request, request_id, prompts, finals).model_dump())
 
 
+def _prompt_items(raw) -> list:
+    """The prompts of a request: one text or token-id list, or a batch of them."""
+    return [raw] if isinstance(raw, str) or raw and isinstance(raw[0], int) else list(raw)
+
+
 def _tokenize_prompts(state: ServerState, request: CompletionRequest) -> list[_Prompt]:
-    raw = request.prompt
-    if isinstance(raw, str) or raw and isinstance(raw[0], int):
-        items = [raw]
-    else:
-        items = list(raw)
+    items = _prompt_items(request.prompt)
     if not items:
         raise bad_request("prompt must not be empty", "prompt")
     prompts = []
@@ -86,8 +88,10 @@ def _tokenize_prompts(state: ServerState, request: CompletionRequest) -> list[_P
             text = item
         else:
             ids = list(item)
-            text = state.tokenizer.decode(ids) if request.echo and state.tokenizer is not None else ""
+        # before echo decodes them: the tokenizer takes ids as C integers, and overflows on others
         state.check_token_ids(ids, "prompt", f"prompt[{i}]" if len(items) > 1 else "prompt")
+        if not isinstance(item, str):
+            text = state.tokenizer.decode(ids) if request.echo and state.tokenizer is not None else ""
         prompts.append(_Prompt(text, ids))
     return prompts
 

@@ -257,6 +257,19 @@ class ChatCompletionChunk(BaseModel):
     usage: Usage | None = None
 
 
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every 4xx and 5xx body (errors.py)."""
+
+    error: ErrorInfo
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"

@@ -20,9 +20,11 @@ from starlette.responses import StreamingResponse
 
 from deltaserve.outputs import CompletionOutput
 from deltaserve.sampling import SamplingParams
+from deltaserve.server import json_limits
 from deltaserve.server.async_engine import AsyncEngine
 from deltaserve.server.chat import ChatRenderer
 from deltaserve.server.errors import APIError, as_api_error, bad_request, from_validation_error, from_value_error
+from deltaserve.server.json_limits import JSONLimitError
 from deltaserve.server.metrics import ServerMetrics
 from deltaserve.server.protocol import (
     CompletionLogprobs,
@@ -48,6 +50,7 @@ class ServerState:
     metrics: ServerMetrics
     sampling_defaults: dict = field(default_factory=dict)
     model_root: str = ""
+    max_num_seqs_per_request: int = 256  # prompts x n (make_state sets it from the settings or the engine)
     # Tokenizing and template rendering run here, off the event loop and one at a time (HF fast
     # tokenizers must not be reconfigured from two threads at once).
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, "deltaserve-tokenize"))
@@ -98,6 +101,15 @@ class ServerState:
         except (UnicodeError, TypeError, ValueError) as exc:  # e.g. lone surrogates from "\ud800"
             raise bad_request(f"{param} could not be tokenized: {exc}", param) from exc
 
+    def check_num_seqs(self, num_prompts: int, n: int) -> None:
+        """400 for a request that asks for more sequences than one request may run."""
+        total = num_prompts * n
+        limit = self.max_num_seqs_per_request
+        if total > limit:
+            asked = f"{num_prompts} prompts x n={n} = {total:,} sequences" if num_prompts > 1 else f"n={n} sequences"
+            raise bad_request(f"this request asks for {asked}; a request may run at most {limit} "
+                              "(--max-num-seqs-per-request)", "n" if n > 1 else "prompt")
+
     def check_token_ids(self, ids: list[int], param: str, label: str | None = None) -> None:
         """400 naming `label` (the element, e.g. prompt[2]; default the field) for empty or out-of-vocab ids."""
         label = label or param
@@ -121,24 +133,6 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-# JSON nesting a request body may have (OpenAI requests, tool schemas included, nest a few tens of levels)
-MAX_JSON_DEPTH = 256
-
-
-def _nested_deeper_than(data, limit: int) -> bool:
-    """Whether parsed JSON nests lists and objects more than `limit` levels deep (iteratively: no recursion)."""
-    stack = [(data, 1)]
-    while stack:
-        value, depth = stack.pop()
-        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
-        for child in children:
-            if isinstance(child, (dict, list)):
-                if depth + 1 > limit:
-                    return True
-                stack.append((child, depth + 1))
-    return False
-
-
 async def parse_body(raw_request: Request, model: type[Model]) -> Model:
     """The request body as `model`: 400 for invalid UTF-8, malformed JSON, a non-object or wrong fields."""
     body = await raw_request.body()
@@ -147,14 +141,12 @@ async def parse_body(raw_request: Request, model: type[Model]) -> Model:
     except UnicodeDecodeError as exc:
         raise bad_request(f"the request body is not valid UTF-8 (byte {exc.start})") from exc
     try:
-        data = json.loads(text)
-    except RecursionError as exc:  # Python 3.11's parser gives up near 1,000 levels; 3.12's goes deeper
-        raise bad_request("the request body is nested too deeply to parse") from exc
-    except ValueError as exc:  # malformed JSON, or an integer past Python's 4,300-digit conversion limit
+        data = json_limits.loads(text)
+    except JSONLimitError as exc:  # too deep, or an integer too long to read (named by its path)
+        param = str(exc.path[0]) if exc.path else None
+        raise bad_request(str(exc) if exc.path else f"the request body is {exc}", param) from exc
+    except ValueError as exc:
         raise bad_request(f"the request body is not valid JSON: {exc}") from exc
-    # the same answer whatever the Python version; fewer opening brackets than the limit cannot nest past it
-    if text.count("[") + text.count("{") > MAX_JSON_DEPTH and _nested_deeper_than(data, MAX_JSON_DEPTH):
-        raise bad_request("the request body is nested too deeply to parse")
     if not isinstance(data, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}")
     try:

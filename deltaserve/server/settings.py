@@ -5,6 +5,7 @@ The engine's options live in `deltaserve.config.EngineConfig`; cli.py fills both
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -26,6 +27,12 @@ class ServerSettings:
     uvicorn_log_level: str = "info"
     # Seconds that in-flight requests get to finish after SIGTERM before they are aborted.
     graceful_shutdown_seconds: float = 10.0
+    # Seconds a request's body may take to arrive, from the end of its headers (then a 408).
+    request_body_timeout: float = 30.0
+    disable_fastapi_docs: bool = False  # no /docs, /redoc, /openapi.json (they answer without the key)
+    # Sequences one request may ask for (prompts x n); None: the engine's max_num_seqs (one request can fill the
+    # batch, not queue beyond it).
+    max_num_seqs_per_request: int | None = None
 
     def __post_init__(self):
         if not self.served_model_names:
@@ -34,6 +41,12 @@ class ServerSettings:
             raise ValueError(f"--port must be in [0, 65535], got {self.port!r}")
         if not isinstance(self.stream_interval, int) or self.stream_interval < 1:
             raise ValueError(f"--stream-interval must be a positive integer, got {self.stream_interval!r}")
+        limit = self.max_num_seqs_per_request
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise ValueError(f"--max-num-seqs-per-request must be a positive integer, got {limit!r}")
+        timeout = self.request_body_timeout
+        if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and 0 < timeout < math.inf):
+            raise ValueError(f"--request-body-timeout must be a positive number of seconds, got {timeout!r}")
         if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
             raise ValueError(f"--uvicorn-log-level {self.uvicorn_log_level!r} is not one of {UVICORN_LOG_LEVELS}")
 

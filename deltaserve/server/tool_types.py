@@ -17,6 +17,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from deltaserve.server import json_limits
+
 _INTEGER = re.compile(r"-?[0-9]+")
 
 
@@ -98,13 +100,10 @@ def schema_types(schema: Any) -> list[str]:
     return [t for option in options for t in schema_types(option)]
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
 def strict_json_loads(text: str) -> Any:
-    """json.loads without Python's NaN/Infinity extension (they would make the arguments invalid JSON)."""
-    return json.loads(text, parse_constant=_reject_constant)
+    """json.loads without Python's NaN/Infinity extension (they would make the arguments invalid JSON), within
+    json_limits' bounds (a ValueError past them: what a model writes is bounded as what a client sends)."""
+    return json_limits.loads(text, allow_constants=False)
 
 
 def _json_or_string(value: str) -> Any:
@@ -122,7 +121,10 @@ def _as_type(text: str, json_type: str) -> tuple[bool, Any]:
     if json_type == "boolean" and lowered in ("true", "false"):
         return True, lowered == "true"
     if json_type == "integer" and _INTEGER.fullmatch(text):
-        return True, int(text)
+        try:
+            return True, int(text)
+        except ValueError:  # more digits than Python converts
+            return False, None
     if json_type == "number":
         try:
             number = float(text)

@@ -46,6 +46,9 @@ def run(logits, params, generators=None, prompts=None, outputs=None, eos=None):
     (dict(logprobs=21), "logprobs must be in [0, 20], got 21"),
     (dict(logprobs=-1), "logprobs must be in [0, 20], got -1"),
     (dict(seed=1.5), "seed must be an integer or None, got 1.5"),
+    (dict(seed=2**63), f"seed must be in [-2**63, 2**63) (vLLM's range), got {2**63}"),
+    (dict(seed=2**64), f"seed must be in [-2**63, 2**63) (vLLM's range), got {2**64}"),
+    (dict(seed=-2**63 - 1), f"seed must be in [-2**63, 2**63) (vLLM's range), got {-2**63 - 1}"),
     (dict(stop=""), "stop must be a list of non-empty strings, got ['']"),
     (dict(stop=["a", ""]), "stop must be a list of non-empty strings, got ['a', '']"),
     (dict(stop=5), "stop must be a string, a list of strings or None, got 5"),
@@ -245,6 +248,17 @@ def test_make_generator_accepts_any_int_seed():
     first = torch.rand(4, generator=make_generator(2**70 + 3, "cpu"))
     assert torch.equal(first, torch.rand(4, generator=make_generator(2**70 + 3, "cpu")))
     torch.rand(4, generator=make_generator(-5, "cpu"))
+
+
+def test_every_seed_in_vllms_range_gets_its_own_torch_seed():
+    """The accepted seeds, [-2**63, 2**63), map one to one onto torch's 64-bit seeds: the edges and their
+    neighbours all differ (no seed stands in for another, as 2**64 once stood in for 0). (Torch's CPU generator,
+    mt19937, then keeps the low 32 bits; CUDA's Philox keeps all 64.)"""
+    seeds = [-2**63, -2**63 + 1, -1, 0, 1, 2**63 - 1]
+    for seed in seeds:
+        SamplingParams(seed=seed)
+    torch_seeds = [make_generator(seed, "cpu").initial_seed() for seed in seeds]
+    assert torch_seeds == [seed % 2**64 for seed in seeds] and len(set(torch_seeds)) == len(seeds)
 
 
 def test_sampler_rejects_mismatched_lists():

@@ -28,9 +28,9 @@ def make_scheduler(num_blocks=64, block_size=4, slots=8, max_num_seqs=4, budget=
     return Scheduler(cache, max_num_seqs, budget, max_model_len)
 
 
-def make_request(rid, prompt_len, max_tokens=4, prompt=None):
+def make_request(rid, prompt_len, max_tokens=4, prompt=None, group=None):
     prompt = list(range(1, prompt_len + 1)) if prompt is None else prompt
-    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens), max_tokens, {EOS})
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens), max_tokens, {EOS}, group=group)
 
 
 def fake_step(sched, token=7):
@@ -72,6 +72,42 @@ def test_max_num_seqs_and_fcfs_order():
     assert sched.num_running == 0 and sched.num_waiting == 1
     out, _ = fake_step(sched)
     assert [r.request_id for r in out.sequences] == ["c"]
+
+
+def test_a_request_behind_another_clients_many_sequences_gets_the_first_free_seat():
+    """Client a's one request runs 12 sequences (group "a") on 4 seats; b arrives behind a's 8 waiting ones.
+    The first seat to free goes to b, not to a#4: b waits for one of a's sequences, not for all of them (in
+    arrival order it would have waited for a#4-a#11, two more generations of a). a's sequences still all run."""
+    sched = make_scheduler(max_num_seqs=4, budget=100)
+    for i in range(12):
+        sched.add_request(make_request(f"a#{i}", 3, max_tokens=1 if i == 0 else 5, group="a"))
+    out, _ = fake_step(sched)
+    assert [r.request_id for r in out.sequences] == ["a#0", "a#1", "a#2", "a#3"]  # a#0 is done after this step
+    sched.add_request(make_request("b", 3, max_tokens=2))
+    out, _ = fake_step(sched)
+    assert [r.request_id for r in out.sequences] == ["a#1", "a#2", "a#3", "b"]
+    admitted = ["a#0", "a#1", "a#2", "a#3", "b"]
+    while sched.has_unfinished():
+        out, _ = fake_step(sched)
+        admitted += [r.request_id for r in out.sequences if r.request_id not in admitted]
+    assert admitted[5:] == [f"a#{i}" for i in range(4, 12)]  # in their own order
+    assert_pools_empty(sched)
+
+
+def test_groups_take_turns_and_go_in_arrival_order_when_as_many_run():
+    """Two clients' requests of 3 sequences each on 4 seats: admitted a, b, a, b (in arrival order where both
+    run as many); requests of one sequence each (every group alone) stay first come, first served."""
+    sched = make_scheduler(max_num_seqs=4, budget=100)
+    for name in "ab":
+        for i in range(3):
+            sched.add_request(make_request(f"{name}#{i}", 3, group=name))
+    out, _ = fake_step(sched)
+    assert [r.request_id for r in out.sequences] == ["a#0", "b#0", "a#1", "b#1"]
+    single = make_scheduler(max_num_seqs=2, budget=100)
+    for rid in "xyz":
+        single.add_request(make_request(rid, 3))
+    out, _ = fake_step(single)
+    assert [r.request_id for r in out.sequences] == ["x", "y"]
 
 
 def test_finishes_on_max_tokens_eos_stop_ids_and_max_model_len():

@@ -117,6 +117,7 @@ class ScriptedEngine:
     step_seconds: float = 0.0
     last_prompt_ids: list[int] | None = None
     last_params: object = None
+    groups: dict[str, str] = field(default_factory=dict)  # request id -> the group it was added with
     requests: dict[str, _Scripted] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -125,9 +126,10 @@ class ScriptedEngine:
         self.cache_manager = SimpleNamespace(block_pool=SimpleNamespace(usage=0.0))
         self.config = SimpleNamespace(enable_prefix_caching=False)
 
-    def add_request(self, request_id, prompt, params) -> None:
+    def add_request(self, request_id, prompt, params, group=None) -> None:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        self.groups[request_id] = request_id if group is None else group
         ids = self.tokenizer.encode(self.script, add_special_tokens=False)
         self.last_prompt_ids, self.last_params = list(prompt), params
         self.requests[request_id] = _Scripted(request_id, list(prompt), params, ids[:params.max_tokens],

@@ -14,7 +14,7 @@ from deltaserve import LLM, SamplingParams
 from deltaserve.config import EngineConfig
 from deltaserve.engine.llm_engine import LLMEngine
 from deltaserve.server.api_server import make_state
-from deltaserve.server.serving import MAX_JSON_DEPTH, _nested_deeper_than
+from deltaserve.server.json_limits import MAX_JSON_DEPTH, nested_deeper_than
 from deltaserve.server.settings import ServerSettings
 from tests.server.harness import ServerThread, wait_until
 
@@ -209,6 +209,18 @@ def test_non_finite_logprobs_are_reported_as_the_floor():
 
 _LONG = "word " * 2100  # > MAX_MODEL_LEN tokens
 
+
+def _nested(depth: int) -> str:
+    """Tool-call arguments (a JSON object as text) holding `depth` - 1 nested arrays."""
+    return '{"a": ' + "[" * (depth - 1) + "]" * (depth - 1) + "}"
+
+
+def _with_arguments(arguments: str) -> list[dict]:
+    """A conversation whose assistant turn called a tool with these arguments."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    return [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "content": "done", "tool_call_id": "call_1"}]
+
 ERROR_CASES = [
     # (path, raw body, status, param, message fragment)
     ("/v1/completions", b'{"model": "tiny", "prompt": "hi",', 400, None, "not valid JSON"),
@@ -217,6 +229,11 @@ ERROR_CASES = [
     ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature", "valid number"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 2.5}, 400, "max_tokens", "integer"),
     ("/v1/completions", {"prompt": "hi", "n": 100000}, 400, "n", "128"),
+    # at most max_num_seqs (8 here) sequences a request: 64 prompts x 128 would have queued 8,192
+    ("/v1/completions", {"prompt": ["hi"] * 64, "n": 128}, 400, "n",
+     "64 prompts x n=128 = 8,192 sequences; a request may run at most 8 (--max-num-seqs-per-request)"),
+    ("/v1/completions", {"prompt": [[5]] * 9}, 400, "prompt", "9 prompts x n=1 = 9 sequences"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "n": 9}, 400, "n", "n=9 sequences; a request may run at most 8"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 10**9}, 400, "max_tokens",
      f"maximum context length is {MAX_MODEL_LEN} tokens, you requested"),
     ("/v1/completions", {"prompt": _LONG}, 400, "prompt", f"maximum context length is {MAX_MODEL_LEN}"),
@@ -227,8 +244,15 @@ ERROR_CASES = [
     ("/v1/completions", {"prompt": ""}, 400, "prompt", "must not be empty"),
     ("/v1/completions", {"prompt": ["a", ""]}, 400, "prompt", "prompt[1] must not be empty"),
     ("/v1/completions", {"prompt": [5, 10**7]}, 400, "prompt", "out of range"),
+    # echo decodes the prompt: the ids are checked first (a C long would overflow on these)
+    ("/v1/completions", {"prompt": [-1], "echo": True, "max_tokens": 2}, 400, "prompt", "token id -1 is out of range"),
+    ("/v1/completions", {"prompt": [2**32], "echo": True, "max_tokens": 2}, 400, "prompt", "out of range"),
+    ("/v1/completions", {"prompt": [[5], [2**64]], "echo": True, "max_tokens": 2}, 400, "prompt",
+     f"prompt[1]: token id {2**64} is out of range"),
     ("/v1/completions", b'{"prompt": "\\ud800 lone surrogate"}', 400, "prompt", "tokenized"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 1}}, 400, "logit_bias", "not supported"),
+    ("/v1/completions", {"prompt": "hi", "seed": 2**64}, 400, "seed", "seed must be in [-2**63, 2**63)"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "seed": -2**63 - 1}, 400, "seed", "vLLM's range"),
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options", ""),
     ("/v1/completions", {}, 400, "prompt", "Field required"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages", "at least 1"),
@@ -240,6 +264,9 @@ ERROR_CASES = [
      400, "tool_choice", "--enable-auto-tool-choice"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
      "messages", "text only"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                        {"type": "text"}]}]}, 400,
+     "messages", "messages[0].content[1]: a text content part needs `text`, a string"),
     ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_object"}}, 400,
      "response_format", "not supported yet"),
     ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 50, "logprobs": True}, 400,
@@ -247,21 +274,42 @@ ERROR_CASES = [
     ("/v1/completions", b'{"prompt": "hi", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, None, "nested too deeply"),
     # deeper than MAX_JSON_DEPTH, shallower than any Python's parser limit: refused on 3.11 and 3.12 alike
     ("/v1/completions", b'{"prompt": "hi", "x": ' + b"[" * 300 + b"]" * 300 + b"}", 400, None, "nested too deeply"),
-    ("/v1/completions", b'{"prompt": "hi", "seed": ' + b"7" * 5000 + b"}", 400, None, "not valid JSON"),
+    ("/v1/completions", b'{"prompt": "hi", "seed": ' + b"7" * 5000 + b"}", 400, "seed",
+     "seed: an integer of 5,000 digits is longer than this server reads (4,300 digits)"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi", "x": [1, ' + b"7" * 5001 + b"]}]}",
+     400, "messages", "messages.0.x.1: an integer of 5,001 digits"),
+    ("/v1/completions", b'{"prompt": "hi", "seed": ' + b"7" * 5000 + b", }", 400, None, "not valid JSON"),
+    # JSON inside a string (tool-call arguments) is bounded as the body is: the template recursed past Python's
+    # limit on ~489 levels (a 500), and json.loads itself past ~1,000
+    ("/v1/chat/completions", {"messages": _with_arguments(_nested(489))}, 400, "messages",
+     "messages[1].tool_calls[0].function.arguments: nested too deeply (more than 256 levels)"),
+    ("/tokenize", {"messages": _with_arguments(_nested(489))}, 400, "messages", "arguments: nested too deeply"),
+    ("/tokenize", {"messages": _with_arguments(_nested(5000))}, 400, "messages", "arguments: nested too deeply"),
+    ("/tokenize", {"messages": _with_arguments('{"a": ' + "7" * 5001 + "}")}, 400, "messages",
+     "arguments: a: an integer of 5,001 digits"),
     ("/v1/completions", b'{"prompt": "hi", "temperature": 1e999}', 400, "temperature", "finite number"),
     ("/v1/completions", b'{"prompt": "hi", "model": "\\ud800"}', 404, "model", "\\ud800"),  # echoed, escaped
     ("/v1/nowhere", {}, 404, None, "Not Found"),
 ]
 
 
+def test_wrong_method_is_a_405_with_allow(server):
+    """RFC 9110: a 405 says which methods the resource takes."""
+    for method, path, allowed in [("GET", "/v1/completions", {"POST"}), ("DELETE", "/v1/chat/completions", {"POST"}),
+                                  ("POST", "/health", {"GET"}), ("PUT", "/v1/models", {"GET"})]:
+        response = httpx.request(method, f"{server.base_url}{path}")
+        assert response.status_code == 405 and response.json()["error"]["type"] == "invalid_request_error"
+        assert {m.strip() for m in response.headers["allow"].split(",")} == allowed, (method, path)
+
+
 def test_json_nesting_depth_is_counted_without_recursion():
     nested = {"a": [1, [2, {"b": []}]]}  # object, list, list, object, list: 5 levels
-    assert not _nested_deeper_than(nested, 5) and _nested_deeper_than(nested, 4)
-    assert not _nested_deeper_than({}, 1) and not _nested_deeper_than("text", 1)
+    assert not nested_deeper_than(nested, 5) and nested_deeper_than(nested, 4)
+    assert not nested_deeper_than({}, 1) and not nested_deeper_than("text", 1)
     deep: list = []
     for _ in range(20000):  # deeper than Python's recursion limit: built in a loop, walked without recursing
         deep = [deep]
-    assert _nested_deeper_than(deep, MAX_JSON_DEPTH) and not _nested_deeper_than(deep, 20001)
+    assert nested_deeper_than(deep, MAX_JSON_DEPTH) and not nested_deeper_than(deep, 20001)
 
 
 @pytest.mark.parametrize("path, body, status, param, fragment", ERROR_CASES,

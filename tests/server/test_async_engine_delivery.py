@@ -25,7 +25,7 @@ class _SteppingEngine:
     def __init__(self):
         self.request_ids = []
 
-    def add_request(self, request_id, prompt_token_ids, params):
+    def add_request(self, request_id, prompt_token_ids, params, group=None):
         self.request_ids.append(request_id)
 
     def step(self):

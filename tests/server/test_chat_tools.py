@@ -18,6 +18,7 @@ from deltaserve.server.api_server import make_state
 from deltaserve.server.async_engine import AsyncEngine
 from deltaserve.generation_defaults import sampling_defaults
 from deltaserve.server.chat import ChatRenderer
+from deltaserve.server.errors import APIError
 from deltaserve.server.protocol import ChatMessageIn
 from deltaserve.server.settings import ServerSettings
 from tests.server.harness import ScriptedEngine, ServerThread
@@ -270,6 +271,22 @@ def test_default_chat_template_kwargs_and_custom_template(tokenizer):
     assert on.prompt.endswith("<think>\n") and on.thinking_enabled and on.thinking_open
     custom = ChatRenderer(tokenizer, chat_template="{% for m in messages %}[{{ m.role }}] {{ m.content }}{% endfor %}")
     assert custom.render(messages, None).prompt == "[user] Hi"
+
+
+@pytest.mark.parametrize("template, fragment", [
+    ("{{ raise_exception('needs a system message') }}", "needs a system message"),  # a jinja2.TemplateError
+    ("{{ 1 // (messages | length - 1) }}", "division or modulo by zero"),  # ZeroDivisionError
+    ("{% macro f(x) %}{{ f(x) }}{% endmacro %}{{ f(1) }}", "maximum recursion depth"),  # RecursionError
+    ("{{ messages[0].content.encode('ascii') }}", "codec can't encode"),  # UnicodeEncodeError
+])
+def test_any_template_failure_is_a_400_naming_messages(tokenizer, template, fragment):
+    """Whatever a chat template raises on a request's messages is the request's 400, not the server's 500."""
+    renderer = ChatRenderer(tokenizer, chat_template=template)
+    with pytest.raises(APIError) as error:
+        renderer.render([ChatMessageIn(role="user", content="Hi é")], None)
+    assert error.value.status == 400 and error.value.param == "messages"
+    assert error.value.message.startswith("the chat template could not render these messages: ")
+    assert fragment in error.value.message
 
 
 def test_forced_hermes_call_escapes_the_name():

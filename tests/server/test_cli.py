@@ -104,6 +104,12 @@ def test_defaults_without_model():
     assert cli.configs_from_args(parse(["--no-async-scheduling"]))[0].async_scheduling is False
     assert cli.configs_from_args(parse(["--no-enable-prefix-caching"]))[0].enable_prefix_caching is False
     assert (settings.host, settings.port) == ("127.0.0.1", 8000)
+    assert (settings.max_num_seqs_per_request, settings.request_body_timeout, settings.disable_fastapi_docs) == \
+        (None, 30.0, False)
+    hardened = cli.configs_from_args(parse(["--max-num-seqs-per-request", "64", "--request-body-timeout", "5",
+                                            "--disable-fastapi-docs"]))[1]
+    assert (hardened.max_num_seqs_per_request, hardened.request_body_timeout, hardened.disable_fastapi_docs) == \
+        (64, 5.0, True)
     assert (engine.max_num_seqs, engine.block_size, engine.kv_cache_dtype) == (256, 16, "auto")
 
 
@@ -133,6 +139,8 @@ def test_not_built_flag_exits_2_with_one_line(capsys):
     (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
     (["--chat-template", "no-such-file.jinja"], "--chat-template 'no-such-file.jinja'"),
     (["--port", "70000"], "--port must be in [0, 65535]"),
+    (["--max-num-seqs-per-request", "0"], "--max-num-seqs-per-request must be a positive integer, got 0"),
+    (["--request-body-timeout", "-1"], "--request-body-timeout must be a positive number of seconds, got -1.0"),
     (["MODEL", "--override-generation-config", '{"temperature": -1}'], "temperature must be >= 0"),
 ])
 def test_bad_values_exit_2_naming_the_flag(capsys, ckpt_qwen3_5, argv, fragment):

@@ -90,6 +90,11 @@ CASES = {
                      ' "days": 1}}\n</tool_call>\n<tool_call>\n{"name": "x", "arguments": "{\\"a\\": 1}"}\n'
                      "</tool_call>", {"tool_parser": "hermes"}, None, "OK.",
                      [("get_weather", {"city": "Rome", "days": 1}), ("x", {"a": 1})]),
+    # too deep for json_limits (a RecursionError from json.loads past ~1,000 levels): not a call
+    "hermes_too_deep": ('</think><tool_call>{"name": "f", "arguments": {"a": ' + "[" * 2000 + "]" * 2000 +
+                        "}}</tool_call>", {"tool_parser": "hermes"}, None,
+                        '<tool_call>{"name": "f", "arguments": {"a": ' + "[" * 2000 + "]" * 2000 + "}}</tool_call>",
+                        []),
     "hermes_malformed": ("</think><tool_call>{not json}</tool_call><tool_call>[1]", {"tool_parser": "hermes"},
                          None, "<tool_call>{not json}</tool_call><tool_call>[1]", []),
 }
@@ -236,6 +241,8 @@ def test_content_and_calls_from_the_tool_parser_alone():
     ("x y", {"anyOf": [{"type": "integer"}, {"type": "string"}]}, "x y"),
     ("Infinity", None, "Infinity"),
     ('{"k": 1}', None, {"k": 1}),
+    ("7" * 5000, {"type": "integer"}, "7" * 5000),  # more digits than Python converts: kept as text
+    ("[" * 300 + "]" * 300, {"type": "array"}, "[" * 300 + "]" * 300),  # deeper than json_limits takes
 ])
 def test_convert_parameter(value, schema, expected):
     assert convert_parameter(value, schema) == expected
