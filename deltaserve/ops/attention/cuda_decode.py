@@ -59,12 +59,12 @@ class DecodeTile(NamedTuple):
 
 
 # Tiles by the cache's bytes per element (16-bit dots), measured on an H200 with `python -m
-# deltaserve.bench.attention_probe --decode-sweep` (27B heads, CUDA graphs, 2026-11-30): bf16 at 1 x 131,072
+# benchmarks.attention_probe --decode-sweep` (27B heads, CUDA graphs, 2026-11-30): bf16 at 1 x 131,072
 # 139.6 us (3.85 TB/s; (64, 8, 2) took 143.5) and 64 x 1,536 110.6 us; fp8 (dots in float16, see cuda.py)
 # 127.1 us at 1 x 131,072 and 101.3 us at 64 x 1,536 ((64, 8, 2) with bf16 dots took 155.0 and 117.1); with
 # the V tile upcast before its shared-memory staging (`attend_kv_range`'s V_SCALE_IN_TILE, eleventh session)
 # 115.0 and 100.3 us (2.3 and 2.0 TB/s). fp8 still reads half the bytes in nearly the time of bf16: bound by
-# the upcast and the operand shuffles (`python -m deltaserve.bench.sass_probe`: the loop's ~930 SASS
+# the upcast and the operand shuffles (`python -m benchmarks.sass_probe`: the loop's ~930 SASS
 # instructions against bf16's 706 at the same 2 stages, for half the bytes), not by memory. The query tile
 # is G heads padded to >= 16 rows (the minimum tl.dot size).
 # resident_per_sm, read off the split sweeps (the grid sizes where time jumps: the module docstring): bf16

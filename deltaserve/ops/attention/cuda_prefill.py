@@ -168,7 +168,7 @@ def attend_kv_range(
     V_SCALE_IN_TILE (8-bit caches): each V tile is multiplied by v_tile_scale (float32, a power of two: see
     `split_v_scale`) in DOT_DTYPE before its dot. Besides dequantizing, the multiply keeps Triton from moving
     the upcast after the shared-memory staging: it would then read the 8-bit tile in the dot's transposed
-    operand layout one byte at a time (`python -m deltaserve.bench.sass_probe --cache fp8`, eleventh session:
+    operand layout one byte at a time (`python -m benchmarks.sass_probe --cache fp8`, eleventh session:
     a loop of 1,234 instructions with 128 LDS.U8, against ~930 without them).
     """
     dims = tl.arange(0, HEAD_DIM_PAD)  # [D]

@@ -44,7 +44,7 @@ def fresh_causal_attention(q, k, v, cu_seqlens_cpu, scale: float, gate=None, v_s
     """Causal attention of prompts that all start at position 0, on their new K/V (no cache read), through
     PyTorch's SDPA: cuDNN's fused kernel when it takes the shapes, else flash attention.
 
-    Measured on an H200 (`python -m deltaserve.bench.attention_probe`, 27B heads, 8,192 tokens): cuDNN 1.28 ms
+    Measured on an H200 (`python -m benchmarks.attention_probe`, 27B heads, 8,192 tokens): cuDNN 1.28 ms
     (643 TFLOP/s) against 2.72 ms for our paged kernel. Each prompt is padded with zero rows to a multiple of
     SDPA_BUCKET (causal: the real rows never see the padding), so that cuDNN meets few shapes (see
     `warm_up_cudnn_attention`). q: [T, n_heads, hd]; k, v: [T, n_kv, hd], bf16 or float16, unit stride in hd;
@@ -146,7 +146,7 @@ def chunk_over_prefix_attention(q, k, v, k_cache, v_cache, block_table_row, pref
     Triton pass (`merge_attention_part`), and the last one also writes the gated output token-major
     (`merge_attention_output`): W2's merges took ~0.5 s of its 131K prefill as separate torch ops.
 
-    Measured on an H200 (bench/attention_probe.py, 27B heads, 8,192 queries): cuDNN runs ~640 TFLOP/s without
+    Measured on an H200 (benchmarks/attention_probe.py, 27B heads, 8,192 queries): cuDNN runs ~640 TFLOP/s without
     a mask and with a plain causal one, our paged kernel ~300, and cuDNN with a bottom-right causal mask over
     prefix + chunk only ~220; hence the parts. Pieces bound the transient copies (27B: 134 MB of K/V per
     piece, and the float32 [heads, L, hd] running output), which stay below the activation peak the startup profile

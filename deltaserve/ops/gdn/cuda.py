@@ -431,7 +431,7 @@ def fla_chunk_indices(offsets: np.ndarray, chunk_size: int = FLA_CHUNK_SIZE) -> 
 
 def _decode_block_v(num_seqs: int) -> int:
     """Value columns per program, measured on an H200 for decode (27B heads, float32 state,
-    `python -m deltaserve.bench.batch_probe`): 16 below 8 sequences (48 heads x 8 blocks = 384 programs at
+    `python -m benchmarks.batch_probe`): 16 below 8 sequences (48 heads x 8 blocks = 384 programs at
     batch 1), 32 from 8, 64 from 16 (batch 64: 109 us a layer, 3.68 TB/s, against 125 us with 32; batch 16:
     32 against 34 us)."""
     if num_seqs < 8:

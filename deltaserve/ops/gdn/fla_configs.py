@@ -11,7 +11,7 @@ beside it (the GPU's name as fla writes it, e.g. `NVIDIA_H200`) and
                              (FLA_CACHE_MODE "fuzzy": a shape not in the files is autotuned as before);
                              a user's own FLA_CONFIG_DIR or FLA_CACHE_MODE wins
     dump_autotuned(folder)   writes what fla's autotuners chose in this process into folder, merged with the
-                             files there (`python -m deltaserve.bench.fla_tune` runs a model and calls it)
+                             files there (`python -m benchmarks.fla_tune` runs a model and calls it)
 """
 
 from __future__ import annotations

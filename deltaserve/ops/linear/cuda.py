@@ -38,7 +38,7 @@ PROLOGUE_GATED_NORM: tl.constexpr = tl.constexpr(3)
 # (BLOCK_N, BLOCK_K, num_warps, num_stages): a reasonable tile, for tests (num_stages does not matter here:
 # no dot to pipeline).
 DEFAULT_CONFIG = (16, 256, 4, 1)
-# The tuned table, measured on an H200 by `python -m deltaserve.bench.gemv_probe`: "prologue:N:K" -> a config,
+# The tuned table, measured on an H200 by `python -m benchmarks.gemv_probe`: "prologue:N:K" -> a config,
 # or null where cuBLAS after the unfused prologue op was faster. A shape missing from it runs unfused: the
 # kernel is used only where it was measured to win. DELTASERVE_GEMV_CONFIGS names another file.
 CONFIGS_FILE = Path(__file__).with_name("configs.json")

@@ -6,7 +6,7 @@ weight is the wide side of a tensor-core product (W tile [BLOCK_N, BLOCK_K] time
 rows padded to 16, tl.dot's least), its loads pipelined over num_stages, either pointer loads or (a sixth config
 entry of 1) the Hopper tensor-memory accelerator's bulk tile copies (TMA); K may be split among SPLIT_K programs
 whose float32 partial sums a second kernel adds in a fixed order, so the result does not depend on timing. The
-table `skinny_configs.json` (measured by `python -m deltaserve.bench.batch_probe`) names the tile per (N, K, row bucket) and holds only the shapes where the
+table `skinny_configs.json` (measured by `python -m benchmarks.batch_probe`) names the tile per (N, K, row bucket) and holds only the shapes where the
 kernel beat cuBLAS (and, at one row, the fused GEMV of cuda.py) by 2%. (A version with the RMS-norm / silu-mul
 prologue fused in lost to the GEMV at one row, 2.9-3.4 TB/s: each program re-reads and normalises the activation;
 it was not kept. Stream-K, one program per SM each streaming an equal share of the weight, won no shape of 27B at

@@ -1,7 +1,7 @@
 """Decode projections on the skinny Triton GEMM (ops/linear/cuda_skinny.py) beside what they run otherwise, and
 the GDN decode kernel's tiles at a batch of many sequences, and the GDN recurrent prefill's tiles on one chunk.
 
-    python -m deltaserve.bench.batch_probe [CONFIG_DIR] [--out deltaserve/ops/linear/skinny_configs.json]
+    python -m benchmarks.batch_probe [CONFIG_DIR] [--out deltaserve/ops/linear/skinny_configs.json]
 
 For every projection of a decode step of the model in CONFIG_DIR (default: the published Qwen3.5-27B shape),
 inside CUDA graphs as decode runs them, each call on another copy of the weight so that none is served from L2:
@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deltaserve.bench.gemv_probe import (COPIES_BYTES, decode_projections, graph_time_us, inputs, probe_parser,
+from benchmarks.gemv_probe import (COPIES_BYTES, decode_projections, graph_time_us, inputs, probe_parser,
                                          write_table)
 from deltaserve.config import ModelConfig
 from deltaserve.ops.gdn import cuda as gdn_cuda

@@ -1,7 +1,7 @@
 """Closed-loop random-prompt traffic (W6's shape) through the real scheduler, each step charged by a cost model:
 scheduling policies weighed without a GPU.
 
-    python -m deltaserve.bench.schedule_model [--concurrency 64] [--prompts 256] [--input-len 1024]
+    python -m benchmarks.schedule_model [--concurrency 64] [--prompts 256] [--input-len 1024]
         [--output-len 512] [--max-num-batched-tokens 8192] [--mixed-chunk-tokens 0] [--chunk-us 70] ...
 
 The scheduler (engine/scheduler.py, with the prefix cache's chunk cuts of cache/kv_manager.py) picks each step's
@@ -165,7 +165,7 @@ def simulate_staggered(traffic: Traffic, costs: StepCosts, chunk_tokens: int) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deltaserve.bench.schedule_model", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.schedule_model", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     traffic, costs = Traffic(), StepCosts()
     for name, value in (*vars(traffic).items(), *vars(costs).items()):

@@ -1,9 +1,9 @@
-"""The scheduling cost model (bench/schedule_model.py): a case counted by hand, and W6 as the docs quote it."""
+"""The scheduling cost model (benchmarks/schedule_model.py): a case counted by hand, and W6 as the docs quote it."""
 
 import pytest
 
-from deltaserve.bench import schedule_model
-from deltaserve.bench.schedule_model import StepCosts, Traffic, simulate, simulate_staggered
+from benchmarks import schedule_model
+from benchmarks.schedule_model import StepCosts, Traffic, simulate, simulate_staggered
 
 
 def test_one_client_two_requests_by_hand():
