@@ -320,7 +320,7 @@ CHUNK_SWEEP = [(bv, warps) for bv, warps in itertools.product((8, 16, 32, 64), (
 
 
 def probe_gdn_chunk(cfg: ModelConfig, length: int, device) -> None:
-    """The recurrent prefill of one sequence of `length` tokens (a prefix-cache hit's chunk, a mixed step's)
+    """The recurrent prefill of one sequence of `length` tokens (a prefix-cache hit's chunk, a single-chunk graph's)
     over (block_v, num_warps): its time is `length` steps of latency."""
     hv, kd, vd = cfg.gdn_num_v_heads, cfg.gdn_k_dim, cfg.gdn_v_dim
     pools = [torch.zeros(2, hv, kd, vd, device=device, dtype=torch.float32) for _ in range(3)]

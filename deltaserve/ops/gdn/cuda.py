@@ -53,7 +53,7 @@ SPLIT_MIN_SHORT_SEQS = 8
 # (decode's width for 16 and more), so one kernel variant, compiled at warm-up rather than in a served step.
 SPLIT_BLOCK_V = 64
 # (value columns, warps) of a recurrent-prefill program when fewer than 8 sequences share the launch (a
-# prefix-cache hit's chunk, a prompt chunk of a mixed CUDA-graph step): each program steps through its
+# prefix-cache hit's chunk, a single-chunk CUDA graph's chunk and its padding): each program steps through its
 # sequence's tokens one after another, so the time is the number of tokens times one step's latency, which
 # narrow tiles on one warp keep short (their reductions stay inside the warp).
 CHUNK_TILE = (16, 1)
