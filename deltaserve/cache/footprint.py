@@ -147,18 +147,17 @@ def graph_capture_sizes(max_num_seqs: int, performance_mode: str = "balanced") -
 
 # Single-chunk CUDA graphs (worker/cuda_graph.py), on unless DELTASERVE_CHUNK_GRAPHS=0: a step of one sequence
 # computing 2 to 1,024 new tokens, padded to the next of these sizes. Run eagerly such a step is bound by the host
-# launching its kernels one by one (fla's chunked GDN call alone takes ~1.0-1.3 ms of host time against 44-133 us of
-# GPU for 16-1,024 tokens): W4's hit on 27B took 47-82 ms eagerly, 23 ms as a graph; a fresh 1,024-token prompt is
-# 79 ms of GPU in a 125 ms TTFT (docs/performance.md). Up to 128 rows the GDN layers run the recurrent kernel over
+# launching its kernels one by one (fla's chunked GDN call alone takes more host time than its GPU work at these
+# sizes): docs/performance.md, 'Single-chunk graphs'. Up to 128 rows the GDN layers run the recurrent kernel over
 # the chunk and its padding, and a checkpoint inside the step keeps the step eager; from PADDED_CHUNK_MIN_ROWS they
 # run fla over all rows with the padding masked (layers/batch.PaddedChunk), which also takes such a checkpoint.
 # Up to 1,024: a longer step is nearly GPU-bound eagerly, and a 2,048-row graph would hold ~0.4 GiB of 27B
 # intermediates in the graph pool (a fourth sequence slot at 262K on a 32 GB card).
 CHUNK_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512, 1024)
 PADDED_CHUNK_MIN_ROWS = 256
-# A padded graph attends with the paged kernel (~300 TFLOP/s), where an eager step of a long chunk after a long
-# prefix would take cuDNN (~620): the graph serves a step only while its rows x (cached + rows) query-key pairs stay
-# under this (27B: ~22 ms of paged attention, against the ~40 ms of host time the graph saves).
+# A padded graph attends with the paged kernel (about half cuDNN's rate), where an eager step of a long chunk after
+# a long prefix would take cuDNN: the graph serves a step only while its rows x (cached + rows) query-key pairs stay
+# under this (27B: there the paged attention's extra time stays below the host time the graph saves).
 PADDED_GRAPH_MAX_PAIRS = 1 << 24
 
 

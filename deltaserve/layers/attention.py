@@ -20,7 +20,7 @@ from deltaserve.ops.rotary import qk_norm_rope_write_kv
 SDPA_MIN_TOKENS = 512
 # cuDNN serves a chunk after a cached prefix only when the prefix is a multiple of this (a long prompt's
 # chunks, with --max-num-batched-tokens a multiple of it): every new prefix length would make cuDNN build a new
-# plan (~50 ms on the H200), so prefix-cache hits of any length keep the paged kernel.
+# plan (tens of milliseconds), so prefix-cache hits of any length keep the paged kernel.
 SDPA_PREFIX_ALIGN = 8192
 
 
