@@ -16,6 +16,10 @@ Every usable block is in exactly one of three states:
 A held block may be indexed too (a full, computed block of a running request): other requests then share
 it through `touch`. Indexed blocks are never written again: a request only writes positions past its
 last full block, and those sit in blocks of its own.
+
+The index also counts, per chain hash, the indexed prompt blocks (blocks of a request's prompt tokens only) that
+continue it: a prompt whose cached chain ends where another prompt's block goes on with other tokens has found a
+branch point (cache/kv_manager.py checkpoints it).
 """
 
 from collections import OrderedDict, deque
@@ -34,6 +38,8 @@ class BlockPool:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached-free blocks, least recently used first
         self._block_of_hash: dict[bytes, int] = {}  # chain hash -> the block holding that KV
         self._hash_of_block: dict[int, bytes] = {}
+        self._parent_of_block: dict[int, bytes] = {}  # indexed prompt block -> the chain hash before it
+        self._num_prompt_children: dict[bytes, int] = {}  # chain hash -> indexed prompt blocks whose parent it is
         self.num_evictions = 0
 
     @property
@@ -64,7 +70,7 @@ class BlockPool:
                 block = self._free.popleft()
             else:
                 block, _ = self._evictable.popitem(last=False)
-                del self._block_of_hash[self._hash_of_block.pop(block)]
+                self._unindex(block)
                 self.num_evictions += 1
             self.ref_counts[block] = 1
             blocks.append(block)
@@ -94,6 +100,8 @@ class BlockPool:
         self._evictable.clear()
         self._block_of_hash.clear()
         self._hash_of_block.clear()
+        self._parent_of_block.clear()
+        self._num_prompt_children.clear()
 
     # -- the prefix index ----------------------------------------------------------------------------------
 
@@ -101,9 +109,15 @@ class BlockPool:
         """The block holding the KV of the chain ending in `block_hash`, or None."""
         return self._block_of_hash.get(block_hash)
 
-    def cache_block(self, block_id: int, block_hash: bytes) -> bool:
-        """Index a full, computed, held block under its chain hash. False (nothing changes) if another block
-        already holds that hash: the duplicate stays private to its request and is freed normally."""
+    def has_prompt_child(self, block_hash: bytes) -> bool:
+        """An indexed prompt block continues the prefix that `block_hash` names (its parent is that hash)."""
+        return block_hash in self._num_prompt_children
+
+    def cache_block(self, block_id: int, block_hash: bytes, prompt_parent: bytes | None) -> bool:
+        """Index a full, computed, held block under its chain hash. `prompt_parent`: for a block of prompt tokens
+        only, the chain hash before it (the seed for a first block), counted for has_prompt_child; None for a
+        block that holds output tokens. False (nothing changes) if another block already holds that hash: the
+        duplicate stays private to its request and is freed normally."""
         if self.ref_counts[block_id] <= 0:
             raise RuntimeError(f"KV block {block_id} is not held: only a request's computed block can be cached")
         if block_hash in self._block_of_hash:
@@ -112,7 +126,21 @@ class BlockPool:
             raise RuntimeError(f"KV block {block_id} is already cached under another hash")
         self._block_of_hash[block_hash] = block_id
         self._hash_of_block[block_id] = block_hash
+        if prompt_parent is not None:
+            self._parent_of_block[block_id] = prompt_parent
+            self._num_prompt_children[prompt_parent] = self._num_prompt_children.get(prompt_parent, 0) + 1
         return True
+
+    def _unindex(self, block_id: int) -> None:
+        """Drop an evicted block from the index."""
+        del self._block_of_hash[self._hash_of_block.pop(block_id)]
+        parent = self._parent_of_block.pop(block_id, None)
+        if parent is None:
+            return
+        if self._num_prompt_children[parent] == 1:
+            del self._num_prompt_children[parent]
+        else:
+            self._num_prompt_children[parent] -= 1
 
     def num_unheld(self, block_ids: list[int]) -> int:
         """How many of these (cached) blocks nobody holds: touching them takes them out of the free count."""

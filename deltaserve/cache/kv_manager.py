@@ -14,13 +14,15 @@ Where checkpoints go (each is a chunk end: invariant 3, "a prefill chunk must en
 when L is at most one block before the chunk's end and at least one block after its start, a save inside
 the step: the GDN layers copy the state out after the chunk's first L - start tokens and go on; a 16-token
 tail would otherwise cost a whole step, a pass over the weights):
-    divergence   when a prompt matches a cached KV chain of length M at least one decode-checkpoint interval
-                 past its longest checkpoint, at M (capped as below): the next prompt that branches off that
-                 chain hits there. Closer than that it would spare a later branch fewer tokens than decode
-                 checkpoints already leave to recompute, and cost this prompt a step of its own (its chunk
-                 must end there): a conversation's resend, whose KV chain ends a few blocks past its last
-                 decode checkpoint, took a 16-48-token step before its new message (W5 on 27B: ~60-100 ms
-                 of a ~250 ms turn)
+    divergence   where a prompt branches off another prompt: at the end M of the prefix it shares with the
+                 cached blocks and the prompts being computed beside it (cache/in_flight.py), when a block of
+                 another prompt continues that prefix with other tokens (capped as below; unless another live
+                 request is to save it already). Every later prompt that shares the prefix past M hits M.
+                 Where the shared chain just ends or goes on only in an output (a conversation's next turn
+                 resends the previous one, perhaps without its reasoning) no checkpoint goes, unless the cached
+                 chain runs at least one decode-checkpoint interval past the hit (its checkpoints were evicted
+                 or never saved): the chunk must end there, so each turn would pay a step of its own for a
+                 checkpoint no later turn uses (the next turn hits this one's prompt end)
     prompt end   at floor((P-1)/bs)*bs, the longest hit a resend of the same P-token prompt can use
     decode       at the latest multiple of DECODE_CHECKPOINT_INTERVAL tokens (a whole number of blocks) a running
                  request has passed past its prompt end: one per request, replaced as it passes the next, so that
@@ -31,6 +33,7 @@ tail would otherwise cost a whole step, a pass over the weights):
 from __future__ import annotations
 
 from deltaserve.cache.block_pool import BlockPool
+from deltaserve.cache.in_flight import InFlightPrompts
 from deltaserve.cache.prefix_cache import PrefixCache, PrefixHit, extend_block_hashes
 from deltaserve.cache.state_pool import StatePool
 from deltaserve.request import Request
@@ -55,6 +58,7 @@ class CacheManager:
         self.state_pool = state_pool
         self.prefix_cache = prefix_cache
         self.block_size = block_pool.block_size
+        self.in_flight = InFlightPrompts(self.block_size, prefix_cache.seed) if prefix_cache is not None else None
         interval = DECODE_CHECKPOINT_INTERVAL if decode_checkpoint_interval is None else decode_checkpoint_interval
         if interval < 1:
             raise ValueError(f"decode_checkpoint_interval must be a positive number of tokens, got {interval}")
@@ -102,6 +106,8 @@ class CacheManager:
         request.num_computed_tokens = start
         request.num_indexed_blocks = len(hit.block_ids)
         if self.prefix_cache is not None:
+            keys = [request.block_hashes[t // self.block_size - 1] for t in request.checkpoint_targets]
+            self.in_flight.add(request, len(hit.block_ids), keys)
             first_start = request.num_preemptions == 0
             if first_start:
                 request.num_cached_tokens = start
@@ -118,6 +124,7 @@ class CacheManager:
             request.state_slot = None
         if self.prefix_cache is not None:
             self.prefix_cache.release_owner(request.request_id)
+            self.in_flight.remove(request)
 
     # -- prefix caching ------------------------------------------------------------------------------------
 
@@ -146,10 +153,29 @@ class CacheManager:
         last_boundary = (request.num_tokens - 1) // self.block_size * self.block_size
         hit = self.prefix_cache.find_hit(request.block_hashes, last_boundary // self.block_size)
         request.last_prompt_boundary = last_boundary
-        chain = hit.num_chain_tokens
-        divergence = chain if chain - hit.num_tokens >= self.decode_checkpoint_stride else 0  # see the module
+        divergence = self._divergence_point(request, hit, last_boundary // self.block_size)
         request.checkpoint_targets = sorted({t for t in (divergence, last_boundary) if t > hit.num_tokens})
         return hit
+
+    def _divergence_point(self, request: Request, hit: PrefixHit, max_blocks: int) -> int:
+        """The divergence checkpoint target of a prompt about to start at `hit` (0: none; see the module): the
+        end of its chain over cached blocks and blocks of prompts being computed, if another prompt's block goes
+        on there with other tokens (a branch point), else the end of its cached chain if that lies an interval
+        or more past the hit; none if another live request is to save it. (At the cap, max_blocks, the point
+        is the prompt end, a target anyway.)"""
+        bs, hashes = self.block_size, request.block_hashes
+        end = hit.num_chain_tokens // bs
+        while end < max_blocks and (self.in_flight.has_block(hashes[end])
+                                    or self.block_pool.cached_block(hashes[end]) is not None):
+            end += 1
+        # another prompt's block continues hashes[end - 1]; this prompt's own next block is not known: they differ
+        if end and (self.block_pool.has_prompt_child(hashes[end - 1]) or self.in_flight.has_child(hashes[end - 1])):
+            point = end * bs
+        elif hit.num_chain_tokens - hit.num_tokens >= self.decode_checkpoint_stride:
+            point = hit.num_chain_tokens
+        else:
+            return 0
+        return 0 if self.in_flight.is_to_be_saved(hashes[point // bs - 1], point) else point
 
     def cut_chunk(self, request: Request, start: int, num_new_tokens: int, save_inside: bool = True) -> int:
         """`num_new_tokens`, or fewer so that the chunk from `start` ends at the request's next checkpoint
@@ -228,8 +254,10 @@ class CacheManager:
         if num_full <= request.num_indexed_blocks:
             return
         self._hash_blocks(request)
+        hashes, num_prompt_blocks = request.block_hashes, request.num_prompt_tokens // self.block_size
         for i in range(request.num_indexed_blocks, num_full):
-            self.block_pool.cache_block(request.block_ids[i], request.block_hashes[i])
+            parent = (hashes[i - 1] if i else self.prefix_cache.seed) if i < num_prompt_blocks else None
+            self.block_pool.cache_block(request.block_ids[i], hashes[i], parent)
         request.num_indexed_blocks = num_full
 
     def _hash_blocks(self, request: Request) -> None:

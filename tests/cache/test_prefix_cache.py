@@ -24,8 +24,8 @@ def index_prompt(cache, tokens):
     """A request computed `tokens`: its full blocks are indexed, then released (cached-free)."""
     hashes = chain(tokens, cache.seed)
     blocks = cache.block_pool.allocate(len(hashes))
-    for block, h in zip(blocks, hashes):
-        assert cache.block_pool.cache_block(block, h)
+    for block, h, parent in zip(blocks, hashes, [cache.seed] + hashes[:-1]):
+        assert cache.block_pool.cache_block(block, h, parent)
     cache.block_pool.free(blocks)
     return hashes, blocks
 
@@ -56,7 +56,7 @@ def test_block_pool_reuses_cached_blocks_and_evicts_least_recently_used_tail_fir
     pool = BlockPool(7, BS)  # 6 usable
     a = pool.allocate(3)
     for i, b in enumerate(a):
-        pool.cache_block(b, bytes([i]))
+        pool.cache_block(b, bytes([i]), bytes([i - 1]) if i else b"seed")
     pool.free(a)  # all three cached-free; freed last block first, so a[2] is the least recently used
     assert pool.num_free_blocks == 6 and pool.num_cached_blocks == 3 and pool.usage == 0.0
     assert pool.cached_block(bytes([1])) == a[1]
@@ -76,16 +76,35 @@ def test_block_pool_reuses_cached_blocks_and_evicts_least_recently_used_tail_fir
 def test_block_pool_rejects_bad_caching():
     pool = BlockPool(4, BS)
     a, b = pool.allocate(2)
-    assert pool.cache_block(a, b"h")
-    assert not pool.cache_block(b, b"h")  # a duplicate stays private and is freed to the free list
+    assert pool.cache_block(a, b"h", b"seed")
+    assert not pool.cache_block(b, b"h", b"seed")  # a duplicate stays private and is freed to the free list
     pool.free([a, b])
     assert pool.num_cached_blocks == 1 and pool.num_free_blocks == 3
     with pytest.raises(RuntimeError, match="not held"):
-        pool.cache_block(b, b"other")
+        pool.cache_block(b, b"other", b"seed")
     with pytest.raises(RuntimeError, match="not cached"):
         pool.touch([b])
     with pytest.raises(ValueError, match="block_size must be >= 1"):
         BlockPool(4, 0)
+
+
+def test_block_pool_knows_which_prefixes_an_indexed_block_continues():
+    """A branch point is a prefix that an indexed prompt block continues: counted per parent hash, dropped with
+    the last such block's eviction. A duplicate is not indexed, an output block (no prompt parent) not counted."""
+    pool = BlockPool(6, BS)  # 5 usable
+    a, b, c, d, e = pool.allocate(5)
+    assert pool.cache_block(a, b"h1", b"seed") and pool.cache_block(b, b"h2", b"h1")
+    assert pool.cache_block(c, b"h2'", b"h1") and not pool.cache_block(d, b"h2", b"h1")
+    assert pool.cache_block(e, b"h3", None)  # continues h2 with output tokens
+    assert pool.has_prompt_child(b"seed") and pool.has_prompt_child(b"h1") and not pool.has_prompt_child(b"h2")
+    pool.free([a, b, c, d, e])  # LRU: e, c, b, then a; d goes to the free list
+    taken = pool.allocate(3)  # d, then evicts e and c: b still continues h1
+    assert pool.cached_block(b"h2'") is None and pool.has_prompt_child(b"h1")
+    taken += pool.allocate(1)  # evicts b
+    assert not pool.has_prompt_child(b"h1") and pool.has_prompt_child(b"seed")
+    pool.free(taken)
+    pool.forget_cached()  # a, the last indexed block
+    assert not pool.has_prompt_child(b"seed")
 
 
 def test_state_pool_keeps_working_and_checkpoint_slots_apart():

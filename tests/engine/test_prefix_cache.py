@@ -35,10 +35,10 @@ def branch(rng: random.Random, base: list[int], n: int, tail: int) -> list[int]:
     return base[:n] + [first] + tokens(rng, tail - 1)
 
 
-def engines(path, **kwargs) -> tuple[LLM, LLM]:
+def engines(path, block_size=BS, **kwargs) -> tuple[LLM, LLM]:
     """(caching on, caching off) engines with the same settings."""
-    on = LLM(str(path), block_size=BS, max_num_seqs=8, **kwargs)
-    off = LLM(str(path), block_size=BS, max_num_seqs=8, enable_prefix_caching=False,
+    on = LLM(str(path), block_size=block_size, max_num_seqs=8, **kwargs)
+    off = LLM(str(path), block_size=block_size, max_num_seqs=8, enable_prefix_caching=False,
               **{k: v for k, v in kwargs.items() if k != "prefix_cache_state_slots"})
     return on, off
 
@@ -126,10 +126,9 @@ def test_multi_turn_conversations_continue_from_the_previous_turn(make_checkpoin
 
 def test_hit_granularity_for_prompts_diverging_at_random_positions(make_checkpoint):
     """base (200 tokens) runs first. For each N, B_N shares base's first N tokens: it hits the longest
-    checkpoint at or below floor(N/4)*4 (the divergence point) and creates one there when that point lies at
-    least a decode-checkpoint interval past its hit (nearer, a later branch would gain less than decode
-    checkpoints already leave); C_N, sharing the same N tokens with a different tail, then reuses the longest
-    checkpoint at or below that point."""
+    checkpoint at or below floor(N/4)*4 (the divergence point, where base's cached block goes on with other
+    tokens) and creates one there, however near its hit; C_N, sharing the same N tokens with a different tail,
+    then reuses exactly floor(N/4)*4 tokens."""
     on, off = engines(make_checkpoint("qwen3_5"))
     rng = random.Random(3)
     base = tokens(rng, 200)
@@ -140,18 +139,55 @@ def test_hit_granularity_for_prompts_diverging_at_random_positions(make_checkpoi
         waves += [[(branch(rng, base, n, 5), params)], [(branch(rng, base, n, 7), params)]]
     cached, _ = run_waves(on, waves)
     assert_exact(cached, run_waves(off, waves)[0])
-    checkpoints_on_base = {(len(base) - 1) // BS * BS}  # base's prompt-end checkpoint, 196
-    created = 0
+    checkpoints_on_base = {0, (len(base) - 1) // BS * BS}  # base's prompt-end checkpoint, 196
+    nearer = 0
     for i, n in enumerate(divergences):
         b, c = cached[1 + 2 * i], cached[2 + 2 * i]
         point = n // BS * BS
-        below = max([0] + [p for p in checkpoints_on_base if p <= point])
+        below = max(p for p in checkpoints_on_base if p <= point)
         assert b.num_cached_tokens == below, f"B_{n}"
-        if point - below >= DECODE_CHECKPOINT_INTERVAL:
-            checkpoints_on_base.add(point)
-            created += 1
-        assert c.num_cached_tokens == max(p for p in checkpoints_on_base | {0} if p <= point), f"C_{n}"
-    assert 3 <= created < len(divergences)  # both sides of the rule are exercised
+        nearer += 0 < point - below < DECODE_CHECKPOINT_INTERVAL
+        checkpoints_on_base.add(point)
+        assert c.num_cached_tokens == point, f"C_{n}"
+    assert nearer >= 3  # branch points less than a decode-checkpoint interval past B's hit are exercised
+
+
+BRANCH_DEPTHS = [17, 33, 50, 95, 130]  # at block size 16: one to three blocks in (under one stride), past it
+
+
+@pytest.mark.parametrize("order", ["sequential", "concurrent"])
+def test_prompts_branching_inside_prompts_hit_the_last_block_boundary_before_the_branch(make_checkpoint, order):
+    """Block size 16, the default decode-checkpoint stride (64). For each depth d, A (160 tokens) and B share
+    d tokens; C shares d + 10 with A and hits floor(d/16)*16, whether B came after A or with it. Then a tree:
+    Q branches off P at 50, R off Q at 95, S off R at 130, T off R at 100 (sequentially, or in pairs Q+R, S+T),
+    and prompts leaving it later hit the boundary at or below the deepest branch point they pass."""
+    on, off = engines(make_checkpoint("qwen3_5"), block_size=16)
+    rng = random.Random(5)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=1)
+    waves, expected = [], []
+    for d in BRANCH_DEPTHS:
+        a = tokens(rng, 160)
+        b, c = branch(rng, a, d, 40), branch(rng, a, d + 10, 8)
+        waves += [[(a, params)], [(b, params)]] if order == "sequential" else [[(a, params), (b, params)]]
+        waves.append([(c, params)])
+        expected += [0, 0, d // 16 * 16]
+    p = tokens(rng, 160)
+    q = branch(rng, p, 50, 90)  # 140 tokens
+    r = branch(rng, q, 95, 50)  # 145: its prompt-end checkpoint (144) lies past S's branch point
+    s, t = branch(rng, r, 130, 20), branch(rng, r, 100, 20)
+    if order == "sequential":
+        waves += [[(x, params)] for x in (p, q, r, s, t)]
+        expected += [0, 0, 48, 80, 80]
+    else:
+        waves += [[(p, params)], [(q, params), (r, params)], [(s, params), (t, params)]]
+        expected += [0, 0, 0, 80, 80]
+    for source, shared, hit in ((p, 60, 48), (q, 97, 80), (r, 101, 96), (s, 135, 128)):
+        waves.append([(branch(rng, source, shared, 12), params)])
+        expected.append(hit)
+    cached, _ = run_waves(on, waves)
+    assert_exact(cached, run_waves(off, waves)[0])
+    assert [o.num_cached_tokens for o in cached] == expected
+    assert_cache_idle(on)
 
 
 @pytest.mark.parametrize("setting", ["small cache", "preemption", "chunked prefill"])

@@ -170,6 +170,7 @@ def assert_only_cache_entries_left(sched):
     states = sched.cache.state_pool
     prefix = sched.cache.prefix_cache
     assert prefix.num_checkpoints + states.num_free_checkpoint_slots == states.num_checkpoint_slots
+    assert len(sched.cache.in_flight) == 0  # every request that started was taken out of it
     for i in range(states.num_checkpoint_slots):  # every checkpoint slot can be taken back
         assert prefix.reserve(bytes([i]) * 16) is not None
     pool = sched.cache.block_pool

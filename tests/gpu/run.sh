@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything GPU in one command, on an H200 machine: GPU tests, then the benchmarks.
-#   tests/gpu/run.sh OUTDIR [full|quick|tests|bench|tune]
+#   tests/gpu/run.sh OUTDIR [full|quick|tests|bench|serve|tune|quant]
 #   full   every GPU test, then all benchmarks (more than one 10-minute device call: use tests, then bench)
 #   quick  every GPU test, a kernel profile and a short benchmark
 #   tests  the GPU tests alone (~7.5 min on an H200); TESTS="paths" narrows them
@@ -9,6 +9,10 @@
 #   serve  a workload through the HTTP server: `deltaserve serve` on a published config with dummy weights and a
 #          synthetic tokenizer (bench/vocab_tokenizer.py), driven by `deltaserve bench serve`; MODEL (default
 #          qwen3.5-27b), IN/OUT_LEN (1024/512), PROMPTS (256), CONCURRENCY (64), MAX_MODEL_LEN (4096) choose it
+#   quant  the quantized GEMMs: their GPU tests, then benchmarks/quant_gemm_probe.py at Qwen3.5-27B's shapes (every
+#          kernel and tile, TB/s and TFLOP/s beside the limits) writing OUTDIR/quant_gemm_configs.json (for
+#          deltaserve/ops/quant_gemm/configs.json); ~6-7 min on an H200: the probe starts no shape after
+#          PROBE_BUDGET (240) s and is killed at PROBE_TIMEOUT (300) s, keeping what it measured
 #   tune   the tables this GPU should ship: fla-core's pinned kernel configurations as OUTDIR/fla_configs.tgz
 #          (unpack into deltaserve/ops/gdn/fla_configs/) and the skinny GEMM's tiles as OUTDIR/skinny_configs.json
 #          (for deltaserve/ops/linear/); TUNE=fla makes fla's alone (~2 min), TUNE=skinny the skinny table alone
@@ -17,7 +21,7 @@
 # (../shared/tools/gpu-wheels.sh .whl); the published configs are the ones shipped in deltaserve/model_configs/.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-OUT=${1:?usage: tests/gpu/run.sh OUTDIR [quick|full|tests|bench|serve|tune]}
+OUT=${1:?usage: tests/gpu/run.sh OUTDIR [quick|full|tests|bench|serve|tune|quant]}
 MODE=${2:-full}
 mkdir -p "$OUT"
 export DELTASERVE_GPU_OUT="$(cd "$OUT" && pwd)"  # where GPU tests write their figures (memory_plan.json)
@@ -41,6 +45,15 @@ if [ "$MODE" = tune ]; then
   python3 -m benchmarks.batch_probe "$CONFIGS/qwen3.5-27b" --gdn-batches "" --gdn-chunks "" --gdn-tail 64 \
     --out "$OUT/skinny_configs.json" 2>&1 | tee -a "$OUT/tune.log"
   exit 0
+fi
+if [ "$MODE" = quant ]; then
+  python3 -m pytest tests/gpu/test_quant_gemm_gpu.py -q -rs --timeout=300 -p no:cacheprovider 2>&1 \
+    | tee "$OUT/quant_tests.log"
+  status=${PIPESTATUS[0]}
+  timeout "${PROBE_TIMEOUT:-300}" python3 benchmarks/quant_gemm_probe.py "$CONFIGS/qwen3.5-27b" \
+    --budget-s "${PROBE_BUDGET:-240}" --out "$OUT/quant_gemm_configs.json" 2>&1 | tee "$OUT/quant_probe.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  exit $status
 fi
 if [ "$MODE" = serve ]; then
   model="$CONFIGS/${MODEL:-qwen3.5-27b}"

@@ -108,8 +108,8 @@ def greedy(waves) -> list[list[tuple[list[int], SamplingParams]]]:
 
 def diverging_waves(rng: random.Random):
     """A 60-token base, then for each of 11 positions two prompts branching off it there, one after the other
-    (the first hits base's prompt-end checkpoint where it branches past it; a divergence point at least a
-    decode-checkpoint interval past the first's hit would get a checkpoint that the second hits)."""
+    (the first hits base's prompt-end checkpoint where it branches past it, and otherwise saves one at the
+    block boundary before its branch point, which the second hits)."""
     base = tokens(rng, 60)
     waves = [[(base, GREEDY)]]
     for n in [3, 9, 22, 45, 58] + rng.sample(range(1, 60), 6):

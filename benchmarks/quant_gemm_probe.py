@@ -1,0 +1,227 @@
+"""The quantized GEMMs (deltaserve/ops/quant_gemm) on the GPU at a model's projection shapes: every kernel and tile
+candidate side by side, printed against the physical limits, and the table of the fastest per shape.
+
+    python benchmarks/quant_gemm_probe.py [CONFIG_DIR] [--out quant_gemm_configs.json] [--formats fp8,int4,nvfp4]
+                                          [--rows 1,8,16,32,64,512,8192]
+
+CONFIG_DIR defaults to the published Qwen3.5-27B config (.gpu_configs/ or ../shared/configs). Decode row counts
+(<= 64) are timed inside CUDA graphs over copies of the weight (400 MB of them, so that no call finds its weight in
+the 50 MB L2), and reported as the bytes of weights and scales read over the time (TB/s, beside the ~4.2 TB/s copy
+rate of an H200); prefill row counts by triton.testing.do_bench (the L2 flushed before each call) as TFLOP/s,
+beside ~1,580 dense FP8 and ~790 bf16. Candidates run in a shuffled order per shape; each one's output is checked
+against the plain-torch reference first (a broken tile is reported and never chosen). bf16 cuBLAS on the same
+shape is printed for scale. The table (keys "format:N:K:rows-bucket", see ops/quant_gemm/configs.py) is merged into
+--out; copy it to deltaserve/ops/quant_gemm/configs.json to ship it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from deltaserve.config import ModelConfig  # noqa: E402
+from deltaserve.ops.quant_gemm import configs, cuda_fp8, cuda_weight_only  # noqa: E402
+from deltaserve.ops.quant_gemm import reference as ref  # noqa: E402
+
+COPY_TBS, FP8_TFLOPS, BF16_TFLOPS = 4.2, 1580.0, 790.0
+COPIES_BYTES = 400e6
+ROWS = (1, 8, 16, 32, 64, 512, 8192)
+# Decode tiles: column block, K splits ("auto": ~2 programs per SM, as configs.default_config), warps, stages.
+DECODE_SWEEP = [dict(block_n=64, split_k="auto", warps=4, stages=4), dict(block_n=128, split_k="auto", warps=4,
+                stages=4), dict(block_n=64, split_k=1, warps=4, stages=6)]
+PREFILL_SWEEP = {
+    "fp8": [dict(block_m=128, block_n=128, block_k=128, group_m=8, warps=8, stages=3),
+            dict(block_m=128, block_n=256, block_k=128, group_m=8, warps=8, stages=3),
+            dict(block_m=64, block_n=128, block_k=128, group_m=8, warps=4, stages=4)],
+    "weight_only": [dict(block_m=128, block_n=128, block_k=64, group_m=8, warps=8, stages=3),
+                    dict(block_m=128, block_n=128, block_k=128, group_m=8, warps=8, stages=3),
+                    dict(block_m=64, block_n=128, block_k=64, group_m=8, warps=4, stages=4)],
+}
+
+
+def projections(cfg: ModelConfig) -> list[tuple[str, int, int]]:
+    """(name, N, K) of the quantized projections of a dense Qwen3.5 layer, fused as the bf16 path fuses them."""
+    h, attn = cfg.hidden_size, cfg.num_heads * cfg.head_dim
+    return [("gate_up", 2 * cfg.intermediate_size, h), ("down", h, cfg.intermediate_size),
+            ("gdn_in_qkvz", cfg.conv_dim + cfg.gdn_value_dim, h), ("gdn_out", h, cfg.gdn_value_dim),
+            ("attn_qkv", 2 * attn + 2 * cfg.num_kv_heads * cfg.head_dim, h), ("attn_o", h, attn)]
+
+
+def make_weight(fmt: str, n: int, k: int):
+    """A random prepared weight of `fmt` (int4: group 128, asymmetric; NVFP4: one scale_2)."""
+    dev = "cuda"
+    if fmt == "fp8":
+        return ref.prepare_fp8_block(*ref.fp8_block_quantize(torch.randn(n, k, device=dev) * 0.02), (128, 128))
+    if fmt == "int4":
+        packed = torch.randint(-2**31, 2**31 - 1, (n, k // 8), device=dev, dtype=torch.int32)
+        zero = torch.randint(-2**31, 2**31 - 1, (-(-n // 8), k // 128), device=dev, dtype=torch.int32)
+        scale = (torch.rand(n, k // 128, device=dev) * 2e-3 + 1e-4).to(torch.bfloat16)
+        return ref.prepare_int4(packed, scale, zero, 128, None, (n, k))
+    packed = torch.randint(0, 256, (n, k // 2), device=dev, dtype=torch.uint8)
+    return ref.prepare_nvfp4(packed, (torch.rand(n, k // 16, device=dev) * 400 + 1).to(torch.float8_e4m3fn), 1e-5)
+
+
+def copies_of(w) -> list:
+    """The weight and clones of its tensors, COPIES_BYTES in all (at least two)."""
+    fields = [f.name for f in dataclasses.fields(w) if isinstance(getattr(w, f.name), torch.Tensor)]
+    count = max(2, int(COPIES_BYTES // w.nbytes))
+    return [w] + [dataclasses.replace(w, **{f: getattr(w, f).clone() for f in fields}) for _ in range(count - 1)]
+
+
+def graph_us(calls) -> float:
+    """Microseconds per call of the zero-argument functions `calls`, replayed in one CUDA graph."""
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return 1e3 * start.elapsed_time(end) / (5 * len(calls))
+
+
+def bench_us(fn) -> float:
+    return 1e3 * triton.testing.do_bench(fn, warmup=10, rep=60)
+
+
+def reference(fmt, x, w):
+    return {"fp8": ref.fp8_block_linear, "int4": ref.int4_linear, "nvfp4": ref.nvfp4_linear}[fmt](x, w).float()
+
+
+def candidates(fmt: str, n: int, k: int, rows: int) -> list[tuple[dict, object]]:
+    """(table entry, function x, w -> y) of every way to run the product at `rows` rows."""
+    out = []
+    if rows <= configs.SKINNY_MAX_ROWS:
+        kernel = cuda_fp8.skinny if fmt == "fp8" else cuda_weight_only.skinny
+        auto = configs.default_config(fmt, n, k, rows)["split_k"]
+        for tile in DECODE_SWEEP:
+            entry = dict(kind="skinny", block_k=128, **dict(tile, split_k=auto if tile["split_k"] == "auto"
+                                                            else tile["split_k"]))
+            out.append((entry, lambda x, w, e=entry: kernel(x, w, e)))
+        first = out[0][0]
+        # fp8: the activation quantized by its own kernel first; NVFP4: longer K blocks (fp8 / int4 blocks are fixed)
+        extra = dict(first, quant_x=0) if fmt == "fp8" else dict(first, block_k=256) if fmt == "nvfp4" else None
+        if extra:
+            out.append((extra, lambda x, w, e=extra: kernel(x, w, e)))
+    else:
+        gemm = cuda_fp8.gemm if fmt == "fp8" else cuda_weight_only.gemm
+        for tile in PREFILL_SWEEP["fp8" if fmt == "fp8" else "weight_only"]:
+            entry = dict(kind="gemm", **tile)
+            out.append((entry, lambda x, w, e=entry: gemm(x, w, e)))
+        if fmt != "fp8":
+            out.append(({"kind": "cublas"}, cuda_weight_only.cublas))
+    if fmt == "fp8" and rows >= 16 and hasattr(torch.nn.functional, "scaled_mm"):
+        out.append(({"kind": "torch"}, cuda_fp8.torch_scaled_mm))
+    return out
+
+
+def probe_shape(fmt, name, n, k, rows, rng) -> tuple[str, dict | None]:
+    """Time every candidate at one shape and row count; print them; return (table key, the fastest entry)."""
+    w = make_weight(fmt, n, k)
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    want = reference(fmt, x, w)
+    scale = want.abs().max().item()
+    decode = rows <= configs.SKINNY_MAX_ROWS
+    weights = copies_of(w) if decode else [w]
+    results, order = [], candidates(fmt, n, k, rows)
+    rng.shuffle(order)
+    for entry, fn in order:
+        label = entry["kind"] if len(entry) == 1 else json.dumps(entry)
+        try:
+            err = (fn(x, w).float() - want).abs().max().item()
+            if not err <= 0.02 * scale:
+                print(f"    {label}: WRONG (max error {err:.3g} against |y| <= {scale:.3g})", flush=True)
+                continue
+            t = graph_us([lambda fn=fn, c=c: fn(x, c) for c in weights]) if decode else bench_us(lambda: fn(x, w))
+        except Exception as exc:  # a tile Triton cannot build (shared memory, registers), torch without the op
+            print(f"    {label}: failed ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})", flush=True)
+            continue
+        results.append((t, label, entry))
+    dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    bf16 = bench_us(lambda: torch.nn.functional.linear(x, dense))
+    del dense
+    head = f"{fmt:>5} {name:>12} N={n:>6} K={k:>6} rows={rows:>5}"
+    if not results:
+        print(f"{head}: no candidate ran", flush=True)
+        return "", None
+    results.sort(key=lambda r: r[0])
+    flops = 2.0 * rows * n * k
+    for t, label, _ in results:
+        speed = (f"{w.nbytes / t / 1e6:.2f} TB/s of {COPY_TBS}" if decode else
+                 f"{flops / t / 1e6:.0f} TFLOP/s of {FP8_TFLOPS if fmt == 'fp8' else BF16_TFLOPS:.0f}")
+        print(f"{head}: {t:9.1f} us  {speed}  {label}", flush=True)
+    bf16_speed = (f"{2 * n * k / bf16 / 1e6:.2f} TB/s" if decode else f"{flops / bf16 / 1e6:.0f} TFLOP/s")
+    print(f"{head}: bf16 cuBLAS {bf16:.1f} us ({bf16_speed}, {2 * n * k / 1e6:.0f} MB of weights; "
+          f"{fmt} {w.nbytes / 1e6:.0f} MB)", flush=True)
+    return f"{fmt}:{n}:{k}:{configs.row_bucket(rows)}", results[0][2]
+
+
+def write_table(path: str, measured: dict) -> None:
+    """Merge `measured` into the table at `path` (other shapes kept), one entry a line."""
+    table = json.loads(Path(path).read_text()) if Path(path).exists() else {}
+    table.update(measured)
+    Path(path).write_text("{\n" + ",\n".join(f" {json.dumps(key)}: {json.dumps(value)}"
+                                              for key, value in sorted(table.items())) + "\n}\n")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    default_dir = next((d for d in (".gpu_configs/qwen3.5-27b", "../shared/configs/qwen3.5-27b",
+                                    "shared/configs/qwen3.5-27b") if os.path.isdir(d)), None)
+    parser.add_argument("model", nargs="?", default=default_dir, help="config.json directory")
+    parser.add_argument("--out", default="quant_gemm_configs.json", help="merge the fastest entries into this table")
+    parser.add_argument("--formats", default="fp8,int4,nvfp4")
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)))
+    parser.add_argument("--only", default="", help="comma-separated projection names (default: all)")
+    parser.add_argument("--budget-s", type=float, default=float("inf"),
+                        help="start no new shape after this many seconds (what was measured is kept)")
+    args = parser.parse_args(argv)
+    if args.model is None:
+        parser.error("no config directory found: pass CONFIG_DIR")
+    cfg = ModelConfig.from_pretrained(args.model)
+    rng = random.Random(0)
+    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
+          f"F.scaled_mm {'present' if hasattr(torch.nn.functional, 'scaled_mm') else 'absent'}", flush=True)
+    seen, entries, start = set(), 0, time.monotonic()
+    for name, n, k in projections(cfg):  # every format's shape in turn: a budget cut drops the last shapes
+        for fmt in args.formats.split(","):
+            if (args.only and name not in args.only.split(",")) or (fmt, n, k) in seen:
+                continue
+            if time.monotonic() - start > args.budget_s:
+                print(f"budget of {args.budget_s:.0f} s spent: {fmt} {name} ({n} x {k}) not probed", flush=True)
+                continue
+            seen.add((fmt, n, k))
+            table = {}
+            for rows in sorted(int(r) for r in args.rows.split(",")):
+                key, best = probe_shape(fmt, name, n, k, rows, rng)
+                if best is not None:  # a bucket takes its largest row count (its decode graph's size)
+                    configs.check_entry("probe", key, best)
+                    table[key] = best
+            write_table(args.out, table)  # after every shape: a run cut short keeps what it measured
+            entries += len(table)
+            torch.cuda.empty_cache()
+    print(f"wrote {entries} entries to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,88 @@
+"""Quantized GEMMs: y [M, N] = x [M, K] @ W^T for FP8 block-scaled (W8A8), int4 W4A16 and NVFP4 (weight-only)
+weights. `prepare_*` runs once at load and returns the weight in the kernels' layout (reference.py describes
+each format and layout); the ops take any M >= 1 and return x.dtype.
+
+On CUDA, for bf16 / fp16 activations, each product runs what configs.py names for its (format, N, K, row bucket):
+the tuned table where the probe measured the shape, else the defaults: up to 64 rows the skinny decode kernels
+(cuda_fp8, cuda_weight_only), more rows the tiled GEMMs (or torch's block-scaled F.scaled_mm for FP8, or a bf16
+dequantization + cuBLAS for the weight-only formats, where those measured faster). Elsewhere (the CPU, float32
+activations, an FP8 scale block tl.dot cannot take) the plain-torch reference runs.
+"""
+
+import torch
+
+from deltaserve.ops.quant_gemm import configs, reference
+from deltaserve.ops.quant_gemm.reference import (Fp8BlockWeight, Int4Weight, Nvfp4Weight, fp8_block_quantize,
+                                                 prepare_fp8_block, prepare_int4, prepare_nvfp4)
+
+__all__ = ["Fp8BlockWeight", "Int4Weight", "Nvfp4Weight", "fp8_block_linear", "fp8_block_quantize", "int4_linear",
+           "nvfp4_linear", "prepare_fp8_block", "prepare_int4", "prepare_nvfp4", "warm_up", "warm_up_rows"]
+
+
+def _kernels_serve(x: torch.Tensor) -> bool:
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.shape[0] > 0
+
+
+def fp8_block_linear(x, w: Fp8BlockWeight):
+    """x [M, K] -> [M, N] in x.dtype; see reference.fp8_block_linear."""
+    reference.check_input(x, w.shape[1])
+    if not _kernels_serve(x):
+        return reference.fp8_block_linear(x, w)
+    from deltaserve.ops.quant_gemm import cuda_fp8
+
+    if not cuda_fp8.supports(w):
+        return reference.fp8_block_linear(x, w)
+    config = configs.config_for("fp8", *w.shape, x.shape[0])
+    if config["kind"] == "skinny":
+        return cuda_fp8.skinny(x, w, config)
+    if config["kind"] == "torch" and cuda_fp8.torch_supports(w):
+        return cuda_fp8.torch_scaled_mm(x, w)
+    if config["kind"] != "gemm":
+        config = configs.default_config("fp8", *w.shape, x.shape[0])
+    return cuda_fp8.gemm(x, w, config)
+
+
+def _weight_only(fmt: str, x, w):
+    from deltaserve.ops.quant_gemm import cuda_weight_only
+
+    config = configs.config_for(fmt, *w.shape, x.shape[0])
+    if config["kind"] == "skinny":
+        return cuda_weight_only.skinny(x, w, config)
+    if config["kind"] == "cublas":
+        return cuda_weight_only.cublas(x, w)
+    return cuda_weight_only.gemm(x, w, config)
+
+
+def int4_linear(x, w: Int4Weight):
+    """x [M, K] -> x @ dequant(w)^T [M, N] in x.dtype; see reference.int4_linear."""
+    reference.check_input(x, w.shape[1])
+    return _weight_only("int4", x, w) if _kernels_serve(x) else reference.int4_linear(x, w)
+
+
+def nvfp4_linear(x, w: Nvfp4Weight):
+    """x [M, K] -> x @ dequant(w)^T [M, N] in x.dtype; see reference.nvfp4_linear."""
+    reference.check_input(x, w.shape[1])
+    return _weight_only("nvfp4", x, w) if _kernels_serve(x) else reference.nvfp4_linear(x, w)
+
+
+def warm_up_rows() -> list[int]:
+    """Row counts that compile every kernel variant a product can meet: per decode bucket its tile, and Triton's
+    specialisation of the row count (1, a multiple of 16, any other), then a prefill count of each kind."""
+    rows = [1]
+    for smaller, bucket in zip(configs.DECODE_BUCKETS, configs.DECODE_BUCKETS[1:]):
+        rows += [smaller + 1, bucket]
+    first, _ = configs.PREFILL_BUCKETS
+    return rows + [configs.SKINNY_MAX_ROWS + 1, first // 2, first + 1, 2 * first]
+
+
+_OPS = {Fp8BlockWeight: fp8_block_linear, Int4Weight: int4_linear, Nvfp4Weight: nvfp4_linear}
+
+
+@torch.no_grad()
+def warm_up(weights, dtype=torch.bfloat16) -> None:
+    """GPU start-up, before graph capture: multiply each prepared weight once at each of `warm_up_rows`, so that
+    no step compiles a kernel while serving."""
+    for w in weights:
+        device = (w.weight if isinstance(w, Fp8BlockWeight) else w.packed).device
+        for rows in warm_up_rows():
+            _OPS[type(w)](torch.zeros(rows, w.shape[1], dtype=dtype, device=device), w)

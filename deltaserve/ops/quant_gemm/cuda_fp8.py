@@ -1,0 +1,226 @@
+"""Triton kernels of the FP8 block-scaled GEMM (W8A8, reference.fp8_block_linear's semantics) on Hopper's FP8
+tensor cores.
+
+Every K block of bk columns (the checkpoint's scale block, 128) is one tl.dot of e4m3 tiles started from zero; its
+float32 result is scaled by s_x[m, g] * s_w[n // bn, g] and added to the float32 accumulator, as the reference
+does (the tensor cores' own FP8 accumulation never spans more than one block).
+
+  decode (1..64 rows)  `_skinny_kernel`: the weight is the wide side, W tile [BLOCK_N, bk] x xq^T [bk, BLOCK_M]
+                       (rows padded to 16); QUANT_X quantizes the activation's K block in the prologue of every
+                       program (no extra launch; each program re-reads x from L2), else it reads xq / s_x written
+                       by `_quantize_kernel`; K may be split among SPLIT_K programs (partial sums added in order).
+  prefill              `_quantize_kernel` once, then `_gemm_kernel`: [BLOCK_M, BLOCK_N] output tiles, grouped along
+                       M for L2 reuse of the weight. Or torch's block-scaled F.scaled_mm where it measured faster.
+Activation scales are stored K-group-major (s_x [G, M]), the layout F.scaled_mm wants for 1x128 scales.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deltaserve.ops import pdl
+from deltaserve.ops.linear.cuda_skinny import _sum_splits_kernel
+from deltaserve.ops.pdl import wait_for_previous_kernel
+from deltaserve.ops.quant_gemm.reference import ACT_AMAX_FLOOR, E4M3_MAX, Fp8BlockWeight
+
+
+@triton.jit
+def _quantize_block(xf, FLOOR: tl.constexpr, QMAX: tl.constexpr):
+    """xf [R, BK] float32 -> (xq [R, BK] e4m3, s [R] float32): s = max(amax, FLOOR) / 448 and xq = x / s, both IEEE
+    divisions rounded to nearest as torch computes them (the reference's activation quantization)."""
+    amax = tl.maximum(tl.max(tl.abs(xf), axis=1), FLOOR)  # [R]
+    s = tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32))
+    q = tl.math.div_rn(xf, tl.broadcast_to(s[:, None], xf.shape))
+    return tl.clamp(q, -QMAX, QMAX).to(tl.float8e4nv), s
+
+
+@triton.jit
+def _quantize_kernel(x, xq, sx, M, K, stride_xm, BLOCK_M: tl.constexpr, BK: tl.constexpr,
+                     FLOOR: tl.constexpr, QMAX: tl.constexpr, PDL: tl.constexpr = False):
+    """Grid (cdiv(M, BLOCK_M), cdiv(K, BK)): x [M, K] -> xq [M, K] e4m3 and sx [G, M] float32 for one K group."""
+    wait_for_previous_kernel(PDL)
+    ms = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    g = tl.program_id(1)
+    ks = g * BK + tl.arange(0, BK)
+    ok = (ms < M)[:, None] & (ks < K)[None, :]
+    xf = tl.load(x + ms[:, None].to(tl.int64) * stride_xm + ks[None, :], mask=ok, other=0.0).to(tl.float32)
+    q, s = _quantize_block(xf, FLOOR, QMAX)
+    tl.store(xq + ms[:, None].to(tl.int64) * K + ks[None, :], q, mask=ok)
+    tl.store(sx + g * M + ms, s, mask=ms < M)
+
+
+# Not specialised on the loop counts (a variant per shape otherwise); M is (1, a multiple of 16, other), as in
+# ops/linear/cuda_skinny.
+@triton.jit(do_not_specialize=["G", "k_iters"])
+def _skinny_kernel(
+    x, xq, sx, w, ws, out, partial, M, N, K, G, k_iters, stride_xm, stride_out_m,
+    BN_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
+    QUANT_X: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, FLOOR: tl.constexpr, QMAX: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    """Grid (cdiv(N, BLOCK_N), SPLIT_K): out[:, n block] (or partial [SPLIT_K, M, N]) over the program's k_iters K
+    blocks. x [M, K] (QUANT_X) or xq [M, K] e4m3 + sx [G, M]; w [N, K] e4m3; ws [cdiv(N, BN_W), G] float32."""
+    wait_for_previous_kernel(PDL)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output columns = weight rows
+    ms = tl.arange(0, BLOCK_M)  # [BM]
+    n_ok = ns < N
+    m_ok = ms < M
+    w_rows = w + ns[:, None].to(tl.int64) * K  # [BN, 1]
+    ws_rows = ws + (ns // BN_W) * G  # [BN]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for i in range(0, k_iters):
+        g = pid_k * k_iters + i
+        ks = g * BK + tl.arange(0, BK)  # [BK]
+        k_ok = ks < K
+        if QUANT_X:
+            xf = tl.load(x + ms[:, None] * stride_xm + ks[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                         other=0.0).to(tl.float32)  # [BM, BK]
+            xt, s_x = _quantize_block(xf, FLOOR, QMAX)
+        else:
+            xt = tl.load(xq + ms[:, None] * K + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            s_x = tl.load(sx + g * M + ms, mask=m_ok & (g < G), other=0.0)
+        if EVEN_N and EVEN_K:
+            wt = tl.load(w_rows + ks[None, :])  # [BN, BK] e4m3
+            s_w = tl.load(ws_rows + g)
+        else:
+            wt = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            s_w = tl.load(ws_rows + g, mask=n_ok & (g < G), other=0.0)
+        part = tl.dot(wt, tl.trans(xt))  # [BN, BM], one K block from zero
+        acc += part * (s_x[None, :] * s_w[:, None])
+    ok = m_ok[None, :] & n_ok[:, None]
+    if not SPLIT:
+        tl.store(out + ms[None, :] * stride_out_m + ns[:, None], acc.to(out.dtype.element_ty), mask=ok)
+    else:
+        tl.store(partial + (pid_k * M + ms[None, :]).to(tl.int64) * N + ns[:, None], acc, mask=ok)
+
+
+@triton.jit(do_not_specialize=["G"])
+def _gemm_kernel(
+    xq, sx, w, ws, out, M, N, K, G, stride_out_m,
+    BN_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, PDL: tl.constexpr = False,
+):
+    """Grid (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),): out [M, N] = the block-scaled product of xq [M, K] e4m3
+    (scales sx [G, M]) and w [N, K] e4m3 (scales ws [cdiv(N, BN_W), G]). Programs walk GROUP_M row tiles per
+    column tile so that a column tile of the weight is read from L2 by neighbours."""
+    wait_for_previous_kernel(PDL)
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % rows_in_group
+    pid_n = (pid % per_group) // rows_in_group
+    ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    m_ok = ms < M
+    n_ok = ns < N
+    a_rows = xq + ms[:, None].to(tl.int64) * K
+    b_rows = w + ns[:, None].to(tl.int64) * K
+    ws_rows = ws + (ns // BN_W) * G
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for g in range(0, G):
+        ks = g * BK + tl.arange(0, BK)
+        if EVEN_K:
+            a = tl.load(a_rows + ks[None, :], mask=m_ok[:, None], other=0.0)  # [BM, BK]
+            b = tl.load(b_rows + ks[None, :], mask=n_ok[:, None], other=0.0)  # [BN, BK]
+        else:
+            a = tl.load(a_rows + ks[None, :], mask=m_ok[:, None] & (ks < K)[None, :], other=0.0)
+            b = tl.load(b_rows + ks[None, :], mask=n_ok[:, None] & (ks < K)[None, :], other=0.0)
+        s_x = tl.load(sx + g * M + ms, mask=m_ok, other=0.0)  # [BM]
+        s_w = tl.load(ws_rows + g, mask=n_ok, other=0.0)  # [BN]
+        part = tl.dot(a, tl.trans(b))  # [BM, BN]
+        acc += part * (s_x[:, None] * s_w[None, :])
+    tl.store(out + ms[:, None].to(tl.int64) * stride_out_m + ns[None, :], acc.to(out.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def supports(w: Fp8BlockWeight) -> bool:
+    """Whether the kernels take this weight: a scale block of K that tl.dot can take whole (16..256, a power of
+    two) and unit-stride contiguous tensors."""
+    bk = w.block_size[1]
+    return 16 <= bk <= 256 and bk & (bk - 1) == 0
+
+
+def quantize(x: torch.Tensor, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (xq [M, K] e4m3, sx [G, M] float32): reference.quantize_activation, scales K-group-major."""
+    m, k = x.shape
+    groups = triton.cdiv(k, bk)
+    xq = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    sx = torch.empty(groups, m, dtype=torch.float32, device=x.device)
+    block_m = 16
+    _quantize_kernel[(triton.cdiv(m, block_m), groups)](
+        x, xq, sx, m, k, x.stride(0), BLOCK_M=block_m, BK=bk, FLOOR=ACT_AMAX_FLOOR, QMAX=E4M3_MAX, num_warps=4,
+        **pdl.launch_args(x.device))
+    return xq, sx
+
+
+def skinny(x: torch.Tensor, w: Fp8BlockWeight, config: dict) -> torch.Tensor:
+    """x [M <= 64, K] -> [M, N] in x.dtype. config: block_n, split_k, warps, stages, quant_x (see configs.py)."""
+    n, k = w.shape
+    m = x.shape[0]
+    bn_w, bk = w.block_size
+    groups = triton.cdiv(k, bk)
+    split_k = min(config["split_k"], groups)
+    k_iters = triton.cdiv(groups, split_k)
+    block_m = max(16, triton.next_power_of_2(m))
+    block_n = config["block_n"]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
+    quant_x = bool(config.get("quant_x", 1))
+    xq, sx = (x, out) if quant_x else quantize(x, bk)
+    launch = pdl.launch_args(x.device)
+    _skinny_kernel[(triton.cdiv(n, block_n), split_k)](
+        x, xq, sx, w.weight, w.scale_inv, out, partial, m, n, k, groups, k_iters, x.stride(0), out.stride(0),
+        BN_W=bn_w, BLOCK_M=block_m, BLOCK_N=block_n, BK=bk, SPLIT=split_k > 1, QUANT_X=quant_x,
+        EVEN_N=n % block_n == 0, EVEN_K=k % bk == 0 and groups % split_k == 0, FLOOR=ACT_AMAX_FLOOR, QMAX=E4M3_MAX,
+        num_warps=config["warps"], num_stages=config["stages"], **launch)
+    if split_k > 1:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](partial, out, m * n, SPLIT_K=split_k, BLOCK=block, **launch)
+    return out
+
+
+def gemm(x: torch.Tensor, w: Fp8BlockWeight, config: dict) -> torch.Tensor:
+    """x [M, K] -> [M, N] in x.dtype: the activation quantized by one kernel, then the tiled block-scaled GEMM.
+    config: block_m, block_n, group_m, warps, stages (block_k is the weight's scale block)."""
+    n, k = w.shape
+    m = x.shape[0]
+    bn_w, bk = w.block_size
+    xq, sx = quantize(x, bk)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    block_m, block_n = config["block_m"], config["block_n"]
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+    _gemm_kernel[grid](
+        xq, sx, w.weight, w.scale_inv, out, m, n, k, triton.cdiv(k, bk), out.stride(0),
+        BN_W=bn_w, BLOCK_M=block_m, BLOCK_N=block_n, BK=bk, GROUP_M=config["group_m"], EVEN_K=k % bk == 0,
+        num_warps=config["warps"], num_stages=config["stages"], **pdl.launch_args(x.device))
+    return out
+
+
+def torch_supports(w: Fp8BlockWeight) -> bool:
+    """Whether torch's block-scaled F.scaled_mm can take the weight: 128 x 128 blocks dividing N and K."""
+    n, k = w.shape
+    return (hasattr(torch.nn.functional, "scaled_mm") and tuple(w.block_size) == (128, 128)
+            and n % 128 == 0 and k % 128 == 0)
+
+
+def torch_scaled_mm(x: torch.Tensor, w: Fp8BlockWeight) -> torch.Tensor:
+    """The same product by torch's F.scaled_mm (cuBLASLt) with 1x128 activation and 128x128 weight scales: xq [M, K]
+    row-major, s_x [M, K/128] with strides (1, M), W^T column-major, s_w [K/128 rounded up to 4, N/128] with strides
+    (1, that)."""
+    F = torch.nn.functional
+    n, k = w.shape
+    xq, sx = quantize(x, 128)
+    groups = k // 128
+    sw = w.scale_inv  # [N/128, G]: its transpose has the strides wanted when G is a multiple of 4
+    if groups % 4:
+        sw = torch.zeros(n // 128, -(-groups // 4) * 4, dtype=torch.float32, device=x.device)
+        sw[:, :groups] = w.scale_inv
+    return F.scaled_mm(xq, w.weight.t(), sx.t(), F.ScalingType.BlockWise1x128, sw.t(),
+                       F.ScalingType.BlockWise128x128, output_dtype=x.dtype)

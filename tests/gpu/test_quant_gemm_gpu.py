@@ -1,0 +1,201 @@
+"""The quantized GEMMs (ops/quant_gemm) compiled on the GPU against the float64 value of each format's semantics, at
+Qwen3.5-27B's projection shapes: every kernel (FP8 skinny with the activation quantized in its prologue and
+apart, FP8 tiled GEMM, torch's block-scaled F.scaled_mm where torch has it; int4 and NVFP4 skinny, tiled GEMM,
+dequantize + cuBLAS) and the dispatch at 1 to 8192 rows; decode kernels inside a CUDA graph equal to eager.
+
+Bounds (tests/ops/quant_gemm_oracle.py): 16-bit tensor-core products accumulate at 2^-23 (a truncating float32);
+FP8 ones at 2^-12 within a K block (Hopper keeps ~14 bits; DeepSeek-V3 section 3.3.2), which is why each block is
+its own dot added in float32.
+Run on an H200 by `tests/gpu/run.sh OUT quant`.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from deltaserve.config import ModelConfig
+from deltaserve.ops import quant_gemm
+from deltaserve.ops.quant_gemm import configs, cuda_fp8, cuda_weight_only
+from deltaserve.ops.quant_gemm import reference as ref
+from tests.ops import quant_gemm_oracle as oracle
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG_DIRS = [ROOT / ".gpu_configs" / "qwen3.5-27b", ROOT.parent / "shared" / "configs" / "qwen3.5-27b",
+               ROOT / "shared" / "configs" / "qwen3.5-27b"]
+U_TC16 = 2.0**-23
+U_TC8 = 2.0**-12
+DECODE_ROWS = [1, 2, 8, 16, 64]
+# tiles the probe (benchmarks/quant_gemm_probe.py) also sweeps, so that it finds them compiled
+SKINNY_TILES = [dict(block_n=64, block_k=128, split_k=1, warps=4, stages=6, quant_x=1),
+                dict(block_n=128, block_k=128, split_k=4, warps=4, stages=4, quant_x=0)]
+GEMM_TILES = [dict(block_m=128, block_n=128, block_k=128, group_m=8, warps=8, stages=3),
+              dict(block_m=64, block_n=128, block_k=64, group_m=8, warps=4, stages=4)]
+
+
+def projections() -> list[tuple[int, int]]:
+    """(N, K) of 27B's quantized projections, fused as the bf16 path fuses them (GDN's in_proj_a/b stay bf16)."""
+    found = next((p for p in CONFIG_DIRS if (p / "config.json").is_file()), None)
+    if found is None:
+        pytest.skip(f"no Qwen3.5-27B config in {[str(p) for p in CONFIG_DIRS]}")
+    cfg = ModelConfig.from_pretrained(str(found))
+    h, attn = cfg.hidden_size, cfg.num_heads * cfg.head_dim
+    qkv = 2 * attn + 2 * cfg.num_kv_heads * cfg.head_dim  # q with its output gate, k, v
+    shapes = [(2 * cfg.intermediate_size, h), (h, cfg.intermediate_size), (cfg.conv_dim + cfg.gdn_value_dim, h),
+              (h, cfg.gdn_value_dim), (qkv, h), (h, attn)]
+    return list(dict.fromkeys(shapes))  # the attention o_proj shares the GDN out-proj's shape
+
+
+def make_weight(fmt: str, n: int, k: int, seed: int = 0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    if fmt == "fp8":
+        w = torch.randn(n, k, device="cuda", generator=gen) * 0.02
+        return ref.prepare_fp8_block(*ref.fp8_block_quantize(w, (128, 128)), (128, 128))
+    if fmt == "int4":
+        g = 128
+        packed = torch.randint(-2**31, 2**31 - 1, (n, k // 8), device="cuda", generator=gen, dtype=torch.int32)
+        scale = (torch.rand(n, k // g, device="cuda", generator=gen) * 2e-3 + 1e-4).to(torch.bfloat16)
+        zero = torch.randint(-2**31, 2**31 - 1, (-(-n // 8), k // g), device="cuda", generator=gen, dtype=torch.int32)
+        return ref.prepare_int4(packed, scale, zero, g, None, (n, k))
+    packed = torch.randint(0, 256, (n, k // 2), device="cuda", generator=gen, dtype=torch.uint8)
+    scale = (torch.rand(n, k // 16, device="cuda", generator=gen) * 400 + 1).to(torch.float8_e4m3fn)
+    return ref.prepare_nvfp4(packed, scale, 1e-5)
+
+
+def activations(m, k, dtype=torch.bfloat16, seed=1):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(m, k, device="cuda", generator=gen).to(dtype)
+
+
+def check(fmt, x, w, got, what, u_w=0.0, exact_codes=False):
+    if fmt == "fp8":
+        y64, terms = oracle.fp8_exact(x, w)
+        bound = oracle.fp8_bound(x, w, y64, terms, u_dot=U_TC8)
+    else:
+        y64, terms = oracle.weight_only_exact(x, w)
+        bound = oracle.weight_only_bound(x, w, y64, terms, u_dot=U_TC16, u_w=u_w, exact_codes=exact_codes)
+    assert got.dtype == x.dtype and got.shape == (x.shape[0], w.shape[0]), what
+    oracle.assert_within(got, y64, bound, what)
+
+
+@pytest.fixture(scope="module")
+def weights():
+    """One weight per (format, shape), made once (~8 GB of FP8 and 4-bit weights at most alive)."""
+    return {(fmt, n, k): make_weight(fmt, n, k) for fmt in ("fp8", "int4", "nvfp4") for n, k in projections()}
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4", "nvfp4"])
+def test_dispatch_at_every_row_count(fmt, weights):
+    """The op as the engine calls it (the tuned table or the defaults) at decode and prefill row counts; 8192 rows
+    at the widest and the longest shape."""
+    shapes = projections()
+    for n, k in shapes:
+        w = weights[(fmt, n, k)]
+        for m in DECODE_ROWS + [512] + ([8192] if (n, k) in (shapes[0], shapes[1]) else []):
+            op = {"fp8": quant_gemm.fp8_block_linear, "int4": quant_gemm.int4_linear,
+                  "nvfp4": quant_gemm.nvfp4_linear}[fmt]
+            x = activations(m, k)
+            kind = configs.config_for(fmt, n, k, m)["kind"]
+            u_w = 0.0 if fmt == "fp8" or kind == "skinny" and fmt == "int4" else 2.0**-8
+            check(fmt, x, w, op(x, w), f"{fmt} {kind} N={n} K={k} M={m}", u_w=u_w,
+                  exact_codes=fmt == "int4" and kind == "skinny")
+
+
+@pytest.mark.parametrize("tile", SKINNY_TILES)
+@pytest.mark.parametrize("fmt", ["fp8", "int4", "nvfp4"])
+def test_skinny_tiles(fmt, tile, weights):
+    for n, k in projections()[:2]:
+        w = weights[(fmt, n, k)]
+        kernel = cuda_fp8.skinny if fmt == "fp8" else cuda_weight_only.skinny
+        for m in (1, 17, 64):
+            x = activations(m, k)
+            check(fmt, x, w, kernel(x, w, tile), f"{fmt} skinny {tile} N={n} K={k} M={m}",
+                  u_w=2.0**-8 if fmt == "nvfp4" else 0.0, exact_codes=fmt == "int4")
+
+
+@pytest.mark.parametrize("tile", GEMM_TILES)
+@pytest.mark.parametrize("fmt", ["fp8", "int4", "nvfp4"])
+def test_prefill_kernels(fmt, tile, weights):
+    n, k = projections()[3]  # 5120 x 6144
+    w = weights[(fmt, n, k)]
+    for m in (65, 600):
+        x = activations(m, k)
+        if fmt == "fp8":
+            check(fmt, x, w, cuda_fp8.gemm(x, w, tile), f"fp8 gemm {tile} M={m}")
+        else:
+            check(fmt, x, w, cuda_weight_only.gemm(x, w, tile), f"{fmt} gemm {tile} M={m}", u_w=2.0**-8)
+            check(fmt, x, w, cuda_weight_only.cublas(x, w), f"{fmt} cublas M={m}", u_w=2.0**-8)
+
+
+def test_torch_block_scaled_mm_where_torch_has_it(weights):
+    n, k = projections()[3]
+    w = weights[("fp8", n, k)]
+    if not cuda_fp8.torch_supports(w):
+        pytest.skip(f"torch {torch.__version__} has no F.scaled_mm")
+    x = activations(600, k)
+    check("fp8", x, w, cuda_fp8.torch_scaled_mm(x, w), "torch F.scaled_mm")
+
+
+def test_fp16_activations(weights):
+    """fp16 takes its own int4 codes (1024 + q) and output rounding."""
+    n, k = projections()[3]
+    for fmt in ("fp8", "int4", "nvfp4"):
+        w = weights[(fmt, n, k)]
+        for m in (1, 40, 300):
+            x = activations(m, k, torch.float16)
+            kind = configs.config_for(fmt, n, k, m)["kind"]
+            op = {"fp8": quant_gemm.fp8_block_linear, "int4": quant_gemm.int4_linear,
+                  "nvfp4": quant_gemm.nvfp4_linear}[fmt]
+            check(fmt, x, w, op(x, w), f"{fmt} fp16 M={m}", u_w=0.0 if fmt == "fp8" else 2.0**-11,
+                  exact_codes=fmt == "int4" and kind == "skinny")
+
+
+def test_act_order_and_odd_shapes():
+    """An int4 weight with act order, NVFP4 with per-row scale_2, FP8 with N and K off the 128 grid."""
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    n, k, g = 1000, 1024, 64
+    g_idx = torch.empty(k, dtype=torch.int32, device="cuda")
+    g_idx[torch.randperm(k, device="cuda", generator=gen)] = torch.arange(k, dtype=torch.int32, device="cuda") // g
+    packed = torch.randint(-2**31, 2**31 - 1, (n, k // 8), device="cuda", generator=gen, dtype=torch.int32)
+    scale = (torch.rand(n, k // g, device="cuda", generator=gen) * 2e-3).to(torch.bfloat16)
+    w4 = ref.prepare_int4(packed, scale, None, g, g_idx, (n, k))
+    nv = ref.prepare_nvfp4(torch.randint(0, 256, (n, k // 2), device="cuda", generator=gen, dtype=torch.uint8),
+                           (torch.rand(n, k // 16, device="cuda", generator=gen) * 100).to(torch.float8_e4m3fn),
+                           torch.rand(n, device="cuda", generator=gen) * 1e-4)
+    q, s = ref.fp8_block_quantize(torch.randn(1000, 1000, device="cuda", generator=gen), (128, 128))
+    f8 = ref.prepare_fp8_block(q, s, (128, 128))
+    for m in (1, 9, 130):
+        x = activations(m, k)
+        for fmt, w, op in (("int4", w4, quant_gemm.int4_linear), ("nvfp4", nv, quant_gemm.nvfp4_linear)):
+            kind = configs.config_for(fmt, n, k, m)["kind"]
+            check(fmt, x, w, op(x, w), f"{fmt} odd M={m}", u_w=0.0 if kind == "skinny" and fmt == "int4" else 2**-8,
+                  exact_codes=fmt == "int4" and kind == "skinny")
+        x = activations(m, 1000)
+        check("fp8", x, f8, quant_gemm.fp8_block_linear(x, f8), f"fp8 1000x1000 M={m}")
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4", "nvfp4"])
+def test_cuda_graph_replay_equals_eager(fmt, weights):
+    """Decode products captured in a CUDA graph (as the engine replays them) give the eager bits, split K
+    included."""
+    op = {"fp8": quant_gemm.fp8_block_linear, "int4": quant_gemm.int4_linear, "nvfp4": quant_gemm.nvfp4_linear}[fmt]
+    for n, k in projections()[:2]:
+        w = weights[(fmt, n, k)]
+        for m in (1, 8, 64):
+            x = activations(m, k)
+            eager = op(x, w)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = op(x, w)
+            x.copy_(activations(m, k, seed=5))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(captured, op(x, w)), f"{fmt} N={n} K={k} M={m}: graph != eager after new inputs"
+            assert not torch.equal(captured, eager)
+
+
+def test_warm_up_compiles_every_variant(weights):
+    n, k = projections()[3]
+    quant_gemm.warm_up([weights[(fmt, n, k)] for fmt in ("fp8", "int4", "nvfp4")])

@@ -1,0 +1,74 @@
+"""Float64 values of the quantized GEMMs and the error bounds of their float32 implementations, for the kernel
+tests (the Triton interpreter on the CPU, tests/gpu on the H200).
+
+A sum of L terms accumulated with unit roundoff u is within L * u * sum|terms| of the exact sum, in any order; the
+cast to the output dtype adds its unit roundoff times |y|. What differs per implementation is u of the products'
+accumulator (u_dot: float32's 2^-24 on the CPU; on Hopper's tensor cores a truncating float32 for 16-bit inputs,
+and for FP8 inputs ~14 bits, which is why every FP8 K block is its own dot) and whether the weight is rounded to
+16 bits before the dot (the weight-only tiles: u_w per weight).
+"""
+
+import math
+
+import torch
+
+from deltaserve.ops.quant_gemm import reference as ref
+
+U32 = 2.0**-24
+UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+def fp8_exact(x, w: ref.Fp8BlockWeight):
+    """(y64, terms64 = sum_g s_x s_w sum_k |xq wq|) [M, N] of the FP8 block semantics, the activation quantized as
+    specified (reference.quantize_activation, checked against hand-computed codes)."""
+    n, k = w.shape
+    bk = w.block_size[1]
+    xq, s_x = ref.quantize_activation(x, bk)
+    s_w = w.row_scales().double()
+    y = torch.zeros(x.shape[0], n, dtype=torch.float64, device=x.device)
+    terms = torch.zeros_like(y)
+    for g in range(s_x.shape[1]):
+        cols = slice(g * bk, min(k, (g + 1) * bk))
+        a, b = xq[:, cols].double(), w.weight[:, cols].double()
+        factor = s_x[:, g, None].double() * s_w[None, :, g]
+        y += (a @ b.T) * factor
+        terms += (a.abs() @ b.abs().T) * factor
+    return y, terms
+
+
+def fp8_bound(x, w, y64, terms, u_dot=U32):
+    """Each K block's dot (bk terms at u_dot), then scaled and added in float32 (G + 3 roundings)."""
+    groups = math.ceil(w.shape[1] / w.block_size[1])
+    return (min(w.shape[1], w.block_size[1]) * u_dot + (groups + 3) * U32) * terms + _output(x, y64)
+
+
+def weight_only_exact(x, w):
+    """(y64, terms64 = |x| @ |W|^T) of x @ dequant(w)^T, the weight dequantized in float32 (exact for int4, one
+    rounding for NVFP4's scale_2) then widened."""
+    w64 = w.dequantize(torch.float32).double()
+    x64 = x.double()
+    return x64 @ w64.T, x64.abs() @ w64.abs().T
+
+
+def weight_only_bound(x, w, y64, terms, u_dot=U32, u_w=U32, exact_codes=False):
+    """K terms accumulated at u_dot, each weight rounded at u_w (16-bit tiles), plus, for the exact int4 codes, the
+    offset's cancellation: per group the codes OFFSET + q and the zero (OFFSET + z) * sum(x) are summed at their own
+    magnitude, (OFFSET + 16) * scale * |x| a term."""
+    k = w.shape[1]
+    bound = (k * u_dot + 2 * U32 + u_w) * terms + _output(x, y64)
+    if exact_codes:
+        offset = {torch.bfloat16: 128.0, torch.float16: 1024.0}.get(x.dtype, 0.0)
+        scale = w.scale.double().repeat_interleave(w.group_size, dim=1)  # [N, K] in packed order
+        xs = x.double().abs() if w.perm is None else x.double().abs()[:, w.perm]
+        bound += 2 * w.group_size * max(u_dot, U32) * (offset + 16) * (xs @ scale.T)
+    return bound
+
+
+def _output(x, y64):
+    return UNIT_ROUNDOFF[x.dtype] * y64.abs() + torch.finfo(x.dtype).tiny
+
+
+def assert_within(got, y64, bound, what=""):
+    err = (got.double() - y64).abs()
+    worst = (err / bound).max().item()
+    assert worst <= 1.0, f"{what}: error {worst:.3g} x its bound (max abs error {err.max().item():.3g})"

@@ -1,0 +1,234 @@
+"""The quantized GEMMs' Triton kernels (ops/quant_gemm: cuda_fp8, cuda_weight_only) in Triton's CPU interpreter,
+against the float64 value of each format's semantics, on small odd shapes with small tiles: partial column tiles,
+a partial FP8 K block, split K (even and uneven), padded rows, zero points, act order, per-row NVFP4 scale_2.
+bf16 and fp16 activations (the bit-trick int4 codes 128 + q and 1024 + q; the interpreter patched to widen bf16
+dot operands and to round to bf16 / fp8 as the GPU does), float32 (codes by conversion). The dispatch and the
+tuned table too. The compiled kernels: tests/gpu/test_quant_gemm_gpu.py.
+"""
+
+import os
+
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    pytest.skip("compiled kernels are tested by tests/gpu/test_quant_gemm_gpu.py", allow_module_level=True)
+os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+import deltaserve.ops.quant_gemm as quant_gemm  # noqa: E402
+from deltaserve.ops.quant_gemm import configs, cuda_fp8, cuda_weight_only  # noqa: E402
+from deltaserve.ops.quant_gemm import reference as ref  # noqa: E402
+from tests.ops import quant_gemm_oracle as oracle  # noqa: E402
+from tests.ops.interpreter import (patch_interpreter_bf16_dot, patch_interpreter_float_rounding,  # noqa: E402
+                                   patch_interpreter_index)
+
+patch_interpreter_index()
+patch_interpreter_float_rounding()
+patch_interpreter_bf16_dot()
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+SKINNY = [dict(block_n=16, block_k=32, split_k=1, warps=4, stages=1, quant_x=1),
+          dict(block_n=32, block_k=64, split_k=2, warps=4, stages=1, quant_x=0)]
+GEMM = dict(block_m=16, block_n=16, block_k=64, group_m=2, warps=4, stages=1)
+
+
+def fp8_weight(n, k, block, gen):
+    q, s = ref.fp8_block_quantize(torch.randn(n, k, generator=gen) * torch.logspace(-2, 0, n)[:, None], block)
+    return ref.prepare_fp8_block(q, s, block)
+
+
+def int4_weight(n, k, g, symmetric, act_order, gen):
+    nibbles = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    scale = (torch.rand(n, k // g, generator=gen) * 0.02 + 0.001).to(torch.float16)
+    zero = None
+    if not symmetric:
+        z = torch.randint(0, 16, (-(-n // 8) * 8, k // g), generator=gen, dtype=torch.uint8)
+        zero = ref.pack_int4(z.t().contiguous()).t().contiguous()  # packed along N, as compressed-tensors
+    g_idx = None
+    if act_order:
+        g_idx = torch.empty(k, dtype=torch.int32)
+        g_idx[torch.randperm(k, generator=gen)] = torch.arange(k, dtype=torch.int32) // g
+    return ref.prepare_int4(ref.pack_int4(nibbles), scale, zero, g, g_idx, (n, k))
+
+
+def nvfp4_weight(n, k, per_row, gen):
+    packed = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
+    scale = (torch.rand(n, k // 16, generator=gen) * 8 + 0.005).to(torch.float8_e4m3fn)  # subnormal e4m3 too
+    scale_2 = torch.rand(n, generator=gen) * 0.01 + 1e-3 if per_row else 0.0042
+    return ref.prepare_nvfp4(packed, scale, scale_2)
+
+
+def activations(m, k, dtype, gen):
+    return (torch.randn(m, k, generator=gen) * torch.logspace(-1, 1, k)).to(dtype)
+
+
+# ------------------------------------------------------------------------------------------------ FP8
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", SKINNY)
+@pytest.mark.parametrize("m", [1, 3, 17])
+@pytest.mark.parametrize("n,k,block", [(40, 300, (128, 128)), (24, 96, (16, 32))])
+def test_fp8_skinny(dtype, config, m, n, k, block):
+    """K = 300: three blocks, the last partial, split 2 ways unevenly; N = 40 against 16/32-wide tiles; 17 rows
+    pad to 32."""
+    gen = torch.Generator().manual_seed(m + n)
+    w, x = fp8_weight(n, k, block, gen), activations(m, k, dtype, gen)
+    y64, terms = oracle.fp8_exact(x, w)
+    got = cuda_fp8.skinny(x, w, config)
+    assert got.dtype == dtype and got.shape == (m, n)
+    oracle.assert_within(got, y64, oracle.fp8_bound(x, w, y64, terms), "fp8 skinny")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [5, 37])
+def test_fp8_gemm_and_quantize(dtype, m):
+    gen = torch.Generator().manual_seed(m)
+    w, x = fp8_weight(40, 300, (128, 128), gen), activations(m, 300, dtype, gen)
+    xq, sx = cuda_fp8.quantize(x, 128)
+    want_q, want_s = ref.quantize_activation(x, 128)
+    assert torch.equal(xq.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(sx.t(), want_s)
+    y64, terms = oracle.fp8_exact(x, w)
+    got = cuda_fp8.gemm(x, w, dict(GEMM, block_k=128))
+    oracle.assert_within(got, y64, oracle.fp8_bound(x, w, y64, terms), "fp8 gemm")
+
+
+# ------------------------------------------------------------------------------------------------ int4
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", SKINNY)
+@pytest.mark.parametrize("m", [1, 3, 17])
+@pytest.mark.parametrize("symmetric,act_order", [(False, False), (True, False), (False, True)])
+def test_int4_skinny(dtype, config, m, symmetric, act_order):
+    gen = torch.Generator().manual_seed(m)
+    w, x = int4_weight(40, 256, 64, symmetric, act_order, gen), activations(m, 256, dtype, gen)
+    y64, terms = oracle.weight_only_exact(x, w)
+    got = cuda_weight_only.skinny(x, w, config)
+    assert got.dtype == dtype and got.shape == (m, 40)
+    bound = oracle.weight_only_bound(x, w, y64, terms, exact_codes=True)
+    oracle.assert_within(got, y64, bound, "int4 skinny")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("g,block_k", [(64, 128), (128, 64), (32, 32)])
+@pytest.mark.parametrize("symmetric,act_order", [(False, False), (True, True)])
+def test_int4_gemm_and_dequantize(dtype, g, block_k, symmetric, act_order):
+    """Tiles of two groups, half a group and one group; 37 rows in 16-row tiles."""
+    gen = torch.Generator().manual_seed(g)
+    w, x = int4_weight(40, 256, g, symmetric, act_order, gen), activations(37, 256, dtype, gen)
+    y64, terms = oracle.weight_only_exact(x, w)
+    u_w = oracle.UNIT_ROUNDOFF[dtype]
+    got = cuda_weight_only.gemm(x, w, dict(GEMM, block_k=block_k))
+    oracle.assert_within(got, y64, oracle.weight_only_bound(x, w, y64, terms, u_w=u_w), "int4 gemm")
+    got = cuda_weight_only.cublas(x, w)  # the dequantized copy, then torch's matmul
+    oracle.assert_within(got, y64, oracle.weight_only_bound(x, w, y64, terms, u_w=u_w), "int4 dequantize + mm")
+    torch.testing.assert_close(cuda_weight_only.dequantize(w, torch.float32), w.dequantize_packed_order(),
+                               rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------------------ NVFP4
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", SKINNY)
+@pytest.mark.parametrize("m", [1, 17])
+@pytest.mark.parametrize("n,k,per_row", [(40, 96, False), (24, 256, True)])
+def test_nvfp4_skinny(dtype, config, m, n, k, per_row):
+    """K = 96 takes 32-column blocks (64 does not divide it)."""
+    gen = torch.Generator().manual_seed(m + k)
+    w, x = nvfp4_weight(n, k, per_row, gen), activations(m, k, dtype, gen)
+    y64, terms = oracle.weight_only_exact(x, w)
+    got = cuda_weight_only.skinny(x, w, config)
+    bound = oracle.weight_only_bound(x, w, y64, terms, u_w=oracle.UNIT_ROUNDOFF[dtype])
+    oracle.assert_within(got, y64, bound, "nvfp4 skinny")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("per_row", [False, True])
+def test_nvfp4_gemm_and_dequantize(dtype, per_row):
+    gen = torch.Generator().manual_seed(3)
+    w, x = nvfp4_weight(40, 192, per_row, gen), activations(37, 192, dtype, gen)
+    y64, terms = oracle.weight_only_exact(x, w)
+    bound = oracle.weight_only_bound(x, w, y64, terms, u_w=oracle.UNIT_ROUNDOFF[dtype])
+    oracle.assert_within(cuda_weight_only.gemm(x, w, GEMM), y64, bound, "nvfp4 gemm")
+    oracle.assert_within(cuda_weight_only.cublas(x, w), y64, bound, "nvfp4 dequantize + mm")
+    # e2m1 * scale is exact; times scale_2 folded into the group scale: within 2 float32 roundings
+    torch.testing.assert_close(cuda_weight_only.dequantize(w, torch.float32), w.dequantize(torch.float32),
+                               rtol=2 * oracle.U32, atol=0)
+
+
+# ------------------------------------------------------------------------------------------------ dispatch
+
+
+def test_dispatch_follows_the_table(monkeypatch):
+    """With the GPU check patched, each (format, N, K, bucket) runs the kind its table entry names; a shape the
+    table lacks runs the skinny kernel up to 64 rows and the tiled GEMM above; CPU inputs run the reference."""
+    gen = torch.Generator().manual_seed(0)
+    weights = {"fp8": fp8_weight(40, 256, (128, 128), gen), "int4": int4_weight(40, 256, 64, False, False, gen),
+               "nvfp4": nvfp4_weight(40, 256, False, gen)}
+    ops = {"fp8": quant_gemm.fp8_block_linear, "int4": quant_gemm.int4_linear, "nvfp4": quant_gemm.nvfp4_linear}
+    table = {"fp8:40:256:16": dict(SKINNY[1], kind="skinny"), "fp8:40:256:512": {"kind": "torch"},
+             "int4:40:256:512": {"kind": "cublas"}, "nvfp4:40:256:8192": dict(GEMM, kind="gemm")}
+    monkeypatch.setattr(configs, "tuned_table", lambda: table)
+    calls = []
+    for module, names in ((cuda_fp8, ("skinny", "gemm", "torch_scaled_mm")),
+                          (cuda_weight_only, ("skinny", "gemm", "cublas"))):
+        for name in names:
+            real = getattr(module, name)
+            monkeypatch.setattr(module, name, lambda *a, _n=name, _r=real, **kw: calls.append(_n) or _r(*a, **kw))
+    monkeypatch.setattr(cuda_fp8, "torch_scaled_mm", lambda x, w: calls.append("torch_scaled_mm") or
+                        ref.fp8_block_linear(x, w))
+    monkeypatch.setattr(cuda_fp8, "torch_supports", lambda w: True)
+    monkeypatch.setattr(quant_gemm, "_kernels_serve", lambda x: True)
+    for fmt, rows in [("fp8", 3), ("fp8", 100), ("fp8", 600), ("int4", 1), ("int4", 100), ("int4", 600),
+                      ("nvfp4", 64), ("nvfp4", 600)]:
+        x = activations(rows, 256, torch.float32, gen)
+        y64, terms = (oracle.fp8_exact if fmt == "fp8" else oracle.weight_only_exact)(x, weights[fmt])
+        got = ops[fmt](x, weights[fmt])
+        assert got.shape == (rows, 40) and bool(((got.double() - y64).abs() <= 1e-4 * terms + 1e-6).all()), fmt
+    assert calls == ["skinny", "torch_scaled_mm", "gemm", "skinny", "cublas", "gemm", "skinny", "gemm"]
+    monkeypatch.setattr(quant_gemm, "_kernels_serve", lambda x: False)
+    calls.clear()
+    quant_gemm.int4_linear(activations(2, 256, torch.float32, gen), weights["int4"])
+    assert calls == []
+
+
+def test_warm_up_meets_every_variant(monkeypatch):
+    """warm_up_rows covers each decode bucket with Triton's three row-count classes (1, a multiple of 16, other)
+    and both prefill buckets with two classes each."""
+    def variant(rows):
+        return configs.row_bucket(rows), "one" if rows == 1 else "16s" if rows % 16 == 0 else "other"
+
+    rows = quant_gemm.warm_up_rows()
+    assert sorted({variant(r) for r in rows}) == sorted({variant(r) for r in range(1, 1100)})
+    assert len(rows) == len({variant(r) for r in rows})
+    seen = []
+    monkeypatch.setattr(quant_gemm, "_OPS", {ref.Int4Weight: lambda x, w: seen.append(x.shape)})
+    w = int4_weight(8, 64, 32, True, False, torch.Generator().manual_seed(0))
+    quant_gemm.warm_up([w], dtype=torch.float32)
+    assert seen == [(r, 64) for r in rows]
+
+
+def test_table_entries_are_checked(tmp_path, monkeypatch):
+    assert configs.row_bucket(1) == 1 and configs.row_bucket(2) == 16 and configs.row_bucket(65) == 512
+    assert configs.row_bucket(513) == 8192 and configs.row_bucket(100000) == 8192
+    for key, entry, message in [("fp9:1:2:16", {"kind": "skinny"}, "format:N:K:rows"),
+                                ("int4:1:2:16", {"kind": "torch"}, "needs a \"kind\""),
+                                ("fp8:1:2:512", dict(SKINNY[0], kind="skinny"), "does not serve the 512-row"),
+                                ("nvfp4:1:2:8192", dict(GEMM, kind="gemm", warps=0), "warps must be a positive")]:
+        path = tmp_path / "table.json"
+        path.write_text(__import__("json").dumps({key: entry}))
+        monkeypatch.setenv(configs.ENV_VAR, str(path))
+        configs.tuned_table.cache_clear()
+        with pytest.raises(ValueError, match=message):
+            configs.tuned_table()
+    monkeypatch.setenv(configs.ENV_VAR, str(tmp_path / "missing.json"))
+    configs.tuned_table.cache_clear()
+    with pytest.raises(ValueError, match="no such file"):
+        configs.tuned_table()
+    monkeypatch.delenv(configs.ENV_VAR)
+    configs.tuned_table.cache_clear()
+    for key, entry in configs.tuned_table().items():  # the packaged table
+        configs.check_entry("configs.json", key, entry)
