@@ -20,9 +20,9 @@ With the defaults it gives W6 at concurrency 64 as 36 prompt steps and 2,020 dec
 
 --staggered-chunk-tokens C replaces the scheduler by an ideal it does not implement, as a bound on what steps of
 decodes and one prompt chunk could give (the mixed CUDA-graph steps, measured slower on W6, were removed; their
-code is on the branch wip/mixed-graph-steps): every step carries all decoding requests and up to C prompt tokens (oldest prompt first), so
-that requests start and finish a few steps apart and every step after the first wave is a mixed one, costed as
-above (a step without decodes as the 1-row decode step plus its chunk).
+code is on the branch wip/mixed-graph-steps): every step carries all decoding requests and up to C prompt tokens
+(oldest prompt first), so that requests start and finish a few steps apart and every step after the first wave is
+a mixed one, costed as above (a step without decodes as the 1-row decode step plus its chunk).
 """
 
 from __future__ import annotations

@@ -107,8 +107,8 @@ class LLMEngine:
         at their first use, so that no user's first request pays for it (seconds on an H200): a prompt of two
         full chunks and a short tail (chunks over a cached prefix, a checkpoint inside the step), a few short
         requests, then a prompt that joins while they all decode (one step of decodes and a prompt, with enough
-        decoding sequences for the GDN op to split it), then a resend of that prompt with a new ending (a prefix-cache hit).
-        Their outputs are dropped and the prefix cache is emptied after them."""
+        decoding sequences for the GDN op to split it), then a resend of that prompt with a new ending (a
+        prefix-cache hit). Their outputs are dropped and the prefix cache is emptied after them."""
         from deltaserve.ops.gdn.cuda import SPLIT_MIN_SHORT_SEQS
 
         longest = self.max_model_len - 8  # room for the outputs and for the resend's longer ending
