@@ -201,7 +201,7 @@ def probe_shape(fmt, name, n, k, rows, rng) -> tuple[str, dict | None]:
             continue
         results.append((t, label, entry))
     dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-    bf16 = bench_us(lambda: torch.nn.functional.linear(x, dense))
+    bf16 = bench_us(lambda dense=dense: torch.nn.functional.linear(x, dense))
     del dense
     head = f"{fmt:>5} {name:>12} N={n:>6} K={k:>6} rows={rows:>5}"
     if not results:

@@ -178,52 +178,19 @@ def graph_capture_sizes(max_num_seqs: int, performance_mode: str = "balanced") -
     return sorted(sizes | {max_num_seqs})
 
 
-# Mixed CUDA-graph steps (worker/cuda_graph.py), opt-in: a decode batch of MIXED_MIN_DECODES to
-# MIXED_MAX_DECODES sequences plus one prompt chunk of up to mixed_chunk_tokens() tokens, replayed as one graph.
-# A decode step of 27B at batch 64 is bound by reading the weights (its tensor cores ~1/3 busy: the H200's
-# matmul rate over its bandwidth is ~190 rows), so the chunk's matmuls ride along nearly free; past ~128 decodes
-# they are compute-bound and a chunk costs as much either way. Off by default: on W6 (64 in flight) a 128-token
-# chunk still cost 8.9 ms a step (the recurrent GDN kernel steps through its tokens one by one), and the prompts
-# queued behind one chunk a step kept ~10 requests from decoding: 1,724 output tok/s against 1,915 without
-# (docs/performance.md, sixth session).
-MIXED_MIN_DECODES = 8
-MIXED_MAX_DECODES = 128
-
-
-def mixed_chunk_tokens() -> int:
-    """Prompt tokens a mixed graph carries: DELTASERVE_MIXED_CHUNK_TOKENS, 0 (no mixed graphs) when unset; at
-    most 128, the longest chunk the recurrent GDN kernel takes."""
-    value = os.environ.get("DELTASERVE_MIXED_CHUNK_TOKENS", "").strip()
-    if not value:
-        return 0
-    if not value.isdigit() or int(value) > 128:
-        raise ValueError(f"DELTASERVE_MIXED_CHUNK_TOKENS must be an integer in 0..128, got {value!r}")
-    return int(value)
-
-
-def mixed_graph_sizes(max_num_seqs: int, performance_mode: str = "balanced") -> list[int]:
-    """The decode batch sizes that also get a mixed graph (none when mixed_chunk_tokens() is 0)."""
-    if not mixed_chunk_tokens():
-        return []
-    sizes = graph_capture_sizes(max_num_seqs, performance_mode)
-    largest = next(s for s in sizes if s >= min(MIXED_MAX_DECODES, max_num_seqs))  # fits MIXED_MAX_DECODES
-    return [s for s in sizes if MIXED_MIN_DECODES <= s <= largest]
-
-
 # Single-chunk CUDA graphs (worker/cuda_graph.py), on unless DELTASERVE_CHUNK_GRAPHS=0: a step of one sequence
 # computing 2 to 1,024 new tokens, padded to the next of these sizes. Run eagerly such a step is bound by the host
-# launching its kernels one by one (fla's chunked GDN call alone takes ~1.0-1.3 ms of host time against 44-133 us of
-# GPU for 16-1,024 tokens): W4's hit on 27B took 47-82 ms eagerly, 23 ms as a graph; a fresh 1,024-token prompt is
-# 79 ms of GPU in a 125 ms TTFT (docs/performance.md). Up to 128 rows the GDN layers run the recurrent kernel over
+# launching its kernels one by one (fla's chunked GDN call alone takes more host time than its GPU work at these
+# sizes): docs/performance.md, 'Single-chunk graphs'. Up to 128 rows the GDN layers run the recurrent kernel over
 # the chunk and its padding, and a checkpoint inside the step keeps the step eager; from PADDED_CHUNK_MIN_ROWS they
 # run fla over all rows with the padding masked (layers/batch.PaddedChunk), which also takes such a checkpoint.
 # Up to 1,024: a longer step is nearly GPU-bound eagerly, and a 2,048-row graph would hold ~0.4 GiB of 27B
 # intermediates in the graph pool (a fourth sequence slot at 262K on a 32 GB card).
 CHUNK_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512, 1024)
 PADDED_CHUNK_MIN_ROWS = 256
-# A padded graph attends with the paged kernel (~300 TFLOP/s), where an eager step of a long chunk after a long
-# prefix would take cuDNN (~620): the graph serves a step only while its rows x (cached + rows) query-key pairs stay
-# under this (27B: ~22 ms of paged attention, against the ~40 ms of host time the graph saves).
+# A padded graph attends with the paged kernel (about half cuDNN's rate), where an eager step of a long chunk after
+# a long prefix would take cuDNN: the graph serves a step only while its rows x (cached + rows) query-key pairs stay
+# under this (27B: there the paged attention's extra time stays below the host time the graph saves).
 PADDED_GRAPH_MAX_PAIRS = 1 << 24
 
 
@@ -236,22 +203,18 @@ def chunk_graph_sizes() -> list[int]:
 
 
 def cuda_graph_count(max_num_seqs: int, performance_mode: str = "balanced") -> int:
-    return (len(graph_capture_sizes(max_num_seqs, performance_mode))
-            + len(mixed_graph_sizes(max_num_seqs, performance_mode)) + len(chunk_graph_sizes()))
+    return len(graph_capture_sizes(max_num_seqs, performance_mode)) + len(chunk_graph_sizes())
 
 
 def estimate_cuda_graph_bytes(cfg: ModelConfig, dtype: str, max_num_seqs: int, performance_mode: str = "balanced") -> int:
-    """Memory of the decode, mixed and single-chunk graphs: the largest graph's intermediates (smaller ones reuse
-    its pool), plus the one static float32 logits output [max_num_seqs (+ 1 with mixed graphs), V] that every
-    graph writes."""
+    """Memory of the decode and single-chunk graphs: the largest graph's intermediates (smaller ones reuse its
+    pool), plus the one static float32 logits output [max_num_seqs, V] that every graph writes."""
     sizes = graph_capture_sizes(max_num_seqs, performance_mode)
-    mixed = mixed_graph_sizes(max_num_seqs, performance_mode)
-    rows = max(sizes[-1], mixed[-1] + mixed_chunk_tokens()) if mixed else sizes[-1]
-    forward = _forward_bytes(cfg, dtype, rows, decode=True)
+    forward = _forward_bytes(cfg, dtype, sizes[-1], decode=True)
     chunk_rows = max(chunk_graph_sizes(), default=0)
     if chunk_rows:  # the largest single-chunk graph; from PADDED_CHUNK_MIN_ROWS rows it runs the chunked rule
         forward = max(forward, _forward_bytes(cfg, dtype, chunk_rows, decode=chunk_rows < PADDED_CHUNK_MIN_ROWS))
-    logit_rows = sizes[-1] + (1 if mixed else 0)
+    logit_rows = sizes[-1]
     largest = forward + logit_rows * cfg.vocab_size * DTYPE_BYTES[dtype]
     fixed = cuda_graph_count(max_num_seqs, performance_mode) * _GRAPH_FIXED_BYTES
     return largest + logit_rows * cfg.vocab_size * 4 + fixed

@@ -121,7 +121,7 @@ def describe_plan(p: MemoryPlan) -> str:
         how = "measured" if p.activation_measured else "estimated"
         row("activations", p.activation_bytes, f"{how}: {p.max_num_batched_tokens:,} batched tokens, "
             f"up to {min(p.max_num_seqs, p.max_num_batched_tokens)} rows sampled")
-        row("CUDA graphs", p.cuda_graph_bytes, f"estimated: {p.num_cuda_graphs} decode, mixed-step and chunk graphs, "
+        row("CUDA graphs", p.cuda_graph_bytes, f"estimated: {p.num_cuda_graphs} decode and chunk graphs, "
             f"batches up to {p.max_num_seqs}" if p.num_cuda_graphs else "none (--enforce-eager)")
         row("runtime overhead", p.overhead_bytes,
             "measured" if p.overhead_measured else "estimated: CUDA context, library workspaces")

@@ -7,10 +7,10 @@ inference and vLLM):
     ids:  ... | prefix_offset ........ read_offset ........ end |
                  context: already returned   new, not yet final
 
-With a fast (Rust) tokenizer, `tokenizers.decoders.DecodeStream` does the same in Rust (1.8 us a token with
-the stop-string checks, against 6.1 us with two Python decode calls of the window, on the CPU machine: ~1.1 ms
-of host time a step at 256 sequences); the window below serves other tokenizers, any that cleans up spaces
-after decoding (DecodeStream would not), `finish()`, and a stream that fails.
+With a fast (Rust) tokenizer, `tokenizers.decoders.DecodeStream` does the same in Rust, about three times faster
+than two Python decode calls of the window (docs/performance.md, 'Host work a step'); the window below serves
+other tokenizers, any that cleans up spaces after decoding (DecodeStream would not), `finish()`, and a stream
+that fails.
 
 The window starts one step back (`prefix_offset`) so that tokenizers whose decoding depends on the
 neighbour (SentencePiece drops the leading space of the first token) decode the new tokens exactly as they

@@ -93,7 +93,7 @@ class LLMEngine:
         self.runner = setup.runner
         self.cache_manager = setup.cache_manager
         self.scheduler = Scheduler(setup.cache_manager, setup.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, mixed_chunk_tokens=self.runner.mixed_chunk_tokens)
+                                   self.max_model_len)
         self.eos_token_ids = setup.eos_token_ids
         self._parents: dict[str, _Parent] = {}
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None  # launched, samples not read yet
@@ -106,9 +106,9 @@ class LLMEngine:
         """Run once, before serving, the kind of steps whose kernels compile (Triton) or get planned (cuDNN)
         at their first use, so that no user's first request pays for it (seconds on an H200): a prompt of two
         full chunks and a short tail (chunks over a cached prefix, a checkpoint inside the step), a few short
-        requests, then a prompt that joins while they all decode (a mixed step, with enough decoding sequences
-        for the GDN op to split it), then a resend of that prompt with a new ending (a prefix-cache hit).
-        Their outputs are dropped and the prefix cache is emptied after them."""
+        requests, then a prompt that joins while they all decode (one step of decodes and a prompt, with enough
+        decoding sequences for the GDN op to split it), then a resend of that prompt with a new ending (a
+        prefix-cache hit). Their outputs are dropped and the prefix cache is emptied after them."""
         from deltaserve.ops.gdn.cuda import SPLIT_MIN_SHORT_SEQS
 
         longest = self.max_model_len - 8  # room for the outputs and for the resend's longer ending
@@ -134,10 +134,7 @@ class LLMEngine:
         # kernel variant a batch of prompts meets)
         joining = prompt(min(max(300, budget // 2), longest), 2)
         self.add_request("deltaserve-warm-up-joining", joining, params)
-        # in one step, not in mixed steps' capped chunks (their graphs are compiled already)
-        cap, self.scheduler.mixed_chunk_tokens = self.scheduler.mixed_chunk_tokens, 0
         run_until(lambda outputs: False)
-        self.scheduler.mixed_chunk_tokens = cap
         self.add_request("deltaserve-warm-up-hit", joining[:-5] + prompt(9, 3), params)
         run_until(lambda outputs: False)
         self.reset_prefix_cache()

@@ -11,13 +11,6 @@ is dropped. Batching, chunking and preemption change only which steps compute a 
 greedy output is the same token for token, except at a near tie, where the different float reduction order of
 another batch shape may pick the other of two nearly equal logits (docs/architecture.md, 'What "exact" means').
 
-Mixed steps (opt-in: DELTASERVE_MIXED_CHUNK_TOKENS, see cache/footprint.py): when most running requests decode
-(MIXED_MIN_DECODES to MIXED_MAX_DECODES of them, and at least MIXED_DECODE_SHARE of the requests with work), a
-step carries at most `mixed_chunk_tokens` prompt tokens, in one chunk, after its decode rows, and the runner
-replays it as one CUDA graph (worker/cuda_graph.py). Such a chunk is cut at a checkpoint target rather than
-saving the state inside the step. With fewer decoding requests (a burst of new prompts) or more (past the batch
-size where the weights stop dominating a step), the budget alone decides.
-
 With prefix caching on, a waiting request starts at its prefix hit (cached KV blocks plus a GDN state
 checkpoint, copied into its working slot before the forward: `state_restores`), and prefill chunks are cut
 where a checkpoint belongs, so that the runner can copy the state out after the forward (`state_saves`),
@@ -30,15 +23,9 @@ from __future__ import annotations
 
 from collections import Counter, deque
 
-from deltaserve.cache.footprint import MIXED_MAX_DECODES, MIXED_MIN_DECODES
 from deltaserve.cache.kv_manager import CacheManager
 from deltaserve.request import Request, RequestStatus
 from deltaserve.sched_output import ModelOutput, ScheduledSequence, SchedulerOutput
-
-
-# Share of the requests with work (decoding, prefilling, or waiting with a free seat) that must be decoding for
-# prompt tokens to join steps as one capped chunk.
-MIXED_DECODE_SHARE = 0.75
 
 
 def _samples_from_history(request: Request) -> bool:
@@ -47,14 +34,11 @@ def _samples_from_history(request: Request) -> bool:
 
 
 class Scheduler:
-    def __init__(self, cache: CacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 mixed_chunk_tokens: int = 0):
-        """mixed_chunk_tokens: the prompt tokens a mixed step may carry (0: no mixed steps; see the module)."""
+    def __init__(self, cache: CacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
         self.cache = cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.mixed_chunk_tokens = mixed_chunk_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -110,30 +94,11 @@ class Scheduler:
 
     # -- one step ------------------------------------------------------------------------------------------
 
-    @staticmethod
-    def _decoding(request: Request) -> bool:
-        """Its next step is one token after cached state."""
-        return request.num_computed_tokens > 0 and request.num_tokens - request.num_computed_tokens == 1
-
-    def _mixed_chunk_cap(self) -> int | None:
-        """The prompt tokens this step may carry as one chunk beside its decodes, or None (no cap); see the
-        module docstring."""
-        if not self.mixed_chunk_tokens:
-            return None
-        decoding = sum(map(self._decoding, self.running))
-        seats = max(0, self.max_num_seqs - len(self.running))
-        with_work = len(self.running) + min(len(self.waiting), seats)
-        if MIXED_MIN_DECODES <= decoding <= MIXED_MAX_DECODES and decoding >= MIXED_DECODE_SHARE * with_work:
-            return self.mixed_chunk_tokens
-        return None
-
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         chosen: list[tuple[Request, int]] = []
         restores: list[tuple[int, int]] = []
         preempted = False
-        cap = self._mixed_chunk_cap()
-        prompt_rows_left = 1 if cap is not None else len(self.running) + len(self.waiting)
 
         # 1. Running requests, oldest first; make room by preempting the newest ones.
         index = 0
@@ -142,11 +107,7 @@ class Scheduler:
             if request.reached_limit(self.max_model_len):
                 index += 1  # its last token is pending: it finishes when that step's output is processed
                 continue
-            decoding = self._decoding(request)
-            if not decoding and not prompt_rows_left:
-                index += 1  # a capped step's prompt chunk is taken: this prompt goes on next step
-                continue
-            num_new = self._chunk(request, request.num_computed_tokens, budget, cap)
+            num_new = self._chunk(request, request.num_computed_tokens, budget)
             while not self.cache.allocate(request, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -156,17 +117,15 @@ class Scheduler:
             else:
                 chosen.append((request, num_new))
                 budget -= num_new
-                prompt_rows_left -= not decoding
                 index += 1
 
         # 2. Waiting requests, fairly between groups (_next_waiting), unless this step had to preempt (no room to grow).
         running_per_group = Counter(request.group for request in self.running) if self.waiting else Counter()
-        while (self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs
-               and prompt_rows_left):
+        while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             position = self._next_waiting(running_per_group)
             request = self.waiting[position]
             hit = self.cache.find_hit(request)
-            num_new = self._chunk(request, hit.num_tokens, budget, cap)
+            num_new = self._chunk(request, hit.num_tokens, budget)
             if not self.cache.admit(request, num_new, hit):
                 break  # a request later in the order never overtakes one that does not fit
             if hit.checkpoint_slot is not None:
@@ -177,9 +136,6 @@ class Scheduler:
             self.running.append(request)
             chosen.append((request, num_new))
             budget -= num_new
-            prompt_rows_left -= 1
-        if cap is not None:  # the mixed layout: decode rows first, the prompt chunk last
-            chosen.sort(key=lambda choice: not self._decoding(choice[0]))
 
         # 3. Checkpoint saves, once every request has its room (a save may evict an older checkpoint; that is
         # safe even if this step restores from it: restores run before the forward, saves after it).
@@ -214,11 +170,9 @@ class Scheduler:
                 best, best_running = position, running
         return best
 
-    def _chunk(self, request: Request, start: int, budget: int, cap: int | None) -> int:
-        """Tokens to compute this step from `start`: the rest, within the budget (and a mixed step's cap), cut
-        at a checkpoint target (a capped chunk also where the state would otherwise be saved inside the step)."""
-        num_new = min(request.num_tokens - start, budget, cap or budget)
-        return self.cache.cut_chunk(request, start, num_new, save_inside=cap is None)
+    def _chunk(self, request: Request, start: int, budget: int) -> int:
+        """Tokens to compute this step from `start`: the rest, within the budget, cut at a checkpoint target."""
+        return self.cache.cut_chunk(request, start, min(request.num_tokens - start, budget))
 
     @staticmethod
     def _row(request: Request, num_new: int, mid_save: tuple[int, int] | None) -> ScheduledSequence:

@@ -20,7 +20,7 @@ from deltaserve.ops.rotary import qk_norm_rope_write_kv
 SDPA_MIN_TOKENS = 512
 # cuDNN serves a chunk after a cached prefix only when the prefix is a multiple of this (a long prompt's
 # chunks, with --max-num-batched-tokens a multiple of it): every new prefix length would make cuDNN build a new
-# plan (~50 ms on the H200), so prefix-cache hits of any length keep the paged kernel.
+# plan (tens of milliseconds), so prefix-cache hits of any length keep the paged kernel.
 SDPA_PREFIX_ALIGN = 8192
 
 
@@ -131,11 +131,5 @@ class GatedAttention(nn.Module):
                                      batch.slot_mapping, k_scale=k_scale, v_scale=v_scale)
         if sample_seqs is not None:
             return self._last_tokens_attend(q, gate, batch, sample_seqs, k_scale, v_scale)
-        if batch.parts is not None:  # decode rows first, on the decode kernel; then the prefill rows
-            decode, prefill = batch.parts
-            n = decode.num_seqs
-            o = torch.cat([self._attend(q[:n], k[:n], v[:n], gate[:n], decode, k_scale, v_scale),
-                           self._attend(q[n:], k[n:], v[n:], gate[n:], prefill, k_scale, v_scale)])
-        else:
-            o = self._attend(q, k, v, gate, batch, k_scale, v_scale)
+        o = self._attend(q, k, v, gate, batch, k_scale, v_scale)
         return linear(o.reshape(T, self.num_heads * self.head_dim), self.o_proj.weight)

@@ -123,10 +123,6 @@ class ForwardBatch:
     is_decode: bool  # every sequence has one new token and continues from its cached state
     num_computed_cpu: tuple[int, ...] = ()  # tokens each sequence has cached before this step (built steps)
     mid_saves: MidChunkSaves | None = None  # GDN checkpoints inside this (prefill) step
-    # (decode part, prefill part): the batch's first sequences decode (one token each, continuing their state)
-    # and the mixer layers run them on the decode kernels, the rest on the prefill ones (a mixed step of the
-    # CUDA-graph runner, worker/cuda_graph.py). Each part is a ForwardBatch over its own rows; None: one part.
-    parts: tuple["ForwardBatch", "ForwardBatch"] | None = None
     # a padded single-chunk step's GDN plan (see PaddedChunk); None: the GDN layers follow cu_seqlens_q
     padded: PaddedChunk | None = None
 

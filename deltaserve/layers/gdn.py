@@ -132,13 +132,7 @@ class GatedDeltaNet(nn.Module):
         """projected: [T, conv_dim + value_dim + 2 HV], the output of `in_weight` -> [T, H]. Reads and writes
         this batch's slots of the conv and recurrent state pools."""
         mixed, z, b, a = self._split_projection(projected)
-        if batch.parts is not None:  # decode rows first, on the decode kernels; then the prefill rows
-            decode, prefill = batch.parts
-            n = decode.num_seqs
-            o = torch.cat([self._conv_and_delta_rule(mixed[:n], a[:n], b[:n], decode),
-                           self._conv_and_delta_rule(mixed[n:], a[n:], b[n:], prefill)])
-        else:
-            o = self._conv_and_delta_rule(mixed, a, b, batch)
+        o = self._conv_and_delta_rule(mixed, a, b, batch)
         # out_proj(norm(o, z)); z: a strided view of the projection (ops/linear fuses the two for batch-1 decode
         # where its tuned table says it pays)
         return gated_norm_linear(o, z, self.norm.weight, self.norm.eps, self.out_proj.weight)

@@ -1,21 +1,18 @@
 """Programmatic dependent launch (PDL) for our Triton kernels on Hopper and later GPUs.
 
-A decode step is hundreds of short kernels (27B at batch 1: ~13.6 ms for ~450 launches), and between two of them
-the GPU waits for the first to complete and flush its writes before it even begins to launch the second.
-Launched with PDL (CUDA's programmatic stream serialization, which CUDA-graph capture keeps), a kernel's launch
-may begin once every program of the kernel before it has exited, overlapping that flush; the kernel then waits
-(`griddepcontrol.wait`) until the previous kernel has completed and its writes are visible. Every kernel of
-ours launched so calls `wait_for_previous_kernel(PDL)` first, in every program, before it reads or writes
-anything, so the stream's order holds for all of its memory, and a kernel completes only after the one before
-it did (so the order is transitive across kernels).
+A decode step is hundreds of short kernels, and between two of them the GPU waits for the first to complete and
+flush its writes before it even begins to launch the second. Launched with PDL (CUDA's programmatic stream
+serialization, which CUDA-graph capture keeps), a kernel's launch may begin once every program of the kernel
+before it has exited, overlapping that flush; the kernel then waits (`griddepcontrol.wait`) until the previous
+kernel has completed and its writes are visible. Every kernel of ours launched so calls
+`wait_for_previous_kernel(PDL)` first, in every program, before it reads or writes anything, so the stream's
+order holds for all of its memory, and a kernel completes only after the one before it did (so the order is
+transitive across kernels).
 
-Measured on the H200 (27B, docs/performance.md, fourteenth session), each pair on one machine: W1's batch-1
-decode 13.72 ms a token against 13.79 without (13.51 on another machine); W6's 64-row decode step 21.28
-against 21.33 ms: a small gain, within the run-to-run spread. Two stronger forms lost
-there: letting the next kernel launch as soon as a program has waited (`griddepcontrol.launch_dependents`,
-so that its programs sit resident, waiting, beside the running kernel: batch 1 13.62 ms, but the 64-row step
-~0.3 ms slower), and with it an L2 prefetch of each projection's first weight bytes before the wait (batch 1
-14.93 ms).
+The gain measured on the H200 is small, within the run-to-run spread; two stronger forms lost: releasing the
+next kernel as soon as a program has waited (`griddepcontrol.launch_dependents`: its programs then sit resident,
+waiting, beside the running kernel) and, with it, an L2 prefetch of each projection's first weight bytes before
+the wait (docs/performance.md, 'Programmatic dependent launch').
 
 Kernels of others (cuBLAS, fla-core, torch) launch as usual: they wait for the whole previous kernel, and a PDL
 kernel after one of them waits for it as above. `DELTASERVE_PDL=0` turns PDL off: the kernels then launch as

@@ -1,5 +1,5 @@
-"""Decode steps, and decode steps carrying one prompt chunk, on static padded buffers; replayed as CUDA graphs
-unless --enforce-eager.
+"""Decode steps, and steps of one prompt chunk, on static padded buffers; replayed as CUDA graphs unless
+--enforce-eager.
 
 Decode graphs: one per batch size in `graph_capture_sizes(max_num_seqs)` (1, 2, 4, 8, then every 8; every size
 up to 32 with --performance-mode interactivity), captured largest first into one shared memory pool. Each graph
@@ -7,20 +7,11 @@ reads static input buffers sized for the largest batch; a step of n sequences is
 size, and its padding rows point at the dummy state slot 0, the null KV block 0 (context length 1) and KV slot
 -1 (no cache write), so they change nothing a request owns.
 
-Mixed graphs (`mixed_graph_sizes`; opt-in, DELTASERVE_MIXED_CHUNK_TOKENS=128: measured slower on W6, see
-cache/footprint.py): the same decode rows, padded to a captured size s >= 8, then C rows
-(`mixed_chunk_tokens()`, 128) for one prompt chunk of L <= C tokens. The chunk rows hold two sequences: the
-chunk, and padding of C - L tokens (maybe none) on the dummy slot, starting from zero state, with the null block
-and no cache writes. The batch runs in two parts (`ForwardBatch.parts`): decode kernels on the first s rows,
-prefill kernels (the recurrent GDN kernel, the paged attention kernel) on the chunk rows. A decode step of a
-large model is bound by reading its weights, so the chunk's tokens cost a fraction of what they do in a step of
-their own, but the prompts queued behind one chunk a step do not decode meanwhile (docs/performance.md).
-
-Single-chunk graphs (`chunk_graph_sizes`; on unless DELTASERVE_CHUNK_GRAPHS=0): a step of
-one sequence computing 2 to 1,024 new tokens (a fresh prompt, a prefix-cache hit's new tokens), padded to the next
-of 16, 32, ..., 1,024 rows by a second sequence on the dummy slot, as a mixed step's chunk part is; such a step is
-otherwise bound by launching its kernels one by one. Up to 128 rows the GDN layers run the recurrent kernel, and a
-step with a checkpoint inside it stays eager; from PADDED_CHUNK_MIN_ROWS rows they follow the step's
+Single-chunk graphs (`chunk_graph_sizes`; on unless DELTASERVE_CHUNK_GRAPHS=0): a step of one sequence computing
+2 to 1,024 new tokens (a fresh prompt, a prefix-cache hit's new tokens), padded to the next of 16, 32, ..., 1,024
+rows by a second sequence on the dummy slot (zero state, the null block, no cache writes); such a step is otherwise
+bound by launching its kernels one by one. Up to 128 rows the GDN layers run the recurrent kernel, and a step with
+a checkpoint inside it stays eager; from PADDED_CHUNK_MIN_ROWS rows they follow the step's
 `PaddedChunk` (layers/batch.py): fla over all rows with the padding masked, any checkpoint inside the step taken,
 every launch of a fixed shape (`_PaddedPlans` sets its buffers before each replay). A short step with a checkpoint
 inside takes the smallest such graph.
@@ -36,8 +27,7 @@ import logging
 import numpy as np
 import torch
 
-from deltaserve.cache.footprint import (PADDED_CHUNK_MIN_ROWS, chunk_graph_sizes, graph_capture_sizes,
-                                        mixed_chunk_tokens, mixed_graph_sizes)
+from deltaserve.cache.footprint import PADDED_CHUNK_MIN_ROWS, chunk_graph_sizes, graph_capture_sizes
 from deltaserve.layers.batch import ForwardBatch, PaddedChunk
 from deltaserve.model.qwen3_5 import HybridForCausalLM
 
@@ -128,20 +118,12 @@ class DecodeGraphs:
         self.model = model
         self.use_graphs = use_graphs
         self.sizes = graph_capture_sizes(max_num_seqs, performance_mode)
-        self.mixed_sizes = mixed_graph_sizes(max_num_seqs, performance_mode)
-        self.chunk_tokens = mixed_chunk_tokens() if self.mixed_sizes else 0  # C
         # single-chunk graphs: their token counts (a padded graph's last block re-runs: one must fit in it)
         self.chunk_sizes = [s for s in chunk_graph_sizes() if s < PADDED_CHUNK_MIN_ROWS or s >= block_size]
-        n, C = self.sizes[-1], self.chunk_tokens
-        longest_chunk = max([C] + self.chunk_sizes)
+        n = self.sizes[-1]
+        longest_chunk = max(self.chunk_sizes, default=0)
         block_table_width = max(block_table_width, -(-longest_chunk // block_size))  # a padding sequence reads it
         self.decode = _StaticBatch(n, n, block_table_width, device)
-        if C:
-            # mixed: decode rows [0, s), chunk rows [s, s + C); sequences: s decodes, the chunk, its padding
-            self.mixed = _StaticBatch(n + C, n + 2, block_table_width, device)
-            self.chunk_cu_seqlens = torch.tensor([0, C, C], dtype=torch.int64, device=device)  # in the chunk rows
-            # rows whose logits a mixed step computes: its n decodes, the chunk's last row, then padding rows
-            self.mixed_logit_rows = torch.zeros(n + 1, dtype=torch.int64, device=device)
         self.padded: _PaddedPlans | None = None
         if self.chunk_sizes:
             # rows [0, size): the chunk's L tokens, then padding; sequences: the chunk and its padding
@@ -152,56 +134,32 @@ class DecodeGraphs:
                 self.padded = _PaddedPlans(padded_sizes, self.single.state_slots[:1], model.config.conv_kernel,
                                            block_size, device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.chunk_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        # one static output shared by every graph (a per-graph output would hold [size, V] float32 each); a
-        # mixed step's has one row more than its decodes
-        self.logits = torch.empty(n + (1 if C else 0), model.config.vocab_size, dtype=torch.float32, device=device)
-
-    def _mixed_batch(self, size: int) -> ForwardBatch:
-        """The mixed graph's batch at `size` decode rows, in its two parts."""
-        m, rows = self.mixed, size + self.chunk_tokens
-        decode = _decode_part(m, size)
-        chunk = _chunk_part(m, self.chunk_cu_seqlens, size, self.chunk_tokens)
-        # The whole batch's per-sequence fields are the parts' (the layers read those); its rows are all rows.
-        return ForwardBatch(
-            positions=m.positions[:rows], cu_seqlens_q=m.cu_seqlens[: size + 1], seq_lens=m.seq_lens[:size],
-            block_tables=m.block_tables[:size], slot_mapping=m.slot_mapping[:rows], state_slots=m.state_slots[:size],
-            has_initial_state=m.has_initial_state[:size], logits_indices=self.mixed_logit_rows[: size + 1],
-            max_query_len=self.chunk_tokens, cu_seqlens_cpu=None, is_decode=False, parts=(decode, chunk))
+        # one static output shared by every graph (a per-graph output would hold [size, V] float32 each)
+        self.logits = torch.empty(n, model.config.vocab_size, dtype=torch.float32, device=device)
 
     def _forward_decode(self, size: int) -> torch.Tensor:
         return self.model.compute_logits(self.model(self.decode.input_ids[:size], _decode_part(self.decode, size)))
 
     def _forward_single(self, size: int) -> torch.Tensor:
-        batch = _chunk_part(self.single, self.single_cu_seqlens, 0, size)
+        batch = _chunk_part(self.single, self.single_cu_seqlens, size)
         if self.padded is not None and size in self.padded.plans:
             batch.padded = self.padded.plans[size]
         hidden = self.model(self.single.input_ids[:size], batch)
         return self.model.compute_logits(hidden.index_select(0, batch.logits_indices))  # [1, V]
-
-    def _forward_mixed(self, size: int) -> torch.Tensor:
-        batch = self._mixed_batch(size)
-        hidden = self.model(self.mixed.input_ids[: size + self.chunk_tokens], batch)
-        return self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
 
     @torch.inference_mode()
     def capture(self) -> None:
         if not self.use_graphs:
             return
         pool = torch.cuda.graph_pool_handle()
-        # largest first: smaller graphs reuse its pool memory (a mixed graph is the larger at each size)
-        kinds = [(self.mixed_graphs, self._forward_mixed, s) for s in self.mixed_sizes]
-        kinds += [(self.graphs, self._forward_decode, s) for s in self.sizes]
+        # largest first: smaller graphs reuse its pool memory
+        kinds = [(self.graphs, self._forward_decode, s) for s in self.sizes]
         kinds += [(self.chunk_graphs, self._forward_single, s) for s in self.chunk_sizes]
         for graphs, forward, size in sorted(kinds, key=lambda kind: -kind[2]):
-            if graphs is self.mixed_graphs:  # a fresh chunk of C tokens on the dummy slot and the null block
-                self.mixed.block_tables[size].fill_(0)
-                _set_chunk(self.mixed, self.chunk_cu_seqlens, size, self.chunk_tokens, self.chunk_tokens,
-                           self.chunk_tokens, 0, False)
-            elif graphs is self.chunk_graphs:  # the same, `size` tokens
+            if graphs is self.chunk_graphs:  # a fresh chunk of `size` tokens on the dummy slot and the null block
                 self.single.block_tables[0].fill_(0)
-                _set_chunk(self.single, self.single_cu_seqlens, 0, size, size, size, 0, False)
+                _set_chunk(self.single, self.single_cu_seqlens, size, size, size, 0, False)
                 if self.padded is not None and size in self.padded.plans:
                     self.padded.set(size, size, size, 0)
             for _ in range(2):  # warm up: Triton compiles, cuBLAS picks its kernels
@@ -216,21 +174,12 @@ class DecodeGraphs:
             graphs[size] = graph
         torch.cuda.synchronize()
         logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
-        if self.mixed_sizes:
-            logger.info("captured CUDA graphs for decode batch sizes %s with a %d-token prompt chunk",
-                        self.mixed_sizes, self.chunk_tokens)
         if self.chunk_sizes:
             logger.info("captured CUDA graphs for one prompt chunk of up to %s tokens", self.chunk_sizes)
 
     def padded_size(self, n: int) -> int | None:
         """The captured size to run n sequences at, or None if n is larger than every graph."""
         return next((s for s in self.sizes if s >= n), None)
-
-    def mixed_size(self, num_decodes: int, chunk_len: int) -> int | None:
-        """The mixed graph's size for num_decodes decode rows and a chunk of chunk_len tokens, or None."""
-        if not 1 <= chunk_len <= self.chunk_tokens:
-            return None
-        return next((s for s in self.mixed_sizes if s >= num_decodes), None)
 
     def single_size(self, chunk_len: int, saves_inside: bool = False) -> int | None:
         """The single-chunk graph's row count for a chunk of chunk_len tokens (2 or more), or None; with a
@@ -247,7 +196,7 @@ class DecodeGraphs:
         its last token, [1, V]."""
         chunk_len = input_ids.shape[0]
         size = self.single_size(chunk_len, mid_save is not None)
-        _load_chunk(self.single, self.single_cu_seqlens, 0, size, batch, input_ids, 0)
+        _load_chunk(self.single, self.single_cu_seqlens, size, batch, input_ids)
         if self.padded is not None and size in self.padded.plans:
             stop, checkpoint_slot = mid_save if mid_save is not None else (chunk_len, 0)
             self.padded.set(size, chunk_len, stop, checkpoint_slot)
@@ -267,26 +216,6 @@ class DecodeGraphs:
             return self._forward_decode(size)[:n]
         self.graphs[size].replay()
         return self.logits[:n]
-
-    def run_mixed(self, batch: ForwardBatch, input_ids: torch.Tensor, chunk_samples: bool) -> torch.Tensor:
-        """Replay the mixed graph for a batch of n decodes then one prompt chunk (built by ForwardBatch.build).
-        Returns logits [n + 1, V] (the chunk's last) or [n, V] when the chunk does not sample."""
-        n = batch.num_seqs - 1
-        chunk_len = batch.cu_seqlens_cpu[-1].item() - n
-        size = self.mixed_size(n, chunk_len)
-        m = self.mixed
-        _fill_decode_rows(m, batch, input_ids, n, size)
-        m.has_initial_state[:size].fill_(True)
-        _load_chunk(m, self.chunk_cu_seqlens, size, self.chunk_tokens, batch, input_ids, n)
-        self.mixed_logit_rows[:n].copy_(m.cu_seqlens[:n])  # 0 .. n-1
-        self.mixed_logit_rows[n].fill_(size + chunk_len - 1)
-        self.mixed_logit_rows[n + 1: size + 1].fill_(0)
-        if not self.use_graphs:
-            logits = self._forward_mixed(size)
-        else:
-            self.mixed_graphs[size].replay()
-            logits = self.logits
-        return logits[: n + 1] if chunk_samples else logits[:n]
 
 
 def _fill_decode_rows(buffers: _StaticBatch, batch: ForwardBatch, input_ids: torch.Tensor, n: int, size: int):
@@ -315,48 +244,45 @@ def _decode_part(buffers: _StaticBatch, size: int) -> ForwardBatch:
         max_query_len=1, cu_seqlens_cpu=None, is_decode=True)
 
 
-def _chunk_part(buffers: _StaticBatch, cu_seqlens: torch.Tensor, at: int, rows: int) -> ForwardBatch:
-    """The prompt-chunk part of a graph's buffers: `rows` rows and two sequences from index `at` (after `at`
-    one-token decode rows, or none): the chunk, then its padding; cu_seqlens [0, chunk length, rows]."""
-    seqs = slice(at, at + 2)
+def _chunk_part(buffers: _StaticBatch, cu_seqlens: torch.Tensor, rows: int) -> ForwardBatch:
+    """A single-chunk graph's batch: `rows` rows and two sequences, the chunk then its padding; cu_seqlens
+    [0, chunk length, rows]."""
     return ForwardBatch(
-        positions=buffers.positions[at:at + rows], cu_seqlens_q=cu_seqlens, seq_lens=buffers.seq_lens[seqs],
-        block_tables=buffers.block_tables[seqs], slot_mapping=buffers.slot_mapping[at:at + rows],
-        state_slots=buffers.state_slots[seqs], has_initial_state=buffers.has_initial_state[seqs],
+        positions=buffers.positions[:rows], cu_seqlens_q=cu_seqlens, seq_lens=buffers.seq_lens[:2],
+        block_tables=buffers.block_tables[:2], slot_mapping=buffers.slot_mapping[:rows],
+        state_slots=buffers.state_slots[:2], has_initial_state=buffers.has_initial_state[:2],
         logits_indices=cu_seqlens[1:2] - 1, max_query_len=rows, cu_seqlens_cpu=None, is_decode=False)
 
 
-def _set_chunk(buffers: _StaticBatch, cu_seqlens: torch.Tensor, at: int, rows: int, chunk_len: int, seq_len,
-               state_slot, has_initial) -> None:
-    """The chunk part's two sequences (see `_chunk_part`): the chunk (chunk_len tokens, KV length seq_len after
-    the step, its state slot and whether it continues a state) and its padding (the rest of the rows, maybe
-    none, from zero state on the dummy slot, the null block and no cache writes)."""
+def _set_chunk(buffers: _StaticBatch, cu_seqlens: torch.Tensor, rows: int, chunk_len: int, seq_len, state_slot,
+               has_initial) -> None:
+    """The batch's two sequences (see `_chunk_part`): the chunk (chunk_len tokens, KV length seq_len after the
+    step, its state slot and whether it continues a state) and its padding (the rest of the rows, maybe none,
+    from zero state on the dummy slot, the null block and no cache writes)."""
     for buffer, value in ((buffers.seq_lens, seq_len), (buffers.state_slots, state_slot),
                           (buffers.has_initial_state, has_initial)):
         if isinstance(value, torch.Tensor):
-            buffer[at].copy_(value)  # a device scalar: no sync
+            buffer[0].copy_(value)  # a device scalar: no sync
         else:
-            buffer[at].fill_(value)
-    buffers.seq_lens[at + 1].fill_(rows - chunk_len)
-    buffers.state_slots[at + 1].fill_(0)
-    buffers.has_initial_state[at + 1].fill_(False)
-    buffers.block_tables[at + 1].fill_(0)
-    buffers.slot_mapping[at + chunk_len: at + rows].fill_(-1)
+            buffer[0].fill_(value)
+    buffers.seq_lens[1].fill_(rows - chunk_len)
+    buffers.state_slots[1].fill_(0)
+    buffers.has_initial_state[1].fill_(False)
+    buffers.block_tables[1].fill_(0)
+    buffers.slot_mapping[chunk_len:rows].fill_(-1)
     cu_seqlens[1].fill_(chunk_len)
     cu_seqlens[2].fill_(rows)
 
 
-def _load_chunk(buffers: _StaticBatch, cu_seqlens: torch.Tensor, at: int, rows: int, batch: ForwardBatch,
-                input_ids: torch.Tensor, n: int) -> None:
-    """Copy the batch's last sequence, number n (its rows start at n, after n one-token decodes), into the
-    chunk part at `at` (see `_chunk_part`), padded to `rows` rows."""
-    chunk_len = input_ids.shape[0] - n
-    span = slice(at, at + chunk_len)
-    buffers.input_ids[span].copy_(input_ids[n:])
-    buffers.positions[span].copy_(batch.positions[n:])
-    buffers.slot_mapping[span].copy_(batch.slot_mapping[n:])
+def _load_chunk(buffers: _StaticBatch, cu_seqlens: torch.Tensor, rows: int, batch: ForwardBatch,
+                input_ids: torch.Tensor) -> None:
+    """Copy the batch's one sequence into the buffers (see `_chunk_part`), padded to `rows` rows."""
+    chunk_len = input_ids.shape[0]
+    buffers.input_ids[:chunk_len].copy_(input_ids)
+    buffers.positions[:chunk_len].copy_(batch.positions)
+    buffers.slot_mapping[:chunk_len].copy_(batch.slot_mapping)
     width = batch.block_tables.shape[1]
-    buffers.block_tables[at, :width].copy_(batch.block_tables[n])
-    buffers.block_tables[at, width:].fill_(0)
-    _set_chunk(buffers, cu_seqlens, at, rows, chunk_len, batch.seq_lens[n], batch.state_slots[n],
-               batch.has_initial_state[n])
+    buffers.block_tables[0, :width].copy_(batch.block_tables[0])
+    buffers.block_tables[0, width:].fill_(0)
+    _set_chunk(buffers, cu_seqlens, rows, chunk_len, batch.seq_lens[0], batch.state_slots[0],
+               batch.has_initial_state[0])

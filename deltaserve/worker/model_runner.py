@@ -4,10 +4,9 @@
 both). Between the two the engine may schedule and launch the next step (async scheduling): a row whose last
 input is a sample still on the device (`pending_input`) takes it from the previous launch's token ids.
 
-On CUDA, decode-only steps, decode steps with one prompt chunk after their decodes (mixed steps) and steps of one
-sequence's chunk of up to 1,024 tokens (single-chunk steps) run on static padded buffers (see cuda_graph.py),
-replayed as CUDA graphs unless enforce_eager; every other step, and every step on the CPU, runs the model eagerly
-on its own tensors.
+On CUDA, decode-only steps and steps of one sequence's chunk of up to 1,024 tokens (single-chunk steps) run on
+static padded buffers (see cuda_graph.py), replayed as CUDA graphs unless enforce_eager; every other step, and
+every step on the CPU, runs the model eagerly on its own tensors.
 """
 
 from __future__ import annotations
@@ -121,21 +120,6 @@ class ModelRunner:
                                   previous_tokens.index_select(0, to_device(sources, self.device)))
         return input_ids, batch
 
-    @property
-    def mixed_chunk_tokens(self) -> int:
-        """The prompt tokens a mixed step (decodes + one chunk, worker/cuda_graph.py) may carry; 0: none. The
-        scheduler caps its chunks to it; with --enforce-eager the same padded steps run eagerly."""
-        return self.graphs.chunk_tokens if self.graphs is not None else 0
-
-    def _mixed_graph_serves(self, rows) -> bool:
-        """Whether a mixed graph runs this step: every row but the last a sampled decode (one token after cached
-        state), the last a chunk that fits, and no checkpoint inside the step."""
-        if self.graphs is None or not self.graphs.mixed_sizes or len(rows) < 2 or rows[-1].mid_save is not None:
-            return False
-        if any(len(r.token_ids) != 1 or r.num_computed == 0 or not r.sample or r.mid_save for r in rows[:-1]):
-            return False
-        return self.graphs.mixed_size(len(rows) - 1, len(rows[-1].token_ids)) is not None
-
     def _single_graph_serves(self, rows) -> bool:
         """Whether a single-chunk graph runs this step: one sequence computing 2 to 1,024 tokens (see
         worker/cuda_graph.py), in a padded graph only while its paged attention stays cheap (PADDED_GRAPH_MAX_PAIRS)."""
@@ -162,8 +146,6 @@ class ModelRunner:
         restore_checkpoints(self.model, scheduled)  # prefix hits: checkpoint -> working slot
         if self.graphs is not None and batch.is_decode and self.graphs.padded_size(len(rows)) is not None:
             logits = self.graphs.run(batch, input_ids)  # [N, V]; in a decode batch every row samples
-        elif self._mixed_graph_serves(rows):  # decodes, then one prompt chunk
-            logits = self.graphs.run_mixed(batch, input_ids, chunk_samples=rows[-1].sample)  # [S, V]
         elif single:  # one prompt chunk alone
             logits = self.graphs.run_single(batch, input_ids, rows[0].mid_save)  # [1, V], read if it samples
         else:

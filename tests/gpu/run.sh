@@ -38,12 +38,12 @@ status=0
 if [ "$MODE" = tune ]; then
   if [ "${TUNE:-all}" != skinny ]; then
     rm -rf /tmp/fla_configs
-    python3 -m deltaserve.bench.fla_tune "$CONFIGS/qwen3.5-27b" --out /tmp/fla_configs 2>&1 | tee "$OUT/tune.log"
+    python3 -m benchmarks.fla_tune "$CONFIGS/qwen3.5-27b" --out /tmp/fla_configs 2>&1 | tee "$OUT/tune.log"
     tar czf "$OUT/fla_configs.tgz" -C /tmp/fla_configs .
   fi
   [ "${TUNE:-all}" = fla ] && exit 0
   cp deltaserve/ops/linear/skinny_configs.json "$OUT/skinny_configs.json"
-  python3 -m deltaserve.bench.batch_probe "$CONFIGS/qwen3.5-27b" --gdn-batches "" --gdn-chunks "" --gdn-tail 64 \
+  python3 -m benchmarks.batch_probe "$CONFIGS/qwen3.5-27b" --gdn-batches "" --gdn-chunks "" --gdn-tail 64 \
     --out "$OUT/skinny_configs.json" 2>&1 | tee -a "$OUT/tune.log"
   exit 0
 fi
@@ -106,12 +106,12 @@ if [ "$MODE" != bench ]; then
   fi
 fi
 if [ "$MODE" = quick ]; then
-  python3 -m deltaserve.bench.offline "$CONFIGS/qwen3.5-27b" --workloads W1,W3,W4 --scale 0.34 --profile \
+  python3 -m benchmarks.offline "$CONFIGS/qwen3.5-27b" --workloads W1,W3,W4 --scale 0.34 --profile \
     --profile-dir "$OUT" --max-model-len 140000 --out "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench.log"
 elif [ "$MODE" = full ] || [ "$MODE" = bench ]; then
   profile=(--profile --profile-dir "$OUT")
   [ "${PROFILE:-1}" = 0 ] && profile=()
-  python3 -m deltaserve.bench.offline "$CONFIGS/qwen3.5-27b" --workloads "${WORKLOADS:-W4,W1,W3,W2,W6,W5}" \
+  python3 -m benchmarks.offline "$CONFIGS/qwen3.5-27b" --workloads "${WORKLOADS:-W4,W1,W3,W2,W6,W5}" \
     ${profile[@]+"${profile[@]}"} --max-model-len 140000 --out "$OUT/bench.jsonl" 2>&1 | tee "$OUT/bench.log"
 fi
 exit $status

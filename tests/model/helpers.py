@@ -81,3 +81,9 @@ def gdn_layer_with_random_states(path, num_state_slots: int, seed: int = 0):
     layer.conv_state.copy_(torch.randn(layer.conv_state.shape, generator=gen))
     layer.ssm_state.copy_(0.1 * torch.randn(layer.ssm_state.shape, generator=gen))
     return cfg, layer, gen
+
+
+def cache_tensors(model) -> list[torch.Tensor]:
+    """Every tensor a step writes besides its outputs: KV caches and the stacked GDN pools."""
+    kv = [t for layer in model.attention_layers for t in (layer.k_cache, layer.v_cache)]
+    return kv + [model.conv_states, model.ssm_states]

@@ -11,8 +11,7 @@ from deltaserve.config import ModelConfig
 from deltaserve.layers.batch import ForwardBatch
 from deltaserve.model.loader import load_model
 from deltaserve.worker.kv_cache import CacheShape, bind_caches
-from tests.model.helpers import BLOCK_SIZE
-from tests.model.test_batch_parts import cache_tensors
+from tests.model.helpers import BLOCK_SIZE, cache_tensors
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

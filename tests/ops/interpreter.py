@@ -45,7 +45,6 @@ def patch_interpreter_float_rounding() -> None:
     (cvt.rn). Route those conversions through torch's casts (round to nearest even; kernels clamp to +-448 before
     an fp8 cast)."""
     import numpy as np
-    import triton.language as tl
 
     original = interpreter._convert_float
     sources = {"fp32": (np.float32, torch.float32), "fp16": (np.float16, torch.float16),

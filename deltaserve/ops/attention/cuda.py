@@ -150,8 +150,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, s
         dot_dtype = torch.float32
     if k_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16 and max_query_len == 1:
         # Decode over fp8 KV dots in float16: e4m3 -> f16 is one instruction, -> bf16 several, and the upcast
-        # bounds this kernel, not memory (H200, 27B heads: 1 x 131,072 145.8 -> 127.1 us, 64 x 1,536 116.1 ->
-        # 101.3 us). q rounds to float16 (more mantissa than bf16), saturated at +-65504 in the kernel.
+        # bounds this kernel, not memory (docs/performance.md, 'Decode attention'). q rounds to float16 (more
+        # mantissa than bf16), saturated at +-65504 in the kernel.
         dot_dtype = torch.float16
     precision = "ieee" if dot_dtype == torch.float32 else "tf32"
     qk_scale = scale * k_scale * math.log2(math.e)  # the kernels exponentiate with exp2

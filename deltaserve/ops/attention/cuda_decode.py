@@ -1,30 +1,28 @@
 """Triton flash-decoding over a paged KV cache: one query token per sequence, the KV length split across programs.
 
-A single sequence at 128K context is 4 KV heads of work: far too little to fill an H200's 132 SMs unless the
-KV positions are split. The first kernel runs a grid (N, n_kv, num_splits); each program attends the G query
+A single sequence at 128K context is 4 KV heads of work: far too little to fill a GPU's SMs (132 on an H200)
+unless the KV positions are split. The first kernel runs a grid (N, n_kv, num_splits); each program attends the G query
 heads of its KV head group (G = n_heads / n_kv; every K/V tile is loaded once for all G heads) to its share
 of the sequence and writes a partial result: the normalized output and its log2-sum-exp. The second kernel
 (`merge_splits_kernel`, shared with the prefill kernel's split-KV path) merges the splits of each
 (sequence, head), applying the output gate when one is given. A grid of one split (many sequences: 27B's 64
 decode rows, or a block table short enough) needs no merge: the first kernel then writes the gated output
-itself (DIRECT), bit for bit what the merge of one split writes, and the merge kernel is not launched (its ~7 us
-a layer at 64 rows in a W6 profile: docs/performance.md).
+itself (DIRECT), bit for bit what the merge of one split writes, and the merge kernel is not launched (it costs
+a launch per layer: docs/performance.md, 'Decode attention').
 
 Split rule: num_splits, planned from the batch size and the block_tables width, is only an upper bound. Each
 sequence uses as many splits as its own length needs: shares of
     tokens_per_split = max(DECODE_ACTIVE_SPLIT_MIN_TOKENS, cdiv(seq_len, num_splits)), rounded up to BLOCK_N,
 so cdiv(seq_len, tokens_per_split) active splits (0 for seq_len 0, whose output is zeros). With a 140K-token
 table planned at 66 splits, a 1K-token sequence uses 16 splits of 64 tokens and its merge reads 16 partials,
-not 66. (Short contexts are latency-bound: on the H200, 4 splits of 256 tokens took 18.9 us per layer at 1K
-context against 14.2 us for 16 of 64.) Programs of inactive splits return at once without writing; the merge
-computes the same count from seq_lens (`split_share`) and reads only the active partials.
+not 66 (short contexts are latency-bound: more, shorter splits finish sooner). Programs of inactive splits
+return at once without writing; the merge computes the same count from seq_lens (`split_share`) and reads only
+the active partials.
 
 How many splits (`decode_num_splits`): one wave. The grid gets as many splits as keep its programs within the
 slots the device holds at once (the tile's resident programs per SM times the SMs), rounding down: a grid a
-little over one wave ends with a second wave of a few programs while the rest of the device idles. On the
-H200 (bf16, 264 slots), 32 sequences at 8,192 tokens took 296.5 us per layer with 3 splits (384 programs)
-against 256.6 us with 2 (256 programs, 4.19 TB/s), 16 at 4,096 95.0 us with 5 splits against 74.1 with 4,
-and 64 at 1,536 111.5 us with 2 against 107.6 with 1 (docs/performance.md, eleventh session).
+little over one wave ends with a second wave of a few programs while the rest of the device idles
+(docs/performance.md, 'Decode attention').
 
 CUDA graphs: the launches depend only on shapes. num_splits is fixed for a captured graph (batch size and
 block_tables width); the active splits are found on the device from seq_lens, so no host read is needed.
@@ -55,20 +53,15 @@ class DecodeTile(NamedTuple):
     block_n: int  # KV positions per loop step
     num_warps: int
     num_stages: int
-    resident_per_sm: int  # programs of this tile one H200 SM runs at once (its registers and shared memory)
+    resident_per_sm: int  # programs of this tile one SM runs at once (its registers and shared memory; H200)
 
 
-# Tiles by the cache's bytes per element (16-bit dots), measured on an H200 with `python -m
-# deltaserve.bench.attention_probe --decode-sweep` (27B heads, CUDA graphs, 2026-11-30): bf16 at 1 x 131,072
-# 139.6 us (3.85 TB/s; (64, 8, 2) took 143.5) and 64 x 1,536 110.6 us; fp8 (dots in float16, see cuda.py)
-# 127.1 us at 1 x 131,072 and 101.3 us at 64 x 1,536 ((64, 8, 2) with bf16 dots took 155.0 and 117.1); with
-# the V tile upcast before its shared-memory staging (`attend_kv_range`'s V_SCALE_IN_TILE, eleventh session)
-# 115.0 and 100.3 us (2.3 and 2.0 TB/s). fp8 still reads half the bytes in nearly the time of bf16: bound by
-# the upcast and the operand shuffles (`python -m deltaserve.bench.sass_probe`: the loop's ~930 SASS
-# instructions against bf16's 706 at the same 2 stages, for half the bytes), not by memory. The query tile
-# is G heads padded to >= 16 rows (the minimum tl.dot size).
-# resident_per_sm, read off the split sweeps (the grid sizes where time jumps: the module docstring): bf16
-# 2 (1 x 131,072: 264 programs 141.4 us, 396 167.3), fp8 3 (396 programs 104.8 us, 264 115.0, 512 141.1).
+# Tiles by the cache's bytes per element (16-bit dots), the fastest of `python -m benchmarks.attention_probe
+# --decode-sweep` on an H200 (docs/performance.md, 'Decode attention'). fp8 (dots in float16, see cuda.py; the V
+# tile upcast before its shared-memory staging, `attend_kv_range`'s V_SCALE_IN_TILE) reads half the bytes of
+# bf16 in nearly its time: it is bound by the upcast and the operand shuffles (`python -m benchmarks.sass_probe`),
+# not by memory. The query tile is G heads padded to >= 16 rows (the minimum tl.dot size).
+# resident_per_sm: read off the same split sweeps, at the grid sizes where the time jumps by a wave.
 DECODE_TILES = {2: DecodeTile(64, 4, 3, 2), 1: DecodeTile(64, 4, 2, 3)}
 DECODE_TILE_FLOAT32 = DecodeTile(16, 8, 2, 2)  # float32 dots (CUDA cores, 4-byte tiles): a correctness path
 DECODE_MIN_TOKENS_PER_SPLIT = 256  # planning: no more splits than the table's capacity / this
@@ -92,7 +85,7 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, device:
 
 
 # stride_table is the width of the step's block table, which eager steps size to their longest sequence:
-# specialized, it compiled a new variant in the middle of serving (W6: a 2.8 s step on a cold Triton cache).
+# specialized, it would compile a new variant in the middle of serving (a step of seconds on a cold Triton cache).
 @triton.jit(do_not_specialize=["num_splits", "stride_table"])
 def _decode_split_kernel(
     q, k_cache, v_cache, partial_out, partial_lse, out, gate, block_tables, cu_seqlens_q, seq_lens,

@@ -63,7 +63,7 @@ PREFILL_TILES_FLOAT32 = TileConfig(block_m=32, block_n=16, num_warps=4, num_stag
 # Split KV: only a grid below one wave of programs is split, each share over at least this many positions of
 # the block_tables capacity. A share also writes and rereads BLOCK_M x head_dim float32 partials and runs its
 # program's prologue: about as much as reading PREFILL_SPLIT_COST_TOKENS more positions (fitted to
-# `attention_probe --prefill-split-sweep` on an H200, thirteenth session; docs/performance.md).
+# `attention_probe --prefill-split-sweep` on an H200: docs/performance.md, 'Prefill attention').
 PREFILL_MIN_TOKENS_PER_SPLIT = 256
 PREFILL_MAX_SPLITS = 128
 PREFILL_SPLIT_COST_TOKENS = 256
@@ -98,9 +98,9 @@ def prefill_num_splits(num_programs: int, max_kv_len: int, device: torch.device)
 
     A 27B prefill program (head_dim 256) holds a whole SM, so the grid runs in waves of one program per SM and
     a last wave that is barely begun costs as much as a full one. The count minimises waves x (positions per
-    share + the cost of a share): 16 tokens after 36,864 cached (4 programs) take 33 shares, one wave (88.9 us
-    against 104.0 at the 66 that two programs per SM asked for), 64 tokens (16 programs) 8 (285.1 us against
-    402.7 at 17: three waves), 256 tokens (52 programs) 5, two full waves (1,075.6 us at 6: three waves).
+    share + the cost of a share): 16 tokens after 36,864 cached (4 programs) take 33 shares, one wave (not the
+    66 that two programs per SM would ask for), 64 tokens (16 programs) 8 (17 would make three waves), 256
+    tokens (52 programs) 5, two full waves (docs/performance.md, 'Prefill attention').
     """
     sms = sm_count(device)
     if num_programs >= sms:
@@ -168,8 +168,8 @@ def attend_kv_range(
     V_SCALE_IN_TILE (8-bit caches): each V tile is multiplied by v_tile_scale (float32, a power of two: see
     `split_v_scale`) in DOT_DTYPE before its dot. Besides dequantizing, the multiply keeps Triton from moving
     the upcast after the shared-memory staging: it would then read the 8-bit tile in the dot's transposed
-    operand layout one byte at a time (`python -m deltaserve.bench.sass_probe --cache fp8`, eleventh session:
-    a loop of 1,234 instructions with 128 LDS.U8, against ~930 without them).
+    operand layout one byte at a time (byte-wide shared-memory loads, LDS.U8, in the loop: `python -m
+    benchmarks.sass_probe --cache fp8` shows them, tests/benchmarks/test_sass_probe.py guards it).
     """
     dims = tl.arange(0, HEAD_DIM_PAD)  # [D]
     dim_ok = dims < HEAD_DIM

@@ -44,8 +44,8 @@ def fresh_causal_attention(q, k, v, cu_seqlens_cpu, scale: float, gate=None, v_s
     """Causal attention of prompts that all start at position 0, on their new K/V (no cache read), through
     PyTorch's SDPA: cuDNN's fused kernel when it takes the shapes, else flash attention.
 
-    Measured on an H200 (`python -m deltaserve.bench.attention_probe`, 27B heads, 8,192 tokens): cuDNN 1.28 ms
-    (643 TFLOP/s) against 2.72 ms for our paged kernel. Each prompt is padded with zero rows to a multiple of
+    cuDNN runs about twice the rate of our paged kernel there (`python -m benchmarks.attention_probe`:
+    docs/performance.md, 'Prefill attention'). Each prompt is padded with zero rows to a multiple of
     SDPA_BUCKET (causal: the real rows never see the padding), so that cuDNN meets few shapes (see
     `warm_up_cudnn_attention`). q: [T, n_heads, hd]; k, v: [T, n_kv, hd], bf16 or float16, unit stride in hd;
     cu_seqlens_cpu: [N+1] on the CPU (no device sync); gate: None or [T, n_heads, hd] in q.dtype, applied by
@@ -87,8 +87,8 @@ def fresh_causal_attention(q, k, v, cu_seqlens_cpu, scale: float, gate=None, v_s
 
 def warm_up_cudnn_attention(num_heads: int, num_kv_heads: int, head_dim: int, dtype, device,
                             max_chunk_tokens: int) -> None:
-    """Build cuDNN's attention plans at startup: its first use in a process costs ~2.7 s and each new shape
-    ~50 ms (measured on the H200), which would otherwise land on the first requests. Covers every bucketed
+    """Build cuDNN's attention plans at startup: its first use in a process costs seconds and each new shape
+    tens of milliseconds, which would otherwise land on the first requests. Covers every bucketed
     fresh-prompt length up to max_chunk_tokens, the log-sum-exp check of `chunk_over_prefix_attention` and its
     merge kernels."""
     if dtype not in (torch.bfloat16, torch.float16):
@@ -105,7 +105,7 @@ def warm_up_cudnn_attention(num_heads: int, num_kv_heads: int, head_dim: int, dt
 def warm_up_merges(num_heads: int, head_dim: int, dtype, device) -> None:
     """Compile every variant of the merge kernels that `chunk_over_prefix_attention` launches (a first part and a
     later one; the output with and without a gate), on operands laid out as its own: a chunk after a prefix of
-    more than one piece would otherwise compile one while serving (W2 did, 2026-12-01)."""
+    more than one piece would otherwise compile one while serving."""
     length = SDPA_BUCKET
     acc = torch.zeros(num_heads, length, head_dim, dtype=torch.float32, device=device)
     lse = torch.zeros(num_heads, length, dtype=torch.float32, device=device)
@@ -144,11 +144,11 @@ def chunk_over_prefix_attention(q, k, v, k_cache, v_cache, block_table_row, pref
     of it), in pieces of PREFIX_PIECE_TOKENS whose K/V are gathered from the paged cache into a contiguous
     copy, then against the chunk itself (causal). Each part is folded into a float32 running output by one
     Triton pass (`merge_attention_part`), and the last one also writes the gated output token-major
-    (`merge_attention_output`): W2's merges took ~0.5 s of its 131K prefill as separate torch ops.
+    (`merge_attention_output`), rather than as several torch ops a part.
 
-    Measured on an H200 (bench/attention_probe.py, 27B heads, 8,192 queries): cuDNN runs ~640 TFLOP/s without
-    a mask and with a plain causal one, our paged kernel ~300, and cuDNN with a bottom-right causal mask over
-    prefix + chunk only ~220; hence the parts. Pieces bound the transient copies (27B: 134 MB of K/V per
+    cuDNN runs about twice our paged kernel's rate without a mask and with a plain causal one, but slower than
+    it with a bottom-right causal mask over prefix + chunk (benchmarks/attention_probe.py: docs/performance.md,
+    'Prefill attention'); hence the parts. Pieces bound the transient copies (27B: 134 MB of K/V per
     piece, and the float32 [heads, L, hd] running output), which stay below the activation peak the startup profile
     measures (sampling's buffers, freed before the next forward). Returns None where cuDNN's log-sum-exp
     cannot be had; the caller then runs the paged kernel.

@@ -9,14 +9,14 @@ Same contract as `deltaserve.ops.gdn.gdn_prefill` / `gdn_decode` (see `reference
 - `gdn_prefill` calls fla-core 0.6's `chunk_gated_delta_rule` (varlen, B = 1). fla takes and returns dense
   [N, HV, K, V] float32 states, so the slots are gathered before and scattered after; q and k are
   L2-normalised by our `l2_normalize` first (fla's own autotunes dozens of variants). Its Python wrapper
-  costs ~0.8 ms of CPU per call whatever the chunk size, so batches whose longest sequence has at most
+  costs most of a millisecond of CPU per call whatever the chunk size, so batches whose longest sequence has at most
   RECURRENT_PREFILL_MAX_LEN tokens (a prefix-cache hit's short chunk) take the decode kernel's varlen form
   instead: the same program steps through its sequence's tokens with the state tile held in registers.
   A batch that mixes both (decoding sequences beside a prompt chunk: one token each) is split when the
   offsets are known on the host and the short sequences are many: they take the recurrent kernel in place,
   and only the long ones go through fla, whose gather, masking and scatter of 3 MiB states and whose
-  per-sequence chunk work cost ~35 ms of GPU a step on 27B with 63 decoding sequences (measured under the
-  profiler, 2026-11-30).
+  per-sequence chunk work would otherwise cost tens of milliseconds of GPU a step on 27B with dozens of decoding
+  sequences (docs/performance.md, 'GDN prefill').
 """
 
 import functools
@@ -39,10 +39,9 @@ _L2NORM_EPS = 1e-6
 # Rows of q or k a program of `l2_normalize` scales.
 _L2NORM_ROWS = 16
 # gdn_prefill runs the recurrent kernel when no sequence has more new tokens than this: one launch and no
-# state gather/scatter, but one token after another (fla's chunks are matmuls). Measured on an H200 (27B
-# heads, 2026-11-30, CHUNK_TILE): 1 x 16 tokens 13 us and 1 x 128 77 us in a CUDA graph, 8 x 64 313 us by
-# do_bench; fla's chunked path ~1 ms of host time per call at any of these sizes, so the recurrent kernel wins
-# up to at least 128.
+# state gather/scatter, but one token after another (fla's chunks are matmuls). fla's chunked path costs about
+# a millisecond of host time per call at any size, so the recurrent kernel wins up to at least 128 tokens
+# (docs/performance.md, 'GDN prefill').
 RECURRENT_PREFILL_MAX_LEN = 128
 # A batch with long sequences sends its short ones (<= RECURRENT_PREFILL_MAX_LEN tokens) to the recurrent kernel
 # when there are at least this many: each short one costs fla a 3 MiB state gather, mask and scatter (27B) and a
@@ -53,7 +52,7 @@ SPLIT_MIN_SHORT_SEQS = 8
 # (decode's width for 16 and more), so one kernel variant, compiled at warm-up rather than in a served step.
 SPLIT_BLOCK_V = 64
 # (value columns, warps) of a recurrent-prefill program when fewer than 8 sequences share the launch (a
-# prefix-cache hit's chunk, a prompt chunk of a mixed CUDA-graph step): each program steps through its
+# prefix-cache hit's chunk, a single-chunk CUDA graph's chunk and its padding): each program steps through its
 # sequence's tokens one after another, so the time is the number of tokens times one step's latency, which
 # narrow tiles on one warp keep short (their reductions stay inside the warp).
 CHUNK_TILE = (16, 1)
@@ -366,7 +365,7 @@ def _chunked_prefill(q, k, v, g, beta, state_pool, state_slots, has_initial_stat
         return v.new_empty(v.shape)
 
     # fla builds its chunk index from the host offsets and copies it to the GPU from pageable memory: a stream
-    # sync, after which the GPU idles while the host launches fla's kernels (~1 ms). Built here (once a step)
+    # sync, after which the GPU idles while the host launches fla's kernels. Built here (once a step)
     # and copied from pinned memory, it is queued like any other input.
     if chunk_indices is None and cu_seqlens_cpu is not None:
         chunk_indices = _per_step.get("chunks", cu_seqlens_cpu, v.device, lambda: to_device(
@@ -430,10 +429,9 @@ def fla_chunk_indices(offsets: np.ndarray, chunk_size: int = FLA_CHUNK_SIZE) -> 
 
 
 def _decode_block_v(num_seqs: int) -> int:
-    """Value columns per program, measured on an H200 for decode (27B heads, float32 state,
-    `python -m deltaserve.bench.batch_probe`): 16 below 8 sequences (48 heads x 8 blocks = 384 programs at
-    batch 1), 32 from 8, 64 from 16 (batch 64: 109 us a layer, 3.68 TB/s, against 125 us with 32; batch 16:
-    32 against 34 us)."""
+    """Value columns per program, the fastest for decode on an H200 (27B heads, float32 state,
+    `python -m benchmarks.batch_probe`: docs/performance.md, 'GDN decode'): 16 below 8 sequences (48 heads x 8
+    blocks = 384 programs at batch 1), 32 from 8, 64 from 16."""
     if num_seqs < 8:
         return 16
     return 32 if num_seqs < 16 else 64

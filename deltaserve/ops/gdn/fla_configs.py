@@ -1,9 +1,8 @@
 """fla-core's kernel configurations pinned per GPU model, so that a cold start does not autotune them.
 
-fla's chunked gated delta rule autotunes its kernels at their first call: on an H200 without Triton's disk
-cache that compiled 35 variants (12 of `chunk_gated_delta_rule_fwd_kernel_h_blockdim64`, 9 of
-`recompute_w_u_fwd_kernel`, ...) and took ~40 of the engine's 76-80 s start (docs/performance.md, seventh
-session). fla can read the chosen configurations instead, one `{kernel}.json` per kernel in FLA_CONFIG_DIR, when
+fla's chunked gated delta rule autotunes its kernels at their first call: without Triton's disk cache that
+compiles dozens of variants and takes about half of the engine's start (docs/performance.md, 'Start-up'). fla
+can read the chosen configurations instead, one `{kernel}.json` per kernel in FLA_CONFIG_DIR, when
 FLA_CACHE_MODE allows it (fla/ops/utils/cache.py). This module keeps such files under `fla_configs/<GPU>/`
 beside it (the GPU's name as fla writes it, e.g. `NVIDIA_H200`) and
 
@@ -11,7 +10,7 @@ beside it (the GPU's name as fla writes it, e.g. `NVIDIA_H200`) and
                              (FLA_CACHE_MODE "fuzzy": a shape not in the files is autotuned as before);
                              a user's own FLA_CONFIG_DIR or FLA_CACHE_MODE wins
     dump_autotuned(folder)   writes what fla's autotuners chose in this process into folder, merged with the
-                             files there (`python -m deltaserve.bench.fla_tune` runs a model and calls it)
+                             files there (`python -m benchmarks.fla_tune` runs a model and calls it)
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ the row's squares itself, in K blocks).
 
 Grid: cdiv(N, BLOCK_N) programs; each reads BLOCK_N whole weight rows once, K block after K block. Decode is
 bound by reading W (27B: ~50 GB a step), and W is read exactly once; the prologue's inputs are a few KB that
-every program re-reads from L2. Measured on an H200 (docs/performance.md): up to 3.93 TB/s, and faster than
-the prologue kernel + cuBLAS for 4 of 27B's 6 projection shapes (configs.json says which).
+every program re-reads from L2. Faster than the prologue kernel + cuBLAS for some of 27B's projection shapes
+(configs.json says which; docs/performance.md, 'Decode GEMMs').
 """
 
 import functools
@@ -38,7 +38,7 @@ PROLOGUE_GATED_NORM: tl.constexpr = tl.constexpr(3)
 # (BLOCK_N, BLOCK_K, num_warps, num_stages): a reasonable tile, for tests (num_stages does not matter here:
 # no dot to pipeline).
 DEFAULT_CONFIG = (16, 256, 4, 1)
-# The tuned table, measured on an H200 by `python -m deltaserve.bench.gemv_probe`: "prologue:N:K" -> a config,
+# The tuned table, measured on an H200 by `python -m benchmarks.gemv_probe`: "prologue:N:K" -> a config,
 # or null where cuBLAS after the unfused prologue op was faster. A shape missing from it runs unfused: the
 # kernel is used only where it was measured to win. DELTASERVE_GEMV_CONFIGS names another file.
 CONFIGS_FILE = Path(__file__).with_name("configs.json")
@@ -88,7 +88,7 @@ def _gemv_kernel(
     stride_x_h for the gated norm, gate alike); W: [N, K]; out: [N].
 
     Products accumulate elementwise in a [BLOCK_N, BLOCK_K] float32 tile and are reduced once at the end:
-    a reduction per K block (shuffles across the tile) made the loop compute-bound (2.4-2.8 TB/s)."""
+    a reduction per K block (shuffles across the tile) makes the loop compute-bound."""
     wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
     ns = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output columns = weight rows

@@ -1,16 +1,15 @@
 """Triton GEMM for decode batches (1 to SKINNY_MAX_ROWS rows): y [M, N] = x [M, K] @ W [N, K]^T.
 
 A decode step is bound by reading the weights once (27B: ~50 GB), but cuBLAS picks tiles for such skinny products
-that leave the GPU short of loads in flight (27B's in-projections at 64 rows: 3.5-3.6 TB/s on an H200). Here the
+that leave the GPU short of loads in flight (docs/performance.md, 'Decode GEMMs'). Here the
 weight is the wide side of a tensor-core product (W tile [BLOCK_N, BLOCK_K] times x^T tile [BLOCK_K, BLOCK_M], the
 rows padded to 16, tl.dot's least), its loads pipelined over num_stages, either pointer loads or (a sixth config
 entry of 1) the Hopper tensor-memory accelerator's bulk tile copies (TMA); K may be split among SPLIT_K programs
 whose float32 partial sums a second kernel adds in a fixed order, so the result does not depend on timing. The
-table `skinny_configs.json` (measured by `python -m deltaserve.bench.batch_probe`) names the tile per (N, K, row bucket) and holds only the shapes where the
-kernel beat cuBLAS (and, at one row, the fused GEMV of cuda.py) by 2%. (A version with the RMS-norm / silu-mul
-prologue fused in lost to the GEMV at one row, 2.9-3.4 TB/s: each program re-reads and normalises the activation;
-it was not kept. Stream-K, one program per SM each streaming an equal share of the weight, won no shape of 27B at
-1-64 rows, over pointer loads (eighth session) nor over TMA tiles (tenth): docs/performance.md.)
+table `skinny_configs.json` (measured by `python -m benchmarks.batch_probe`) names the tile per (N, K, row
+bucket) and holds only the shapes where the kernel beat cuBLAS (and, at one row, the fused GEMV of cuda.py) by 2%.
+A fused RMS-norm / silu-mul prologue (each program re-reads and normalises the activation) and Stream-K tiling
+lost (docs/performance.md, 'Decode GEMMs').
 """
 
 import functools
@@ -69,8 +68,8 @@ def _store_block(acc, out, partial, ms, ns, ok, pid_k, M, N, stride_out_m, SPLIT
 
 
 # Specialised by Triton on the row count (a variant for M == 1, for M % 16 == 0 and for the rest: two per tile
-# and row bucket among the decode graphs' sizes). Without it (one variant each, fewer compiles at startup) the
-# MLP down projection at 64 rows took 62.0 us instead of 51.0 (27B, H200, batch_probe --compare-specialization).
+# and row bucket among the decode graphs' sizes): one variant each (fewer compiles at startup) was slower
+# (`batch_probe --compare-specialization`: docs/performance.md, 'Decode GEMMs').
 @triton.jit
 def _skinny_kernel(
     x, weight, out, partial, M, N, K, k_iters, stride_x_m, stride_w_n, stride_out_m,

@@ -1,8 +1,8 @@
 """Triton RMS norms, each row of D whole in registers (D <= 16384).
 
 - `rms_norm`: one program per row (the hidden-size norms: rows of 5120 for 27B).
-- `gated_rms_norm`: one program per [BLOCK_ROWS, D] tile (16 rows of GDN's 128-wide heads; one 256-byte row
-  per program reached a quarter of the H200's bandwidth). It reads x and gate as [T, H, D] with any token
+- `gated_rms_norm`: one program per [BLOCK_ROWS, D] tile (16 rows of GDN's 128-wide heads: one 256-byte row
+  per program leaves most of the memory bandwidth unused). It reads x and gate as [T, H, D] with any token
   and head strides, so the gate can be a view of the projection output (no copy).
 
 Same numerics as reference.py: float32 statistics, (1 + w) applied in float32 for the zero-centred norm;
@@ -100,7 +100,8 @@ def rms_norm(x, weight, eps, residual=None):
 def _gated_block_rows(num_rows: int, block: int) -> int:
     """Rows a gated-norm program takes (a compile-time constant: each value is its own kernel variant). Many rows
     (prefill): tiles of _GATED_TILE elements; few (decode): fewer rows a program, so that the launch still
-    spreads over the SMs (one 16-row tile at batch 1 took 2.6 us on the H200, 48 rows 1.5 us)."""
+    spreads over the SMs (at batch 1, one row a program beats 16-row tiles: docs/performance.md, 'Decode
+    kernels')."""
     return max(1, min(_GATED_TILE // block, triton.next_power_of_2(num_rows // 1024 + 1) // 2))
 
 

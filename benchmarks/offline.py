@@ -1,6 +1,6 @@
 """Offline engine benchmarks (the W-workloads of WORKLOADS.md through the engine API, no HTTP).
 
-    python -m deltaserve.bench.offline MODEL_OR_CONFIG_DIR --workloads W1,W3 [--load-format dummy] [--out FILE]
+    python -m benchmarks.offline MODEL_OR_CONFIG_DIR --workloads W1,W3 [--load-format dummy] [--out FILE]
 
 Each result is printed beside its physical limit: decode step time >= bytes read per step / HBM bandwidth;
 prefill time >= FLOPs / matmul rate. Bandwidth and matmul rate are measured on the device at start; the matmul
@@ -387,7 +387,7 @@ def print_profile(prof, title: str, steps: int, wall: float, save_as: str | None
             f.write(heading + "\n" + events.table(sort_by="self_cuda_time_total", row_limit=-1,
                                                   max_name_column_width=120))
         trace = save_as.removesuffix(".txt") + ".trace.json"
-        prof.export_chrome_trace(trace)  # the timeline: where the GPU waits for the host (bench/trace_gaps.py)
+        prof.export_chrome_trace(trace)  # the timeline: where the GPU waits for the host (benchmarks/trace_gaps.py)
         with open(trace, "rb") as raw, gzip.open(trace + ".gz", "wb") as packed:
             shutil.copyfileobj(raw, packed)
         os.remove(trace)
@@ -424,7 +424,7 @@ def profile_decode_batch(engine: LLMEngine, batch: int = 64, input_len: int = 10
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deltaserve.bench.offline", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.offline", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", help="checkpoint or config.json directory")
     parser.add_argument("--workloads", default="W1",

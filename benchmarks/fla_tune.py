@@ -1,6 +1,6 @@
 """Autotune fla-core's kernels for a model's shapes on this GPU and pin the choices (ops/gdn/fla_configs.py).
 
-    python -m deltaserve.bench.fla_tune CONFIG_DIR [CONFIG_DIR ...] [--out deltaserve/ops/gdn/fla_configs]
+    python -m benchmarks.fla_tune CONFIG_DIR [CONFIG_DIR ...] [--out deltaserve/ops/gdn/fla_configs]
 
 Starts the engine on each model (dummy weights): its warm-up runs the chunked gated delta rule at the shapes
 serving meets, and fla autotunes each kernel there. The choices are then written, one JSON file per kernel,
@@ -21,7 +21,7 @@ from deltaserve.ops.gdn import fla_configs
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deltaserve.bench.fla_tune", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.fla_tune", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("models", nargs="+", help="checkpoint or config.json directories")
     parser.add_argument("--out", type=Path, default=fla_configs.CONFIG_ROOT, help="root of the per-GPU folders")

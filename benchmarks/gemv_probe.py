@@ -1,6 +1,6 @@
 """Small-batch projections: the fused Triton GEMV (ops/linear) beside the unfused prologue op + cuBLAS.
 
-    python -m deltaserve.bench.gemv_probe [CONFIG_DIR] [--out configs.json]
+    python -m benchmarks.gemv_probe [CONFIG_DIR] [--out configs.json]
 
 For every projection of a decode step of the model in CONFIG_DIR (default: the published Qwen3.5-27B shape),
 at batch 1, times the unfused path (the prologue kernel, then F.linear) and the fused kernel over a sweep of

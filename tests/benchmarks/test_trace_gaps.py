@@ -3,7 +3,7 @@
 import gzip
 import json
 
-from deltaserve.bench import trace_gaps
+from benchmarks import trace_gaps
 
 
 def write_trace(path, events):

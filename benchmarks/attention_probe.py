@@ -3,7 +3,7 @@
 prefill kernel's split count for short chunks over long prefixes, or (with --chunk-over-prefix) the cuDNN path
 of a long chunk after its prefix beside its cuDNN calls alone.
 
-    python -m deltaserve.bench.attention_probe [--decode-sweep | --prefill-split-sweep | --chunk-over-prefix]
+    python -m benchmarks.attention_probe [--decode-sweep | --prefill-split-sweep | --chunk-over-prefix]
 
 Times one 27B attention layer (24 query / 4 KV heads, head_dim 256, bf16) for an 8,192-token chunk after
 0, 24,576 and 122,880 cached tokens (the last chunk of W3's 32K prompt and of W2's 131K prompt), causal with

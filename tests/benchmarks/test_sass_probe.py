@@ -1,20 +1,23 @@
-"""bench/sass_probe.py compiles the attention kernels for sm_90 on the CPU machine and reads their SASS; it also
+"""benchmarks/sass_probe.py compiles the attention kernels for sm_90 on the CPU machine and reads their SASS; it also
 guards the fp8 decode kernel's V path (upcast before the shared-memory staging: no byte-wide shared loads)."""
 
 import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from deltaserve.bench import sass_probe
+from benchmarks import sass_probe
+
+ROOT = Path(__file__).resolve().parents[2]  # `-m benchmarks.sass_probe` is found from the repository root
 
 
 def run_probe(*args: str) -> str:
     """The probe's output, run outside this session's Triton interpreter (it compiles real kernels)."""
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-m", "deltaserve.bench.sass_probe", *args], env=env,
+    result = subprocess.run([sys.executable, "-m", "benchmarks.sass_probe", *args], env=env, cwd=ROOT,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     return result.stdout

@@ -1,6 +1,6 @@
 """Host time against GPU time of one GDN layer's chunked prefill (fla-core through ops/gdn/cuda.py).
 
-    python -m deltaserve.bench.gdn_host_probe [CONFIG_DIR] [--tokens 64,1024] [--profile 25]
+    python -m benchmarks.gdn_host_probe [CONFIG_DIR] [--tokens 64,1024] [--profile 25]
 
 For one sequence of each token count, with the GDN head shapes of the model in CONFIG_DIR (default: the
 published Qwen3.5-27B shape), times `_chunked_prefill` three ways: the host's time to queue a call (a loop of
@@ -115,7 +115,7 @@ def _token_counts(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deltaserve.bench.gdn_host_probe", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gdn_host_probe", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", nargs="?", default=str(CONFIGS_DIR / "qwen3.5-27b"),
                         help="config.json directory (default: the shipped Qwen3.5-27B config)")

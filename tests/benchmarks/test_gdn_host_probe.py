@@ -2,7 +2,7 @@
 
 import pytest
 
-from deltaserve.bench import gdn_host_probe
+from benchmarks import gdn_host_probe
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -6,7 +6,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from deltaserve.bench import batch_probe  # noqa: E402
+from benchmarks import batch_probe  # noqa: E402
 from tests.ops.interpreter import patch_interpreter_index  # noqa: E402
 
 patch_interpreter_index()

@@ -1,8 +1,8 @@
-"""bench/overlap_probe.py's arithmetic and checks, without a GPU."""
+"""benchmarks/overlap_probe.py's arithmetic and checks, without a GPU."""
 
 import pytest
 
-from deltaserve.bench.overlap_probe import main, mean_samples, overlap_saving
+from benchmarks.overlap_probe import main, mean_samples, overlap_saving
 
 
 def test_nvidia_smi_samples_are_averaged_and_odd_lines_skipped():

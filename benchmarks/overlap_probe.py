@@ -1,7 +1,7 @@
 """Whether a prefill's matmuls and its memory-bound kernels can overlap on this GPU: a long bf16 GEMM and a
 bandwidth-bound copy, each alone, then both at once on two CUDA streams.
 
-    python -m deltaserve.bench.overlap_probe [--seconds 5] [--m 8192] [--n 34816] [--k 5120] [--copy-mib 1024]
+    python -m benchmarks.overlap_probe [--seconds 5] [--m 8192] [--n 34816] [--k 5120] [--copy-mib 1024]
 
 A prompt step of 8,192 tokens spends ~560 ms in matmuls (HBM nearly idle) and ~110 ms in kernels bound by
 memory or latency (tensor cores idle; docs/performance.md, eleventh session). Running two halves of a step on
@@ -89,7 +89,7 @@ def timed_streams(work: dict[str, tuple[Callable[[], object], int]]) -> dict[str
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deltaserve.bench.overlap_probe", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.overlap_probe", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=5.0, help="how long each setting runs (about)")
     parser.add_argument("--m", type=int, default=8192)

@@ -1,7 +1,7 @@
 """Decode projections on the skinny Triton GEMM (ops/linear/cuda_skinny.py) beside what they run otherwise, and
 the GDN decode kernel's tiles at a batch of many sequences, and the GDN recurrent prefill's tiles on one chunk.
 
-    python -m deltaserve.bench.batch_probe [CONFIG_DIR] [--out deltaserve/ops/linear/skinny_configs.json]
+    python -m benchmarks.batch_probe [CONFIG_DIR] [--out deltaserve/ops/linear/skinny_configs.json]
 
 For every projection of a decode step of the model in CONFIG_DIR (default: the published Qwen3.5-27B shape),
 inside CUDA graphs as decode runs them, each call on another copy of the weight so that none is served from L2:
@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deltaserve.bench.gemv_probe import (COPIES_BYTES, decode_projections, graph_time_us, inputs, probe_parser,
+from benchmarks.gemv_probe import (COPIES_BYTES, decode_projections, graph_time_us, inputs, probe_parser,
                                          write_table)
 from deltaserve.config import ModelConfig
 from deltaserve.ops.gdn import cuda as gdn_cuda
@@ -320,7 +320,7 @@ CHUNK_SWEEP = [(bv, warps) for bv, warps in itertools.product((8, 16, 32, 64), (
 
 
 def probe_gdn_chunk(cfg: ModelConfig, length: int, device) -> None:
-    """The recurrent prefill of one sequence of `length` tokens (a prefix-cache hit's chunk, a mixed step's)
+    """The recurrent prefill of one sequence of `length` tokens (a prefix-cache hit's chunk, a single-chunk graph's)
     over (block_v, num_warps): its time is `length` steps of latency."""
     hv, kd, vd = cfg.gdn_num_v_heads, cfg.gdn_k_dim, cfg.gdn_v_dim
     pools = [torch.zeros(2, hv, kd, vd, device=device, dtype=torch.float32) for _ in range(3)]

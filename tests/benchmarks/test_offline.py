@@ -1,8 +1,8 @@
-"""bench/offline.py's bookkeeping, without a GPU: where a run's wall time went, by the kind of step."""
+"""benchmarks/offline.py's bookkeeping, without a GPU: where a run's wall time went, by the kind of step."""
 
 from types import SimpleNamespace
 
-from deltaserve.bench.offline import StepTimes
+from benchmarks.offline import StepTimes
 
 
 def scheduled(*query_lens):
@@ -42,7 +42,7 @@ def test_step_tails_and_records():
 def test_gc_pauses_count_full_collections_only():
     import gc
 
-    from deltaserve.bench.offline import GcPauses
+    from benchmarks.offline import GcPauses
 
     with GcPauses() as pauses:
         gc.collect(0)
@@ -55,7 +55,7 @@ def test_gc_pauses_count_full_collections_only():
 def test_a_concurrency_no_workload_runs_at_is_refused_by_name(capsys):
     import pytest
 
-    from deltaserve.bench.offline import main
+    from benchmarks.offline import main
 
     with pytest.raises(SystemExit):
         main(["config-dir", "--workloads", "W6", "--concurrency", "65"])
@@ -72,7 +72,7 @@ def test_a_concurrency_no_workload_runs_at_is_refused_by_name(capsys):
 
 
 def test_compile_log_counts_variants_and_keeps_their_signatures_until_taken():
-    from deltaserve.bench.offline import CompileLog
+    from benchmarks.offline import CompileLog
 
     log = CompileLog()
     # as Triton 3.6 calls the hook: the signature by argument name, the specializations by argument index
@@ -90,7 +90,7 @@ def test_compile_log_counts_variants_and_keeps_their_signatures_until_taken():
 def test_collector_load_counts_tracked_objects_and_names_their_modules():
     import re
 
-    from deltaserve.bench.offline import collector_load
+    from benchmarks.offline import collector_load
 
     namespace = {"__name__": "made_after_the_freeze"}
     exec("def f():\n    pass\ng = [f]", namespace)  # a function of a module of its own, kept alive
@@ -102,7 +102,7 @@ def test_collector_load_counts_tracked_objects_and_names_their_modules():
 def test_a_tokenizer_that_is_not_a_directory_is_refused_by_name(capsys):
     import pytest
 
-    from deltaserve.bench.offline import main
+    from benchmarks.offline import main
 
     with pytest.raises(SystemExit):
         main(["config-dir", "--tokenizer", "/nonexistent/tok"])
@@ -112,7 +112,7 @@ def test_a_tokenizer_that_is_not_a_directory_is_refused_by_name(capsys):
 def test_a_state_dtype_the_engine_does_not_take_is_refused_by_name(capsys):
     import pytest
 
-    from deltaserve.bench.offline import main
+    from benchmarks.offline import main
 
     with pytest.raises(SystemExit):
         main(["config-dir", "--mamba-ssm-cache-dtype", "fp8"])

@@ -1,8 +1,8 @@
-"""bench/host_probe.py on the CPU: a few steps of a few sequences, and its argument checks."""
+"""benchmarks/host_probe.py on the CPU: a few steps of a few sequences, and its argument checks."""
 
 import pytest
 
-from deltaserve.bench.host_probe import main
+from benchmarks.host_probe import main
 
 
 def test_reports_host_work_a_step(capsys):

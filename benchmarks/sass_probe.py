@@ -1,7 +1,7 @@
 """The attention kernels compiled for an NVIDIA GPU on any machine (no GPU needed): their shared memory and their
 KV loop's SASS, to see what a kernel change does to the machine code before spending device time on it.
 
-    python -m deltaserve.bench.sass_probe [--kernel decode|prefill] [--cache bf16|fp8] [--arch 90]
+    python -m benchmarks.sass_probe [--kernel decode|prefill] [--cache bf16|fp8] [--arch 90]
         [--block-n N] [--warps N] [--stages N] [--top 12]
 
 Compiles `_decode_split_kernel` or `_prefill_kernel` with 27B's attention heads (24 query / 4 KV heads, head_dim
@@ -115,7 +115,7 @@ def loop_report(compiled) -> LoopReport:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deltaserve.bench.sass_probe", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.sass_probe", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kernel", choices=["decode", "prefill"], default="decode")
     parser.add_argument("--cache", choices=sorted(CACHE_TYPES), default="bf16", help="the KV cache's dtype")

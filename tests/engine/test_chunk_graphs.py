@@ -1,101 +1,18 @@
-"""Mixed steps (opt-in: DELTASERVE_MIXED_CHUNK_TOKENS): decodes plus one capped prompt chunk (engine/scheduler.py),
-run on the CUDA-graph runner's static padded buffers (worker/cuda_graph.py). On the CPU the runner's buffers run eagerly, as with --enforce-eager on the
-GPU: the same padded batch, the same numbers as the graphs (tests/gpu/test_engine_gpu.py replays them)."""
+"""Single-chunk steps on the CUDA-graph runner's static padded buffers (worker/cuda_graph.py). On the CPU the
+runner's buffers run eagerly, as with --enforce-eager on the GPU: the same padded batch, the same numbers as the
+graphs (tests/gpu/test_engine_gpu.py replays them)."""
 
 import pytest
 import torch
 
 from deltaserve.cache import footprint
 from deltaserve.config import ModelConfig
-from deltaserve.engine import scheduler as scheduler_module
 from deltaserve.layers.batch import ForwardBatch
 from deltaserve.model.loader import load_model
 from deltaserve.worker.cuda_graph import DecodeGraphs
 from deltaserve.worker.kv_cache import CacheShape, bind_caches
-from tests.engine.test_scheduler import fake_step, make_request, make_scheduler
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture
-def few_decodes(monkeypatch):
-    """Mixed steps from 2 decoding requests (8 in production) up to 8 (128)."""
-    monkeypatch.setattr(scheduler_module, "MIXED_MIN_DECODES", 2)
-    monkeypatch.setattr(scheduler_module, "MIXED_MAX_DECODES", 8)
-
-
-def decoding(sched, n):
-    """n requests of 4 prompt tokens, each past its prompt."""
-    for i in range(n):
-        sched.add_request(make_request(f"d{i}", 4, max_tokens=50))
-    fake_step(sched)
-
-
-def layout(out):
-    return [(row.request_id, len(row.token_ids)) for row in out.sequences]
-
-
-def test_a_mostly_decoding_step_takes_one_capped_prompt_chunk_after_its_decodes(few_decodes):
-    decodes = [(f"d{i}", 1) for i in range(6)]
-    sched = make_scheduler(max_num_seqs=10, budget=64, slots=12, num_blocks=128)
-    sched.mixed_chunk_tokens = 8
-    decoding(sched, 6)
-    for rid, length in (("p", 21), ("q", 5), ("r", 5)):
-        sched.add_request(make_request(rid, length))
-    out, _ = fake_step(sched)  # 6 decoding of 9 with work: below 0.75, the budget decides
-    assert layout(out) == decodes + [("p", 21), ("q", 5), ("r", 5)]
-
-    sched = make_scheduler(max_num_seqs=10, budget=64, slots=12, num_blocks=128)
-    sched.mixed_chunk_tokens = 8
-    decoding(sched, 6)
-    sched.add_request(make_request("p", 21))
-    out, _ = fake_step(sched)  # 6 of 7: capped, one chunk, after the decodes
-    assert layout(out) == decodes + [("p", 8)]
-    sched.add_request(make_request("q", 5))
-    out, _ = fake_step(sched)  # 6 of 8: p goes on (running, listed after the decodes); q waits its turn
-    assert layout(out) == decodes + [("p", 8)]
-    assert [r.request_id for r in sched.waiting] == ["q"]
-    out, _ = fake_step(sched)
-    assert layout(out) == decodes + [("p", 5)] and out.sequences[-1].sample
-    out, _ = fake_step(sched)  # p decodes now, before q's chunk
-    assert layout(out) == decodes + [("p", 1), ("q", 5)]
-
-
-def test_no_cap_with_too_few_or_too_many_decodes(few_decodes):
-    for count in (1, 9):
-        sched = make_scheduler(max_num_seqs=10, budget=64, slots=12, num_blocks=128)
-        sched.mixed_chunk_tokens = 8
-        decoding(sched, count)
-        sched.add_request(make_request("p", 21))
-        out, _ = fake_step(sched)
-        assert layout(out)[-1] == ("p", 21)
-
-
-def test_a_capped_chunk_ends_at_the_prompt_checkpoint_instead_of_saving_inside(few_decodes):
-    sched = make_scheduler(max_num_seqs=8, budget=32, slots=10, checkpoints=4)
-    sched.mixed_chunk_tokens = 8
-    decoding(sched, 4)
-    sched.add_request(make_request("p", 13, prompt=list(range(50, 63))))  # block 4: prompt checkpoint at 12
-    out, _ = fake_step(sched)
-    assert layout(out)[-1] == ("p", 8)
-    out, _ = fake_step(sched)  # uncapped, 8..13 would save at 12 inside the step; capped, it stops there
-    assert layout(out)[-1] == ("p", 4) and out.sequences[-1].mid_save is None
-    assert len(out.state_saves) == 1
-    out, _ = fake_step(sched)
-    assert layout(out)[-1] == ("p", 1) and out.sequences[-1].sample
-
-
-def test_mixed_graphs_are_opt_in(monkeypatch):
-    monkeypatch.delenv("DELTASERVE_MIXED_CHUNK_TOKENS", raising=False)
-    monkeypatch.setenv("DELTASERVE_CHUNK_GRAPHS", "0")  # decode graphs alone: 35 at 256 sequences
-    assert footprint.mixed_graph_sizes(256) == [] and footprint.cuda_graph_count(256) == 35
-    monkeypatch.setenv("DELTASERVE_MIXED_CHUNK_TOKENS", "128")
-    assert footprint.mixed_graph_sizes(256) == list(range(8, 129, 8)) and footprint.mixed_graph_sizes(4) == []
-    assert footprint.mixed_graph_sizes(13) == [8, 13] and footprint.cuda_graph_count(256) == 35 + 16
-    for bad in ("129", "-1", "x"):
-        monkeypatch.setenv("DELTASERVE_MIXED_CHUNK_TOKENS", bad)
-        with pytest.raises(ValueError, match="DELTASERVE_MIXED_CHUNK_TOKENS"):
-            footprint.mixed_chunk_tokens()
 
 
 BLOCK_SIZE, TABLE_WIDTH, NUM_BLOCKS = 4, 40, 128
@@ -126,48 +43,8 @@ def assert_caches_match(caches, expected_caches):
             torch.testing.assert_close(tensor[:, 1:], expected[:, 1:], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("num_decodes, chunk_len", [(3, 9), (8, 128)])  # padded rows; none and a full chunk
-def test_mixed_padded_step_computes_what_the_plain_step_does(ckpt_qwen3_5, monkeypatch, num_decodes, chunk_len):
-    """The mixed graph's buffers (decodes padded to 8 rows, the chunk padded to 128 rows with a second sequence
-    on the dummy slot, empty for a full chunk), run eagerly: the same logits as the step run plainly, and the
-    same caches except the dummy state slot 0 and the null KV block 0."""
-    monkeypatch.setenv("DELTASERVE_MIXED_CHUNK_TOKENS", "128")
-    cfg, model, graphs = padded_runner(ckpt_qwen3_5, max_num_seqs=8, slots=10)
-    block_size, width = BLOCK_SIZE, TABLE_WIDTH
-    assert graphs.mixed_sizes == [8] and graphs.chunk_tokens == 128
-    gen = torch.Generator().manual_seed(4)
-    prompt_lens = [7, 11, 5, 9, 6, 10, 3, 8][:num_decodes] + [6]  # the last one continues with the chunk
-    slots = list(range(1, len(prompt_lens) + 1))
-    blocks, next_block = [], 1
-    for length in prompt_lens[:-1] + [prompt_lens[-1] + chunk_len]:
-        count = -(-(length + 1) // block_size)
-        blocks.append(list(range(next_block, next_block + count)))
-        next_block += count
-    with torch.no_grad():
-        model(torch.randint(0, cfg.vocab_size, (sum(prompt_lens),), generator=gen),
-              ForwardBatch.build([0] * len(prompt_lens), prompt_lens, blocks, slots, block_size))
-    caches = cache_tensors(model)
-    before = [t.clone() for t in caches]
-    # the decodes, then the last sequence's chunk after its cached prompt
-    batch = ForwardBatch.build(prompt_lens, [1] * num_decodes + [chunk_len], blocks, slots, block_size,
-                               block_table_width=width)
-    ids = torch.randint(0, cfg.vocab_size, (num_decodes + chunk_len,), generator=gen)
-    with torch.no_grad():
-        plain = model.compute_logits(model(ids, batch))[batch.logits_indices]
-    plain_caches = [t.clone() for t in caches]
-    for chunk_samples in (True, False):
-        for tensor, saved in zip(caches, before):
-            tensor.copy_(saved)
-        with torch.no_grad():
-            mixed = graphs.run_mixed(batch, ids, chunk_samples=chunk_samples)
-        torch.testing.assert_close(mixed, plain[: num_decodes + chunk_samples], atol=1e-4, rtol=1e-4)
-        # float32 rounding differs by path (the decode rows' GDN step vs the chunked rule) and grows layer by layer
-        assert_caches_match(caches, plain_caches)
-
-
 def test_chunk_graphs_are_on_unless_turned_off(monkeypatch):
     monkeypatch.delenv("DELTASERVE_CHUNK_GRAPHS", raising=False)
-    monkeypatch.delenv("DELTASERVE_MIXED_CHUNK_TOKENS", raising=False)
     all_sizes = [16, 32, 64, 128, 256, 512, 1024]
     assert footprint.chunk_graph_sizes() == all_sizes and footprint.cuda_graph_count(256) == 35 + 7
     monkeypatch.setenv("DELTASERVE_CHUNK_GRAPHS", "0")
@@ -191,7 +68,6 @@ def test_single_chunk_padded_step_computes_what_the_plain_step_does(ckpt_qwen3_5
     eagerly: the same logits as the step run plainly, and the same caches (the checkpoint slot 3 included) except
     the dummy state slot 0 and the null KV block 0, whatever earlier steps left in the static buffers."""
     monkeypatch.setenv("DELTASERVE_CHUNK_GRAPHS", "1")
-    monkeypatch.delenv("DELTASERVE_MIXED_CHUNK_TOKENS", raising=False)
     cfg, model, graphs = padded_runner(ckpt_qwen3_5, max_num_seqs=4, slots=4)
     block_size = BLOCK_SIZE
     assert graphs.chunk_sizes == [16, 32, 64, 128, 256, 512, 1024] and graphs.single_size(1) is None
@@ -254,7 +130,6 @@ def test_engine_routes_single_short_chunks_to_the_chunk_graphs(ckpt_qwen3_5, mon
     from deltaserve import LLM, SamplingParams
 
     monkeypatch.setenv("DELTASERVE_CHUNK_GRAPHS", "1")
-    monkeypatch.delenv("DELTASERVE_MIXED_CHUNK_TOKENS", raising=False)
     padded = LLM(ckpt_qwen3_5, block_size=4, max_num_seqs=4)
     plain = LLM(ckpt_qwen3_5, block_size=4, max_num_seqs=4)
     runner = padded.engine.runner

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from deltaserve.bench.gemv_probe import write_table
+from benchmarks.gemv_probe import write_table
 from deltaserve.ops.linear import cuda as linear_cuda
 
 

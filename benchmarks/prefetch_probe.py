@@ -1,6 +1,6 @@
 """Whether asking L2 for a projection's first weight bytes before its prologue op pays in decode.
 
-    python -m deltaserve.bench.prefetch_probe [CONFIG_DIR] [--rows 64] [--megabytes 8,16,32]
+    python -m benchmarks.prefetch_probe [CONFIG_DIR] [--rows 64] [--megabytes 8,16,32]
 
 A decode step at 64 rows leaves the H200's memory idle while its small kernels run (the RMS norm before each
 projection ~3 us, silu-mul, the gated norm, the gaps between kernels, each GEMM's first microseconds): ~1.4 ms of
@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deltaserve.bench.gemv_probe import decode_projections, graph_time_us, inputs
+from benchmarks.gemv_probe import decode_projections, graph_time_us, inputs
 from deltaserve.config import ModelConfig
 from deltaserve.model_configs import CONFIGS_DIR
 from deltaserve.ops import linear
@@ -73,7 +73,7 @@ def _prefetched(call, fn, weight, megabytes, pattern, first_wave_rows, side_stre
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deltaserve.bench.prefetch_probe", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.prefetch_probe", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", nargs="?", default=str(CONFIGS_DIR / "qwen3.5-27b"),
                         help="config.json directory (default: the shipped Qwen3.5-27B config)")

@@ -1,6 +1,6 @@
 """The host's work per step at many sequences, without the model's forward: what bounds small models' decode.
 
-    python -m deltaserve.bench.host_probe [--rows 256] [--prompt-len 128] [--output-len 512] [--steps 200]
+    python -m benchmarks.host_probe [--rows 256] [--prompt-len 128] [--output-len 512] [--steps 200]
         [--output-kind delta] [--profile] [--server [--clients 1] [--loop asyncio] [--stream-interval 1]]
 
 The demo model's engine on the CPU, its forward replaced by zeros (the lm_head, the sampler, batch building,
@@ -28,7 +28,7 @@ from deltaserve.server.api_server import EVENT_LOOP
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deltaserve.bench.host_probe", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.host_probe", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=256, help="sequences decoding at once")
     parser.add_argument("--prompt-len", type=int, default=128)

@@ -1,6 +1,6 @@
 """Where the GPU waits for the host: idle gaps in a profiler timeline and what the host was doing then.
 
-    python -m deltaserve.bench.trace_gaps TRACE.json[.gz] [--min-gap-us 20] [--top 15]
+    python -m benchmarks.trace_gaps TRACE.json[.gz] [--min-gap-us 20] [--top 15]
 
 Reads a Chrome trace written by torch.profiler (`offline --profile --profile-dir DIR` writes them gzipped),
 orders the GPU's kernels, copies and memsets in time, and reports the idle time between them: in total, in
@@ -87,7 +87,7 @@ def report(path: str, min_gap_us: float = 20.0, top: int = 15) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deltaserve.bench.trace_gaps", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.trace_gaps", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("traces", nargs="+", help="Chrome trace files (.json or .json.gz)")
     parser.add_argument("--min-gap-us", type=float, default=20.0, help="gaps listed one by one from this size")

@@ -1,8 +1,8 @@
 """Closed-loop random-prompt traffic (W6's shape) through the real scheduler, each step charged by a cost model:
 scheduling policies weighed without a GPU.
 
-    python -m deltaserve.bench.schedule_model [--concurrency 64] [--prompts 256] [--input-len 1024]
-        [--output-len 512] [--max-num-batched-tokens 8192] [--mixed-chunk-tokens 0] [--chunk-us 70] ...
+    python -m benchmarks.schedule_model [--concurrency 64] [--prompts 256] [--input-len 1024]
+        [--output-len 512] [--max-num-batched-tokens 8192] [--staggered-chunk-tokens 0] [--chunk-us 70] ...
 
 The scheduler (engine/scheduler.py, with the prefix cache's chunk cuts of cache/kv_manager.py) picks each step's
 rows; every sampled token is 1 (ignore_eos), and a client sends its next prompt when its request finishes. A step
@@ -10,18 +10,19 @@ costs, by kind (defaults measured on an H200 with Qwen3.5-27B, docs/performance.
 
     decode   only decode rows, a CUDA graph of D rows: linear from 13.8 ms at 1 row (W1's TPOT) to 21.77 ms at 64
              (W6's decode-only step, ninth session)
-    mixed    D >= 8 decode rows and one prompt chunk within --mixed-chunk-tokens (a mixed CUDA graph): the decode
-             step + 0.6 ms + chunk_us a prompt token (sixth session: 128 tokens cost 8.9 ms, 70 us a token)
-    prompt   anything else (eager): 49 ms + 78 us a prompt token (W6's steps of 1,091, 2,139 and 8,146 prompt
-             tokens: 134, 200 and 683 ms)
+    prompt   any step with prompt tokens (eager): 49 ms + 78 us a prompt token (W6's steps of 1,091, 2,139 and
+             8,146 prompt tokens: 134, 200 and 683 ms)
+    mixed    (the staggered bound only) D decode rows and one prompt chunk replayed together: the decode step
+             + 0.6 ms + chunk_us a prompt token (sixth session: 128 tokens cost 8.9 ms, 70 us a token)
 
 With the defaults it gives W6 at concurrency 64 as 36 prompt steps and 2,020 decode-only steps, 1,981 tok/s
 (measured: 36, 2,023 and 1,950-1,955; with the eighth session's 22.04 ms step it gave 1,965 against 1,940 measured).
 
---staggered-chunk-tokens C replaces the scheduler by an ideal it does not implement, as a bound on what mixed
-steps could give: every step carries all decoding requests and up to C prompt tokens (oldest prompt first), so
-that requests start and finish a few steps apart and every step after the first wave is a mixed one, costed as
-above (a step without decodes as the 1-row decode step plus its chunk).
+--staggered-chunk-tokens C replaces the scheduler by an ideal it does not implement, as a bound on what steps of
+decodes and one prompt chunk could give (the mixed CUDA-graph steps, measured slower on W6, were removed; their
+code is on the branch wip/mixed-graph-steps): every step carries all decoding requests and up to C prompt tokens
+(oldest prompt first), so that requests start and finish a few steps apart and every step after the first wave is
+a mixed one, costed as above (a step without decodes as the 1-row decode step plus its chunk).
 """
 
 from __future__ import annotations
@@ -79,27 +80,22 @@ class ModelResult:
         return f"{self.tokens_per_second:,.0f} output tok/s in {self.seconds:.2f} s: {kinds}"
 
 
-def step_kind(scheduled: SchedulerOutput, mixed_chunk_tokens: int) -> tuple[str, int, int]:
+def step_kind(scheduled: SchedulerOutput) -> tuple[str, int, int]:
     """(kind, decode rows, prompt tokens) of a scheduled step."""
     rows = scheduled.sequences
     decodes = sum(1 for row in rows if row.num_computed >= len(row.prompt_token_ids) and len(row.token_ids) == 1)
     prompt_tokens = sum(len(row.token_ids) for row in rows) - decodes
-    if prompt_tokens == 0:
-        return "decode", decodes, 0
-    if mixed_chunk_tokens and prompt_tokens <= mixed_chunk_tokens and len(rows) - decodes == 1 and decodes >= 8:
-        return "mixed", decodes, prompt_tokens
-    return "prompt", decodes, prompt_tokens
+    return ("prompt" if prompt_tokens else "decode"), decodes, prompt_tokens
 
 
-def simulate(traffic: Traffic, costs: StepCosts, max_num_batched_tokens: int = 8192, mixed_chunk_tokens: int = 0,
-             block_size: int = 16, seed: int = 0) -> ModelResult:
+def simulate(traffic: Traffic, costs: StepCosts, max_num_batched_tokens: int = 8192, block_size: int = 16,
+             seed: int = 0) -> ModelResult:
     """Run the traffic to the end through a Scheduler with prefix caching on (random prompts: no hits)."""
     blocks_per_request = -(-(traffic.input_len + traffic.output_len) // block_size)
     blocks = BlockPool(traffic.concurrency * blocks_per_request * 2 + 1, block_size)
     states = StatePool(traffic.concurrency + 1, traffic.concurrency)
     cache = CacheManager(blocks, states, PrefixCache(blocks, states, "schedule-model"))
-    scheduler = Scheduler(cache, traffic.concurrency, max_num_batched_tokens,
-                          traffic.input_len + traffic.output_len, mixed_chunk_tokens=mixed_chunk_tokens)
+    scheduler = Scheduler(cache, traffic.concurrency, max_num_batched_tokens, traffic.input_len + traffic.output_len)
     rng = random.Random(seed)
     params = SamplingParams(max_tokens=traffic.output_len, ignore_eos=True)
     sent = 0
@@ -115,11 +111,9 @@ def simulate(traffic: Traffic, costs: StepCosts, max_num_batched_tokens: int = 8
     result = ModelResult(0.0, traffic.prompts * traffic.output_len)
     while scheduler.has_unfinished():
         scheduled = scheduler.schedule()
-        kind, decodes, prompt_tokens = step_kind(scheduled, mixed_chunk_tokens)
+        kind, decodes, prompt_tokens = step_kind(scheduled)
         if kind == "decode":
             ms = costs.decode(decodes)
-        elif kind == "mixed":
-            ms = costs.decode(decodes) + costs.mixed_extra_ms + costs.chunk_us * prompt_tokens / 1000
         else:
             ms = costs.prompt_fixed_ms + costs.prompt_us * prompt_tokens / 1000
         result.steps[kind][0] += 1
@@ -165,29 +159,26 @@ def simulate_staggered(traffic: Traffic, costs: StepCosts, chunk_tokens: int) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deltaserve.bench.schedule_model", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.schedule_model", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     traffic, costs = Traffic(), StepCosts()
     for name, value in (*vars(traffic).items(), *vars(costs).items()):
         parser.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--mixed-chunk-tokens", type=int, default=0,
-                        help="the scheduler's mixed-step cap (DELTASERVE_MIXED_CHUNK_TOKENS); 0: none")
     parser.add_argument("--staggered-chunk-tokens", type=int, default=0,
                         help="model the ideal staggered schedule instead, this many prompt tokens a step (see above)")
     args = parser.parse_args(argv)
     for name in ("concurrency", "prompts", "input_len", "output_len", "max_num_batched_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    for name in ("mixed_chunk_tokens", "staggered_chunk_tokens"):
-        if getattr(args, name) < 0:
-            parser.error(f"--{name.replace('_', '-')} must be 0 (none) or more, got {getattr(args, name)}")
+    if args.staggered_chunk_tokens < 0:
+        parser.error(f"--staggered-chunk-tokens must be 0 (none) or more, got {args.staggered_chunk_tokens}")
     traffic = Traffic(**{name: getattr(args, name) for name in vars(traffic)})
     costs = StepCosts(**{name: getattr(args, name) for name in vars(costs)})
     if args.staggered_chunk_tokens:
         print(simulate_staggered(traffic, costs, args.staggered_chunk_tokens))
     else:
-        print(simulate(traffic, costs, args.max_num_batched_tokens, args.mixed_chunk_tokens))
+        print(simulate(traffic, costs, args.max_num_batched_tokens))
     return 0
 
 
