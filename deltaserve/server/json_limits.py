@@ -42,7 +42,10 @@ def loads(text: str, allow_constants: bool = True) -> Any:
     except RecursionError as exc:
         raise JSONLimitError(_TOO_DEEP) from exc
     except ValueError as exc:
-        raise _long_integer_error(text, parse_constant) or exc
+        long_integer = _long_integer_error(text, parse_constant)
+        if long_integer is None:
+            raise
+        raise long_integer from exc
     # fewer opening brackets than the limit cannot nest past it: most texts skip the walk
     if text.count("[") + text.count("{") > MAX_JSON_DEPTH and nested_deeper_than(data, MAX_JSON_DEPTH):
         raise JSONLimitError(_TOO_DEEP)
