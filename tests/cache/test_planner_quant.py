@@ -146,7 +146,7 @@ def test_users_32gb_card_configuration_is_refused_with_bf16_weights(capsys):
 
 def test_offline_bench_limits_count_quantized_weights(tmp_path):
     """The benchmarks' bandwidth limit reads the bytes the quantized model holds; its FLOPs are the bf16 model's."""
-    from deltaserve.bench.offline import Limits
+    from benchmarks.offline import Limits
     from deltaserve.engine.llm_engine import LLMEngine
 
     limits = {}
