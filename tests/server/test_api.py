@@ -240,8 +240,8 @@ ERROR_CASES = [
      400, "tool_choice", "--enable-auto-tool-choice"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
      "messages", "text only"),
-    ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_object"}}, 400,
-     "response_format", "not supported yet"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {
+        "schema": {"type": "nothing"}}}}, 400, "response_format", 'Unsupported type "nothing"'),
     ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 50, "logprobs": True}, 400,
      "top_logprobs", ""),
     ("/v1/completions", b'{"prompt": "hi", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, None, "nested too deeply"),
