@@ -26,8 +26,9 @@ from deltaserve.sampling import SamplingParams
 from deltaserve.server.errors import bad_request
 from deltaserve.server.protocol import ChatCompletionRequest, NamedToolChoice, ToolDefinition, _SamplingFields
 from deltaserve.server.reasoning import THINK_END
-from deltaserve.structured.compiler import MAX_WHITESPACE, GrammarError
-from deltaserve.structured.params import StructuredOutputsParams
+from deltaserve.structured.compiler import MAX_WHITESPACE
+from deltaserve.structured.json_schema import prepare_schema
+from deltaserve.structured.params import GrammarError, StructuredOutputsParams
 
 # structured_outputs keys: StructuredOutputsParams' vLLM fields, and vLLM's that change nothing here
 _KEYS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag", "disable_any_whitespace",
@@ -152,9 +153,9 @@ def forced_call_constraint(tool_parser: str, tool_choice, tools: list[ToolDefini
     arguments, or ("required") one call or more (one if not `parallel`) of any of `tools`."""
     hermes = tool_parser == "hermes"
     if isinstance(tool_choice, NamedToolChoice):
-        tool = next(t for t in tools if t.function.name == tool_choice.function.name)
-        return StructuredOutputsParams(structural_tag=_tag(_call_body(tool, hermes, named=True)))
-    calls = {"type": "or", "elements": [_call_body(t, hermes, named=False) for t in tools]}
+        index = next(i for i, t in enumerate(tools) if t.function.name == tool_choice.function.name)
+        return StructuredOutputsParams(structural_tag=_tag(_call_body(tools, index, hermes, named=True)))
+    calls = {"type": "or", "elements": [_call_body(tools, i, hermes, named=False) for i in range(len(tools))]}
     if not parallel:
         return StructuredOutputsParams(structural_tag=_tag(calls))
     more = {"type": "star", "content": {"type": "sequence", "elements": [
@@ -162,10 +163,14 @@ def forced_call_constraint(tool_parser: str, tool_choice, tools: list[ToolDefini
     return StructuredOutputsParams(structural_tag=_tag({"type": "sequence", "elements": [calls, more]}))
 
 
-def _call_body(tool: ToolDefinition, hermes: bool, named: bool) -> dict:
+def _call_body(tools: list[ToolDefinition], index: int, hermes: bool, named: bool) -> dict:
     """One call's text after the prefill: (the name and its end, unless named) the arguments, the call's end."""
-    function = tool.function
+    function = tools[index].function
     schema = function.parameters or {"type": "object", "properties": {}}
+    try:  # JSON arguments take json_schema's string-length rewrite; qwen3_xml values are raw text
+        schema = prepare_schema(schema, "tools", rewrite_lengths=hermes)
+    except GrammarError as exc:
+        raise bad_request(f"tools[{index}].function.parameters: {exc.reason}", "tools") from exc
     arguments = {"type": "json_schema", "json_schema": schema, "style": "json" if hermes else "qwen_xml",
                  "max_whitespace_cnt": MAX_WHITESPACE}
     # xgrammar drops a string's length bounds where it filters strings: keep the bounds where there are some

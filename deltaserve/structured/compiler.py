@@ -8,7 +8,8 @@ ones it allows once the output is complete. Compiled grammars are cached by xgra
 options, up to CACHE_BYTES): the server compiles a request's constraint off the event loop before queueing it,
 and the engine's compile for each of its sequences is then a cache hit.
 
-JSON schemas compile in xgrammar's strict mode (no properties or items the schema does not name). Whitespace
+JSON schemas compile in xgrammar's strict mode (no properties or items the schema does not name), after
+json_schema.prepare_schema (what xgrammar 0.2.9 needs to enforce them as written). Whitespace
 between JSON items is free, as in vLLM, but a run of it is at most MAX_WHITESPACE characters, so a model cannot
 loop on whitespace; `disable_any_whitespace` leaves only ", " and ": ".
 """
@@ -22,21 +23,13 @@ import threading
 import time
 from dataclasses import dataclass
 
-from deltaserve.structured.params import StructuredOutputsParams
+from deltaserve.structured.json_schema import prepare_schema
+from deltaserve.structured.params import GrammarError, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
 CACHE_BYTES = 512 << 20  # compiled grammars kept (xgrammar's cache): ~1 MB each for a form-sized schema at 248K ids
 MAX_WHITESPACE = 16  # characters in a run of JSON whitespace
-
-
-class GrammarError(ValueError):
-    """A constraint that cannot be compiled; `field` names the StructuredOutputsParams field, `reason` says why."""
-
-    def __init__(self, field: str, reason: str):
-        super().__init__(f"{field}: {reason}")
-        self.field = field
-        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -111,7 +104,11 @@ class GrammarCompiler:
         whitespace = dict(any_whitespace=not spec.disable_any_whitespace,
                           max_whitespace_cnt=None if spec.disable_any_whitespace else MAX_WHITESPACE)
         if kind == "json":
-            schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json, ensure_ascii=False)
+            try:
+                schema = json.loads(spec.json) if isinstance(spec.json, str) else spec.json
+            except ValueError as exc:
+                raise GrammarError("json", f"the schema is not valid JSON: {exc}") from exc
+            schema = json.dumps(prepare_schema(schema), ensure_ascii=False)
             return compiler.compile_json_schema(schema, strict_mode=True, **whitespace)
         if kind == "json_object":
             return compiler.compile_json_schema('{"type": "object"}', strict_mode=False, **whitespace)

@@ -17,6 +17,16 @@ from dataclasses import dataclass
 CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
+class GrammarError(ValueError):
+    """A constraint that cannot be compiled (or enforced); `field` names the StructuredOutputsParams field, `reason`
+    says why."""
+
+    def __init__(self, field: str, reason: str):
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     json: str | dict | bool | None = None  # a JSON schema, as a dict (or bool) or its JSON text
