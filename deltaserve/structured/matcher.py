@@ -78,9 +78,8 @@ def fill_bitmask(states: list[tuple[int, GrammarState]], bitmask: torch.Tensor) 
         _batch_matcher.batch_fill_next_token_bitmask([s._matcher for _, s in grammar_rows], bitmask,
                                                      [row for row, _ in grammar_rows])
     rows = []
-    if grammar_rows:
-        index = torch.tensor([row for row, _ in grammar_rows])
-        allowed_any = bitmask[index].ne(0).any(dim=1).tolist()
+    if grammar_rows:  # numpy: a host-side check, never worth torch's thread pool
+        allowed_any = bitmask.numpy()[[row for row, _ in grammar_rows]].any(axis=1).tolist()
         for (row, state), ok in zip(grammar_rows, allowed_any):
             if ok:
                 rows.append(row)
@@ -88,8 +87,9 @@ def fill_bitmask(states: list[tuple[int, GrammarState]], bitmask: torch.Tensor) 
                 state._fail("no token can continue the grammar")
     for row, state in forced:
         token = state._reasoning_end
-        bitmask[row] = 0
-        bitmask[row, token // 32] = _bit(token % 32)
+        words = bitmask.numpy()[row]
+        words[:] = 0
+        words[token // 32] = _bit(token % 32)
         rows.append(row)
     return sorted(rows)
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything GPU in one command, on an H200 machine: GPU tests, then the benchmarks.
-#   tests/gpu/run.sh OUTDIR [full|quick|tests|bench|tune]
+#   tests/gpu/run.sh OUTDIR [full|quick|tests|bench|serve|structured|tune]
 #   full   every GPU test, then all benchmarks (more than one 10-minute device call: use tests, then bench)
 #   quick  every GPU test, a kernel profile and a short benchmark
 #   tests  the GPU tests alone (~7.5 min on an H200); TESTS="paths" narrows them
@@ -9,6 +9,8 @@
 #   serve  a workload through the HTTP server: `deltaserve serve` on a published config with dummy weights and a
 #          synthetic tokenizer (bench/vocab_tokenizer.py), driven by `deltaserve bench serve`; MODEL (default
 #          qwen3.5-27b), IN/OUT_LEN (1024/512), PROMPTS (256), CONCURRENCY (64), MAX_MODEL_LEN (4096) choose it
+#   structured  what structured output costs a served model: TPOT of json_schema requests against the same free
+#          run at batch 1 and 64 (bench/structured_overhead.py); MODEL (default qwen3.5-27b) chooses it (~6 min)
 #   tune   the tables this GPU should ship: fla-core's pinned kernel configurations as OUTDIR/fla_configs.tgz
 #          (unpack into deltaserve/ops/gdn/fla_configs/) and the skinny GEMM's tiles as OUTDIR/skinny_configs.json
 #          (for deltaserve/ops/linear/); TUNE=fla makes fla's alone (~2 min), TUNE=skinny the skinny table alone
@@ -17,7 +19,7 @@
 # (../shared/tools/gpu-wheels.sh .whl); the published configs are the ones shipped in deltaserve/model_configs/.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-OUT=${1:?usage: tests/gpu/run.sh OUTDIR [quick|full|tests|bench|serve|tune]}
+OUT=${1:?usage: tests/gpu/run.sh OUTDIR [quick|full|tests|bench|serve|structured|tune]}
 MODE=${2:-full}
 mkdir -p "$OUT"
 export DELTASERVE_GPU_OUT="$(cd "$OUT" && pwd)"  # where GPU tests write their figures (memory_plan.json)
@@ -41,6 +43,11 @@ if [ "$MODE" = tune ]; then
   python3 -m deltaserve.bench.batch_probe "$CONFIGS/qwen3.5-27b" --gdn-batches "" --gdn-chunks "" --gdn-tail 64 \
     --out "$OUT/skinny_configs.json" 2>&1 | tee -a "$OUT/tune.log"
   exit 0
+fi
+if [ "$MODE" = structured ]; then
+  python3 -m deltaserve.bench.structured_overhead "$CONFIGS/${MODEL:-qwen3.5-27b}" --out "$OUT" 2>&1 \
+    | tee "$OUT/structured_bench.log"
+  exit "${PIPESTATUS[0]}"
 fi
 if [ "$MODE" = serve ]; then
   model="$CONFIGS/${MODEL:-qwen3.5-27b}"
@@ -80,10 +87,12 @@ if [ "$MODE" != bench ]; then
     # The compile test first, in a process of its own: Triton keeps what it compiled for the life of the
     # process, so after the other tests a variant that start-up fails to warm up could already be there.
     compile_test=tests/gpu/test_engine_gpu.py::test_serving_compiles_no_kernel_after_start_up
-    python3 -m pytest "$compile_test" -q -rs --timeout=300 -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
+    grammar_compile_test=tests/gpu/test_structured_gpu.py::test_constrained_traffic_compiles_no_kernel_after_start_up
+    python3 -m pytest "$compile_test" "$grammar_compile_test" -q -rs --timeout=300 -p no:cacheprovider 2>&1 \
+      | tee "$OUT/gpu_tests.log"
     status=${PIPESTATUS[0]}
-    python3 -m pytest tests/gpu tests/ops --deselect "$compile_test" -q -rs --timeout=300 -p no:cacheprovider 2>&1 \
-      | tee -a "$OUT/gpu_tests.log"
+    python3 -m pytest tests/gpu tests/ops --deselect "$compile_test" --deselect "$grammar_compile_test" -q -rs \
+      --timeout=300 -p no:cacheprovider 2>&1 | tee -a "$OUT/gpu_tests.log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
   fi
 fi
