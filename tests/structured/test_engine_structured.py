@@ -65,6 +65,13 @@ def _tokens(outputs):
     return [[o.token_ids for o in out.outputs] for out in outputs]
 
 
+def test_the_grammar_ends_its_sequence_even_with_ignore_eos(llm):
+    output = llm.generate("x", SamplingParams(temperature=0, max_tokens=50, ignore_eos=True, structured_outputs=
+                                              Constraint(choice=["done"])), use_tqdm=False)[0].outputs[0]
+    # the grammar's stop tokens are the engine's EOS ids (either may end it)
+    assert (output.text, output.finish_reason) == ("done", "stop") and output.token_ids[-1] in llm.engine.eos_token_ids
+
+
 def test_free_requests_in_a_constrained_batch_get_the_tokens_they_get_alone(llm):
     free = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
             SamplingParams(temperature=1.0, seed=5, max_tokens=24, ignore_eos=True, logprobs=2)]
