@@ -117,8 +117,12 @@ class LLMEngine:
         full chunks and a short tail (chunks over a cached prefix, a checkpoint inside the step), a few short
         requests, then a prompt that joins while they all decode (a mixed step, with enough decoding sequences
         for the GDN op to split it), then a resend of that prompt with a new ending (a prefix-cache hit).
-        Their outputs are dropped and the prefix cache is emptied after them."""
+        Their outputs are dropped and the prefix cache is emptied after them. First, xgrammar's view of the
+        vocabulary is built (structured output's; seconds at 248K ids, which a first such request would wait)."""
         from deltaserve.ops.gdn.cuda import SPLIT_MIN_SHORT_SEQS
+
+        if self.tokenizer is not None:
+            self.grammar_compiler.prepare()
 
         longest = self.max_model_len - 8  # room for the outputs and for the resend's longer ending
         if longest < 16:

@@ -2,7 +2,7 @@
 gate), for one tokenizer and vocabulary size.
 
 The tokenizer's xgrammar view (`xgrammar.TokenizerInfo`, about 2-3 s at a 248K vocabulary) is built at the first
-compile. Its special tokens are blanked: a detokenizer that skips them would drop text the grammar counted on,
+compile, or by `prepare` (the engine's GPU warm-up). Its special tokens are blanked: a detokenizer that skips them would drop text the grammar counted on,
 so a grammar never spells anything with them; the engine's EOS ids are the grammar's stop tokens, the only
 ones it allows once the output is complete. Compiled grammars are cached by xgrammar (per schema text and
 options, up to CACHE_BYTES): the server compiles a request's constraint off the event loop before queueing it,
@@ -60,6 +60,10 @@ class GrammarCompiler:
         self._max_threads = max_threads
         self._lock = threading.Lock()
         self._compiler = None  # xgrammar.GrammarCompiler, built at the first compile
+
+    def prepare(self) -> None:
+        """Build xgrammar's view of the vocabulary now rather than at the first compile (seconds at 248K ids)."""
+        self._xgrammar_compiler()
 
     def _xgrammar_compiler(self):
         with self._lock:
