@@ -132,7 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     vocab_size = args.vocab_size or len(tokenizer)
     torch.set_num_threads(1)
     for name in args.library or sorted(LIBRARIES):
-        print(json.dumps(probe(name, tokenizer, vocab_size, args.threads, args.repeats)))
+        try:
+            print(json.dumps(probe(name, tokenizer, vocab_size, args.threads, args.repeats)))
+        except ImportError as exc:  # the library not chosen is not a dependency: pip install it to compare
+            print(json.dumps({"library": name, "skipped": f"not installed ({exc})"}))
     return 0
 
 

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from deltaserve.device import to_device
+
 
 def bitmask_width(vocab_size: int) -> int:
     return -(-vocab_size // 32)
@@ -29,7 +31,10 @@ def apply_grammar_mask(logits: torch.Tensor, mask: GrammarMask) -> None:
     """
     import xgrammar
 
-    xgrammar.apply_token_bitmask_inplace(logits, mask.bitmask, vocab_size=logits.shape[1], indices=mask.rows)
+    # on CUDA the row indices go over as a tensor copied without blocking (a list would be copied from pageable
+    # memory); the CPU kernel takes the list
+    rows = mask.rows if logits.device.type != "cuda" else to_device(mask.rows, logits.device, torch.int32)
+    xgrammar.apply_token_bitmask_inplace(logits, mask.bitmask, vocab_size=logits.shape[1], indices=rows)
 
 
 def warm_up(vocab_size: int, device: torch.device) -> None:
