@@ -1,5 +1,6 @@
 """What a grammar costs on the host, per library: tokenizer set-up, compiling a JSON schema up to its first mask,
-and per later token the bitmask fill and the accept, over a valid document of the schema. The numbers behind docs/structured_output.md.
+and per later token the bitmask fill and the accept, over a valid document of the schema. The numbers behind
+docs/structured_output.md.
 
     python -m deltaserve.bench.grammar_probe                          # the demo tokenizer (1,024 ids)
     python -m deltaserve.bench.grammar_probe --tokenizer DIR --vocab-size 248320
@@ -110,7 +111,8 @@ def probe(name: str, tokenizer, vocab_size: int, threads: int | None, repeats: i
     return {"library": name, "vocab_size": vocab_size, "tokens": len(tokens),
             "tokenizer_setup_ms": 1e3 * setup, "first_mask_ms": 1e3 * statistics.median(compile_times),
             "fill_us_mean": 1e6 * statistics.fmean(fills), "fill_us_p50": 1e6 * fills[len(fills) // 2],
-            "fill_us_p99": 1e6 * fills[int(0.99 * (len(fills) - 1))], "fill_us_max": 1e6 * fills[-1], "accept_us_mean": 1e6 * statistics.fmean(accepts)}
+            "fill_us_p99": 1e6 * fills[int(0.99 * (len(fills) - 1))], "fill_us_max": 1e6 * fills[-1],
+            "accept_us_mean": 1e6 * statistics.fmean(accepts)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -106,8 +106,8 @@ def chat_constraint(request: ChatCompletionRequest, tool_choice, tool_parser: st
     if reasoning_parser is None or not thinking_open or forced or (spec is None and budget is None):
         return spec, field
     if spec is None:
-        return _params("thinking_token_budget", reasoning_end=THINK_END, thinking_token_budget=budget), \
-            "thinking_token_budget"
+        field = "thinking_token_budget"
+        return _params(field, reasoning_end=THINK_END, thinking_token_budget=budget), field
     return dataclasses.replace(spec, reasoning_end=THINK_END, thinking_token_budget=budget), field
 
 
@@ -124,8 +124,8 @@ async def constrain(state, params: SamplingParams, spec: StructuredOutputsParams
         await state.off_loop(compiler.compile, spec)
     except GrammarError as exc:
         where = "response_format.json_schema.schema" if field == "response_format" and spec.kind == "json" else field
-        raise bad_request(f"{where}: the {_WHAT.get(spec.kind, 'constraint')} cannot be used: {exc.reason}",
-                          field) from exc
+        what = "reasoning's end tag" if exc.field == "reasoning_end" else _WHAT.get(spec.kind, "constraint")
+        raise bad_request(f"{where}: the {what} cannot be used: {exc.reason}", field) from exc
     try:
         return dataclasses.replace(params, structured_outputs=spec)
     except ValueError as exc:  # a sampling field that conflicts with a constraint (min_tokens)

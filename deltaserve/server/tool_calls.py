@@ -13,7 +13,8 @@ only decides on text that no later delta can change, so every chunking gives the
 - Deltas follow OpenAI: a call's first delta has index, id, type, name and arguments ""; the fragments
   after it concatenate to the non-streaming `arguments`. qwen3_xml sends `{"P": ` when `<parameter=P>`
   completes, then the value: JSON-escaped fragments as they come if the schema type is exactly "string"
-  (and no pattern, enum or the like fixes its form), else whole at the closing tag; `}` when the function ends. Hermes sends each call whole.
+  (and no pattern, enum or the like fixes its form), else whole at the closing tag; `}` when the function
+  ends. Hermes sends each call whole.
 - An unterminated call at the end of generation is closed with what was parsed (a truncated value is
   kept). Function names are not checked against `tools`; the server may do so.
 """

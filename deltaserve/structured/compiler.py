@@ -2,16 +2,16 @@
 gate), for one tokenizer and vocabulary size.
 
 The tokenizer's xgrammar view (`xgrammar.TokenizerInfo`, about 2-3 s at a 248K vocabulary) is built at the first
-compile, or by `prepare` (the engine's GPU warm-up). Its special tokens are blanked: a detokenizer that skips them would drop text the grammar counted on,
-so a grammar never spells anything with them; the engine's EOS ids are the grammar's stop tokens, the only
-ones it allows once the output is complete. Compiled grammars are cached by xgrammar (per schema text and
-options, up to CACHE_BYTES): the server compiles a request's constraint off the event loop before queueing it,
-and the engine's compile for each of its sequences is then a cache hit.
+compile, or by `prepare` (the engine's GPU warm-up). Its special tokens are blanked: a detokenizer that skips
+them would drop text the grammar counted on, so a grammar never spells anything with them; the engine's EOS ids
+are the grammar's stop tokens, the only ones it allows once the output is complete. Compiled grammars are
+cached by xgrammar (per schema text and options, up to CACHE_BYTES): the server compiles a request's constraint
+off the event loop before queueing it, and the engine's compile for each of its sequences is then a cache hit.
 
 JSON schemas compile in xgrammar's strict mode (no properties or items the schema does not name), after
-json_schema.prepare_schema (what xgrammar 0.2.9 needs to enforce them as written). Whitespace
-between JSON items is free, as in vLLM, but a run of it is at most MAX_WHITESPACE characters, so a model cannot
-loop on whitespace; `disable_any_whitespace` leaves only ", " and ": ".
+json_schema.prepare_schema (what xgrammar 0.2.9 needs to enforce them as written). Whitespace between JSON
+items is free, as in vLLM, but a run of it is at most MAX_WHITESPACE characters, so a model cannot loop on
+whitespace; `disable_any_whitespace` leaves only ", " and ": ".
 """
 
 from __future__ import annotations

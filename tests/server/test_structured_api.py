@@ -21,7 +21,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
-    "city": {"type": "string", "pattern": "^[A-Z][a-z]{1,8}$"}, "days": {"type": "integer", "minimum": 1, "maximum": 14},
+    "city": {"type": "string", "pattern": "^[A-Z][a-z]{1,8}$"},
+    "days": {"type": "integer", "minimum": 1, "maximum": 14},
     "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city", "days"]}}}
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {
     "zone": {"type": "string", "maxLength": 6}, "utc": {"type": "boolean"}}, "required": ["zone"]}}}
