@@ -66,6 +66,9 @@ class Request:
         self.num_preemptions = 0
         # per-request generator: seeded sampling is reproducible whatever else shares the batch
         self.generator: torch.Generator | None = None
+        # structured output: the sequence's structured.matcher.GrammarState (opaque here: the scheduler only
+        # hands it to the step's rows; the engine advances it with each resolved token)
+        self.grammar = None
 
     @property
     def num_tokens(self) -> int:

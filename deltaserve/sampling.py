@@ -7,10 +7,12 @@
      ids are set to -inf (EOS only when `ignore_eos` is off: an ignored EOS stops nothing, as in vLLM).
   2. penalties: repetition (HF/vLLM: positive logits divided, negative multiplied, over prompt + output
      tokens), then frequency and presence (OpenAI: subtract count * frequency + presence over output tokens).
+  2b. grammar: a structured-output row's tokens that its grammar forbids are set to -inf (the step's bitmask,
+     filled on the host: deltaserve/structured/).
   3. greedy rows (temperature < 1e-5) take the argmax; other rows: temperature, top-k, top-p, min-p, then
      one draw from the resulting distribution.
 
-Returned logprobs are log_softmax of the logits after steps 1 and 2 but before temperature and the
+Returned logprobs are log_softmax of the logits after steps 1 and 2 (2b included) but before temperature and the
 top-k/top-p/min-p filters: the model's distribution as penalised for this request, not the truncated one
 we drew from, so temperature and the filters never change them. This sits between vLLM's two modes,
 "raw" (before any processing, its default) and "processed" (after temperature and the filters).
@@ -31,6 +33,8 @@ import numpy as np
 import torch
 
 from deltaserve.device import to_device
+from deltaserve.structured.bitmask import GrammarMask, apply_grammar_mask
+from deltaserve.structured.params import StructuredOutputsParams
 
 _GREEDY_TEMPERATURE = 1e-5  # below this a temperature is treated as 0, i.e. greedy (as vLLM does)
 _MAX_LOGPROBS = 20  # the OpenAI API's limit on top logprobs
@@ -89,6 +93,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must match
 
     def __post_init__(self) -> None:
         _require(isinstance(self.output_kind, RequestOutputKind), "output_kind", self.output_kind,
@@ -146,6 +151,12 @@ class SamplingParams:
         for token in self.stop_token_ids:
             _require(_is_int(token) and token >= 0, "stop_token_ids", self.stop_token_ids,
                      "a list of integers >= 0")
+        if self.structured_outputs is not None:
+            _require(isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs",
+                     self.structured_outputs, "a StructuredOutputsParams or None")
+            # the grammar decides where the output may end; a minimum that forbids its stop token could leave
+            # no token to sample
+            _require(self.min_tokens == 0, "min_tokens", self.min_tokens, "0 with structured_outputs")
 
     @property
     def has_penalties(self) -> bool:
@@ -217,18 +228,22 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None], prompt_token_ids: list[list[int]],
-                 output_token_ids: list[list[int]], eos_token_ids: list[set[int]]) -> SamplerOutput:
+                 output_token_ids: list[list[int]], eos_token_ids: list[set[int]],
+                 grammar_mask: GrammarMask | None = None) -> SamplerOutput:
         """`sample`, waiting for the result."""
-        return self.sample(logits, params, generators, prompt_token_ids, output_token_ids, eos_token_ids).result()
+        return self.sample(logits, params, generators, prompt_token_ids, output_token_ids, eos_token_ids,
+                           grammar_mask).result()
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams],
                generators: list[torch.Generator | None], prompt_token_ids: list[list[int]],
-               output_token_ids: list[list[int]], eos_token_ids: list[set[int]]) -> PendingSample:
+               output_token_ids: list[list[int]], eos_token_ids: list[set[int]],
+               grammar_mask: GrammarMask | None = None) -> PendingSample:
         """Sample one token for each row of `logits` ([N, V], float32 or bf16; not modified).
 
         Every list has one entry per row: its params, its generator (None: global RNG), its prompt and
         output token ids (Python lists, or int64 numpy arrays, which skip a list -> array conversion
         costing ~30 ns per token, only paid by rows with penalties), and the EOS ids min_tokens blocks.
+        `grammar_mask` constrains the rows it lists (structured output); the others sample as without it.
         """
         num_rows = logits.shape[0]
         for name, values in (("params", params), ("generators", generators),
@@ -240,8 +255,10 @@ class Sampler:
             empty = torch.empty(0, dtype=torch.long, device=logits.device)
             return PendingSample(empty, empty.float(), None, {})
 
-        if all(p.greedy and p.logprobs is None and not _edits_logits(p, out)
-               for p, out in zip(params, output_token_ids)):
+        if grammar_mask is not None and not grammar_mask.rows:
+            grammar_mask = None
+        if grammar_mask is None and all(p.greedy and p.logprobs is None and not _edits_logits(p, out)
+                                        for p, out in zip(params, output_token_ids)):
             # Greedy with nothing to report but the token (the decode steady state of most servers): the
             # argmax of the logits as they are, without the float32 copy and the softmax below.
             return PendingSample(logits.argmax(dim=-1), None, None, {})
@@ -250,6 +267,8 @@ class Sampler:
         logits = logits.to(torch.float32, copy=True)  # [N, V]
         _mask_min_tokens(logits, params, output_token_ids, eos_token_ids)
         _apply_penalties(logits, params, prompt_token_ids, output_token_ids)
+        if grammar_mask is not None:
+            apply_grammar_mask(logits, grammar_mask)
         log_normalizer = torch.logsumexp(logits, dim=-1)  # [N]
 
         device = logits.device

@@ -32,6 +32,7 @@ class ScheduledSequence:
     prompt_token_ids: list[int]  # for the repetition penalty (shared lists: read, never written)
     output_token_ids: list[int]  # for the penalties and min_tokens; [] for a request that uses neither
     eos_token_ids: set[int]
+    grammar: object | None = None  # the request's GrammarState (structured output): its sample waits for a mask
 
 
 @dataclass

@@ -7,6 +7,12 @@
     abort_request(id) frees everything at any stage.
 
 A request with n > 1 runs as n child sequences ("{id}#{i}"), reported together as one RequestOutput.
+
+Structured output (params.structured_outputs): each child sequence gets a GrammarState (`Request.grammar`). A
+step with such rows is launched without its sampling; once the previous step's tokens have advanced the states,
+the step's bitmask is filled on the host while the device runs its forward, and the sampling is queued with it
+(`_sample_with_grammar`). A state that ends (its grammar complete, a refused token, a dead end) finishes its
+sequence with finish_reason "stop"; the failures are logged with their reason.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from deltaserve.outputs import CompletionOutput, Logprob, RequestOutput
 from deltaserve.request import Request, RequestStatus
 from deltaserve.sampling import RequestOutputKind, SamplingParams, make_generator
 from deltaserve.sched_output import SchedulerOutput
+from deltaserve.structured.compiler import GrammarCompiler
+from deltaserve.structured.matcher import GrammarState, fill_bitmask
 from deltaserve.worker.model_runner import LaunchedStep
 
 logger = logging.getLogger(__name__)
@@ -99,6 +107,7 @@ class LLMEngine:
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None  # launched, samples not read yet
         self.last_scheduled: SchedulerOutput | None = None  # what the latest step() launched (benchmarks read it)
         self._child_parent: dict[str, str] = {}
+        self._grammar_compiler: GrammarCompiler | None = None  # built at the first structured-output request
         if torch.device(self.runner.device).type == "cuda":
             self.warm_up()
 
@@ -108,8 +117,12 @@ class LLMEngine:
         full chunks and a short tail (chunks over a cached prefix, a checkpoint inside the step), a few short
         requests, then a prompt that joins while they all decode (one step of decodes and a prompt, with enough
         decoding sequences for the GDN op to split it), then a resend of that prompt with a new ending (a
-        prefix-cache hit). Their outputs are dropped and the prefix cache is emptied after them."""
+        prefix-cache hit). Their outputs are dropped and the prefix cache is emptied after them. First, xgrammar's view of the
+        vocabulary is built (structured output's; seconds at 248K ids, which a first such request would wait)."""
         from deltaserve.ops.gdn.cuda import SPLIT_MIN_SHORT_SEQS
+
+        if self.tokenizer is not None:
+            self.grammar_compiler.prepare()
 
         longest = self.max_model_len - 8  # room for the outputs and for the resend's longer ending
         if longest < 16:
@@ -150,6 +163,15 @@ class LLMEngine:
         self.cache_manager.reset_prefix_cache()
         return True
 
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Compiles structured-output constraints for this engine's tokenizer (the server compiles each request's
+        before adding it; the engine's own compile is then a cache hit)."""
+        if self._grammar_compiler is None:
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                                     self.eos_token_ids)
+        return self._grammar_compiler
+
     # -- requests ------------------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
@@ -170,12 +192,17 @@ class LLMEngine:
             raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens, "
                              f"you requested {len(ids)} tokens in the prompt")
         max_tokens = self.max_model_len - len(ids) if params.max_tokens is None else params.max_tokens
+        constraint = None
+        if params.structured_outputs is not None:
+            constraint = self.grammar_compiler.compile(params.structured_outputs)
         parent = _Parent(request_id, text, ids, params.output_kind, arrival_time=arrival_time or time.monotonic())
         for i, child_id in enumerate(child_ids):
             request = Request(child_id, ids, params, max(1, max_tokens), self.eos_token_ids, arrival_time,
                               request_id if group is None else group)
             if params.seed is not None:  # children of one seeded request draw different samples
                 request.generator = make_generator(params.seed + i, self.runner.device)
+            if constraint is not None:
+                request.grammar = GrammarState(constraint)
             detok = None
             if self.tokenizer is not None:
                 detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop,
@@ -236,11 +263,14 @@ class LLMEngine:
             self._process(*previous, touched)
             previous = None
         scheduled = self.last_scheduled = self.scheduler.schedule()
-        launched = None if scheduled.is_empty else (scheduled, self.runner.launch(scheduled))
+        constrained = any(row.grammar is not None and row.sample for row in scheduled.sequences)
+        launched = None if scheduled.is_empty else (scheduled, self.runner.launch(scheduled, constrained))
         if self.config.async_scheduling:
             self._in_flight = launched
         if previous is not None:
             self._process(*previous, touched)
+        if launched is not None and launched[1].deferred is not None:
+            self._sample_with_grammar(*launched, touched)
         if launched is not None and not self.config.async_scheduling:
             self._process(*launched, touched)
         return [self._make_output(parent) for parent in touched.values()
@@ -251,6 +281,36 @@ class LLMEngine:
         """The step in flight must be read back before the next is scheduled: async scheduling is off, or a
         running request's sampling needs its latest token on the host (penalties, min_tokens)."""
         return not self.config.async_scheduling or any(r.needs_host_history for r in self.scheduler.running)
+
+    def _sample_with_grammar(self, scheduled: SchedulerOutput, launched: LaunchedStep,
+                             touched: dict[str, _Parent]) -> None:
+        """Fill the launched step's grammar bitmask (every earlier token of its rows is resolved and accepted by
+        now) and queue its sampling. A row whose grammar allows no token ends its sequence here."""
+        rows = launched.deferred[0]
+        states = [(i, row.grammar) for i, row in enumerate(rows) if row.grammar is not None]
+        bitmask = self.runner.grammar_bitmask(len(rows), self.model_config.vocab_size)
+        masked = fill_bitmask(states, bitmask)
+        for i, state in states:
+            if state.end is not None:  # a dead end found by this fill, or a sequence that ended earlier
+                self._end_by_grammar(rows[i].request_id, rows[i].serial, touched)
+        self.runner.sample(launched, bitmask, masked)
+
+    def _end_by_grammar(self, request_id: str, serial: int, touched: dict[str, _Parent]) -> None:
+        """Finish a sequence, if still live, whose grammar state has ended, and report it."""
+        parent = self._parents.get(self._child_parent.get(request_id))
+        child = next((c for c in parent.children if c.request.serial == serial), None) if parent else None
+        if child is None or child.request.status.finished:
+            return
+        self._stop_for_grammar(child.request)
+        self._close_child(child, child.request)
+        touched[parent.request_id] = parent
+
+    def _stop_for_grammar(self, request: Request) -> None:
+        """Finish a request with "stop" because its grammar state ended; a failure is logged with its reason."""
+        if request.grammar.error:
+            logger.warning("request %s: %s; it ends here (finish_reason 'stop')", request.request_id,
+                           request.grammar.end)
+        self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
 
     def _process(self, scheduled: SchedulerOutput, launched: LaunchedStep, touched: dict[str, _Parent]) -> None:
         """Read back a launched step's samples and record them (parents that got tokens go into `touched`)."""
@@ -264,6 +324,11 @@ class LLMEngine:
                 continue
             children = parent.children
             child = children[0] if len(children) == 1 else next(c for c in children if c.request is request)
+            grammar = request.grammar
+            if grammar is not None and not request.status.finished:
+                grammar.accept(request.all_token_ids[-1])
+                if grammar.end is not None:  # the grammar's stop token (not an EOS here), or a refused one
+                    self._stop_for_grammar(request)
             self._record_token(child, request, model_output)
             parent.first_token_time = parent.first_token_time or now
             touched[parent.request_id] = parent
@@ -291,12 +356,17 @@ class LLMEngine:
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
                 request.stop_reason = child.detok.stopped_by
         if request.status.finished:
-            child.finish_reason = request.status.value
-            child.stop_reason = request.stop_reason
-            if child.detok is not None:
-                released = child.detok.finish()
-                if keeps_deltas and released:
-                    child.unsent_text.append(released)
+            self._close_child(child, request)
+
+    @staticmethod
+    def _close_child(child: _Child, request: Request) -> None:
+        """A finished sequence: its finish reason, and the text its detokenizer still held back."""
+        child.finish_reason = request.status.value
+        child.stop_reason = request.stop_reason
+        if child.detok is not None:
+            released = child.detok.finish()
+            if request.params.output_kind is RequestOutputKind.DELTA and released:
+                child.unsent_text.append(released)
 
     def _make_output(self, parent: _Parent) -> RequestOutput:
         """The parent's output now: cumulative (O(length) to build), or for DELTA only what is new (O(new))."""

@@ -196,6 +196,7 @@ class Scheduler:
             # step would cost O(length) a step (~40 us at 16K tokens, on the host)
             output_token_ids=request.output_token_ids if _samples_from_history(request) else [],
             eos_token_ids=request.eos_token_ids,
+            grammar=request.grammar,
         )
 
     def update_from_output(self, scheduled: SchedulerOutput, output: ModelOutput) -> list[Request]:

@@ -3,7 +3,8 @@
 Each choice gets its own ChatOutputParser (parsers.py). Reasoning goes out under both `reasoning` and
 `reasoning_content`. tool_choice: "none" (tools are shown to the template, calls are not parsed), "auto"
 (needs --enable-auto-tool-choice and --tool-call-parser), "required" or a named function (the server
-writes the opening of the call after the prompt; see chat.tool_call_prefill).
+writes the opening of the call after the prompt, see chat.tool_call_prefill, and a grammar makes the rest a
+call whose arguments match the tool's schema, see structured.py).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from deltaserve.server.serving import (
     sse_error,
     usage,
 )
+from deltaserve.server.structured import chat_constraint, constrain
 
 
 async def create_chat_completion(state: ServerState, raw_request: Request) -> Response:
@@ -71,6 +73,9 @@ async def create_chat_completion(state: ServerState, raw_request: Request) -> Re
                                     len(prompt_ids), state.max_model_len, "messages")
     params = sampling_params(request, state.sampling_defaults, max_tokens,
                              (request.top_logprobs or 0) if request.logprobs else None)
+    params = await constrain(state, params, *chat_constraint(
+        request, tool_choice, state.settings.tool_call_parser, state.settings.reasoning_parser,
+        rendered.thinking_open))
 
     def new_parser() -> ChatOutputParser:
         named = tool_choice.model_dump() if isinstance(tool_choice, NamedToolChoice) else tool_choice

@@ -29,6 +29,7 @@ from deltaserve.server.serving import (
     sse_error,
     usage,
 )
+from deltaserve.server.structured import constrain, requested_constraint
 
 _DEFAULT_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for legacy completions
 
@@ -54,6 +55,8 @@ async def create_completion(state: ServerState, raw_request: Request) -> Respons
                                                  state.max_model_len, "prompt"),
                               request.logprobs)
               for p in prompts]
+    constraint = requested_constraint(request)
+    params = [await constrain(state, p, *constraint) for p in params]
     request_id = new_id("cmpl")
     engine_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
     streams = [state.engine.generate(engine_id, p.token_ids, sp, group=request_id)  # one client request

@@ -27,9 +27,23 @@ class StreamOptions(_Request):
 
 class ResponseFormat(_Request):
     type: Literal["text", "json_object", "json_schema"]
+    # {"name": ..., "schema": {...}, "strict": true}; read by server/structured.py, which names what is missing
+    json_schema: dict[str, Any] | None = None
 
 
-class _SamplingFields(_Request):
+class _StructuredOutputFields(_Request):
+    """vLLM's structured-output extensions (server/structured.py reads them, with response_format)."""
+
+    structured_outputs: dict[str, Any] | None = None  # {"json": schema} | {"regex": ...} | {"choice": [...]} ...
+    guided_json: str | dict[str, Any] | None = None  # the older vLLM fields, one constraint each
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+
+
+class _SamplingFields(_StructuredOutputFields):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI's plus vLLM's extensions)."""
 
     model: str | None = None
@@ -114,6 +128,7 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     include_reasoning: bool = True
+    thinking_token_budget: int | None = Field(None, ge=0)  # with --reasoning-parser: thinking tokens, then </think>
 
 
 class TokenizeRequest(_Request):

@@ -185,9 +185,6 @@ def sampling_params(request: _SamplingFields, defaults: dict, max_tokens: int,
         raise bad_request("logit_bias is not supported yet", "logit_bias")
     if request.best_of is not None and request.best_of != request.n:
         raise bad_request(f"best_of={request.best_of} != n is not supported", "best_of")
-    if request.response_format is not None and request.response_format.type != "text":
-        raise bad_request(f"response_format {request.response_format.type!r} is not supported yet "
-                          "(it needs structured output)", "response_format")
     if request.stream_options is not None and not request.stream:
         raise bad_request("stream_options is only allowed with stream=true", "stream_options")
 

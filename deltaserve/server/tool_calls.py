@@ -12,8 +12,9 @@ only decides on text that no later delta can change, so every chunking gives the
   JSON object with a "name") is no call: its raw text stays content. Malformed text never raises.
 - Deltas follow OpenAI: a call's first delta has index, id, type, name and arguments ""; the fragments
   after it concatenate to the non-streaming `arguments`. qwen3_xml sends `{"P": ` when `<parameter=P>`
-  completes, then the value: JSON-escaped fragments as they come if the schema type is exactly "string",
-  else whole at the closing tag; `}` when the function ends. Hermes sends each call whole.
+  completes, then the value: JSON-escaped fragments as they come if the schema type is exactly "string"
+  (and no pattern, enum or the like fixes its form), else whole at the closing tag; `}` when the function
+  ends. Hermes sends each call whole.
 - An unterminated call at the end of generation is closed with what was parsed (a truncated value is
   kept). Function names are not checked against `tools`; the server may do so.
 """
@@ -25,8 +26,8 @@ from typing import Any, Mapping
 
 from deltaserve.server.reasoning import first_tag, tag_prefix_start
 from deltaserve.server.tool_types import (ContentDelta, ToolCall, ToolCallDelta, collect_deltas, convert_parameter,
-                                          json_fragment, new_tool_call_id, parameter_schemas, schema_types,
-                                          strict_json_loads)
+                                          fixes_form, json_fragment, new_tool_call_id, parameter_schemas,
+                                          schema_types, strict_json_loads)
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
@@ -261,7 +262,8 @@ class Qwen3XMLToolParser(_ToolCallStream):
 
     def _open_parameter(self, name: str) -> None:
         self._param_schema = self._schemas.get(self._call_name, {}).get(name)
-        self._param_streams = schema_types(self._param_schema) == ["string"]
+        # a plain string streams as it comes; one whose form is fixed is trimmed at its end (convert_parameter)
+        self._param_streams = schema_types(self._param_schema) == ["string"] and not fixes_form(self._param_schema)
         self._value_started = False
         separator = ", " if self._call_has_params else "{"
         self._call_has_params = True

@@ -106,13 +106,6 @@ def strict_json_loads(text: str) -> Any:
     return json_limits.loads(text, allow_constants=False)
 
 
-def _json_or_string(value: str) -> Any:
-    try:
-        return strict_json_loads(value.strip())
-    except ValueError:
-        return value
-
-
 def _as_type(text: str, json_type: str) -> tuple[bool, Any]:
     """(True, parsed) if `text` reads as `json_type`, else (False, None)."""
     lowered = text.lower()
@@ -149,7 +142,8 @@ def convert_parameter(value: str, schema: Any) -> Any:
 
     string -> unchanged; null/boolean/integer/number -> parsed; object/array -> JSON, else a Python
     literal; a type list tries its non-string types first. No schema, or nothing fits: JSON if the value
-    parses as JSON, else the string itself.
+    parses as JSON, else the string itself. A string whose form the schema fixes (`fixes_form`) loses the
+    whitespace around it: a grammar that writes such a value (structured output) treats it as layout.
     """
     types = schema_types(schema)
     text = value.strip()
@@ -157,7 +151,21 @@ def convert_parameter(value: str, schema: Any) -> Any:
         ok, parsed = _as_type(text, json_type)
         if ok:
             return parsed
-    return value if "string" in types else _json_or_string(value)
+    string = text if fixes_form(schema) else value
+    if "string" in types:
+        return string
+    try:
+        return strict_json_loads(text)
+    except ValueError:
+        return string
+
+
+_FORM_KEYWORDS = ("pattern", "format", "enum", "const", "minLength", "maxLength")
+
+
+def fixes_form(schema: Any) -> bool:
+    """Whether a parameter schema constrains a string's text (pattern, format, enum, const, length)."""
+    return isinstance(schema, Mapping) and any(key in schema for key in _FORM_KEYWORDS)
 
 
 def json_fragment(text: str) -> str:

@@ -2,7 +2,9 @@
 
 `launch` queues a step on the device and returns at once; `collect` waits for its samples (`execute` does
 both). Between the two the engine may schedule and launch the next step (async scheduling): a row whose last
-input is a sample still on the device (`pending_input`) takes it from the previous launch's token ids.
+input is a sample still on the device (`pending_input`) takes it from the previous launch's token ids. A step
+with structured-output rows is launched with `defer_sample`: its forward is queued, and `sample` queues its
+sampling once the engine has filled the grammar bitmask on the host (while the device runs the forward).
 
 On CUDA, decode-only steps and steps of one sequence's chunk of up to 1,024 tokens (single-chunk steps) run on
 static padded buffers (see cuda_graph.py), replayed as CUDA graphs unless enforce_eager; every other step, and
@@ -24,7 +26,8 @@ from deltaserve.model.qwen3_5 import HybridForCausalLM
 from deltaserve.ops import quant_gemm
 from deltaserve.ops.linear import warm_up_skinny
 from deltaserve.sampling import PendingSample, Sampler
-from deltaserve.sched_output import ModelOutput, SchedulerOutput
+from deltaserve.sched_output import ModelOutput, ScheduledSequence, SchedulerOutput
+from deltaserve.structured import bitmask as grammar_bitmask
 from deltaserve.worker.cuda_graph import DecodeGraphs
 from deltaserve.worker.kv_cache import CacheShape, bind_caches
 from deltaserve.worker.state_copy import restore_checkpoints, save_checkpoints
@@ -45,6 +48,8 @@ class LaunchedStep:
 
     request_ids: list[str]
     sample: PendingSample | None
+    # a step launched with defer_sample, until ModelRunner.sample: its sampling rows and their logits [S, V]
+    deferred: tuple[list[ScheduledSequence], torch.Tensor] | None = None
 
 
 class ModelRunner:
@@ -56,6 +61,8 @@ class ModelRunner:
         self.block_size = cache_shape.block_size
         bind_caches(model, cache_shape, device)
         self.sampler = Sampler()
+        self._bitmask: torch.Tensor | None = None  # host buffer for a step's grammar masks (grammar_bitmask)
+        self._bitmask_copied: torch.cuda.Event | None = None  # its last copy to the device
         # the last launched step's samples: request id -> row, and the [S] token ids on the device
         self._last_samples: tuple[dict[str, int], torch.Tensor] = ({}, torch.empty(0, dtype=torch.int64))
         self.graphs: DecodeGraphs | None = None
@@ -84,6 +91,7 @@ class ModelRunner:
 
             attention = model.attention_layers[0]  # every attention layer launches the same variants
             attention.warm_up_one_split_decode()
+            grammar_bitmask.warm_up(model.config.vocab_size, device)  # structured output's mask kernel
             try:
                 warm_up_cudnn_attention(attention.num_heads, attention.num_kv_heads, attention.head_dim,
                                         attention.q_norm.weight.dtype, device, max_num_batched_tokens)
@@ -137,8 +145,9 @@ class ModelRunner:
         return self.collect(self.launch(scheduled))
 
     @torch.inference_mode()
-    def launch(self, scheduled: SchedulerOutput) -> LaunchedStep:
-        """Queue one step's forward pass and sampling on the device; `collect` waits for its samples."""
+    def launch(self, scheduled: SchedulerOutput, defer_sample: bool = False) -> LaunchedStep:
+        """Queue one step's forward pass and sampling on the device; `collect` waits for its samples. With
+        `defer_sample` only the forward: `sample` queues the sampling."""
         rows = scheduled.sequences
         single = self._single_graph_serves(rows)
         input_ids, batch = self._prepare(scheduled, mid_saves=not single)
@@ -157,17 +166,45 @@ class ModelRunner:
         if not sampling_rows:
             return LaunchedStep([], None)
         chosen = [rows[i] for i in sampling_rows]
-        sample = self.sampler.sample(
+        step = LaunchedStep([r.request_id for r in chosen], None, (chosen, logits))
+        if not defer_sample:
+            self.sample(step)
+        return step
+
+    def grammar_bitmask(self, num_rows: int, vocab_size: int) -> torch.Tensor:
+        """A host buffer [num_rows, ceil(V/32)] int32 for a step's grammar masks (pinned on CUDA, reused: the
+        previous step's copy of it to the device is waited for first)."""
+        width = grammar_bitmask.bitmask_width(vocab_size)
+        if self._bitmask is None or self._bitmask.shape[0] < num_rows or self._bitmask.shape[1] != width:
+            rows = max(num_rows, self._bitmask.shape[0] if self._bitmask is not None else 0)
+            self._bitmask = torch.empty(rows, width, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        elif self._bitmask_copied is not None:
+            self._bitmask_copied.synchronize()
+        return self._bitmask[:num_rows]
+
+    @torch.inference_mode()
+    def sample(self, step: LaunchedStep, bitmask: torch.Tensor | None = None, masked_rows: list[int] = ()) -> None:
+        """Queue the sampling of a launched step; `bitmask` ([S, ceil(V/32)] on the host, from grammar_bitmask)
+        constrains the sampling rows listed in `masked_rows`."""
+        chosen, logits = step.deferred
+        step.deferred = None
+        mask = None
+        if bitmask is not None and masked_rows:
+            device_bitmask = bitmask.to(self.device, non_blocking=True)
+            if self.device.type == "cuda":
+                self._bitmask_copied = torch.cuda.Event()
+                self._bitmask_copied.record()
+            mask = grammar_bitmask.GrammarMask(device_bitmask, list(masked_rows))
+        step.sample = self.sampler.sample(
             logits,
             params=[r.params for r in chosen],
             generators=[r.generator for r in chosen],
             prompt_token_ids=[r.prompt_token_ids for r in chosen],
             output_token_ids=[r.output_token_ids for r in chosen],
             eos_token_ids=[r.eos_token_ids for r in chosen],
+            grammar_mask=mask,
         )
-        ids = [r.request_id for r in chosen]
-        self._last_samples = ({rid: i for i, rid in enumerate(ids)}, sample.token_ids)
-        return LaunchedStep(ids, sample)
+        self._last_samples = ({rid: i for i, rid in enumerate(step.request_ids)}, step.sample.token_ids)
 
     @staticmethod
     def collect(step: LaunchedStep) -> ModelOutput:

@@ -277,6 +277,7 @@ def test_warm_up_runs_each_kind_of_step_and_leaves_the_engine_as_it_found_it(mak
     assert any(sum(n == 1 for _, n in step) >= SPLIT_MIN_SHORT_SEQS and max(n for _, n in step) > 128
                for step in steps)
     assert engine.cache_manager.prefix_cache_queries == 0  # the hit happened, then the counters were zeroed
+    assert engine.grammar_compiler._compiler is not None  # structured output's view of the vocabulary is built
     cache = engine.cache_manager
     assert not engine.has_unfinished() and not engine.scheduler.has_unfinished()
     assert cache.block_pool.num_free_blocks == cache.block_pool.num_usable_blocks

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything GPU in one command, on an H200 machine: GPU tests, then the benchmarks.
-#   tests/gpu/run.sh OUTDIR [full|quick|tests|bench|serve|tune|quant]
+#   tests/gpu/run.sh OUTDIR [full|quick|tests|bench|serve|structured|tune|quant]
 #   full   every GPU test, then all benchmarks (more than one 10-minute device call: use tests, then bench)
 #   quick  every GPU test, a kernel profile and a short benchmark
 #   tests  the GPU tests alone (~7.5 min on an H200); TESTS="paths" narrows them
@@ -14,6 +14,8 @@
 #          kernel and tile, TB/s and TFLOP/s beside the limits) writing OUTDIR/quant_gemm_configs.json (for
 #          deltaserve/ops/quant_gemm/configs.json); ~6-7 min on an H200: the probe starts no shape after
 #          PROBE_BUDGET (240) s and is killed at PROBE_TIMEOUT (300) s, keeping what it measured
+#   structured  what structured output costs a served model: TPOT of json_schema requests against the same free
+#          run at batch 1 and 64 (benchmarks/structured_overhead.py); MODEL (default qwen3.5-27b) chooses it (~6 min)
 #   tune   the tables this GPU should ship: fla-core's pinned kernel configurations as OUTDIR/fla_configs.tgz
 #          (unpack into deltaserve/ops/gdn/fla_configs/) and the skinny GEMM's tiles as OUTDIR/skinny_configs.json
 #          (for deltaserve/ops/linear/); TUNE=fla makes fla's alone (~2 min), TUNE=skinny the skinny table alone
@@ -22,7 +24,7 @@
 # (../shared/tools/gpu-wheels.sh .whl); the published configs are the ones shipped in deltaserve/model_configs/.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-OUT=${1:?usage: tests/gpu/run.sh OUTDIR [quick|full|tests|bench|serve|tune|quant]}
+OUT=${1:?usage: tests/gpu/run.sh OUTDIR [quick|full|tests|bench|serve|structured|tune|quant]}
 MODE=${2:-full}
 mkdir -p "$OUT"
 export DELTASERVE_GPU_OUT="$(cd "$OUT" && pwd)"  # where GPU tests write their figures (memory_plan.json)
@@ -55,6 +57,11 @@ if [ "$MODE" = quant ]; then
     --budget-s "${PROBE_BUDGET:-240}" --out "$OUT/quant_gemm_configs.json" 2>&1 | tee "$OUT/quant_probe.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   exit $status
+fi
+if [ "$MODE" = structured ]; then
+  python3 -m benchmarks.structured_overhead "$CONFIGS/${MODEL:-qwen3.5-27b}" --out "$OUT" 2>&1 \
+    | tee "$OUT/structured_bench.log"
+  exit "${PIPESTATUS[0]}"
 fi
 if [ "$MODE" = serve ]; then
   model="$CONFIGS/${MODEL:-qwen3.5-27b}"
@@ -98,10 +105,12 @@ if [ "$MODE" != bench ]; then
     # The compile test first, in a process of its own: Triton keeps what it compiled for the life of the
     # process, so after the other tests a variant that start-up fails to warm up could already be there.
     compile_test=tests/gpu/test_engine_gpu.py::test_serving_compiles_no_kernel_after_start_up
-    python3 -m pytest "$compile_test" -q -rs --timeout=300 -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
+    grammar_compile_test=tests/gpu/test_structured_gpu.py::test_constrained_traffic_compiles_no_kernel_after_start_up
+    python3 -m pytest "$compile_test" "$grammar_compile_test" -q -rs --timeout=300 -p no:cacheprovider 2>&1 \
+      | tee "$OUT/gpu_tests.log"
     status=${PIPESTATUS[0]}
-    python3 -m pytest tests/gpu tests/ops --deselect "$compile_test" -q -rs --timeout=300 -p no:cacheprovider 2>&1 \
-      | tee -a "$OUT/gpu_tests.log"
+    python3 -m pytest tests/gpu tests/ops --deselect "$compile_test" --deselect "$grammar_compile_test" -q -rs \
+      --timeout=300 -p no:cacheprovider 2>&1 | tee -a "$OUT/gpu_tests.log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
   fi
 fi

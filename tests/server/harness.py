@@ -24,6 +24,7 @@ from deltaserve.outputs import CompletionOutput, RequestOutput
 from deltaserve.sampling import RequestOutputKind
 from deltaserve.server.api_server import EVENT_LOOP, build_app
 from deltaserve.server.serving import ServerState
+from deltaserve.structured.compiler import GrammarCompiler
 
 
 def free_port() -> int:
@@ -125,6 +126,8 @@ class ScriptedEngine:
         self.scheduler = SimpleNamespace(num_running=0, num_waiting=0)
         self.cache_manager = SimpleNamespace(block_pool=SimpleNamespace(usage=0.0))
         self.config = SimpleNamespace(enable_prefix_caching=False)
+        # constraints compile as for a real engine (the script ignores them)
+        self.grammar_compiler = GrammarCompiler(self.tokenizer, len(self.tokenizer), {self.tokenizer.eos_token_id})
 
     def add_request(self, request_id, prompt, params, group=None) -> None:
         if request_id in self.requests:

@@ -267,8 +267,8 @@ ERROR_CASES = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
                                                                         {"type": "text"}]}]}, 400,
      "messages", "messages[0].content[1]: a text content part needs `text`, a string"),
-    ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_object"}}, 400,
-     "response_format", "not supported yet"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {
+        "schema": {"type": "nothing"}}}}, 400, "response_format", 'Unsupported type "nothing"'),
     ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 50, "logprobs": True}, 400,
      "top_logprobs", ""),
     ("/v1/completions", b'{"prompt": "hi", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, None, "nested too deeply"),

@@ -198,6 +198,15 @@ def test_string_parameter_streams_before_its_closing_tag():
     assert "".join(d.arguments for d in tail) == '\\n"}'
 
 
+def test_a_string_of_fixed_form_is_sent_whole_and_trimmed():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "pattern": "^[A-Z][a-z]+$"}}}}}]
+    parser = Qwen3XMLToolParser(tools)
+    parser.feed("<tool_call>\n<function=f>\n<parameter=city>")
+    assert parser.feed("  Os") == []
+    assert parser.feed("lo  </parameter>") == [ToolCallDelta(0, '"Oslo"')]
+
+
 def test_non_string_parameter_is_sent_whole_when_it_ends():
     parser = Qwen3XMLToolParser(TOOLS)
     parser.feed("<tool_call>\n<function=get_weather>\n<parameter=days>\n1")
@@ -243,6 +252,12 @@ def test_content_and_calls_from_the_tool_parser_alone():
     ('{"k": 1}', None, {"k": 1}),
     ("7" * 5000, {"type": "integer"}, "7" * 5000),  # more digits than Python converts: kept as text
     ("[" * 300 + "]" * 300, {"type": "array"}, "[" * 300 + "]" * 300),  # deeper than json_limits takes
+    # a string whose form the schema fixes is trimmed (a grammar writes the whitespace around it as layout)
+    ("  Oslo \n", {"type": "string", "pattern": "^[A-Z][a-z]+$"}, "Oslo"),
+    (" celsius", {"enum": ["celsius", 3]}, "celsius"),
+    (" 3 ", {"enum": ["celsius", 3]}, 3),
+    (" ab ", {"type": "string", "maxLength": 4}, "ab"),
+    (" ab ", {"type": "string"}, " ab "),
 ])
 def test_convert_parameter(value, schema, expected):
     assert convert_parameter(value, schema) == expected
