@@ -123,7 +123,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     h = _not_built_help
     parser.add_argument("model", nargs="?", default=None,
                         help="checkpoint directory (config.json + safetensors + tokenizer); omitted: the "
-                             "built-in tiny demo model (random weights, no download)")
+                             "built-in tiny demo model (a toy trained on a few dozen simple topics)")
     parser.add_argument("--model", dest="model_flag", metavar="MODEL", default=None,
                         help="the same as the positional MODEL (older vLLM spelling)")
 

@@ -37,7 +37,8 @@ class EngineSetup:
         if config.model is None:
             from deltaserve.demo import demo_model_path
             model_path = demo_model_path()
-            logger.info("no model given: serving the built-in tiny demo model at %s (random weights)", model_path)
+            logger.info("no model given: serving the built-in tiny demo model at %s (a toy trained on a few "
+                        "dozen simple topics; pass a checkpoint for real use)", model_path)
         else:
             model_path = Path(config.model)
         self.model_path = model_path
