@@ -32,7 +32,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 # question -> a word its answer must contain (the shipped model answers these on topic)
 TOPICAL = {"Tell me about the moon.": "moon", "What do you know about bees?": "bees", "Hello!": "hello",
-           "Tell me about quantum physics.": "know"}
+           "Who are you?": "demo model"}
 QUESTIONS = list(TOPICAL)
 MAX_TOKENS = 160  # the longest learned turn is about 110 tokens
 
