@@ -128,7 +128,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="checkpoint directory (config.json + safetensors + tokenizer), or a hub id: its copy "
                              "in the local Hugging Face cache, or with --load-format dummy its published config "
                              "shipped with deltaserve (nothing is downloaded); omitted: the built-in tiny demo "
-                             "model (random weights)")
+                             "model (a toy trained on a few dozen simple topics)")
     parser.add_argument("--model", dest="model_flag", metavar="MODEL", default=None,
                         help="the same as the positional MODEL (older vLLM spelling)")
 

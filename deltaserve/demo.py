@@ -1,31 +1,35 @@
-"""The built-in demo model: a tiny random Qwen3.5-shaped checkpoint and a real tokenizer, made offline.
+"""The demo models: the shipped trained demo checkpoint, and tiny random checkpoints made offline for the tests.
 
-`deltaserve serve` with no MODEL argument serves `demo_model_path()`, and the tests use the same builders
-(`build_tokenizer`, `build_checkpoint`) to get checkpoints of all three architectures without a download:
+`deltaserve serve` with no MODEL argument (and `LLM()`) serves `demo_model_path()`: the checkpoint in
+deltaserve/demo_model/, a 2 M-parameter Qwen3.5-shaped model (4 MB in bfloat16) trained on the CPU by
+scripts/train_demo.py on the toy dialogues shipped beside it (training_text.txt, written by
+scripts/demo_dialogues.py). It answers simple chat questions in words and closes its thinking, and it knows
+nothing beyond those few dozen topics.
 
-    tokenizer   byte-level BPE (the scheme Qwen uses) trained in well under a second on `_CORPUS`, about
-                1,000 tokens, Qwen's special tokens appended after the learned vocabulary, and a ChatML chat
-                template in the spirit of Qwen3.5's (thinking switch, tools in the qwen3_coder XML format).
+The tests use the builders here (`build_tokenizer`, `build_checkpoint`) to get random checkpoints of all three
+architectures without a download:
+
+    tokenizer   byte-level BPE (the scheme Qwen uses) trained in well under a second on `_CORPUS` (the
+                demo model's on its dialogues), about 1,000 tokens, Qwen's special tokens appended after the
+                learned vocabulary, and a ChatML chat template in the spirit of Qwen3.5's (thinking switch,
+                tools in the qwen3_coder XML format).
     weights     transformers' own Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM / Qwen3NextForCausalLM with the
                 shapes in `TINY_CONFIGS`, re-initialised so that logits have spread (see `_randomize_weights`),
                 written with `save_pretrained` (safetensors, optionally sharded).
 
-The weights are random: the demo model talks gibberish, but every code path (both layer types, GQA,
-partial RoPE, MoE routing, the chat template) runs exactly as it would for the real models.
+Random weights talk gibberish, but every code path (both layer types, GQA, partial RoPE, MoE routing, the chat
+template) runs exactly as it would for the real models, which is what the parity tests need.
 """
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 import transformers
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-# Bump when the corpus, the chat template, TINY_CONFIGS["qwen3_5"] or the init recipe changes, so that
-# demo_model_path() builds a fresh checkpoint instead of reusing a stale one.
-DEMO_VERSION = 1
+# The shipped trained demo checkpoint (scripts/train_demo.py writes it).
+DEMO_MODEL_DIR = Path(__file__).with_name("demo_model")
 
 # Target size of the whole vocabulary: learned BPE tokens plus the added tokens below.
 VOCAB_SIZE = 1024
@@ -221,8 +225,14 @@ PAD_TOKEN_ID = _ADDED_IDS[PAD_TOKEN]
 MAX_POSITIONS = 4096
 
 
-def build_tokenizer() -> transformers.PreTrainedTokenizerFast:
-    """Train the demo byte-level BPE tokenizer on `_CORPUS` (deterministic, well under a second)."""
+def build_tokenizer(corpus: str = _CORPUS) -> transformers.PreTrainedTokenizerFast:
+    """Train the demo byte-level BPE tokenizer on `corpus` (deterministic, well under a second).
+
+    The tests use the default `_CORPUS`; the trained demo model's tokenizer is trained on its dialogues
+    (scripts/train_demo.py). The added tokens get their own ids, so they are cut out of the corpus first.
+    """
+    for content, _ in ADDED_TOKENS:
+        corpus = corpus.replace(content, "\n")
     bpe = Tokenizer(models.BPE())
     bpe.normalizer = normalizers.NFC()
     bpe.pre_tokenizer = pre_tokenizers.Sequence(
@@ -239,7 +249,7 @@ def build_tokenizer() -> transformers.PreTrainedTokenizerFast:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    bpe.train_from_iterator(_CORPUS.splitlines(keepends=True), trainer)
+    bpe.train_from_iterator(corpus.splitlines(keepends=True), trainer)
     if bpe.get_vocab_size() != _LEARNED_VOCAB:
         raise RuntimeError(
             f"demo corpus too small: BPE learned {bpe.get_vocab_size()} tokens, expected {_LEARNED_VOCAB}"
@@ -392,24 +402,10 @@ def build_checkpoint(
 
 
 def demo_model_path() -> Path:
-    """Path of the built-in demo checkpoint (tiny random qwen3_5), built on first use and reused after.
-
-    It lives in `$DELTASERVE_CACHE_DIR` (default ~/.cache/deltaserve) as `demo-<DEMO_VERSION>`. The build
-    goes to a temporary folder renamed into place, so a reader never sees a half-written checkpoint and two
-    processes building at once both end with the same complete one.
-    """
-    cache_dir = Path(os.environ.get("DELTASERVE_CACHE_DIR") or Path.home() / ".cache" / "deltaserve")
-    final = cache_dir / f"demo-{DEMO_VERSION}"
-    if final.is_dir():
-        return final
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=cache_dir))
-    try:
-        build_checkpoint(staging, "qwen3_5", seed=0)
-        os.rename(staging, final)
-    except OSError:
-        if not final.is_dir():  # not lost a race to another process: a real failure
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return final
+    """Path of the built-in demo checkpoint: the trained one shipped in the package (`DEMO_MODEL_DIR`)."""
+    missing = [name for name in ("config.json", "model.safetensors", "tokenizer.json")
+               if not (DEMO_MODEL_DIR / name).is_file()]
+    if missing:
+        raise FileNotFoundError(f"the demo checkpoint at {DEMO_MODEL_DIR} lacks {missing}: install deltaserve "
+                                "with its package data, or run scripts/train_demo.py to rebuild it")
+    return DEMO_MODEL_DIR

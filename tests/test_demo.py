@@ -1,4 +1,6 @@
-"""The demo tokenizer, its chat template, and the tiny random checkpoints (deltaserve/demo.py)."""
+"""The demo tokenizer, its chat template, and the tiny random checkpoints (deltaserve/demo.py).
+
+The shipped trained demo checkpoint is tested in test_demo_model.py."""
 
 import json
 
@@ -8,17 +10,14 @@ import torch
 import transformers
 from safetensors import safe_open
 
-from deltaserve import demo
 from deltaserve.demo import (
     ADDED_TOKENS,
-    DEMO_VERSION,
     EOS_TOKEN_ID,
     PAD_TOKEN_ID,
     TINY_CONFIGS,
     VOCAB_SIZE,
     build_checkpoint,
     build_tokenizer,
-    demo_model_path,
 )
 
 EXPECTED_CLASS = {
@@ -240,35 +239,3 @@ def test_sharded_bf16_checkpoint(make_checkpoint, tmp_path):
 def test_build_checkpoint_rejects_unknown_arch(tmp_path):
     with pytest.raises(ValueError, match="arch='llama'"):
         build_checkpoint(tmp_path, "llama")
-
-
-# ---------------------------------------------------------------- demo model
-
-
-def test_demo_model_path_builds_once_and_reuses(tmp_path, monkeypatch):
-    monkeypatch.setenv("DELTASERVE_CACHE_DIR", str(tmp_path))
-    path = demo_model_path()
-    assert path == tmp_path / f"demo-{DEMO_VERSION}"
-    assert (path / "config.json").exists() and (path / "tokenizer.json").exists()
-    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no staging folder left behind
-
-    def fail(*args, **kwargs):
-        raise AssertionError("demo checkpoint rebuilt")
-
-    monkeypatch.setattr(demo, "build_checkpoint", fail)
-    assert demo_model_path() == path
-
-
-def test_demo_model_path_survives_a_concurrent_build(tmp_path, monkeypatch):
-    monkeypatch.setenv("DELTASERVE_CACHE_DIR", str(tmp_path))
-    final = tmp_path / f"demo-{DEMO_VERSION}"
-
-    def build_while_another_process_wins(path, *args, **kwargs):
-        (final / "config.json").parent.mkdir()
-        (final / "config.json").write_text("{}")  # the other process renamed its build into place first
-        (path / "config.json").write_text("{}")
-
-    monkeypatch.setattr(demo, "build_checkpoint", build_while_another_process_wins)
-    assert demo_model_path() == final
-    assert [p.name for p in tmp_path.iterdir()] == [final.name]
-

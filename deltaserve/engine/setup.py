@@ -39,7 +39,8 @@ class EngineSetup:
         if config.model is None:
             from deltaserve.demo import demo_model_path
             model_path = demo_model_path()
-            logger.info("no model given: serving the built-in tiny demo model at %s (random weights)", model_path)
+            logger.info("no model given: serving the built-in tiny demo model at %s (a toy trained on a few "
+                        "dozen simple topics; pass a checkpoint for real use)", model_path)
         else:  # a local checkpoint, a cached hub snapshot, or (dummy weights) a hub id's shipped config
             model_path = resolve_model(config.model, need_weights=config.load_format != "dummy")
         self.model_path = model_path

@@ -186,7 +186,6 @@ def test_the_demo_models_name_takes_the_built_in_tokenizer(tmp_path, monkeypatch
     from deltaserve.bench.serve import load_tokenizer
     from deltaserve.demo import demo_model_path
 
-    monkeypatch.setenv("DELTASERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.chdir(tmp_path)  # no ./demo directory to take instead
     tokenizer = load_tokenizer("demo", "--model")
     assert tokenizer.name_or_path == str(demo_model_path())

@@ -1,5 +1,5 @@
 """The README's main command on a fresh machine: `python -m deltaserve serve` (what scripts/serve.sh runs)
-builds the demo model, answers a chat request, and on SIGTERM finishes the in-flight stream and exits 0."""
+loads the shipped demo model, answers a chat request, and on SIGTERM finishes the in-flight stream and exits 0."""
 
 import os
 import signal
@@ -14,7 +14,7 @@ from tests.server.harness import free_port, wait_for_health
 
 def test_serve_demo_model_then_sigterm(tmp_path):
     port = free_port()
-    env = {**os.environ, "DELTASERVE_CACHE_DIR": str(tmp_path / "cache")}  # no demo model built yet
+    env = dict(os.environ)
     env.pop("DELTASERVE_API_KEY", None)
     env.pop("VLLM_API_KEY", None)
     log_path = tmp_path / "server.log"
