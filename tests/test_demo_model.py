@@ -15,7 +15,6 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
 import transformers
 
 from deltaserve import LLM, SamplingParams, demo
