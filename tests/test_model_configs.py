@@ -86,7 +86,8 @@ def test_weights_of_a_hub_id_without_a_local_copy_are_refused(tmp_path, monkeypa
     assert "--load-format dummy" in message
 
 
-def test_unknown_names_and_missing_paths_are_refused_by_name():
+def test_unknown_names_and_missing_paths_are_refused_by_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the relative path below must name nothing, wherever the clone sits
     with pytest.raises(ConfigError, match=r"MODEL 'nobody/Nothing-1B' is neither a local directory.*"
                                           r"Qwen/Qwen3.5-27B.*; pass a local checkpoint directory"):
         resolve_model("nobody/Nothing-1B", need_weights=False)
