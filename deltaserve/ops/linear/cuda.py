@@ -18,8 +18,6 @@ every program re-reads from L2. Faster than the prologue kernel + cuBLAS for som
 """
 
 import functools
-import json
-import os
 from pathlib import Path
 
 import torch
@@ -29,6 +27,7 @@ import triton.language as tl
 from deltaserve.ops import pdl
 from deltaserve.ops.linear import reference
 from deltaserve.ops.pdl import wait_for_previous_kernel
+from deltaserve.ops.tuned_table import read_tuned_table
 
 PROLOGUE_NONE: tl.constexpr = tl.constexpr(0)
 PROLOGUE_RMS_NORM: tl.constexpr = tl.constexpr(1)
@@ -48,26 +47,14 @@ CONFIGS_FILE = Path(__file__).with_name("configs.json")
 def _tuned_configs() -> dict:
     """The table, checked: a file named by DELTASERVE_GEMV_CONFIGS must exist and hold "prologue:N:K" keys with
     [BLOCK_N, BLOCK_K, warps, stages] of positive ints or null."""
-    named = os.environ.get("DELTASERVE_GEMV_CONFIGS")
-    path = Path(named or CONFIGS_FILE)
-    where = f"DELTASERVE_GEMV_CONFIGS={named!r}" if named else str(path)
-    if not path.exists():
-        if named:
-            raise ValueError(f"{where}: no such file")
-        return {}
-    try:
-        table = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{where}: not JSON ({exc})") from None
-    if not isinstance(table, dict):
-        raise ValueError(f"{where}: the table must be a JSON object, got {type(table).__name__}")
-    for key, config in table.items():
-        is_config = isinstance(config, list) and len(config) == 4 and all(isinstance(v, int) and v > 0
-                                                                          for v in config)
-        if key.count(":") != 2 or not (config is None or is_config):
-            raise ValueError(f"{where}: entry {key!r}: {config!r} is not a [BLOCK_N, BLOCK_K, warps, stages] list "
-                             "of positive ints or null under a \"prologue:N:K\" key")
-    return table
+    return read_tuned_table("DELTASERVE_GEMV_CONFIGS", CONFIGS_FILE, _check_entry)
+
+
+def _check_entry(where: str, key: str, config) -> None:
+    is_config = isinstance(config, list) and len(config) == 4 and all(isinstance(v, int) and v > 0 for v in config)
+    if key.count(":") != 2 or not (config is None or is_config):
+        raise ValueError(f"{where}: entry {key!r}: {config!r} is not a [BLOCK_N, BLOCK_K, warps, stages] list "
+                         "of positive ints or null under a \"prologue:N:K\" key")
 
 
 def config_for(prologue: str, n: int, k: int) -> tuple[int, int, int, int] | None:

@@ -16,9 +16,9 @@ another file.
 from __future__ import annotations
 
 import functools
-import json
-import os
 from pathlib import Path
+
+from deltaserve.ops.tuned_table import read_tuned_table
 
 CONFIGS_FILE = Path(__file__).with_name("configs.json")
 ENV_VAR = "DELTASERVE_QUANT_GEMM_CONFIGS"
@@ -68,22 +68,7 @@ def check_entry(where: str, key: str, entry) -> None:
 @functools.cache
 def tuned_table() -> dict:
     """The table, checked (a file named by DELTASERVE_QUANT_GEMM_CONFIGS must exist)."""
-    named = os.environ.get(ENV_VAR)
-    path = Path(named or CONFIGS_FILE)
-    where = f"{ENV_VAR}={named!r}" if named else str(path)
-    if not path.exists():
-        if named:
-            raise ValueError(f"{where}: no such file")
-        return {}
-    try:
-        table = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{where}: not JSON ({exc})") from None
-    if not isinstance(table, dict):
-        raise ValueError(f"{where}: the table must be a JSON object, got {type(table).__name__}")
-    for key, entry in table.items():
-        check_entry(where, key, entry)
-    return table
+    return read_tuned_table(ENV_VAR, CONFIGS_FILE, check_entry)
 
 
 def default_config(fmt: str, n: int, k: int, rows: int) -> dict:
