@@ -271,29 +271,37 @@ def build_tokenizer(corpus: str = _CORPUS) -> transformers.PreTrainedTokenizerFa
     return tokenizer
 
 
+def qwen3_5_shape(**sizes) -> dict:
+    """The config fields every model built here shares (the demo vocabulary and its special ids, 4 query / 2
+    key-value heads, 2 key / 4 value heads in Gated DeltaNet, untied), with `sizes` (the layer sizes) added."""
+    return dict(
+        vocab_size=VOCAB_SIZE,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=MAX_POSITIONS,
+        rms_norm_eps=1e-6,
+        eos_token_id=EOS_TOKEN_ID,
+        pad_token_id=PAD_TOKEN_ID,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+        **sizes,
+    )
+
+
 # Shapes shared by all tiny models. Deliberately unequal sizes (hidden 48 != heads * head_dim 64,
 # key head dim 16 != value head dim 32, 2 key heads shared by 4 value heads) so that a transposed or
 # mixed-up dimension fails loudly instead of passing by coincidence. Full attention at every 4th layer
 # and at the last one: two full-attention layers, four Gated DeltaNet layers.
-_COMMON = dict(
-    vocab_size=VOCAB_SIZE,
+_COMMON = qwen3_5_shape(
     hidden_size=48,
     num_hidden_layers=6,
     layer_types=["linear_attention"] * 3 + ["full_attention", "linear_attention", "full_attention"],
-    num_attention_heads=4,
-    num_key_value_heads=2,
     head_dim=16,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
     linear_key_head_dim=16,
     linear_value_head_dim=32,
-    linear_conv_kernel_dim=4,
-    max_position_embeddings=MAX_POSITIONS,
-    rms_norm_eps=1e-6,
-    eos_token_id=EOS_TOKEN_ID,
-    pad_token_id=PAD_TOKEN_ID,
-    bos_token_id=None,
-    tie_word_embeddings=False,
 )
 # Rotary dim = head_dim * 0.25 = 4. Qwen3.5 carries the (interleaved M-RoPE) mrope keys as the real
 # configs do; for text all three position rows are equal and it reduces to plain RoPE.

@@ -39,7 +39,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from deltaserve.demo import (  # noqa: E402
-    EOS_TOKEN, EOS_TOKEN_ID, MAX_POSITIONS, PAD_TOKEN_ID, VOCAB_SIZE, build_tokenizer,
+    EOS_TOKEN, EOS_TOKEN_ID, PAD_TOKEN_ID, build_tokenizer, qwen3_5_shape,
 )
 
 DEMO_DIR = ROOT / "deltaserve" / "demo_model"
@@ -60,26 +60,14 @@ GRAD_CLIP = 1.0
 
 # Qwen3.5's layer pattern (three Gated DeltaNet layers, then one gated full-attention layer) twice.
 # Rotary dim = head_dim * 0.25 = 8, so mrope_section covers 4 frequency pairs.
-DEMO_CONFIG = dict(
-    vocab_size=VOCAB_SIZE,
+DEMO_CONFIG = qwen3_5_shape(
     hidden_size=128,
     intermediate_size=384,
     num_hidden_layers=8,
     layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
     head_dim=32,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
     linear_key_head_dim=32,
     linear_value_head_dim=32,
-    linear_conv_kernel_dim=4,
-    max_position_embeddings=MAX_POSITIONS,
-    rms_norm_eps=1e-6,
-    eos_token_id=EOS_TOKEN_ID,
-    pad_token_id=PAD_TOKEN_ID,
-    bos_token_id=None,
-    tie_word_embeddings=False,
     rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
                          mrope_interleaved=True, mrope_section=[2, 1, 1]),
 )
