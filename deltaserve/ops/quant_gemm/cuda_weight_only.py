@@ -20,6 +20,7 @@ import triton.language as tl
 from deltaserve.ops import pdl
 from deltaserve.ops.linear.cuda_skinny import _sum_splits_kernel
 from deltaserve.ops.pdl import wait_for_previous_kernel
+from deltaserve.ops.quant_gemm.cuda_tiles import grouped_tile
 from deltaserve.ops.quant_gemm.cuda_dequant import INT4, NVFP4, int4_codes, int4_tile, nvfp4_tile
 from deltaserve.ops.quant_gemm.reference import Int4Weight, Nvfp4Weight
 
@@ -90,16 +91,7 @@ def _gemm_kernel(
 ):
     """Grid (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),): out [M, N] = x [M, K] @ dequant(W)^T (K a multiple of BK)."""
     wait_for_previous_kernel(PDL)
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * tiles_n
-    first_m = (pid // per_group) * GROUP_M
-    rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % rows_in_group
-    pid_n = (pid % per_group) // rows_in_group
-    ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
-    ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    ms, ns = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)  # [BM], [BN]
     m_ok = ms < M
     n_ok = ns < N
     x_rows = x + ms[:, None].to(tl.int64) * stride_xm
