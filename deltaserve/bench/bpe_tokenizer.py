@@ -13,13 +13,12 @@ EOS id on; ids past them up to the model's vocabulary size are padding, as in Qw
 
 from __future__ import annotations
 
-import argparse
 import random
-from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from deltaserve import demo
+from deltaserve.bench.tokenizer_cli import write_for_model
 
 _CONSONANTS = ["b", "c", "d", "f", "g", "h", "j", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "z",
                "ch", "sh", "th", "st", "tr", "pr", "gr", "pl", "qu", "ng", "ck", "x", "y"]
@@ -84,25 +83,13 @@ def build(vocab_size: int, eos_token_id: int, seed: int = 0):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deltaserve.bench.bpe_tokenizer", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("model", help="checkpoint or config.json directory, or a hub id (e.g. Qwen/Qwen3.5-27B)")
-    parser.add_argument("out", help="directory to write the tokenizer into (created)")
-    args = parser.parse_args(argv)
-    from deltaserve.config import ConfigError, ModelConfig
-    from deltaserve.model_configs import resolve_model
+    def build_for(cfg):
+        eos = cfg.eos_token_ids[0] if cfg.eos_token_ids else cfg.vocab_size - len(demo.ADDED_TOKENS)
+        tokenizer = build(cfg.vocab_size, eos)
+        return tokenizer, (f"{len(tokenizer)} tokens (byte-level BPE) for a vocabulary of {cfg.vocab_size}, "
+                           f"EOS {tokenizer.eos_token} = {tokenizer.eos_token_id}")
 
-    try:
-        cfg = ModelConfig.from_pretrained(resolve_model(args.model, need_weights=False))
-    except ConfigError as exc:
-        parser.error(str(exc))
-    eos = cfg.eos_token_ids[0] if cfg.eos_token_ids else cfg.vocab_size - len(demo.ADDED_TOKENS)
-    tokenizer = build(cfg.vocab_size, eos)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    tokenizer.save_pretrained(args.out)
-    print(f"{args.out}: {len(tokenizer)} tokens (byte-level BPE) for a vocabulary of {cfg.vocab_size}, "
-          f"EOS {tokenizer.eos_token} = {tokenizer.eos_token_id}")
-    return 0
+    return write_for_model(argv, "python -m deltaserve.bench.bpe_tokenizer", __doc__, build_for)
 
 
 if __name__ == "__main__":

@@ -12,10 +12,9 @@ checkpoint's first EOS id is the tokenizer's EOS token. No chat template: benchm
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
-
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+from deltaserve.bench.tokenizer_cli import write_for_model
 
 
 def build(vocab_size: int, eos_token_id: int | None = None):
@@ -34,23 +33,11 @@ def build(vocab_size: int, eos_token_id: int | None = None):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m deltaserve.bench.vocab_tokenizer", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("model", help="checkpoint or config.json directory, or a hub id (e.g. Qwen/Qwen3.5-27B)")
-    parser.add_argument("out", help="directory to write the tokenizer into (created)")
-    args = parser.parse_args(argv)
-    from deltaserve.config import ConfigError, ModelConfig
-    from deltaserve.model_configs import resolve_model
+    def build_for(cfg):
+        tokenizer = build(cfg.vocab_size, cfg.eos_token_ids[0] if cfg.eos_token_ids else None)
+        return tokenizer, f"{cfg.vocab_size} tokens t0 .. t{cfg.vocab_size - 1}, EOS {tokenizer.eos_token}"
 
-    try:
-        cfg = ModelConfig.from_pretrained(resolve_model(args.model, need_weights=False))
-    except ConfigError as exc:
-        parser.error(str(exc))
-    tokenizer = build(cfg.vocab_size, cfg.eos_token_ids[0] if cfg.eos_token_ids else None)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    tokenizer.save_pretrained(args.out)
-    print(f"{args.out}: {cfg.vocab_size} tokens t0 .. t{cfg.vocab_size - 1}, EOS {tokenizer.eos_token}")
-    return 0
+    return write_for_model(argv, "python -m deltaserve.bench.vocab_tokenizer", __doc__, build_for)
 
 
 if __name__ == "__main__":
