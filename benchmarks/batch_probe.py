@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from benchmarks.gemv_probe import (COPIES_BYTES, decode_projections, graph_time_us, inputs, probe_parser,
-                                         write_table)
+from benchmarks.gemv_probe import COPIES_BYTES, decode_projections, inputs, probe_parser, write_table
+from benchmarks.timing import graph_time_us
 from deltaserve.config import ModelConfig
 from deltaserve.ops.gdn import cuda as gdn_cuda
 from deltaserve.ops.linear import cuda as gemv_cuda

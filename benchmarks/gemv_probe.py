@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.timing import graph_time_us
 from deltaserve.config import ModelConfig
 from deltaserve.model_configs import CONFIGS_DIR
 from deltaserve.ops.linear import cuda as linear_cuda
@@ -40,26 +41,6 @@ def decode_projections(cfg: ModelConfig) -> list[tuple[str, int, int]]:
     qkv = 2 * cfg.num_heads * cfg.head_dim + 2 * cfg.num_kv_heads * cfg.head_dim
     return [("rms_norm", 2 * inter, H), ("rms_norm", gdn_in, H), ("rms_norm", qkv, H), ("silu_mul", H, inter),
             ("gated_norm", H, cfg.gdn_value_dim), ("none", H, cfg.num_heads * cfg.head_dim)]
-
-
-def graph_time_us(calls) -> float:
-    """Microseconds per call of the list `calls` (zero-argument functions) replayed in one CUDA graph."""
-    for call in calls:  # compile and warm up outside the capture
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return 1e3 * start.elapsed_time(end) / (5 * len(calls))
 
 
 def inputs(prologue: str, n: int, k: int, head_dim: int, device, rows: int = 1):

@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from benchmarks.gemv_probe import decode_projections, graph_time_us, inputs
+from benchmarks.gemv_probe import decode_projections, inputs
+from benchmarks.timing import graph_time_us
 from deltaserve.config import ModelConfig
 from deltaserve.model_configs import CONFIGS_DIR
 from deltaserve.ops import linear

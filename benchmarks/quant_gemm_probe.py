@@ -29,6 +29,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.timing import graph_time_us  # noqa: E402
 from deltaserve.config import ModelConfig  # noqa: E402
 from deltaserve.model_configs import shipped_config  # noqa: E402
 from deltaserve.ops.quant_gemm import configs, cuda_fp8, cuda_gemv, cuda_weight_only  # noqa: E402
@@ -90,26 +91,6 @@ def copies_of(w) -> list:
     fields = [f.name for f in dataclasses.fields(w) if isinstance(getattr(w, f.name), torch.Tensor)]
     count = max(2, int(COPIES_BYTES // w.nbytes))
     return [w] + [dataclasses.replace(w, **{f: getattr(w, f).clone() for f in fields}) for _ in range(count - 1)]
-
-
-def graph_us(calls) -> float:
-    """Microseconds per call of the zero-argument functions `calls`, replayed in one CUDA graph."""
-    for call in calls:
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return 1e3 * start.elapsed_time(end) / (5 * len(calls))
 
 
 def bench_us(fn) -> float:
@@ -195,7 +176,7 @@ def probe_shape(fmt, name, n, k, rows, rng) -> tuple[str, dict | None]:
             if not err <= 0.02 * scale:
                 print(f"    {label}: WRONG (max error {err:.3g} against |y| <= {scale:.3g})", flush=True)
                 continue
-            t = graph_us([lambda fn=fn, c=c: fn(x, c) for c in weights]) if decode else bench_us(lambda: fn(x, w))
+            t = graph_time_us([lambda fn=fn, c=c: fn(x, c) for c in weights]) if decode else bench_us(lambda: fn(x, w))
         except Exception as exc:  # a tile Triton cannot build (shared memory, registers), torch without the op
             print(f"    {label}: failed ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})", flush=True)
             continue
