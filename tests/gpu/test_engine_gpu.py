@@ -16,36 +16,12 @@ import pytest
 import torch
 
 from deltaserve import LLM, SamplingParams
-from deltaserve.config import ModelConfig
 from deltaserve.demo import build_checkpoint
-from deltaserve.layers.batch import ForwardBatch
-from deltaserve.model.loader import load_model
-from deltaserve.worker.kv_cache import CacheShape, bind_caches
+from tests.gpu.logits import chunked_logits, prompt
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 ARCHS = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
-
-
-def prompt(n: int, seed: int, vocab: int = 1024) -> list[int]:
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def chunked_logits(path, dtype, device, ids: list[int], chunks: list[int]) -> torch.Tensor:
-    """Logits of every position, the prompt fed in `chunks` then one token at a time."""
-    cfg = ModelConfig.from_pretrained(path)
-    model = load_model(path, cfg, dtype, device)
-    bind_caches(model, CacheShape(64, 16, 4, dtype, torch.float32), device)
-    out, done = [], 0
-    sizes = chunks + [1] * (len(ids) - sum(chunks))
-    for size in sizes:
-        blocks = list(range(1, 1 + -(-(done + size) // 16)))
-        batch = ForwardBatch.build([done], [size], [blocks], [1], 16, device)
-        with torch.inference_mode():
-            hidden = model(torch.tensor(ids[done:done + size], device=device), batch)
-            out.append(model.compute_logits(hidden).float().cpu())
-        done += size
-    return torch.cat(out)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

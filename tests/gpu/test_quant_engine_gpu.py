@@ -27,6 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.gpu.logits import chunked_logits, prompt
+
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG_ROOTS = [ROOT / ".gpu_configs", ROOT.parent / "shared" / "configs"]
 RTX_5090_BYTES = 33_672_921_088  # total memory as the CUDA driver reports it (cache/plan_cli.py GPUS)
@@ -43,31 +45,6 @@ FAMILIES = [("fp8", {}), ("ct", dict(group_size=128)), ("ct", dict(group_size=32
 
 def family_id(value) -> str:
     return value if isinstance(value, str) else "-".join(f"{k}{v}" for k, v in value.items()) or "default"
-
-
-def prompt(n: int, seed: int, vocab: int = 1024) -> list[int]:
-    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def chunked_logits(path, dtype, device, ids: list[int], chunks: list[int]) -> torch.Tensor:
-    """Logits of every position, the prompt fed in `chunks` then one token at a time (decode steps)."""
-    from deltaserve.config import ModelConfig
-    from deltaserve.layers.batch import ForwardBatch
-    from deltaserve.layers.quant import detect_weight_format
-    from deltaserve.model.loader import load_model
-    from deltaserve.worker.kv_cache import CacheShape, bind_caches
-
-    model = load_model(path, ModelConfig.from_pretrained(path), dtype, device, weight_format=detect_weight_format(path))
-    bind_caches(model, CacheShape(64, 16, 4, dtype, torch.float32), device)
-    out, done = [], 0
-    for size in chunks + [1] * (len(ids) - sum(chunks)):
-        blocks = list(range(1, 1 + -(-(done + size) // 16)))
-        batch = ForwardBatch.build([done], [size], [blocks], [1], 16, device)
-        with torch.inference_mode():
-            hidden = model(torch.tensor(ids[done:done + size], device=device), batch)
-            out.append(model.compute_logits(hidden).float().cpu())
-        done += size
-    return torch.cat(out)
 
 
 @pytest.fixture(scope="module")
