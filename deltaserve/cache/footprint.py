@@ -137,6 +137,27 @@ def weight_bytes(cfg: ModelConfig, dtype: str, weight_format=None) -> dict[str, 
     return by_format
 
 
+# Projections that read their own input (the others of a module share one and are joined along N at load)
+_OWN_INPUT = ("o_proj", "out_proj", "down_proj")
+
+
+def quant_scratch_bytes(cfg: ModelConfig, dtype: str, weight_format=None) -> int:
+    """Bytes of the scratch buffer the int4 / NVFP4 prefill dequantizes into (ops/quant_gemm warm_up): a `dtype`
+    copy of the largest such prepared matrix, the projections of one module that share an input joined as
+    the loader joins them (an upper bound where a joint does not line up); 0 where no projection uses it."""
+    if weight_format is None:
+        return 0
+    joined: dict[tuple[str, str], int] = {}  # (module or projection, scheme) -> N * K of the joined matrix
+    for name, n, k, _ in projection_shapes(cfg):
+        scheme = weight_format.scheme_for(name)
+        if scheme is None or not scheme.uses_scratch:
+            continue
+        module, projection = name.rsplit(".", 1)
+        key = (name if projection in _OWN_INPUT else module, type(scheme).__name__)
+        joined[key] = joined.get(key, 0) + n * k
+    return max(joined.values(), default=0) * DTYPE_BYTES[dtype]
+
+
 # --------------------------------------------------------------------------------------- estimates
 
 def _forward_bytes(cfg: ModelConfig, dtype: str, num_tokens: int, decode: bool) -> int:

@@ -117,6 +117,9 @@ def describe_plan(p: MemoryPlan) -> str:
     formats = " + ".join(f"{name} {nbytes:,} B" for name, nbytes in p.weight_bytes_by_format.items() if nbytes)
     quantized = f" ({p.weight_format})" if p.weight_format else ""
     row("weights", p.weight_bytes, f"{_count(p.num_parameters)} parameters: {formats}{quantized}")
+    if p.quant_scratch_bytes:
+        row("quant GEMM scratch", p.quant_scratch_bytes, f"a {p.model_dtype} copy of the largest int4 / NVFP4 matrix, "
+            "for prefill through cuBLAS")
     if p.cache_memory_source != "CPU default":
         how = "measured" if p.activation_measured else "estimated"
         row("activations", p.activation_bytes, f"{how}: {p.max_num_batched_tokens:,} batched tokens, "

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 from deltaserve.cache.footprint import (DTYPE_BYTES, count_parameters, cuda_graph_count,
                                         estimate_activation_bytes, estimate_cuda_graph_bytes, kv_bytes_per_token,
-                                        kv_cache_dtype, model_dtype, ssm_cache_dtype, state_bytes_per_slot,
-                                        weight_bytes)
+                                        kv_cache_dtype, model_dtype, quant_scratch_bytes, ssm_cache_dtype,
+                                        state_bytes_per_slot, weight_bytes)
 from deltaserve.config import ConfigError, EngineConfig, ModelConfig
 
 CPU_CACHE_BYTES = 1 << 30  # cache memory on the CPU when no flag sizes it
@@ -77,6 +77,7 @@ class MemoryPlan:
     weight_format: str | None  # None: weights in the model dtype; else the quantized format's description
     num_parameters: int
     weight_bytes_by_format: dict[str, int]
+    quant_scratch_bytes: int  # the int4 / NVFP4 prefill's dequantized copy of its largest matrix (GPU only)
     activation_bytes: int
     activation_measured: bool
     cuda_graph_bytes: int
@@ -144,8 +145,8 @@ class MemoryPlan:
 
     @property
     def fixed_bytes(self) -> int:
-        """Everything that is not cache: weights, activations, CUDA graphs, runtime overhead."""
-        return self.weight_bytes + self.activation_bytes + self.cuda_graph_bytes + self.overhead_bytes
+        """Everything that is not cache: weights, their scratch, activations, CUDA graphs, runtime overhead."""
+        return self.weight_bytes + self.quant_scratch_bytes + self.activation_bytes + self.cuda_graph_bytes + self.overhead_bytes
 
     def check(self) -> MemoryPlan:
         """Raise PlanError when the configuration does not fit; return the plan otherwise."""
@@ -256,10 +257,11 @@ def plan(cfg: ModelConfig, engine: EngineConfig, *, device_memory_bytes: int | N
     conv_bytes, ssm_bytes = state_bytes_per_slot(cfg, dtype, ssm_dtype)  # the conv state keeps the model dtype
     per_token = kv_bytes_per_token(cfg, kv_dtype)
     weights = weight_bytes(cfg, dtype, weight_format)
+    scratch = quant_scratch_bytes(cfg, dtype, weight_format) if on_gpu else 0
     bs, limit = engine.block_size, cfg.max_position_embeddings
     target_len = engine.max_model_len or limit
     need_blocks = math.ceil(target_len / bs) + 1  # + the null block
-    budget = _Budget(cfg, engine, dtype, sum(weights.values()), conv_bytes + ssm_bytes, per_token * bs,
+    budget = _Budget(cfg, engine, dtype, sum(weights.values()) + scratch, conv_bytes + ssm_bytes, per_token * bs,
                      need_blocks, on_gpu, device_memory_bytes, activation_bytes, overhead_bytes)
     checkpoint_slots = budget.checkpoint_slots
     notes: list[str] = []
@@ -293,6 +295,7 @@ def plan(cfg: ModelConfig, engine: EngineConfig, *, device_memory_bytes: int | N
         conv_state_dtype=dtype, ssm_state_dtype=ssm_dtype,
         weight_format=None if weight_format is None else weight_format.description,
         num_parameters=sum(count_parameters(cfg).values()), weight_bytes_by_format=weights,
+        quant_scratch_bytes=scratch,
         activation_bytes=activation, activation_measured=on_gpu and activation_bytes is not None,
         cuda_graph_bytes=graphs, num_cuda_graphs=cuda_graph_count(num_seqs, engine.performance_mode) if graphs else 0,
         overhead_bytes=overhead, overhead_measured=on_gpu and overhead_bytes is not None,

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from deltaserve.cache.footprint import count_parameters, projection_shapes, weight_bytes
+from deltaserve.cache.footprint import count_parameters, projection_shapes, quant_scratch_bytes, weight_bytes
 from deltaserve.cache.plan_cli import GPUS, main
 from deltaserve.cache.planner import plan
 from deltaserve.config import EngineConfig, ModelConfig
@@ -20,6 +20,7 @@ from deltaserve.layers.quant import detect_weight_format
 from deltaserve.layers.quant.weight import held_quantized_weights
 from deltaserve.model.loader import load_model
 from deltaserve.model_configs import CONFIGS_DIR
+from deltaserve.ops.quant_gemm.reference import Fp8BlockWeight
 from tests.model.quant_checkpoints import PUBLISHED, QUANT_SHAPES
 
 USERS_FLAGS = ["--max-num-seqs", "128", "--max-model-len", "200000", "--kv-cache-dtype", "fp8",
@@ -165,3 +166,33 @@ def test_offline_bench_limits_count_quantized_weights(tmp_path):
     embedding = 4 * TINY_CONFIGS["qwen3_5_moe"]["vocab_size"] * QUANT_SHAPES["hidden_size"]  # float32 on the CPU
     assert quantized.weight_bytes == plan.weight_bytes - embedding < bf16.weight_bytes
     assert quantized.matmul_params == bf16.matmul_params
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_planned_quant_scratch_is_what_warm_up_reserves(arch, family, tmp_path):
+    """The scratch counted from the shapes is what ops.quant_gemm.warm_up reserves on the GPU for the loaded
+    model: its largest int4 / NVFP4 prepared matrix (the joined ones) in the model dtype; none for FP8."""
+    cfg, fmt = tiny_quantized(tmp_path, arch, family)
+    model = load_model(None, cfg, torch.float32, "cpu", load_format="dummy", weight_format=fmt)
+    weight_only = [w.shape[0] * w.shape[1] for w in held_quantized_weights(model)
+                   if not isinstance(w.prepared, Fp8BlockWeight)]
+    assert bool(weight_only) == ("fp8" not in family)
+    assert quant_scratch_bytes(cfg, "bfloat16", fmt) == 2 * max(weight_only, default=0)
+
+
+@pytest.mark.parametrize("name, scratch", [("qwen3.5-27b-nvfp4", 2 * 17408 * 5120 * 2),
+                                           ("qwen3.5-27b-awq", 2 * 17408 * 5120 * 2), ("qwen3.5-27b-fp8", 0)])
+def test_plan_counts_the_quant_scratch_on_the_gpu(name, scratch, capsys):
+    """27B's largest weight-only matrix is the joined MLP gate/up [2 x 17408, 5120]: a bf16 copy of it (~357 MB)
+    is a line of the plan and part of its fixed costs on the GPU; the CPU engine reserves none."""
+    cfg, fmt = ModelConfig.from_pretrained(shared(name)), detect_weight_format(shared(name))
+    engine = EngineConfig(max_num_seqs=8, max_model_len=4096)
+    gpu = plan(cfg, engine, device_memory_bytes=GPUS["h200"].memory_bytes, weight_format=fmt)
+    assert gpu.quant_scratch_bytes == scratch
+    assert gpu.fixed_bytes == gpu.weight_bytes + scratch + gpu.activation_bytes + gpu.cuda_graph_bytes \
+        + gpu.overhead_bytes
+    assert plan(cfg, engine, on_gpu=False, weight_format=fmt).quant_scratch_bytes == 0
+    assert main([str(shared(name)), "--gpu", "H200", "--max-model-len", "4096"]) == 0
+    line = re.search(r"quant GEMM scratch\s+([\d,]+)", capsys.readouterr().out)
+    assert (int(line[1].replace(",", "")) if line else 0) == scratch

@@ -40,6 +40,8 @@ class Int4Scheme(Scheme):
     """int4 weights in groups of `group_size` columns, with zero points unless symmetric; act_order: the
     checkpoint stores each column's group (weight_g_idx)."""
 
+    uses_scratch = True
+
     def __init__(self, group_size: int, symmetric: bool, act_order: bool = False):
         self.group_size, self.symmetric, self.act_order = group_size, symmetric, act_order
         self.tensors = ("weight_packed", "weight_scale", "weight_shape") + (() if symmetric else ("weight_zero_point",))

@@ -29,6 +29,7 @@ _E2M1_RMS = 2.93  # root mean square of the 16 e2m1 values (0, 0.5, ..., 6 and t
 
 class Nvfp4Scheme(Scheme):
     tensors = ("weight", "weight_scale", "weight_scale_2")
+    uses_scratch = True
     optional = ("input_scale",)
 
     def load(self, prefix, tensors, shape):

@@ -62,6 +62,8 @@ class Scheme:
     # True where the checkpoint's tensors are larger than the prepared weight (online quantization of bf16):
     # they wait in host memory until `prepare`, instead of on the device
     stage_on_host = False
+    # True where prefill dequantizes the matrix into ops/quant_gemm/cuda_weight_only's scratch buffer for cuBLAS
+    uses_scratch = False
 
     def load(self, prefix: str, tensors: dict[str, torch.Tensor], shape: tuple[int, int]) -> dict[str, torch.Tensor]:
         """Check one projection's checkpoint tensors (named `prefix.<suffix>` in errors) for a [N, K] = shape
