@@ -56,7 +56,7 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at the first schedule
         self.block_ids: list[int] = []
         self.state_slot: int | None = None
-        # Prefix caching (cache/kv_manager.py); untouched when it is off.
+        # Prefix caching (cache/cache_manager.py); untouched when it is off.
         self.block_hashes: list[bytes] = []  # chain hash of each full block of all_token_ids
         self.num_indexed_blocks = 0  # block_ids[:n] are in the prefix index (or duplicate an indexed block)
         self.checkpoint_targets: list[int] = []  # prefill lengths where a state checkpoint is to be saved

@@ -394,7 +394,7 @@ class LLMEngine:
                 stop_reason=child.stop_reason,
             ))
         children = parent.children
-        if len(children) == 1:  # the common case, without generator expressions (~1 us a request a step)
+        if len(children) == 1:  # the common case, without generator expressions (run per request per step)
             finished, cached = children[0].finish_reason is not None, children[0].request.num_cached_tokens
         else:
             finished = all(c.finish_reason is not None for c in children)

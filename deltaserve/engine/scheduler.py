@@ -15,7 +15,7 @@ With prefix caching on, a waiting request starts at its prefix hit (cached KV bl
 checkpoint, copied into its working slot before the forward: `state_restores`), and prefill chunks are cut
 where a checkpoint belongs, so that the runner can copy the state out after the forward (`state_saves`),
 except where the checkpoint is within a block of the chunk's end (every prompt's end): the row then carries
-`mid_save` and the GDN layers copy the state out inside the step. See cache/kv_manager.py for where
+`mid_save` and the GDN layers copy the state out inside the step. See cache/cache_manager.py for where
 checkpoints go.
 """
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 
-from deltaserve.cache.kv_manager import CacheManager
+from deltaserve.cache.cache_manager import CacheManager
 from deltaserve.request import Request, RequestStatus
 from deltaserve.sched_output import ModelOutput, ScheduledSequence, SchedulerOutput
 
@@ -193,7 +193,7 @@ class Scheduler:
             generator=request.generator,
             prompt_token_ids=request.prompt_token_ids,
             # read by the sampler for penalties and min_tokens only: a copy of a long output for every row of every
-            # step would cost O(length) a step (~40 us at 16K tokens, on the host)
+            # step would cost O(length) host time a step
             output_token_ids=request.output_token_ids if _samples_from_history(request) else [],
             eos_token_ids=request.eos_token_ids,
             grammar=request.grammar,

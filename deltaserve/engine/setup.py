@@ -16,7 +16,7 @@ import torch
 
 from deltaserve.cache.block_pool import BlockPool
 from deltaserve.cache.footprint import kv_cache_dtype, model_dtype, ssm_cache_dtype
-from deltaserve.cache.kv_manager import CacheManager
+from deltaserve.cache.cache_manager import CacheManager
 from deltaserve.cache.plan_cli import describe_plan
 from deltaserve.cache.planner import MemoryPlan, plan
 from deltaserve.cache.prefix_cache import PrefixCache

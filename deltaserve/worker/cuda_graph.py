@@ -112,7 +112,7 @@ def _fla_chunk_indices(size: int, device) -> torch.Tensor | None:
     return torch.from_numpy(fla_chunk_indices(np.asarray([0, size]))).to(device)
 
 
-class DecodeGraphs:
+class StepGraphs:
     def __init__(self, model: HybridForCausalLM, max_num_seqs: int, block_table_width: int, device,
                  use_graphs: bool = True, performance_mode: str = "balanced", block_size: int = 16):
         self.model = model

@@ -28,7 +28,7 @@ from deltaserve.ops.linear import warm_up_skinny
 from deltaserve.sampling import PendingSample, Sampler
 from deltaserve.sched_output import ModelOutput, ScheduledSequence, SchedulerOutput
 from deltaserve.structured import bitmask as grammar_bitmask
-from deltaserve.worker.cuda_graph import DecodeGraphs
+from deltaserve.worker.cuda_graph import StepGraphs
 from deltaserve.worker.kv_cache import CacheShape, bind_caches
 from deltaserve.worker.state_copy import restore_checkpoints, save_checkpoints
 
@@ -65,7 +65,7 @@ class ModelRunner:
         self._bitmask_copied: torch.cuda.Event | None = None  # its last copy to the device
         # the last launched step's samples: request id -> row, and the [S] token ids on the device
         self._last_samples: tuple[dict[str, int], torch.Tensor] = ({}, torch.empty(0, dtype=torch.int64))
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: StepGraphs | None = None
         if device.type == "cuda":
             from deltaserve.ops import pdl  # GPU only (Triton)
 
@@ -77,7 +77,7 @@ class ModelRunner:
                                "on the host")
                 use_graphs = False
             # the graphs' block table is wide enough for the longest sequence; eager steps use their own width
-            self.graphs = DecodeGraphs(model, max_num_seqs, -(-max_model_len // self.block_size), device,
+            self.graphs = StepGraphs(model, max_num_seqs, -(-max_model_len // self.block_size), device,
                                        use_graphs=use_graphs, performance_mode=performance_mode,
                                        block_size=self.block_size)
             # the quantized GEMMs' variants at every row class, compiled before capture (ops.quant_gemm.warm_up)
