@@ -6,8 +6,6 @@ import enum
 import itertools
 import time
 
-import torch
-
 from deltaserve.sampling import SamplingParams
 
 _SERIALS = itertools.count()  # Request.serial
@@ -64,8 +62,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
-        # per-request generator: seeded sampling is reproducible whatever else shares the batch
-        self.generator: torch.Generator | None = None
+        # the seed of this sequence's own generator (the runner holds it): seeded sampling is reproducible
+        # whatever else shares the batch; None samples from the global RNG
+        self.seed: int | None = None
         # structured output: the sequence's structured.matcher.GrammarState (opaque here: the scheduler only
         # hands it to the step's rows; the engine advances it with each resolved token)
         self.grammar = None

@@ -31,7 +31,7 @@ from deltaserve.engine.scheduler import Scheduler
 from deltaserve.engine.setup import EngineSetup
 from deltaserve.outputs import CompletionOutput, Logprob, RequestOutput
 from deltaserve.request import Request, RequestStatus
-from deltaserve.sampling import RequestOutputKind, SamplingParams, make_generator
+from deltaserve.sampling import RequestOutputKind, SamplingParams
 from deltaserve.sched_output import SchedulerOutput
 from deltaserve.structured.compiler import GrammarCompiler
 from deltaserve.structured.matcher import GrammarState, fill_bitmask
@@ -200,7 +200,7 @@ class LLMEngine:
             request = Request(child_id, ids, params, max(1, max_tokens), self.eos_token_ids, arrival_time,
                               request_id if group is None else group)
             if params.seed is not None:  # children of one seeded request draw different samples
-                request.generator = make_generator(params.seed + i, self.runner.device)
+                request.seed = params.seed + i
             if constraint is not None:
                 request.grammar = GrammarState(constraint)
             detok = None

@@ -42,6 +42,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self._finished_ids: list[str] = []  # finished since the last launched step (SchedulerOutput)
 
     # -- requests in and out -------------------------------------------------------------------------------
 
@@ -82,6 +83,7 @@ class Scheduler:
             self.waiting.remove(request)
         self.cache.free(request)
         self.requests.pop(request.request_id, None)
+        self._finished_ids.append(request.request_id)
 
     def _preempt(self, request: Request) -> None:
         """Free the request's cache and put it back at the head of the queue, to be recomputed."""
@@ -150,7 +152,10 @@ class Scheduler:
         for (request, num_new), row in zip(chosen, rows):
             request.num_computed_tokens += num_new
             request.num_pending_tokens += row.sample
-        return SchedulerOutput(rows, restores, saves)
+        finished = []
+        if rows:  # an empty step is not launched: its finished ids wait for the next one
+            finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(rows, restores, saves, finished)
 
     def _next_waiting(self, running_per_group: Counter) -> int:
         """Position in `waiting` of the request to admit next: the first one of the group with the fewest sequences
@@ -190,7 +195,7 @@ class Scheduler:
             mid_save=mid_save,
             sample=start + num_new == request.num_tokens,
             params=request.params,
-            generator=request.generator,
+            seed=request.seed,
             prompt_token_ids=request.prompt_token_ids,
             # read by the sampler for penalties and min_tokens only: a copy of a long output for every row of every
             # step would cost O(length) host time a step

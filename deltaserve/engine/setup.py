@@ -27,7 +27,8 @@ from deltaserve.layers.quant import detect_weight_format
 from deltaserve.model.loader import load_model
 from deltaserve.model.qwen3_5 import HybridForCausalLM
 from deltaserve.model_configs import is_shipped_config, resolve_model
-from deltaserve.sampling import Sampler, SamplingParams
+from deltaserve.sampling import SamplingParams
+from deltaserve.worker.sampler import Sampler
 from deltaserve.worker.kv_cache import TORCH_DTYPES, CacheShape, bind_caches, release_caches
 from deltaserve.worker.model_runner import ModelRunner
 

@@ -25,7 +25,7 @@ from deltaserve.layers.mlp import SparseMoE
 from deltaserve.model.qwen3_5 import HybridForCausalLM
 from deltaserve.ops import quant_gemm
 from deltaserve.ops.linear import warm_up_skinny
-from deltaserve.sampling import PendingSample, Sampler
+from deltaserve.worker.sampler import PendingSample, Sampler, make_generator
 from deltaserve.sched_output import ModelOutput, ScheduledSequence, SchedulerOutput
 from deltaserve.structured import bitmask as grammar_bitmask
 from deltaserve.worker.cuda_graph import StepGraphs
@@ -61,6 +61,9 @@ class ModelRunner:
         self.block_size = cache_shape.block_size
         bind_caches(model, cache_shape, device)
         self.sampler = Sampler()
+        # request id -> (its Request.serial, its seeded generator): made at the request's first seeded sample,
+        # dropped when it finishes (SchedulerOutput.finished_request_ids)
+        self._generators: dict[str, tuple[int, torch.Generator]] = {}
         self._bitmask: torch.Tensor | None = None  # host buffer for a step's grammar masks (grammar_bitmask)
         self._bitmask_copied: torch.cuda.Event | None = None  # its last copy to the device
         # the last launched step's samples: request id -> row, and the [S] token ids on the device
@@ -148,6 +151,8 @@ class ModelRunner:
     def launch(self, scheduled: SchedulerOutput, defer_sample: bool = False) -> LaunchedStep:
         """Queue one step's forward pass and sampling on the device; `collect` waits for its samples. With
         `defer_sample` only the forward: `sample` queues the sampling."""
+        for request_id in scheduled.finished_request_ids:
+            self._generators.pop(request_id, None)
         rows = scheduled.sequences
         single = self._single_graph_serves(rows)
         input_ids, batch = self._prepare(scheduled, mid_saves=not single)
@@ -198,13 +203,23 @@ class ModelRunner:
         step.sample = self.sampler.sample(
             logits,
             params=[r.params for r in chosen],
-            generators=[r.generator for r in chosen],
+            generators=[self._generator(r) for r in chosen],
             prompt_token_ids=[r.prompt_token_ids for r in chosen],
             output_token_ids=[r.output_token_ids for r in chosen],
             eos_token_ids=[r.eos_token_ids for r in chosen],
             grammar_mask=mask,
         )
         self._last_samples = ({rid: i for i, rid in enumerate(step.request_ids)}, step.sample.token_ids)
+
+    def _generator(self, row: ScheduledSequence) -> torch.Generator | None:
+        """The row's request's own generator (None without a seed), made at its first sample; a new request
+        reusing a finished one's id (another serial) gets a fresh one."""
+        if row.seed is None:
+            return None
+        held = self._generators.get(row.request_id)
+        if held is None or held[0] != row.serial:
+            held = self._generators[row.request_id] = (row.serial, make_generator(row.seed, self.device))
+        return held[1]
 
     @staticmethod
     def collect(step: LaunchedStep) -> ModelOutput:
