@@ -27,7 +27,7 @@ import logging
 import numpy as np
 import torch
 
-from deltaserve.cache.footprint import PADDED_CHUNK_MIN_ROWS, chunk_graph_sizes, graph_capture_sizes
+from deltaserve.graph_sizes import PADDED_CHUNK_MIN_ROWS, chunk_graph_sizes, graph_capture_sizes
 from deltaserve.layers.batch import ForwardBatch, PaddedChunk
 from deltaserve.model.qwen3_5 import HybridForCausalLM
 

@@ -18,16 +18,15 @@ from dataclasses import dataclass
 
 import torch
 
-from deltaserve.cache.footprint import PADDED_CHUNK_MIN_ROWS, PADDED_GRAPH_MAX_PAIRS
+from deltaserve.graph_sizes import PADDED_CHUNK_MIN_ROWS, PADDED_GRAPH_MAX_PAIRS
 from deltaserve.device import to_device
 from deltaserve.layers.batch import ForwardBatch
 from deltaserve.layers.mlp import SparseMoE
 from deltaserve.model.qwen3_5 import HybridForCausalLM
-from deltaserve.ops import quant_gemm
-from deltaserve.ops.linear import warm_up_skinny
 from deltaserve.worker.sampler import PendingSample, Sampler, make_generator
 from deltaserve.sched_output import ModelOutput, ScheduledSequence, SchedulerOutput
 from deltaserve.structured import bitmask as grammar_bitmask
+from deltaserve.worker import warm_up
 from deltaserve.worker.cuda_graph import StepGraphs
 from deltaserve.worker.kv_cache import CacheShape, bind_caches
 from deltaserve.worker.state_copy import restore_checkpoints, save_checkpoints
@@ -83,23 +82,9 @@ class ModelRunner:
             self.graphs = StepGraphs(model, max_num_seqs, -(-max_model_len // self.block_size), device,
                                        use_graphs=use_graphs, performance_mode=performance_mode,
                                        block_size=self.block_size)
-            # the quantized GEMMs' variants at every row class, compiled before capture (ops.quant_gemm.warm_up)
-            quant_gemm.warm_up([w.prepared for w in model.quantized_weights()], model.model.embed_tokens.weight.dtype)
+            warm_up.before_capture(model)
             self.graphs.capture()
-            # kernel variants that steps outside the graphs may launch, compiled now rather than while serving
-            warm_up_skinny(model.projection_weights())
-            if model.gdn_layers:  # every GDN layer launches the same variants
-                model.gdn_layers[0].warm_up_output_norm(max_num_batched_tokens)
-            from deltaserve.ops.attention.cuda_sdpa import warm_up_cudnn_attention  # GPU only
-
-            attention = model.attention_layers[0]  # every attention layer launches the same variants
-            attention.warm_up_one_split_decode()
-            grammar_bitmask.warm_up(model.config.vocab_size, device)  # structured output's mask kernel
-            try:
-                warm_up_cudnn_attention(attention.num_heads, attention.num_kv_heads, attention.head_dim,
-                                        attention.q_norm.weight.dtype, device, max_num_batched_tokens)
-            except Exception:  # a speed-up only: the first requests pay for it instead, never a failed start
-                logger.exception("warming up cuDNN attention failed; continuing")
+            warm_up.after_capture(model, device, max_num_batched_tokens)
 
     def _prepare(self, scheduled: SchedulerOutput, mid_saves: bool = True) -> tuple[torch.Tensor, ForwardBatch]:
         """The step's input ids and batch; mid_saves False leaves out its checkpoints inside the step (a

@@ -5,7 +5,7 @@ graphs (tests/gpu/test_engine_gpu.py replays them)."""
 import pytest
 import torch
 
-from deltaserve.cache import footprint
+from deltaserve import graph_sizes
 from deltaserve.config import ModelConfig
 from deltaserve.layers.batch import ForwardBatch
 from deltaserve.model.loader import load_model
@@ -46,14 +46,14 @@ def assert_caches_match(caches, expected_caches):
 def test_chunk_graphs_are_on_unless_turned_off(monkeypatch):
     monkeypatch.delenv("DELTASERVE_CHUNK_GRAPHS", raising=False)
     all_sizes = [16, 32, 64, 128, 256, 512, 1024]
-    assert footprint.chunk_graph_sizes() == all_sizes and footprint.cuda_graph_count(256) == 35 + 7
+    assert graph_sizes.chunk_graph_sizes() == all_sizes and graph_sizes.cuda_graph_count(256) == 35 + 7
     monkeypatch.setenv("DELTASERVE_CHUNK_GRAPHS", "0")
-    assert footprint.chunk_graph_sizes() == [] and footprint.cuda_graph_count(256) == 35
+    assert graph_sizes.chunk_graph_sizes() == [] and graph_sizes.cuda_graph_count(256) == 35
     monkeypatch.setenv("DELTASERVE_CHUNK_GRAPHS", "1")
-    assert footprint.chunk_graph_sizes() == all_sizes
+    assert graph_sizes.chunk_graph_sizes() == all_sizes
     monkeypatch.setenv("DELTASERVE_CHUNK_GRAPHS", "yes")
     with pytest.raises(ValueError, match="DELTASERVE_CHUNK_GRAPHS must be 0 or 1, got 'yes'"):
-        footprint.chunk_graph_sizes()
+        graph_sizes.chunk_graph_sizes()
 
 
 # (tokens cached before, chunk length, checkpoint offset inside the step or None): padded to 16-128 rows (a fresh
@@ -73,7 +73,7 @@ def test_single_chunk_padded_step_computes_what_the_plain_step_does(ckpt_qwen3_5
     assert graphs.chunk_sizes == [16, 32, 64, 128, 256, 512, 1024] and graphs.single_size(1) is None
     saves = [(0, save_at, 3)] if save_at is not None else []
     if saves:
-        assert graphs.single_size(chunk_len, saves_inside=True) >= footprint.PADDED_CHUNK_MIN_ROWS
+        assert graphs.single_size(chunk_len, saves_inside=True) >= graph_sizes.PADDED_CHUNK_MIN_ROWS
     gen = torch.Generator().manual_seed(cached + chunk_len)
     blocks = [list(range(1, 2 + (cached + chunk_len) // block_size))]
     with torch.no_grad():
