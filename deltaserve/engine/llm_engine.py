@@ -98,6 +98,7 @@ class LLMEngine:
         self.tokenizer = setup.tokenizer
         self.max_model_len = setup.max_model_len
         self.memory_plan = setup.memory_plan  # the memory budget the caches were sized from
+        self.resolved = setup.resolved  # dtypes, clamped sizes and graph sizes, resolved with the plan
         self.model_path = setup.model_path  # the checkpoint directory (the demo model's when none was given)
         self.runner = setup.runner
         self.cache_manager = setup.cache_manager

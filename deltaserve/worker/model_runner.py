@@ -23,6 +23,7 @@ from deltaserve.device import to_device
 from deltaserve.layers.batch import ForwardBatch
 from deltaserve.layers.mlp import SparseMoE
 from deltaserve.model.qwen3_5 import HybridForCausalLM
+from deltaserve.resolved_config import ResolvedConfig
 from deltaserve.worker.sampler import PendingSample, Sampler, make_generator
 from deltaserve.sched_output import ModelOutput, ScheduledSequence, SchedulerOutput
 from deltaserve.structured import bitmask as grammar_bitmask
@@ -53,8 +54,7 @@ class LaunchedStep:
 
 class ModelRunner:
     def __init__(self, model: HybridForCausalLM, cache_shape: CacheShape, device: torch.device,
-                 max_num_seqs: int = 256, max_model_len: int = 4096, enforce_eager: bool = True,
-                 max_num_batched_tokens: int = 8192, performance_mode: str = "balanced"):
+                 resolved: ResolvedConfig):
         self.model = model
         self.device = device
         self.block_size = cache_shape.block_size
@@ -73,18 +73,18 @@ class ModelRunner:
 
             logger.info("programmatic dependent launch of our kernels: %s", "on" if pdl.verify(device) else
                         f"off ({pdl.ENV_VAR}=0, a GPU before compute capability 9.0, or a failed check)")
-            use_graphs = not enforce_eager
+            use_graphs = resolved.use_cuda_graphs
             if use_graphs and not graphs_supported(model):
                 logger.warning("CUDA graphs are off: torch's grouped matmul for non-bfloat16 MoE experts loops "
                                "on the host")
                 use_graphs = False
             # the graphs' block table is wide enough for the longest sequence; eager steps use their own width
-            self.graphs = StepGraphs(model, max_num_seqs, -(-max_model_len // self.block_size), device,
-                                       use_graphs=use_graphs, performance_mode=performance_mode,
-                                       block_size=self.block_size)
+            self.graphs = StepGraphs(model, resolved.decode_graph_sizes, resolved.chunk_graph_sizes,
+                                     -(-resolved.max_model_len // self.block_size), device,
+                                     use_graphs=use_graphs, block_size=self.block_size)
             warm_up.before_capture(model)
             self.graphs.capture()
-            warm_up.after_capture(model, device, max_num_batched_tokens)
+            warm_up.after_capture(model, device, resolved.max_num_batched_tokens)
 
     def _prepare(self, scheduled: SchedulerOutput, mid_saves: bool = True) -> tuple[torch.Tensor, ForwardBatch]:
         """The step's input ids and batch; mid_saves False leaves out its checkpoints inside the step (a

@@ -24,8 +24,8 @@ def padded_runner(checkpoint, max_num_seqs: int, slots: int):
     model = load_model(checkpoint, cfg, torch.float32, "cpu")
     bind_caches(model, CacheShape(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, num_state_slots=slots,
                                   kv_dtype=torch.float32, ssm_dtype=torch.float32), "cpu")
-    graphs = StepGraphs(model, max_num_seqs=max_num_seqs, block_table_width=TABLE_WIDTH, device="cpu",
-                          use_graphs=False, block_size=BLOCK_SIZE)
+    graphs = StepGraphs(model, graph_sizes.graph_capture_sizes(max_num_seqs), graph_sizes.chunk_graph_sizes(),
+                        block_table_width=TABLE_WIDTH, device="cpu", use_graphs=False, block_size=BLOCK_SIZE)
     return cfg, model, graphs
 
 
@@ -108,7 +108,8 @@ def test_padded_graphs_hold_a_block(ckpt_qwen3_5, monkeypatch):
     monkeypatch.setenv("DELTASERVE_CHUNK_GRAPHS", "1")
     cfg = ModelConfig.from_pretrained(ckpt_qwen3_5)
     model = load_model(ckpt_qwen3_5, cfg, torch.float32, "cpu")
-    graphs = StepGraphs(model, max_num_seqs=4, block_table_width=4, device="cpu", use_graphs=False, block_size=512)
+    graphs = StepGraphs(model, graph_sizes.graph_capture_sizes(4), graph_sizes.chunk_graph_sizes(), block_table_width=4,
+                        device="cpu", use_graphs=False, block_size=512)
     assert graphs.chunk_sizes == [16, 32, 64, 128, 512, 1024] and sorted(graphs.padded.plans) == [512, 1024]
     assert graphs.single_size(200) == 512 and graphs.single_size(20, saves_inside=True) == 512
 
@@ -133,8 +134,9 @@ def test_engine_routes_single_short_chunks_to_the_chunk_graphs(ckpt_qwen3_5, mon
     padded = LLM(ckpt_qwen3_5, block_size=4, max_num_seqs=4)
     plain = LLM(ckpt_qwen3_5, block_size=4, max_num_seqs=4)
     runner = padded.engine.runner
-    runner.graphs = StepGraphs(runner.model, max_num_seqs=4, block_table_width=-(-padded.engine.max_model_len // 4),
-                                 device="cpu", use_graphs=False, block_size=4)
+    runner.graphs = StepGraphs(runner.model, graph_sizes.graph_capture_sizes(4), graph_sizes.chunk_graph_sizes(),
+                               block_table_width=-(-padded.engine.max_model_len // 4), device="cpu", use_graphs=False,
+                               block_size=4)
     calls, run_single = [], runner.graphs.run_single
     monkeypatch.setattr(runner.graphs, "run_single", lambda batch, ids, mid_save: calls.append(ids.shape[0]) or
                         run_single(batch, ids, mid_save))
