@@ -1,5 +1,5 @@
 """ResolvedConfig: what start-up decides once from the flags, the model's config, the device, the memory plan and
-the environment, each in one form. engine/setup.py builds it beside the MemoryPlan (cache/planner.py); the
+the environment, each in one form. worker/setup.py builds it beside the MemoryPlan (cache/planner.py); the
 engine and the runner read those two instead of deriving the figures again. No torch: dtypes are names here,
 worker/kv_cache.TORCH_DTYPES maps them.
 """

@@ -28,7 +28,7 @@ import torch
 from deltaserve.config import EngineConfig, ModelConfig
 from deltaserve.engine.detokenize import IncrementalDetokenizer
 from deltaserve.engine.scheduler import Scheduler
-from deltaserve.engine.setup import EngineSetup
+from deltaserve.worker.setup import EngineSetup
 from deltaserve.outputs import CompletionOutput, Logprob, RequestOutput
 from deltaserve.request import Request, RequestStatus
 from deltaserve.sampling import RequestOutputKind, SamplingParams

@@ -290,7 +290,7 @@ def test_engine_startup_uses_the_plan(make_checkpoint):
 
 def test_profile_step_runs_the_largest_step_with_scratch_caches(make_checkpoint):
     """The GPU measures activations around this step; on the CPU it must run just the same."""
-    from deltaserve.engine.setup import EngineSetup
+    from deltaserve.worker.setup import EngineSetup
 
     path = str(make_checkpoint("qwen3_5"))
     setup = EngineSetup(EngineConfig(model=path, max_num_seqs=2, enable_prefix_caching=False))
