@@ -14,7 +14,8 @@ from deltaserve.structured.params import StructuredOutputsParams
 
 _GREEDY_TEMPERATURE = 1e-5  # below this a temperature is treated as 0, i.e. greedy (as vLLM does)
 _MAX_LOGPROBS = 20  # the OpenAI API's limit on top logprobs
-# Seeds are int64, as in vLLM's API; each maps to its own torch seed (worker/sampler.make_generator), none is folded onto another
+# Seeds are int64, as in vLLM's API; each maps to its own torch seed (worker/sampler.make_generator), none is
+# folded onto another
 _SEED_RANGE = (-2**63, 2**63)
 
 
