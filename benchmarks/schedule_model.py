@@ -4,7 +4,7 @@ scheduling policies weighed without a GPU.
     python -m benchmarks.schedule_model [--concurrency 64] [--prompts 256] [--input-len 1024]
         [--output-len 512] [--max-num-batched-tokens 8192] [--staggered-chunk-tokens 0] [--chunk-us 70] ...
 
-The scheduler (engine/scheduler.py, with the prefix cache's chunk cuts of cache/kv_manager.py) picks each step's
+The scheduler (engine/scheduler.py, with the prefix cache's chunk cuts of cache/cache_manager.py) picks each step's
 rows; every sampled token is 1 (ignore_eos), and a client sends its next prompt when its request finishes. A step
 costs, by kind (defaults measured on an H200 with Qwen3.5-27B, docs/performance.md, seventh to ninth sessions):
 
@@ -32,7 +32,7 @@ import random
 from dataclasses import dataclass, field
 
 from deltaserve.cache.block_pool import BlockPool
-from deltaserve.cache.kv_manager import CacheManager
+from deltaserve.cache.cache_manager import CacheManager
 from deltaserve.cache.prefix_cache import PrefixCache
 from deltaserve.cache.state_pool import StatePool
 from deltaserve.engine.scheduler import Scheduler

@@ -1,8 +1,11 @@
-"""deltaserve: a serving engine for hybrid linear-attention LLMs (Qwen3.5, Qwen3-Next)."""
+"""deltaserve: a serving engine for hybrid linear-attention LLMs (Qwen3.5, Qwen3-Next).
 
+Imports are lazy (module __getattr__): `import deltaserve.cache.block_pool` or the scheduler pulls in no torch,
+and `from deltaserve import LLM` loads the engine only when asked for.
+"""
+
+from importlib import import_module
 from importlib.metadata import PackageNotFoundError, version
-
-from deltaserve.sampling import RequestOutputKind, SamplingParams
 
 try:  # pyproject.toml holds the version; the installed package's metadata carries it here
     __version__ = version("deltaserve")
@@ -10,10 +13,10 @@ except PackageNotFoundError:  # imported from a source tree that was never insta
     __version__ = "0+unknown"
 __all__ = ["LLM", "RequestOutputKind", "SamplingParams", "__version__"]
 
+_LAZY = {"LLM": "deltaserve.llm", "RequestOutputKind": "deltaserve.sampling", "SamplingParams": "deltaserve.sampling"}
+
 
 def __getattr__(name):
-    # LLM pulls in the whole engine; import it only when asked for
-    if name == "LLM":
-        from deltaserve.llm import LLM
-        return LLM
-    raise AttributeError(name)
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'deltaserve' has no attribute {name!r}")

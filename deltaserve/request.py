@@ -6,8 +6,6 @@ import enum
 import itertools
 import time
 
-import torch
-
 from deltaserve.sampling import SamplingParams
 
 _SERIALS = itertools.count()  # Request.serial
@@ -56,7 +54,7 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at the first schedule
         self.block_ids: list[int] = []
         self.state_slot: int | None = None
-        # Prefix caching (cache/kv_manager.py); untouched when it is off.
+        # Prefix caching (cache/cache_manager.py); untouched when it is off.
         self.block_hashes: list[bytes] = []  # chain hash of each full block of all_token_ids
         self.num_indexed_blocks = 0  # block_ids[:n] are in the prefix index (or duplicate an indexed block)
         self.checkpoint_targets: list[int] = []  # prefill lengths where a state checkpoint is to be saved
@@ -64,8 +62,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
-        # per-request generator: seeded sampling is reproducible whatever else shares the batch
-        self.generator: torch.Generator | None = None
+        # the seed of this sequence's own generator (the runner holds it): seeded sampling is reproducible
+        # whatever else shares the batch; None samples from the global RNG
+        self.seed: int | None = None
         # structured output: the sequence's structured.matcher.GrammarState (opaque here: the scheduler only
         # hands it to the step's rows; the engine advances it with each resolved token)
         self.grammar = None

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from deltaserve.sampling import SamplingParams
 
 
@@ -28,7 +26,7 @@ class ScheduledSequence:
     mid_save: tuple[int, int] | None
     sample: bool  # this chunk reaches the end of the known tokens: sample the next one
     params: SamplingParams
-    generator: torch.Generator | None
+    seed: int | None  # the request's sampling seed (Request.seed): the runner keeps its generator
     prompt_token_ids: list[int]  # for the repetition penalty (shared lists: read, never written)
     output_token_ids: list[int]  # for the penalties and min_tokens; [] for a request that uses neither
     eos_token_ids: set[int]
@@ -41,6 +39,8 @@ class SchedulerOutput:
     # GDN state slot copies (src, dst), applied to every GDN layer's conv and recurrent pools:
     state_restores: list[tuple[int, int]] = field(default_factory=list)  # checkpoint -> working, BEFORE the forward
     state_saves: list[tuple[int, int]] = field(default_factory=list)  # working -> new checkpoint, AFTER the forward
+    # requests finished or aborted since the previous launched step: the runner drops their generators
+    finished_request_ids: list[str] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -19,7 +19,7 @@ last full block, and those sit in blocks of its own.
 
 The index also counts, per chain hash, the indexed prompt blocks (blocks of a request's prompt tokens only) that
 continue it: a prompt whose cached chain ends where another prompt's block goes on with other tokens has found a
-branch point (cache/kv_manager.py checkpoints it).
+branch point (cache/cache_manager.py checkpoints it).
 """
 
 from collections import OrderedDict, deque

@@ -3,7 +3,7 @@ prompt blocks (indexed in the BlockPool only once computed) and the keys of the 
 
 Requests that arrive together compute their shared prefix side by side, so none of them finds the others'
 blocks in the cache. With this index a prompt finds where it branches off a prompt being computed beside it, as
-it finds where it branches off cached blocks (cache/kv_manager.py), and leaves a checkpoint to the live request
+it finds where it branches off cached blocks (cache/cache_manager.py), and leaves a checkpoint to the live request
 that is to save it already: a burst of prompts on one prefix cuts one chunk at the branch point, not one each.
 """
 

@@ -31,11 +31,11 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from deltaserve.cache.footprint import (DTYPE_BYTES, count_parameters, cuda_graph_count,
-                                        estimate_activation_bytes, estimate_cuda_graph_bytes, kv_bytes_per_token,
-                                        kv_cache_dtype, model_dtype, quant_scratch_bytes, ssm_cache_dtype,
-                                        state_bytes_per_slot, weight_bytes)
+from deltaserve.cache.footprint import (DTYPE_BYTES, count_parameters, estimate_activation_bytes,
+                                        estimate_cuda_graph_bytes, kv_bytes_per_token, kv_cache_dtype, model_dtype,
+                                        quant_scratch_bytes, ssm_cache_dtype, state_bytes_per_slot, weight_bytes)
 from deltaserve.config import ConfigError, EngineConfig, ModelConfig
+from deltaserve.graph_sizes import cuda_graph_count
 
 CPU_CACHE_BYTES = 1 << 30  # cache memory on the CPU when no flag sizes it
 RUNTIME_OVERHEAD_ESTIMATE = 1 << 30  # CUDA context and library workspaces, until the GPU measures them

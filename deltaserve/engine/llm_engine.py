@@ -28,13 +28,14 @@ import torch
 from deltaserve.config import EngineConfig, ModelConfig
 from deltaserve.engine.detokenize import IncrementalDetokenizer
 from deltaserve.engine.scheduler import Scheduler
-from deltaserve.engine.setup import EngineSetup
+from deltaserve.worker.setup import EngineSetup
 from deltaserve.outputs import CompletionOutput, Logprob, RequestOutput
 from deltaserve.request import Request, RequestStatus
-from deltaserve.sampling import RequestOutputKind, SamplingParams, make_generator
+from deltaserve.sampling import RequestOutputKind, SamplingParams
 from deltaserve.sched_output import SchedulerOutput
 from deltaserve.structured.compiler import GrammarCompiler
 from deltaserve.structured.matcher import GrammarState, fill_bitmask
+from deltaserve.worker import warm_up
 from deltaserve.worker.model_runner import LaunchedStep
 
 logger = logging.getLogger(__name__)
@@ -97,6 +98,7 @@ class LLMEngine:
         self.tokenizer = setup.tokenizer
         self.max_model_len = setup.max_model_len
         self.memory_plan = setup.memory_plan  # the memory budget the caches were sized from
+        self.resolved = setup.resolved  # dtypes, clamped sizes and graph sizes, resolved with the plan
         self.model_path = setup.model_path  # the checkpoint directory (the demo model's when none was given)
         self.runner = setup.runner
         self.cache_manager = setup.cache_manager
@@ -112,46 +114,9 @@ class LLMEngine:
             self.warm_up()
 
     def warm_up(self) -> None:
-        """Run once, before serving, the kind of steps whose kernels compile (Triton) or get planned (cuDNN)
-        at their first use, so that no user's first request pays for it (seconds on an H200): a prompt of two
-        full chunks and a short tail (chunks over a cached prefix, a checkpoint inside the step), a few short
-        requests, then a prompt that joins while they all decode (one step of decodes and a prompt, with enough
-        decoding sequences for the GDN op to split it), then a resend of that prompt with a new ending (a
-        prefix-cache hit). Their outputs are dropped and the prefix cache is emptied after them. First, xgrammar's view of the
-        vocabulary is built (structured output's; seconds at 248K ids, which a first such request would wait)."""
-        from deltaserve.ops.gdn.cuda import SPLIT_MIN_SHORT_SEQS
-
-        if self.tokenizer is not None:
-            self.grammar_compiler.prepare()
-
-        longest = self.max_model_len - 8  # room for the outputs and for the resend's longer ending
-        if longest < 16:
-            return
-        start = time.perf_counter()
-        vocab, budget, block = self.model_config.vocab_size, self.config.max_num_batched_tokens, self.config.block_size
-
-        def prompt(length: int, salt: int) -> list[int]:
-            return [(i * 7919 + salt * 104729) % vocab for i in range(length)]
-
-        def run_until(done) -> None:
-            while self.has_unfinished() and not done(self.step()):
-                pass
-
-        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-        self.add_request("deltaserve-warm-up-long", prompt(min(2 * budget + 2 * block + 3, longest), 1), params)
-        run_until(lambda outputs: bool(outputs))  # its first token: it decodes from now on
-        for i in range(SPLIT_MIN_SHORT_SEQS):
-            self.add_request(f"deltaserve-warm-up-decode-{i}", prompt(min(20, longest), 10 + i), params)
-        run_until(lambda outputs: len(outputs) > 1)  # the short ones decode too
-        # longer than the recurrent GDN path takes, and enough to fill the GPU with unsplit attention programs (the
-        # kernel variant a batch of prompts meets)
-        joining = prompt(min(max(300, budget // 2), longest), 2)
-        self.add_request("deltaserve-warm-up-joining", joining, params)
-        run_until(lambda outputs: False)
-        self.add_request("deltaserve-warm-up-hit", joining[:-5] + prompt(9, 3), params)
-        run_until(lambda outputs: False)
-        self.reset_prefix_cache()
-        logger.info("warm-up (the first use of each kind of step) took %.1f s", time.perf_counter() - start)
+        """A few real steps of each kind before serving, so that no first request compiles a kernel
+        (worker/warm_up.engine_steps)."""
+        warm_up.engine_steps(self)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (KV blocks and GDN checkpoints) and zero the hit counters, as vLLM's
@@ -200,7 +165,7 @@ class LLMEngine:
             request = Request(child_id, ids, params, max(1, max_tokens), self.eos_token_ids, arrival_time,
                               request_id if group is None else group)
             if params.seed is not None:  # children of one seeded request draw different samples
-                request.generator = make_generator(params.seed + i, self.runner.device)
+                request.seed = params.seed + i
             if constraint is not None:
                 request.grammar = GrammarState(constraint)
             detok = None
@@ -394,7 +359,7 @@ class LLMEngine:
                 stop_reason=child.stop_reason,
             ))
         children = parent.children
-        if len(children) == 1:  # the common case, without generator expressions (~1 us a request a step)
+        if len(children) == 1:  # the common case, without generator expressions (run per request per step)
             finished, cached = children[0].finish_reason is not None, children[0].request.num_cached_tokens
         else:
             finished = all(c.finish_reason is not None for c in children)

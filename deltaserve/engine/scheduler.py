@@ -15,7 +15,7 @@ With prefix caching on, a waiting request starts at its prefix hit (cached KV bl
 checkpoint, copied into its working slot before the forward: `state_restores`), and prefill chunks are cut
 where a checkpoint belongs, so that the runner can copy the state out after the forward (`state_saves`),
 except where the checkpoint is within a block of the chunk's end (every prompt's end): the row then carries
-`mid_save` and the GDN layers copy the state out inside the step. See cache/kv_manager.py for where
+`mid_save` and the GDN layers copy the state out inside the step. See cache/cache_manager.py for where
 checkpoints go.
 """
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 
-from deltaserve.cache.kv_manager import CacheManager
+from deltaserve.cache.cache_manager import CacheManager
 from deltaserve.request import Request, RequestStatus
 from deltaserve.sched_output import ModelOutput, ScheduledSequence, SchedulerOutput
 
@@ -42,6 +42,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self._finished_ids: list[str] = []  # finished since the last launched step (SchedulerOutput)
 
     # -- requests in and out -------------------------------------------------------------------------------
 
@@ -82,6 +83,7 @@ class Scheduler:
             self.waiting.remove(request)
         self.cache.free(request)
         self.requests.pop(request.request_id, None)
+        self._finished_ids.append(request.request_id)
 
     def _preempt(self, request: Request) -> None:
         """Free the request's cache and put it back at the head of the queue, to be recomputed."""
@@ -150,7 +152,10 @@ class Scheduler:
         for (request, num_new), row in zip(chosen, rows):
             request.num_computed_tokens += num_new
             request.num_pending_tokens += row.sample
-        return SchedulerOutput(rows, restores, saves)
+        finished = []
+        if rows:  # an empty step is not launched: its finished ids wait for the next one
+            finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(rows, restores, saves, finished)
 
     def _next_waiting(self, running_per_group: Counter) -> int:
         """Position in `waiting` of the request to admit next: the first one of the group with the fewest sequences
@@ -190,10 +195,10 @@ class Scheduler:
             mid_save=mid_save,
             sample=start + num_new == request.num_tokens,
             params=request.params,
-            generator=request.generator,
+            seed=request.seed,
             prompt_token_ids=request.prompt_token_ids,
             # read by the sampler for penalties and min_tokens only: a copy of a long output for every row of every
-            # step would cost O(length) a step (~40 us at 16K tokens, on the host)
+            # step would cost O(length) host time a step
             output_token_ids=request.output_token_ids if _samples_from_history(request) else [],
             eos_token_ids=request.eos_token_ids,
             grammar=request.grammar,

@@ -19,7 +19,7 @@ from deltaserve.device import to_device
 class MidChunkSaves:
     """GDN checkpoints taken inside a prefill step: sequence n's state after its first `offset` new tokens is
     copied to a checkpoint slot, then the step goes on (GatedDeltaNet; the scheduler plans them, see
-    cache/kv_manager.py). P saves; each saved sequence is split at its save point into a head and a tail."""
+    cache/cache_manager.py). P saves; each saved sequence is split at its save point into a head and a tail."""
 
     # The step with every saved sequence split in two: [N + P] segments. Heads keep their working slot and
     # initial state; tails run from zeros into their checkpoint slot (overwritten right after) and are then

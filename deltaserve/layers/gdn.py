@@ -64,34 +64,34 @@ class GatedDeltaNet(nn.Module):
         return self.in_proj_weight
 
     def _split_projection(self, proj: torch.Tensor):
-        """proj: [T, conv_dim + value_dim + 2 HV] -> mixed_qkv [T, conv_dim], z [T, HV, dv], b [T, HV], a [T, HV]:
+        """proj: [T, conv_dim + value_dim + 2 HV] -> qkv [T, conv_dim] (pre-conv q|k|v), z [T, HV, dv], b, a [T, HV]:
         views of proj for Qwen3.5; Qwen3-Next's rows, interleaved per key head, are gathered."""
         T, HV = proj.shape[0], self.num_v_heads
         if not self.fused_inproj:  # rows [q|k|v | z | b | a]
-            mixed, z, b, a = proj.split([2 * self.key_dim + self.value_dim, self.value_dim, HV, HV], dim=-1)
-            return mixed, z.view(T, HV, self.v_dim), b, a
+            qkv, z, b, a = proj.split([2 * self.key_dim + self.value_dim, self.value_dim, HV, HV], dim=-1)
+            return qkv, z.view(T, HV, self.v_dim), b, a
         # Qwen3-Next rows: [qkvz interleaved per key head | ba interleaved per key head]
         r = HV // self.num_k_heads  # value heads per key head
         qkvz, ba = proj.split([2 * self.key_dim + 2 * self.value_dim, 2 * HV], dim=-1)
         qkvz = qkvz.view(T, self.num_k_heads, 2 * self.k_dim + 2 * r * self.v_dim)
         q, k, v, z = qkvz.split([self.k_dim, self.k_dim, r * self.v_dim, r * self.v_dim], dim=-1)
         b, a = ba.reshape(T, self.num_k_heads, 2 * r).split([r, r], dim=-1)
-        mixed = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
-        return mixed, z.reshape(T, HV, self.v_dim), b.reshape(T, HV), a.reshape(T, HV)
+        qkv = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)
+        return qkv, z.reshape(T, HV, self.v_dim), b.reshape(T, HV), a.reshape(T, HV)
 
-    def _save_conv_checkpoints(self, mixed: torch.Tensor, saves: MidChunkSaves) -> None:
+    def _save_conv_checkpoints(self, qkv: torch.Tensor, saves: MidChunkSaves) -> None:
         """The conv state at each save point is the W-1 inputs before it, rows of this step (a save point is
         at least one block after its chunk's start): copied to the checkpoint slots."""
         width = self.conv1d.weight.shape[-1]
         if saves.min_offset < width - 1:
             raise ValueError(f"a checkpoint inside a step needs {width - 1} of its chunk's tokens before it, got "
-                             f"{saves.min_offset} (cache/kv_manager.MID_CHUNK_SAVE_MIN_HEAD)")
-        rows = saves.save_rows[:, None] - width + 1 + torch.arange(width - 1, device=mixed.device)  # [P, W-1]
-        self._copy_conv_inputs(mixed, rows, saves.checkpoint_slots)
+                             f"{saves.min_offset} (cache/cache_manager.MID_CHUNK_SAVE_MIN_HEAD)")
+        rows = saves.save_rows[:, None] - width + 1 + torch.arange(width - 1, device=qkv.device)  # [P, W-1]
+        self._copy_conv_inputs(qkv, rows, saves.checkpoint_slots)
 
-    def _copy_conv_inputs(self, mixed: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
-        """Conv states from this step's inputs: rows [P, W-1] of mixed [T, conv_dim] into the pool at slots [P]."""
-        window = mixed[rows.reshape(-1)].view(rows.shape[0], rows.shape[1], -1).transpose(1, 2)  # [P, conv_dim, W-1]
+    def _copy_conv_inputs(self, qkv: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Conv states from this step's inputs: rows [P, W-1] of qkv [T, conv_dim] into the pool at slots [P]."""
+        window = qkv[rows.reshape(-1)].view(rows.shape[0], rows.shape[1], -1).transpose(1, 2)  # [P, conv_dim, W-1]
         self.conv_state.index_copy_(0, slots, window.to(self.conv_state.dtype))
 
     def _prefill_with_checkpoints(self, q, k, v, a, b, saves: MidChunkSaves) -> torch.Tensor:
@@ -131,8 +131,8 @@ class GatedDeltaNet(nn.Module):
     def forward(self, projected: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """projected: [T, conv_dim + value_dim + 2 HV], the output of `in_weight` -> [T, H]. Reads and writes
         this batch's slots of the conv and recurrent state pools."""
-        mixed, z, b, a = self._split_projection(projected)
-        o = self._conv_and_delta_rule(mixed, a, b, batch)
+        qkv, z, b, a = self._split_projection(projected)
+        o = self._conv_and_delta_rule(qkv, a, b, batch)
         # out_proj(norm(o, z)); z: a strided view of the projection (ops/linear fuses the two for batch-1 decode
         # where its tuned table says it pays)
         return gated_norm_linear(o, z, self.norm.weight, self.norm.eps, self.out_proj.weight)
@@ -152,21 +152,21 @@ class GatedDeltaNet(nn.Module):
             o = torch.zeros(tokens, self.num_v_heads, self.v_dim, **like)
             self.norm(o, z)
 
-    def _conv_and_delta_rule(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+    def _conv_and_delta_rule(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                              batch: ForwardBatch) -> torch.Tensor:
-        """mixed: [T, conv_dim] pre-conv q|k|v; a, b: [T, HV] raw gate projections -> o: [T, HV, V]."""
-        T = mixed.shape[0]
+        """qkv: [T, conv_dim] pre-conv q|k|v; a, b: [T, HV] raw gate projections -> o: [T, HV, V]."""
+        T = qkv.shape[0]
         conv_w = self.conv1d.weight.squeeze(1)  # [conv_dim, W]
         slots = batch.state_slots
         qkv_dims = (self.key_dim, self.key_dim, self.value_dim)
         if batch.is_decode:  # strided views of one [N, conv_dim] output
-            q, k, v = conv_decode(mixed, conv_w, self.conv_state, slots).split(qkv_dims, dim=-1)
+            q, k, v = conv_decode(qkv, conv_w, self.conv_state, slots).split(qkv_dims, dim=-1)
         else:  # three contiguous [T, d] tensors
             if batch.mid_saves is not None:
-                self._save_conv_checkpoints(mixed, batch.mid_saves)
+                self._save_conv_checkpoints(qkv, batch.mid_saves)
             if batch.padded is not None:  # the conv state at its `stop`: the W-1 inputs before it
-                self._copy_conv_inputs(mixed, batch.padded.conv_rows[None], batch.padded.checkpoint_slot)
-            q, k, v = conv_prefill(mixed, conv_w, self.conv_state, slots, batch.has_initial_state, batch.cu_seqlens_q,
+                self._copy_conv_inputs(qkv, batch.padded.conv_rows[None], batch.padded.checkpoint_slot)
+            q, k, v = conv_prefill(qkv, conv_w, self.conv_state, slots, batch.has_initial_state, batch.cu_seqlens_q,
                                    split=qkv_dims)
         q = q.view(T, self.num_k_heads, self.k_dim)
         k = k.view(T, self.num_k_heads, self.k_dim)

@@ -58,11 +58,9 @@ from deltaserve.server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
 _OPEN_HOSTS = ("0.0.0.0", "::", "")
-# uvicorn's event loop: Python's own asyncio, not uvloop (uvicorn's default where uvloop is installed). The engine
-# thread and the event-loop thread share one GIL; with uvloop the loop thread answered every step at once and wrote
-# one chunk per token per stream, and the two threads' CPU a step doubled: 256 streams of the demo engine on an
-# H200 machine's CPUs, 10.6-13.0K output tok/s with uvloop against 21.3-34.6K with asyncio (docs/performance.md,
-# fifteenth session). Under asyncio the loop thread, slowed at each socket send, joins the deltas that queued.
+# uvicorn's event loop: Python's own asyncio, not uvloop (uvicorn's default where installed). The engine thread
+# and the loop thread share one GIL: under asyncio the loop, slowed at each socket send, joins the deltas that
+# queued instead of writing one chunk per token per stream (docs/performance.md, "Host work a step").
 EVENT_LOOP = "asyncio"
 
 

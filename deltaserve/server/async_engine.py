@@ -305,9 +305,8 @@ class AsyncEngine:
 
 def _deliver(deliveries: list[tuple[_RequestStream, object]]) -> None:
     """Called from the engine thread: hand each item to its stream, in order, with one wake-up of each event
-    loop for them all. (One `call_soon_threadsafe` per item cost the engine thread ~10 us each, 2.7 ms a step at
-    256 streams, measured on the CPU machine with the loop draining them; through the server, `host_probe
-    --server`, the host's time a step went 19.8-22.0 -> 8.8-12.0 ms.)"""
+    loop for them all: one `call_soon_threadsafe` per item would cost the engine thread a wake-up per stream
+    a step (docs/performance.md, "Host work a step")."""
     by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
     for stream, item in deliveries:
         by_loop.setdefault(stream.loop, []).append((stream.queue, item))

@@ -27,7 +27,7 @@ import logging
 import numpy as np
 import torch
 
-from deltaserve.cache.footprint import PADDED_CHUNK_MIN_ROWS, chunk_graph_sizes, graph_capture_sizes
+from deltaserve.graph_sizes import PADDED_CHUNK_MIN_ROWS
 from deltaserve.layers.batch import ForwardBatch, PaddedChunk
 from deltaserve.model.qwen3_5 import HybridForCausalLM
 
@@ -112,14 +112,16 @@ def _fla_chunk_indices(size: int, device) -> torch.Tensor | None:
     return torch.from_numpy(fla_chunk_indices(np.asarray([0, size]))).to(device)
 
 
-class DecodeGraphs:
-    def __init__(self, model: HybridForCausalLM, max_num_seqs: int, block_table_width: int, device,
-                 use_graphs: bool = True, performance_mode: str = "balanced", block_size: int = 16):
+class StepGraphs:
+    def __init__(self, model: HybridForCausalLM, sizes, chunk_sizes, block_table_width: int, device,
+                 use_graphs: bool = True, block_size: int = 16):
+        """sizes: the decode batch sizes (graph_sizes.graph_capture_sizes); chunk_sizes: the single-chunk token
+        counts (graph_sizes.chunk_graph_sizes), both as ResolvedConfig holds them."""
         self.model = model
         self.use_graphs = use_graphs
-        self.sizes = graph_capture_sizes(max_num_seqs, performance_mode)
+        self.sizes = list(sizes)
         # single-chunk graphs: their token counts (a padded graph's last block re-runs: one must fit in it)
-        self.chunk_sizes = [s for s in chunk_graph_sizes() if s < PADDED_CHUNK_MIN_ROWS or s >= block_size]
+        self.chunk_sizes = [s for s in chunk_sizes if s < PADDED_CHUNK_MIN_ROWS or s >= block_size]
         n = self.sizes[-1]
         longest_chunk = max(self.chunk_sizes, default=0)
         block_table_width = max(block_table_width, -(-longest_chunk // block_size))  # a padding sequence reads it

@@ -18,17 +18,17 @@ from dataclasses import dataclass
 
 import torch
 
-from deltaserve.cache.footprint import PADDED_CHUNK_MIN_ROWS, PADDED_GRAPH_MAX_PAIRS
+from deltaserve.graph_sizes import PADDED_CHUNK_MIN_ROWS, PADDED_GRAPH_MAX_PAIRS
 from deltaserve.device import to_device
 from deltaserve.layers.batch import ForwardBatch
 from deltaserve.layers.mlp import SparseMoE
 from deltaserve.model.qwen3_5 import HybridForCausalLM
-from deltaserve.ops import quant_gemm
-from deltaserve.ops.linear import warm_up_skinny
-from deltaserve.sampling import PendingSample, Sampler
+from deltaserve.resolved_config import ResolvedConfig
+from deltaserve.worker.sampler import PendingSample, Sampler, make_generator
 from deltaserve.sched_output import ModelOutput, ScheduledSequence, SchedulerOutput
 from deltaserve.structured import bitmask as grammar_bitmask
-from deltaserve.worker.cuda_graph import DecodeGraphs
+from deltaserve.worker import warm_up
+from deltaserve.worker.cuda_graph import StepGraphs
 from deltaserve.worker.kv_cache import CacheShape, bind_caches
 from deltaserve.worker.state_copy import restore_checkpoints, save_checkpoints
 
@@ -54,49 +54,37 @@ class LaunchedStep:
 
 class ModelRunner:
     def __init__(self, model: HybridForCausalLM, cache_shape: CacheShape, device: torch.device,
-                 max_num_seqs: int = 256, max_model_len: int = 4096, enforce_eager: bool = True,
-                 max_num_batched_tokens: int = 8192, performance_mode: str = "balanced"):
+                 resolved: ResolvedConfig):
         self.model = model
         self.device = device
         self.block_size = cache_shape.block_size
         bind_caches(model, cache_shape, device)
         self.sampler = Sampler()
+        # request id -> (its Request.serial, its seeded generator): made at the request's first seeded sample,
+        # dropped when it finishes (SchedulerOutput.finished_request_ids)
+        self._generators: dict[str, tuple[int, torch.Generator]] = {}
         self._bitmask: torch.Tensor | None = None  # host buffer for a step's grammar masks (grammar_bitmask)
         self._bitmask_copied: torch.cuda.Event | None = None  # its last copy to the device
         # the last launched step's samples: request id -> row, and the [S] token ids on the device
         self._last_samples: tuple[dict[str, int], torch.Tensor] = ({}, torch.empty(0, dtype=torch.int64))
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: StepGraphs | None = None
         if device.type == "cuda":
             from deltaserve.ops import pdl  # GPU only (Triton)
 
             logger.info("programmatic dependent launch of our kernels: %s", "on" if pdl.verify(device) else
                         f"off ({pdl.ENV_VAR}=0, a GPU before compute capability 9.0, or a failed check)")
-            use_graphs = not enforce_eager
+            use_graphs = resolved.use_cuda_graphs
             if use_graphs and not graphs_supported(model):
                 logger.warning("CUDA graphs are off: torch's grouped matmul for non-bfloat16 MoE experts loops "
                                "on the host")
                 use_graphs = False
             # the graphs' block table is wide enough for the longest sequence; eager steps use their own width
-            self.graphs = DecodeGraphs(model, max_num_seqs, -(-max_model_len // self.block_size), device,
-                                       use_graphs=use_graphs, performance_mode=performance_mode,
-                                       block_size=self.block_size)
-            # the quantized GEMMs' variants at every row class, compiled before capture (ops.quant_gemm.warm_up)
-            quant_gemm.warm_up([w.prepared for w in model.quantized_weights()], model.model.embed_tokens.weight.dtype)
+            self.graphs = StepGraphs(model, resolved.decode_graph_sizes, resolved.chunk_graph_sizes,
+                                     -(-resolved.max_model_len // self.block_size), device,
+                                     use_graphs=use_graphs, block_size=self.block_size)
+            warm_up.before_capture(model)
             self.graphs.capture()
-            # kernel variants that steps outside the graphs may launch, compiled now rather than while serving
-            warm_up_skinny(model.projection_weights())
-            if model.gdn_layers:  # every GDN layer launches the same variants
-                model.gdn_layers[0].warm_up_output_norm(max_num_batched_tokens)
-            from deltaserve.ops.attention.cuda_sdpa import warm_up_cudnn_attention  # GPU only
-
-            attention = model.attention_layers[0]  # every attention layer launches the same variants
-            attention.warm_up_one_split_decode()
-            grammar_bitmask.warm_up(model.config.vocab_size, device)  # structured output's mask kernel
-            try:
-                warm_up_cudnn_attention(attention.num_heads, attention.num_kv_heads, attention.head_dim,
-                                        attention.q_norm.weight.dtype, device, max_num_batched_tokens)
-            except Exception:  # a speed-up only: the first requests pay for it instead, never a failed start
-                logger.exception("warming up cuDNN attention failed; continuing")
+            warm_up.after_capture(model, device, resolved.max_num_batched_tokens)
 
     def _prepare(self, scheduled: SchedulerOutput, mid_saves: bool = True) -> tuple[torch.Tensor, ForwardBatch]:
         """The step's input ids and batch; mid_saves False leaves out its checkpoints inside the step (a
@@ -148,6 +136,8 @@ class ModelRunner:
     def launch(self, scheduled: SchedulerOutput, defer_sample: bool = False) -> LaunchedStep:
         """Queue one step's forward pass and sampling on the device; `collect` waits for its samples. With
         `defer_sample` only the forward: `sample` queues the sampling."""
+        for request_id in scheduled.finished_request_ids:
+            self._generators.pop(request_id, None)
         rows = scheduled.sequences
         single = self._single_graph_serves(rows)
         input_ids, batch = self._prepare(scheduled, mid_saves=not single)
@@ -198,13 +188,23 @@ class ModelRunner:
         step.sample = self.sampler.sample(
             logits,
             params=[r.params for r in chosen],
-            generators=[r.generator for r in chosen],
+            generators=[self._generator(r) for r in chosen],
             prompt_token_ids=[r.prompt_token_ids for r in chosen],
             output_token_ids=[r.output_token_ids for r in chosen],
             eos_token_ids=[r.eos_token_ids for r in chosen],
             grammar_mask=mask,
         )
         self._last_samples = ({rid: i for i, rid in enumerate(step.request_ids)}, step.sample.token_ids)
+
+    def _generator(self, row: ScheduledSequence) -> torch.Generator | None:
+        """The row's request's own generator (None without a seed), made at its first sample; a new request
+        reusing a finished one's id (another serial) gets a fresh one."""
+        if row.seed is None:
+            return None
+        held = self._generators.get(row.request_id)
+        if held is None or held[0] != row.serial:
+            held = self._generators[row.request_id] = (row.serial, make_generator(row.seed, self.device))
+        return held[1]
 
     @staticmethod
     def collect(step: LaunchedStep) -> ModelOutput:

@@ -9,11 +9,12 @@ import re
 import pytest
 import torch
 
-from deltaserve.cache.footprint import (count_parameters, estimate_cuda_graph_bytes, graph_capture_sizes,
-                                        kv_bytes_per_token, ssm_cache_dtype, state_bytes_per_slot, weight_bytes)
+from deltaserve.cache.footprint import (count_parameters, estimate_cuda_graph_bytes, kv_bytes_per_token,
+                                        ssm_cache_dtype, state_bytes_per_slot, weight_bytes)
 from deltaserve.cache.plan_cli import GPUS, main, parse_bytes
 from deltaserve.cache.planner import CPU_CACHE_BYTES, PlanError, plan
 from deltaserve.config import ConfigError, EngineConfig, ModelConfig
+from deltaserve.graph_sizes import graph_capture_sizes
 from deltaserve.demo import TINY_CONFIGS
 from deltaserve.layers.quant import detect_weight_format
 from deltaserve.model.loader import build_model
@@ -289,7 +290,7 @@ def test_engine_startup_uses_the_plan(make_checkpoint):
 
 def test_profile_step_runs_the_largest_step_with_scratch_caches(make_checkpoint):
     """The GPU measures activations around this step; on the CPU it must run just the same."""
-    from deltaserve.engine.setup import EngineSetup
+    from deltaserve.worker.setup import EngineSetup
 
     path = str(make_checkpoint("qwen3_5"))
     setup = EngineSetup(EngineConfig(model=path, max_num_seqs=2, enable_prefix_caching=False))

@@ -12,7 +12,7 @@ tests/engine/test_prefix_cache.py runs the same branches on a model, with cachin
 
 import pytest
 
-from deltaserve.cache.kv_manager import DECODE_CHECKPOINT_INTERVAL
+from deltaserve.cache.cache_manager import DECODE_CHECKPOINT_INTERVAL
 from tests.engine.test_scheduler import assert_only_cache_entries_left, make_request, make_scheduler, run_to_end
 
 BS = 16

@@ -5,11 +5,11 @@ graphs (tests/gpu/test_engine_gpu.py replays them)."""
 import pytest
 import torch
 
-from deltaserve.cache import footprint
+from deltaserve import graph_sizes
 from deltaserve.config import ModelConfig
 from deltaserve.layers.batch import ForwardBatch
 from deltaserve.model.loader import load_model
-from deltaserve.worker.cuda_graph import DecodeGraphs
+from deltaserve.worker.cuda_graph import StepGraphs
 from deltaserve.worker.kv_cache import CacheShape, bind_caches
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -24,8 +24,8 @@ def padded_runner(checkpoint, max_num_seqs: int, slots: int):
     model = load_model(checkpoint, cfg, torch.float32, "cpu")
     bind_caches(model, CacheShape(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, num_state_slots=slots,
                                   kv_dtype=torch.float32, ssm_dtype=torch.float32), "cpu")
-    graphs = DecodeGraphs(model, max_num_seqs=max_num_seqs, block_table_width=TABLE_WIDTH, device="cpu",
-                          use_graphs=False, block_size=BLOCK_SIZE)
+    graphs = StepGraphs(model, graph_sizes.graph_capture_sizes(max_num_seqs), graph_sizes.chunk_graph_sizes(),
+                        block_table_width=TABLE_WIDTH, device="cpu", use_graphs=False, block_size=BLOCK_SIZE)
     return cfg, model, graphs
 
 
@@ -46,14 +46,14 @@ def assert_caches_match(caches, expected_caches):
 def test_chunk_graphs_are_on_unless_turned_off(monkeypatch):
     monkeypatch.delenv("DELTASERVE_CHUNK_GRAPHS", raising=False)
     all_sizes = [16, 32, 64, 128, 256, 512, 1024]
-    assert footprint.chunk_graph_sizes() == all_sizes and footprint.cuda_graph_count(256) == 35 + 7
+    assert graph_sizes.chunk_graph_sizes() == all_sizes and graph_sizes.cuda_graph_count(256) == 35 + 7
     monkeypatch.setenv("DELTASERVE_CHUNK_GRAPHS", "0")
-    assert footprint.chunk_graph_sizes() == [] and footprint.cuda_graph_count(256) == 35
+    assert graph_sizes.chunk_graph_sizes() == [] and graph_sizes.cuda_graph_count(256) == 35
     monkeypatch.setenv("DELTASERVE_CHUNK_GRAPHS", "1")
-    assert footprint.chunk_graph_sizes() == all_sizes
+    assert graph_sizes.chunk_graph_sizes() == all_sizes
     monkeypatch.setenv("DELTASERVE_CHUNK_GRAPHS", "yes")
     with pytest.raises(ValueError, match="DELTASERVE_CHUNK_GRAPHS must be 0 or 1, got 'yes'"):
-        footprint.chunk_graph_sizes()
+        graph_sizes.chunk_graph_sizes()
 
 
 # (tokens cached before, chunk length, checkpoint offset inside the step or None): padded to 16-128 rows (a fresh
@@ -73,7 +73,7 @@ def test_single_chunk_padded_step_computes_what_the_plain_step_does(ckpt_qwen3_5
     assert graphs.chunk_sizes == [16, 32, 64, 128, 256, 512, 1024] and graphs.single_size(1) is None
     saves = [(0, save_at, 3)] if save_at is not None else []
     if saves:
-        assert graphs.single_size(chunk_len, saves_inside=True) >= footprint.PADDED_CHUNK_MIN_ROWS
+        assert graphs.single_size(chunk_len, saves_inside=True) >= graph_sizes.PADDED_CHUNK_MIN_ROWS
     gen = torch.Generator().manual_seed(cached + chunk_len)
     blocks = [list(range(1, 2 + (cached + chunk_len) // block_size))]
     with torch.no_grad():
@@ -108,7 +108,8 @@ def test_padded_graphs_hold_a_block(ckpt_qwen3_5, monkeypatch):
     monkeypatch.setenv("DELTASERVE_CHUNK_GRAPHS", "1")
     cfg = ModelConfig.from_pretrained(ckpt_qwen3_5)
     model = load_model(ckpt_qwen3_5, cfg, torch.float32, "cpu")
-    graphs = DecodeGraphs(model, max_num_seqs=4, block_table_width=4, device="cpu", use_graphs=False, block_size=512)
+    graphs = StepGraphs(model, graph_sizes.graph_capture_sizes(4), graph_sizes.chunk_graph_sizes(), block_table_width=4,
+                        device="cpu", use_graphs=False, block_size=512)
     assert graphs.chunk_sizes == [16, 32, 64, 128, 512, 1024] and sorted(graphs.padded.plans) == [512, 1024]
     assert graphs.single_size(200) == 512 and graphs.single_size(20, saves_inside=True) == 512
 
@@ -133,8 +134,9 @@ def test_engine_routes_single_short_chunks_to_the_chunk_graphs(ckpt_qwen3_5, mon
     padded = LLM(ckpt_qwen3_5, block_size=4, max_num_seqs=4)
     plain = LLM(ckpt_qwen3_5, block_size=4, max_num_seqs=4)
     runner = padded.engine.runner
-    runner.graphs = DecodeGraphs(runner.model, max_num_seqs=4, block_table_width=-(-padded.engine.max_model_len // 4),
-                                 device="cpu", use_graphs=False, block_size=4)
+    runner.graphs = StepGraphs(runner.model, graph_sizes.graph_capture_sizes(4), graph_sizes.chunk_graph_sizes(),
+                               block_table_width=-(-padded.engine.max_model_len // 4), device="cpu", use_graphs=False,
+                               block_size=4)
     calls, run_single = [], runner.graphs.run_single
     monkeypatch.setattr(runner.graphs, "run_single", lambda batch, ids, mid_save: calls.append(ids.shape[0]) or
                         run_single(batch, ids, mid_save))

@@ -9,8 +9,8 @@ import random
 import pytest
 
 from deltaserve import LLM, SamplingParams
-from deltaserve.cache import kv_manager
-from deltaserve.cache.kv_manager import DECODE_CHECKPOINT_INTERVAL
+from deltaserve.cache import cache_manager
+from deltaserve.cache.cache_manager import DECODE_CHECKPOINT_INTERVAL
 
 BS = 4
 VOCAB = 1024
@@ -103,7 +103,7 @@ def test_shared_system_prompt_is_exact_and_hit_by_later_questions(make_checkpoin
 
 @pytest.mark.parametrize("interval", [BS, 16])  # decode checkpoints at every block, or every 4 blocks
 def test_multi_turn_conversations_continue_from_the_previous_turn(make_checkpoint, monkeypatch, interval):
-    monkeypatch.setattr(kv_manager, "DECODE_CHECKPOINT_INTERVAL", interval)
+    monkeypatch.setattr(cache_manager, "DECODE_CHECKPOINT_INTERVAL", interval)
     on, off = engines(make_checkpoint("qwen3_5"))
     rng = random.Random(2)
     conversations = [tokens(rng, n) for n in (11, 26, 5)]

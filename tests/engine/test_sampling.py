@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from deltaserve.sampling import Sampler, SamplingParams, make_generator
+from deltaserve.sampling import SamplingParams
+from deltaserve.worker.sampler import Sampler, make_generator
 
 SAMPLER = Sampler()
 

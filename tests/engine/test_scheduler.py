@@ -7,7 +7,7 @@ prefix a request starts from; tests/engine/test_prefix_cache.py checks that the 
 import pytest
 
 from deltaserve.cache.block_pool import BlockPool
-from deltaserve.cache.kv_manager import CacheManager
+from deltaserve.cache.cache_manager import CacheManager
 from deltaserve.cache.prefix_cache import PrefixCache
 from deltaserve.cache.state_pool import StatePool
 from deltaserve.engine.scheduler import Scheduler

@@ -63,7 +63,7 @@ def test_single_chunk_steps_replay_exactly(arch, make_checkpoint, monkeypatch):
     """Single-chunk graphs (on by default: one prompt chunk alone, a fresh prompt or a prefix-cache hit's suffix, up
     to 1,024 tokens; from 256 rows padded graphs, which also take a checkpoint inside the step) against the same
     padded steps run eagerly, token for token."""
-    from deltaserve.worker.cuda_graph import DecodeGraphs
+    from deltaserve.worker.cuda_graph import StepGraphs
 
     monkeypatch.delenv("DELTASERVE_CHUNK_GRAPHS", raising=False)  # on by default
     path = str(make_checkpoint(arch))
@@ -71,13 +71,13 @@ def test_single_chunk_steps_replay_exactly(arch, make_checkpoint, monkeypatch):
     eager = LLM(path, dtype="bfloat16", max_num_seqs=4, enforce_eager=True)
     assert sorted(graphs.engine.runner.graphs.chunk_graphs) == [16, 32, 64, 128, 256, 512, 1024]
     assert not eager.engine.runner.graphs.chunk_graphs
-    calls, run_single = [], DecodeGraphs.run_single
+    calls, run_single = [], StepGraphs.run_single
 
     def counted(self, batch, input_ids, mid_save=None):
         calls.append(input_ids.shape[0])
         return run_single(self, batch, input_ids, mid_save)
 
-    monkeypatch.setattr(DecodeGraphs, "run_single", counted)
+    monkeypatch.setattr(StepGraphs, "run_single", counted)
     base, long = prompt(200, 80), prompt(1000, 84)
     # a fresh 10-token prompt; a 200-token one (its prompt-end checkpoint at 192, saved inside the step: a padded
     # graph); two hits there, 7 and 12 new tokens (the second with a checkpoint inside); a fresh 1,000-token

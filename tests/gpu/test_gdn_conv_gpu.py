@@ -201,32 +201,32 @@ def test_layer_chain_prefill_then_decode(pool_dtype):
     A_log = torch.rand(VALUE_HEADS, generator=gen, device=DEVICE).mul(15).add(1).log()
     dt_bias = torch.randn(VALUE_HEADS, generator=gen, device=DEVICE)
 
-    def layer(mixed, a, b, conv_pool, ssm_pool, cu_seqlens, decode):
-        """mixed [T, conv_dim] -> o [T, HV, V], as GatedDeltaNet.forward (no projections)."""
+    def layer(qkv, a, b, conv_pool, ssm_pool, cu_seqlens, decode):
+        """qkv [T, conv_dim] -> o [T, HV, V], as GatedDeltaNet.forward (no projections)."""
         if decode:
-            mixed = conv1d.conv_decode(mixed, weight.to(mixed), conv_pool, slots.to(mixed.device))
+            qkv = conv1d.conv_decode(qkv, weight.to(qkv), conv_pool, slots.to(qkv.device))
         else:
-            mixed = conv1d.conv_prefill(mixed, weight.to(mixed), conv_pool, slots.to(mixed.device),
-                                        has_initial.to(mixed.device), cu_seqlens)
-        tokens = mixed.shape[0]
-        q, k, v = mixed.split([KEY_DIM, KEY_DIM, VALUE_DIM], dim=-1)
+            qkv = conv1d.conv_prefill(qkv, weight.to(qkv), conv_pool, slots.to(qkv.device),
+                                        has_initial.to(qkv.device), cu_seqlens)
+        tokens = qkv.shape[0]
+        q, k, v = qkv.split([KEY_DIM, KEY_DIM, VALUE_DIM], dim=-1)
         q, k = q.view(tokens, KEY_HEADS, HEAD_DIM), k.view(tokens, KEY_HEADS, HEAD_DIM)
         v = v.view(tokens, VALUE_HEADS, HEAD_DIM)
-        gates = A_log.to(mixed.device), dt_bias.to(mixed.device)
+        gates = A_log.to(qkv.device), dt_bias.to(qkv.device)
         if decode:  # the raw gates: the GPU kernel computes g and beta itself
-            return gdn.gdn_decode(q, k, v, a, b, *gates, ssm_pool, slots.to(mixed.device))
+            return gdn.gdn_decode(q, k, v, a, b, *gates, ssm_pool, slots.to(qkv.device))
         g, beta = gdn.gdn_gates(a, b, *gates)
-        return gdn.gdn_prefill(q, k, v, g, beta, ssm_pool, slots.to(mixed.device), has_initial.to(mixed.device),
+        return gdn.gdn_prefill(q, k, v, g, beta, ssm_pool, slots.to(qkv.device), has_initial.to(qkv.device),
                                cu_seqlens)
 
     for step, lengths in enumerate([LENGTHS] + [[1] * len(SLOTS)] * 4):
         num_tokens = sum(lengths)
-        mixed = torch.randn(num_tokens, CONV_DIM, generator=gen, device=DEVICE).bfloat16()
+        qkv = torch.randn(num_tokens, CONV_DIM, generator=gen, device=DEVICE).bfloat16()
         a = torch.randn(num_tokens, VALUE_HEADS, generator=gen, device=DEVICE).bfloat16()
         b = torch.randn(num_tokens, VALUE_HEADS, generator=gen, device=DEVICE).bfloat16()
         step_cu = F.pad(torch.tensor(lengths).cumsum(0), (1, 0))
-        out = layer(mixed, a, b, conv_pool, ssm_pool, step_cu.to(DEVICE), decode=step > 0)
-        expected = layer(*cpu32(mixed, a, b), ref_conv_pool, ref_ssm_pool, step_cu, decode=step > 0)
+        out = layer(qkv, a, b, conv_pool, ssm_pool, step_cu.to(DEVICE), decode=step > 0)
+        expected = layer(*cpu32(qkv, a, b), ref_conv_pool, ref_ssm_pool, step_cu, decode=step > 0)
         assert rms_ratio(out, expected) < FLA_RMS_RATIO, f"step {step}"
         assert rms_ratio(ssm_pool[SLOTS], ref_ssm_pool[SLOTS]) < FLA_RMS_RATIO, f"step {step}"
         assert torch.equal(cpu32(conv_pool[SLOTS]), ref_conv_pool[SLOTS]), f"step {step}"

@@ -33,7 +33,7 @@ import pytest
 import torch
 
 from deltaserve import SamplingParams
-from deltaserve.cache import kv_manager
+from deltaserve.cache import cache_manager
 from deltaserve.demo import build_checkpoint
 from deltaserve.outputs import RequestOutput
 from tests.engine.test_prefix_cache import (branch, engines, random_prompt, run_waves, shared_system_prompt_waves,
@@ -190,7 +190,7 @@ def check(pairs: list[Pair], label: str, dtype: str, capsys) -> None:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_caching_keeps_greedy_tokens(tame_checkpoint, arch, dtype, capsys, monkeypatch):
     """Shared system prompts, multi-turn conversations and prompts diverging at random positions."""
-    monkeypatch.setattr(kv_manager, "DECODE_CHECKPOINT_INTERVAL", 4)  # a decode checkpoint at every block
+    monkeypatch.setattr(cache_manager, "DECODE_CHECKPOINT_INTERVAL", 4)  # a decode checkpoint at every block
     on, off = engines(tame_checkpoint(arch), dtype=dtype, enforce_eager=False)
     if arch == "qwen3_5" or dtype == "bfloat16":  # float32 MoE runs eagerly (see graphs_supported)
         assert on.engine.runner.graphs.graphs and off.engine.runner.graphs.graphs, "CUDA graphs are off"

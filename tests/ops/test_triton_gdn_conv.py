@@ -232,8 +232,8 @@ def test_gdn_decode_reads_strided_views():
     """q, k, v as column slices of one [N, 2*HK*K + HV*V] projection, as the layer passes them."""
     gen = torch.Generator().manual_seed(3)
     key_heads, value_heads, dim = 2, 4, 16
-    mixed = torch.randn(3, 2 * key_heads * dim + value_heads * dim, generator=gen)
-    q, k, v = mixed.split([key_heads * dim, key_heads * dim, value_heads * dim], dim=-1)
+    qkv = torch.randn(3, 2 * key_heads * dim + value_heads * dim, generator=gen)
+    q, k, v = qkv.split([key_heads * dim, key_heads * dim, value_heads * dim], dim=-1)
     q, k, v = q.view(3, key_heads, dim), k.view(3, key_heads, dim), v.view(3, value_heads, dim)
     g = -torch.rand(3, value_heads, generator=gen)
     beta = torch.rand(3, value_heads, generator=gen)
@@ -292,8 +292,8 @@ def prefill_inputs(lengths, key_heads, value_heads, key_dim, value_dim, dtype, g
     """q, k, v as strided column views of one [T, 2*HK*K + HV*V] tensor (as the layer slices the conv
     output), g [T, HV] float32 <= 0, beta [T, HV]."""
     num_tokens = sum(lengths)
-    mixed = torch.randn(num_tokens, 2 * key_heads * key_dim + value_heads * value_dim, generator=gen).to(dtype)
-    q, k, v = mixed.split([key_heads * key_dim, key_heads * key_dim, value_heads * value_dim], dim=-1)
+    qkv = torch.randn(num_tokens, 2 * key_heads * key_dim + value_heads * value_dim, generator=gen).to(dtype)
+    q, k, v = qkv.split([key_heads * key_dim, key_heads * key_dim, value_heads * value_dim], dim=-1)
     q, k = q.view(num_tokens, key_heads, key_dim), k.view(num_tokens, key_heads, key_dim)
     v = v.view(num_tokens, value_heads, value_dim)
     g = torch.nn.functional.logsigmoid(torch.randn(num_tokens, value_heads, generator=gen) + 2)

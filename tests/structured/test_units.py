@@ -7,7 +7,8 @@ import pytest
 import torch
 import xgrammar
 
-from deltaserve.sampling import Sampler, SamplingParams
+from deltaserve.sampling import SamplingParams
+from deltaserve.worker.sampler import Sampler
 from deltaserve.structured import StructuredOutputsParams as Constraint
 from deltaserve.structured.bitmask import GrammarMask, bitmask_width
 from deltaserve.structured.compiler import CompiledConstraint, GrammarCompiler

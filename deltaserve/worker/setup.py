@@ -15,8 +15,7 @@ from pathlib import Path
 import torch
 
 from deltaserve.cache.block_pool import BlockPool
-from deltaserve.cache.footprint import kv_cache_dtype, model_dtype, ssm_cache_dtype
-from deltaserve.cache.kv_manager import CacheManager
+from deltaserve.cache.cache_manager import CacheManager
 from deltaserve.cache.plan_cli import describe_plan
 from deltaserve.cache.planner import MemoryPlan, plan
 from deltaserve.cache.prefix_cache import PrefixCache
@@ -27,7 +26,9 @@ from deltaserve.layers.quant import detect_weight_format
 from deltaserve.model.loader import load_model
 from deltaserve.model.qwen3_5 import HybridForCausalLM
 from deltaserve.model_configs import is_shipped_config, resolve_model
-from deltaserve.sampling import Sampler, SamplingParams
+from deltaserve.resolved_config import ResolvedConfig, resolve_dtypes
+from deltaserve.sampling import SamplingParams
+from deltaserve.worker.sampler import Sampler
 from deltaserve.worker.kv_cache import TORCH_DTYPES, CacheShape, bind_caches, release_caches
 from deltaserve.worker.model_runner import ModelRunner
 
@@ -46,7 +47,7 @@ class EngineSetup:
         self.model_path = model_path
         self.model_config = ModelConfig.from_pretrained(model_path)
         self.device = self._device(config.device)
-        self.dtype = TORCH_DTYPES[model_dtype(config.dtype, self.model_config, self.device.type == "cuda")]
+        self.dtype = TORCH_DTYPES[resolve_dtypes(config, self.model_config, self.device.type == "cuda")[0]]
         self.tokenizer = None
         if not config.skip_tokenizer_init:
             tokenizer_path = model_path if config.tokenizer is None else resolve_model(
@@ -65,8 +66,10 @@ class EngineSetup:
                            self.weight_format)
 
         self.memory_plan = self._plan(config, model, reserved_before)
-        self.max_num_seqs = self.memory_plan.max_num_seqs
-        self.max_model_len = self.memory_plan.max_model_len
+        # downstream reads these two: the plan's sizes and the figures resolved with it
+        self.resolved = ResolvedConfig.resolve(config, self.memory_plan, self.device.type == "cuda")
+        self.max_num_seqs = self.resolved.max_num_seqs
+        self.max_model_len = self.resolved.max_model_len
         self.num_checkpoint_slots = self.memory_plan.num_checkpoint_slots
         shape = CacheShape.from_plan(self.memory_plan)
         block_pool = BlockPool(shape.num_blocks, shape.block_size)
@@ -79,8 +82,7 @@ class EngineSetup:
                         f"{shape.block_size}")
             prefix_cache = PrefixCache(block_pool, state_pool, identity)
         self.cache_manager = CacheManager(block_pool, state_pool, prefix_cache)
-        self.runner = ModelRunner(model, shape, self.device, self.max_num_seqs, self.max_model_len,
-                                  config.enforce_eager, config.max_num_batched_tokens, config.performance_mode)
+        self.runner = ModelRunner(model, shape, self.device, self.resolved)
 
     @staticmethod
     def _device(name: str) -> torch.device:
@@ -150,9 +152,8 @@ class EngineSetup:
             count = math.ceil(length / block_size)
             block_ids.append(list(range(next_block, next_block + count)))
             next_block += count
-        dtype_name = model_dtype(config.dtype, self.model_config, self.device.type == "cuda")
-        kv_dtype = TORCH_DTYPES[kv_cache_dtype(config.kv_cache_dtype, dtype_name)]
-        ssm_dtype = TORCH_DTYPES[ssm_cache_dtype(config.mamba_ssm_cache_dtype, self.model_config, dtype_name)]
+        _, kv_name, ssm_name = resolve_dtypes(config, self.model_config, self.device.type == "cuda")
+        kv_dtype, ssm_dtype = TORCH_DTYPES[kv_name], TORCH_DTYPES[ssm_name]
         bind_caches(model, CacheShape(next_block, block_size, len(lengths) + 1, kv_dtype, ssm_dtype), self.device)
         pools = [t for a in model.attention_layers for t in (a.k_cache, a.v_cache)]
         pools += [t for g in model.gdn_layers for t in (g.conv_state, g.ssm_state)]

@@ -43,9 +43,8 @@ from deltaserve.request import Request
 # window (W - 1 = 3 for every Qwen3.5 / Qwen3-Next config; the GDN layer checks).
 MID_CHUNK_SAVE_MIN_HEAD = 4
 # Tokens between a decoding request's checkpoints, rounded up to whole blocks. Each save copies a whole GDN state
-# slot (147 MiB on Qwen3.5-27B): at every 16-token block boundary that was ~4 copies per decode step at batch
-# 64 (0.65 ms of a 24 ms step on an H200) and ~16 at batch 256. The next turn recomputes at most this many
-# tokens more, in the same step as its new message.
+# slot (147 MiB on Qwen3.5-27B), so a save at every block boundary would copy several slots a decode step; the
+# next turn recomputes at most this many tokens more, in the same step as its new message.
 DECODE_CHECKPOINT_INTERVAL = 64
 
 
@@ -177,12 +176,11 @@ class CacheManager:
             return 0
         return 0 if self.in_flight.is_to_be_saved(hashes[point // bs - 1], point) else point
 
-    def cut_chunk(self, request: Request, start: int, num_new_tokens: int, save_inside: bool = True) -> int:
+    def cut_chunk(self, request: Request, start: int, num_new_tokens: int) -> int:
         """`num_new_tokens`, or fewer so that the chunk from `start` ends at the request's next checkpoint
-        target that is not cached yet (invariant 3), unless that target can be saved inside the step (and
-        save_inside allows it)."""
+        target that is not cached yet (invariant 3), unless that target can be saved inside the step."""
         target = self._uncached_target(request, start, start + num_new_tokens)
-        if target is None or (save_inside and self._saves_mid_chunk(start, target, start + num_new_tokens)):
+        if target is None or self._saves_mid_chunk(start, target, start + num_new_tokens):
             return num_new_tokens
         return target - start
 

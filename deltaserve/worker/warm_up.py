@@ -1,0 +1,89 @@
+"""GPU start-up warm-ups: every kernel variant that serving can meet is compiled (Triton) or planned (cuDNN)
+before the first request, so that no user's request pays for it (docs/architecture.md, start-up).
+
+    before_capture(model)                the quantized GEMMs' variants at every row class (ops.quant_gemm)
+    after_capture(model, device, tokens) variants that steps outside the CUDA graphs launch: the skinny GEMM's
+                                         row buckets, the gated output norm, the one-split decode attention,
+                                         the grammar mask kernel, cuDNN's attention plans
+    engine_steps(engine)                 a few real steps through the whole engine (LLMEngine.warm_up)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from deltaserve.model.qwen3_5 import HybridForCausalLM
+from deltaserve.ops import quant_gemm
+from deltaserve.ops.linear import warm_up_skinny
+from deltaserve.sampling import SamplingParams
+from deltaserve.structured import bitmask as grammar_bitmask
+
+logger = logging.getLogger(__name__)
+
+
+def before_capture(model: HybridForCausalLM) -> None:
+    """The quantized GEMMs' variants at every row class, compiled before the graphs capture them."""
+    quant_gemm.warm_up([w.prepared for w in model.quantized_weights()], model.model.embed_tokens.weight.dtype)
+
+
+def after_capture(model: HybridForCausalLM, device: torch.device, max_num_batched_tokens: int) -> None:
+    """Kernel variants that steps outside the graphs may launch, compiled now rather than while serving."""
+    from deltaserve.ops.attention.cuda_sdpa import warm_up_cudnn_attention  # GPU only
+
+    warm_up_skinny(model.projection_weights())
+    if model.gdn_layers:  # every GDN layer launches the same variants
+        model.gdn_layers[0].warm_up_output_norm(max_num_batched_tokens)
+    attention = model.attention_layers[0]  # every attention layer launches the same variants
+    attention.warm_up_one_split_decode()
+    grammar_bitmask.warm_up(model.config.vocab_size, device)  # structured output's mask kernel
+    try:
+        warm_up_cudnn_attention(attention.num_heads, attention.num_kv_heads, attention.head_dim,
+                                attention.q_norm.weight.dtype, device, max_num_batched_tokens)
+    except Exception:  # a speed-up only: the first requests pay for it instead, never a failed start
+        logger.exception("warming up cuDNN attention failed; continuing")
+
+
+def engine_steps(engine) -> None:
+    """Run once, before serving, the kind of steps whose kernels compile (Triton) or get planned (cuDNN)
+    at their first use: a prompt of two full chunks and a short tail (chunks over a cached prefix, a checkpoint
+    inside the step), a few short requests, then a prompt that joins while they all decode (one step of decodes
+    and a prompt, with enough decoding sequences for the GDN op to split it), then a resend of that prompt with a
+    new ending (a prefix-cache hit). Their outputs are dropped and the prefix cache is emptied after them.
+    First, xgrammar's view of the vocabulary is built (structured output's; a first such request would wait)."""
+    from deltaserve.ops.gdn.cuda import SPLIT_MIN_SHORT_SEQS
+
+    if engine.tokenizer is not None:
+        engine.grammar_compiler.prepare()
+
+    longest = engine.max_model_len - 8  # room for the outputs and for the resend's longer ending
+    if longest < 16:
+        return
+    start = time.perf_counter()
+    vocab = engine.model_config.vocab_size
+    budget, block = engine.config.max_num_batched_tokens, engine.config.block_size
+
+    def prompt(length: int, salt: int) -> list[int]:
+        return [(i * 7919 + salt * 104729) % vocab for i in range(length)]
+
+    def run_until(done) -> None:
+        while engine.has_unfinished() and not done(engine.step()):
+            pass
+
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    engine.add_request("deltaserve-warm-up-long", prompt(min(2 * budget + 2 * block + 3, longest), 1), params)
+    run_until(lambda outputs: bool(outputs))  # its first token: it decodes from now on
+    for i in range(SPLIT_MIN_SHORT_SEQS):
+        engine.add_request(f"deltaserve-warm-up-decode-{i}", prompt(min(20, longest), 10 + i), params)
+    run_until(lambda outputs: len(outputs) > 1)  # the short ones decode too
+    # longer than the recurrent GDN path takes, and enough to fill the GPU with unsplit attention programs (the
+    # kernel variant a batch of prompts meets)
+    joining = prompt(min(max(300, budget // 2), longest), 2)
+    engine.add_request("deltaserve-warm-up-joining", joining, params)
+    run_until(lambda outputs: False)
+    engine.add_request("deltaserve-warm-up-hit", joining[:-5] + prompt(9, 3), params)
+    run_until(lambda outputs: False)
+    engine.reset_prefix_cache()
+    logger.info("warm-up (the first use of each kind of step) took %.1f s", time.perf_counter() - start)
