@@ -5,6 +5,11 @@ A rule gives ranges (start, length) along one dimension, concatenated in order: 
 their rank's output rows (heads, intermediate rows, vocab rows), row-parallel ones their input columns; a
 tensor no rule names (norms, routers, the shared-expert gate, KV scales) is replicated. The ranges match how
 the layers split themselves (layers/attention.py, gdn.py, mlp.py, embedding.py).
+
+FP8 block-scaled checkpoints (layers/quant/fp8.py): a projection's `weight_scale_inv` [ceil(N/128), ceil(K/128)]
+takes the blocks of its weight's ranges, which must then be whole 128-blocks (or end the tensor); otherwise the
+block straddles two ranks and loading stops with an error naming the tensor. Online FP8 slices the bf16 weight
+and quantizes the rank's slice.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import re
 import torch
 
 from deltaserve.config import ModelConfig
+from deltaserve.layers.quant.fp8 import BLOCK
+from deltaserve.model.errors import WeightLoadError
 from deltaserve.worker.distributed import ParallelContext
 
 Ranges = tuple[int, list[tuple[int, int]]]  # (dim, [(start, length), ...])
@@ -31,6 +38,8 @@ def _scaled(shard: tuple[int, int], unit: int) -> tuple[int, int]:
 
 def rank_ranges(name: str, shape: list[int], cfg: ModelConfig, parallel: ParallelContext) -> Ranges | None:
     """The ranges of checkpoint tensor `name` (ours, of `shape`) this rank holds; None: the whole tensor."""
+    if name.endswith(".weight_scale_inv"):
+        return _block_scale_ranges(name, shape, cfg, parallel)
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         return 0, [parallel.shard(cfg.vocab_size, "vocab_size")]
     if match := _ATTN.search(name):
@@ -52,6 +61,23 @@ def rank_ranges(name: str, shape: list[int], cfg: ModelConfig, parallel: Paralle
     if match := _FUSED_EXPERTS.search(name):
         return _fused_expert_ranges(match.group(1), shape, cfg, parallel)
     return None
+
+
+def _block_scale_ranges(name: str, shape: list[int], cfg: ModelConfig, parallel: ParallelContext) -> Ranges | None:
+    """An FP8 weight's scale blocks [N / 128, K / 128]: those covering the rank's ranges of the weight."""
+    weight = rank_ranges(name.removesuffix("_scale_inv"), [s * b for s, b in zip(shape, BLOCK)], cfg, parallel)
+    if weight is None:
+        return None
+    dim, spans = weight
+    block, blocks = [], BLOCK[dim]
+    for start, length in spans:
+        whole = length % blocks == 0 or -(-(start + length) // blocks) == shape[dim]
+        if start % blocks or not whole:
+            raise WeightLoadError(f"'{name}': FP8 128x128 block scales cannot be split over --tensor-parallel-size "
+                                  f"{parallel.tp_size} (this rank's rows [{start}, {start + length}) along dim {dim} "
+                                  "are not whole blocks)")
+        block.append((start // blocks, -(-length // blocks)))
+    return dim, block
 
 
 def _gdn_ranges(part: str, cfg: ModelConfig, parallel: ParallelContext) -> Ranges:

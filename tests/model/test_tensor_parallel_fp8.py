@@ -1,0 +1,70 @@
+"""FP8 block-scaled checkpoints under tensor parallelism: each rank's loaded e4m3 weights times their sliced
+128 x 128 scales equal that rank's slice of the dequantized twin (which loads through the plain-weight slicing
+that test_tensor_parallel checks end to end), exactly; a rank's rows that split a scale block are refused."""
+
+import pytest
+import torch
+
+from deltaserve.config import ModelConfig
+from deltaserve.demo import build_checkpoint
+from deltaserve.layers.linear import QuantLinear
+from deltaserve.layers.mlp import QuantExperts
+from deltaserve.layers.quant import detect_weight_format
+from deltaserve.layers.quant.fp8 import BLOCK
+from deltaserve.model.errors import WeightLoadError
+from deltaserve.model.loader import build_model, load_safetensors
+from deltaserve.worker.distributed import ParallelContext
+from tests.model.quant_checkpoints import quantize_checkpoint, tiny_source
+
+# Every rank's rows and columns whole 128-blocks at tp_size 2: q 2 x 2 x 128 rows, k and v one 128-row head,
+# GDN q and k one 128-row key head each, v and z two 64-row value heads, MLP widths 128 a rank.
+TP_SHAPES = dict(hidden_size=256, head_dim=128, num_attention_heads=4, num_key_value_heads=2,
+                 linear_num_key_heads=2, linear_key_head_dim=128, linear_num_value_heads=4, linear_value_head_dim=64,
+                 intermediate_size=256, moe_intermediate_size=256, shared_expert_intermediate_size=256)
+
+
+def _dequantized(raw: dict) -> torch.Tensor:
+    """e4m3 weight [N, K] times its scale blocks -> float32 [N, K]."""
+    weight, scale = raw["weight"].float(), raw["weight_scale_inv"]
+    full = scale.repeat_interleave(BLOCK[0], 0).repeat_interleave(BLOCK[1], 1)
+    return weight * full[: weight.shape[0], : weight.shape[1]]
+
+
+def _load(path, parallel, quantized: bool):
+    cfg = ModelConfig.from_pretrained(path)
+    fmt = detect_weight_format(path, None) if quantized else None
+    model = build_model(cfg, torch.float32, "cpu", fmt, parallel)
+    load_safetensors(model, path)
+    return model
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+def test_each_rank_dequantizes_to_its_slice_of_the_twin(tmp_path, arch):
+    source = build_checkpoint(tmp_path / "src", arch, matrix_gain=0.5, config_overrides=TP_SHAPES)
+    pair = quantize_checkpoint(source, tmp_path, "fp8")
+
+    for rank in range(2):
+        parallel = ParallelContext(tp_rank=rank, tp_size=2)
+        ours, twin = _load(pair.path, parallel, True), _load(pair.reference, parallel, False)
+        twin_params = dict(twin.named_parameters())
+        checked = 0
+        for name, module in ours.named_modules():
+            if isinstance(module, QuantLinear):
+                assert torch.equal(_dequantized(module.raw), twin_params[f"{name}.weight"]), name
+                checked += 1
+            elif isinstance(module, QuantExperts):
+                gate_up, down = twin_params[f"{name}.gate_up_proj"], twin_params[f"{name}.down_proj"]
+                inter = module.intermediate_size
+                for e in range(module.num_experts):
+                    assert torch.equal(_dequantized(module.raw[e, "gate_proj"]), gate_up[e, :inter]), (name, e)
+                    assert torch.equal(_dequantized(module.raw[e, "up_proj"]), gate_up[e, inter:]), (name, e)
+                    assert torch.equal(_dequantized(module.raw[e, "down_proj"]), down[e]), (name, e)
+                    checked += 3
+        assert checked == len(pair.quantized)  # every quantized projection, this rank's slice of it
+
+
+def test_a_scale_block_split_between_ranks_is_refused(tmp_path):
+    source = tiny_source(tmp_path / "src", "qwen3_5", matrix_gain=0.5)  # GDN key heads of 32 rows
+    pair = quantize_checkpoint(source, tmp_path, "fp8")
+    with pytest.raises(WeightLoadError, match="FP8 128x128 block scales cannot be split over --tensor-parallel"):
+        _load(pair.path, ParallelContext(tp_rank=1, tp_size=2), True)
