@@ -278,6 +278,9 @@ def plan(cfg: ModelConfig, engine: EngineConfig, *, device_memory_bytes: int | N
                      need_blocks, on_gpu, device_memory_bytes, activation_bytes, overhead_bytes)
     checkpoint_slots = budget.checkpoint_slots
     notes: list[str] = []
+    if weight_format is not None and parallel.tp_size > 1 and not weight_format.tensor_parallel:
+        notes.append(f"deltaserve serve does not load {weight_format.method} checkpoints under --tensor-parallel-size "
+                     f"{parallel.tp_size} yet (only bf16 and FP8): these figures are what it would take")
 
     requested = num_seqs = engine.max_num_seqs
     if engine.num_gpu_blocks_override is not None:
