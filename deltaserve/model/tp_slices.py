@@ -30,6 +30,7 @@ _GDN = re.compile(r"\.linear_attn\.(in_proj_qkv|conv1d|in_proj_z|in_proj_b|in_pr
                   r"out_proj)\.weight$|\.linear_attn\.(dt_bias|A_log)$")
 _MLP = re.compile(r"\.mlp\.(shared_expert\.|experts\.\d+\.)?(gate_proj|up_proj|down_proj)\.weight$")
 _FUSED_EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
+_FUSED_EXPERT_EXTRA = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)_\w+$")  # a quantized one's scales
 
 
 def _scaled(shard: tuple[int, int], unit: int) -> tuple[int, int]:
@@ -40,6 +41,9 @@ def rank_ranges(name: str, shape: list[int], cfg: ModelConfig, parallel: Paralle
     """The ranges of checkpoint tensor `name` (ours, of `shape`) this rank holds; None: the whole tensor."""
     if name.endswith(".weight_scale_inv"):
         return _block_scale_ranges(name, shape, cfg, parallel)
+    if _FUSED_EXPERT_EXTRA.search(name):
+        raise WeightLoadError(f"'{name}': the scales of fused (stacked) quantized experts are not sliced under "
+                              f"--tensor-parallel-size {parallel.tp_size}; per-expert checkpoints are")
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         return 0, [parallel.shard(cfg.vocab_size, "vocab_size")]
     if match := _ATTN.search(name):

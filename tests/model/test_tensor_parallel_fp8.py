@@ -68,3 +68,10 @@ def test_a_scale_block_split_between_ranks_is_refused(tmp_path):
     pair = quantize_checkpoint(source, tmp_path, "fp8")
     with pytest.raises(WeightLoadError, match="FP8 128x128 block scales cannot be split over --tensor-parallel"):
         _load(pair.path, ParallelContext(tp_rank=1, tp_size=2), True)
+
+
+def test_fused_quantized_experts_are_refused_under_tp(tmp_path):
+    source = build_checkpoint(tmp_path / "src", "qwen3_5_moe", matrix_gain=0.5, config_overrides=TP_SHAPES)
+    pair = quantize_checkpoint(source, tmp_path, "fp8", fused_experts=True)
+    with pytest.raises(WeightLoadError, match="fused .stacked. quantized experts are not sliced"):
+        _load(pair.path, ParallelContext(tp_rank=0, tp_size=2), True)
