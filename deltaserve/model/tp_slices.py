@@ -10,6 +10,10 @@ FP8 block-scaled checkpoints (layers/quant/fp8.py): a projection's `weight_scale
 takes the blocks of its weight's ranges, which must then be whole 128-blocks (or end the tensor); otherwise the
 block straddles two ranks and loading stops with an error naming the tensor. Online FP8 slices the bf16 weight
 and quantizes the rank's slice.
+
+NVFP4 (layers/quant/nvfp4.py): the uint8 `weight` packs two values a byte along K and `weight_scale` holds one
+scale per 16 columns, so a row-parallel slice takes half the byte columns and 1/16 of the scale columns (whole
+groups); the per-tensor weight_scale_2 and input_scale are replicated.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 
 from deltaserve.config import ModelConfig
 from deltaserve.layers.quant.fp8 import BLOCK
+from deltaserve.layers.quant.nvfp4 import GROUP as NVFP4_GROUP
 from deltaserve.model.errors import WeightLoadError
 from deltaserve.worker.distributed import ParallelContext
 
@@ -41,6 +46,9 @@ def rank_ranges(name: str, shape: list[int], cfg: ModelConfig, parallel: Paralle
     """The ranges of checkpoint tensor `name` (ours, of `shape`) this rank holds; None: the whole tensor."""
     if name.endswith(".weight_scale_inv"):
         return _block_scale_ranges(name, shape, cfg, parallel)
+    if name.endswith(".weight_scale"):
+        return _packed_ranges(name, rank_ranges(name.removesuffix("_scale"), shape, cfg, parallel), NVFP4_GROUP,
+                              parallel)
     if _FUSED_EXPERT_EXTRA.search(name):
         raise WeightLoadError(f"'{name}': the scales of fused (stacked) quantized experts are not sliced under "
                               f"--tensor-parallel-size {parallel.tp_size}; per-expert checkpoints are")
@@ -84,6 +92,18 @@ def _block_scale_ranges(name: str, shape: list[int], cfg: ModelConfig, parallel:
     return dim, block
 
 
+def _packed_ranges(name: str, ranges: Ranges | None, per_column: int, parallel: ParallelContext) -> Ranges | None:
+    """Ranges of a tensor holding one column per `per_column` of its weight's K (packed values, group scales):
+    row ranges as they are, column ranges in its own columns (whole ones, else an error naming the tensor)."""
+    if ranges is None or ranges[0] == 0:
+        return ranges
+    dim, spans = ranges
+    if any(start % per_column or length % per_column for start, length in spans):
+        raise WeightLoadError(f"'{name}': this rank's columns {spans} are not whole groups of {per_column}, so it "
+                              f"cannot be split over --tensor-parallel-size {parallel.tp_size}")
+    return dim, [(start // per_column, length // per_column) for start, length in spans]
+
+
 def _gdn_ranges(part: str, cfg: ModelConfig, parallel: ParallelContext) -> Ranges:
     k_heads = parallel.shard(cfg.gdn_num_k_heads, "linear_num_key_heads")
     v_heads = parallel.shard(cfg.gdn_num_v_heads, "linear_num_value_heads")
@@ -117,6 +137,8 @@ def read_rank_slice(handle, raw_name: str, name: str, cfg: ModelConfig, parallel
     """This rank's part of checkpoint tensor `raw_name` (ours `name`) from the open safetensors `handle`."""
     piece = handle.get_slice(raw_name)
     ranges = rank_ranges(name, piece.get_shape(), cfg, parallel)
+    if piece.get_dtype() == "U8" and name.endswith(".weight"):  # NVFP4: two e2m1 values a byte along K
+        ranges = _packed_ranges(raw_name, ranges, 2, parallel)
     if ranges is None:
         return handle.get_tensor(raw_name)
     dim, spans = ranges

@@ -1,6 +1,9 @@
-"""FP8 block-scaled checkpoints under tensor parallelism: each rank's loaded e4m3 weights times their sliced
-128 x 128 scales equal that rank's slice of the dequantized twin (which loads through the plain-weight slicing
-that test_tensor_parallel checks end to end), exactly; a rank's rows that split a scale block are refused."""
+"""Quantized checkpoints under tensor parallelism (FP8 block-scaled, NVFP4): each rank's loaded codes and sliced
+scales dequantize to that rank's slice of the dequantized twin (which loads through the plain-weight slicing that
+test_tensor_parallel checks end to end); a rank's rows that split a scale block are refused.
+
+Bound: the twin multiplies codes and scales in float32 in its own order; the same two or three factors in another
+order differ by at most 2 ulps (rtol 2 eps). A scale taken from another rank's block is off by its ratio."""
 
 import pytest
 import torch
@@ -10,7 +13,7 @@ from deltaserve.demo import build_checkpoint
 from deltaserve.layers.linear import QuantLinear
 from deltaserve.layers.mlp import QuantExperts
 from deltaserve.layers.quant import detect_weight_format
-from deltaserve.layers.quant.fp8 import BLOCK
+from deltaserve.layers.quant.weight import fuse_quantized
 from deltaserve.model.errors import WeightLoadError
 from deltaserve.model.loader import build_model, load_safetensors
 from deltaserve.worker.distributed import ParallelContext
@@ -23,11 +26,16 @@ TP_SHAPES = dict(hidden_size=256, head_dim=128, num_attention_heads=4, num_key_v
                  intermediate_size=256, moe_intermediate_size=256, shared_expert_intermediate_size=256)
 
 
-def _dequantized(raw: dict) -> torch.Tensor:
-    """e4m3 weight [N, K] times its scale blocks -> float32 [N, K]."""
-    weight, scale = raw["weight"].float(), raw["weight_scale_inv"]
-    full = scale.repeat_interleave(BLOCK[0], 0).repeat_interleave(BLOCK[1], 1)
-    return weight * full[: weight.shape[0], : weight.shape[1]]
+EPS32 = torch.finfo(torch.float32).eps
+
+
+def _dequantized(scheme, raw: dict, shape: tuple[int, int]) -> torch.Tensor:
+    """One projection's loaded tensors -> its float32 weight [N, K], as the scheme prepares and dequantizes it."""
+    return fuse_quantized([(scheme, dict(raw), shape[0])], shape[1], "cpu").dequantize(torch.float32)
+
+
+def _assert_match(ours: torch.Tensor, twin: torch.Tensor, what) -> None:
+    torch.testing.assert_close(ours, twin, rtol=2 * EPS32, atol=0, msg=lambda m: f"{what}: {m}")
 
 
 def _load(path, parallel, quantized: bool):
@@ -38,10 +46,11 @@ def _load(path, parallel, quantized: bool):
     return model
 
 
+@pytest.mark.parametrize("family", ["fp8", "nvfp4"])
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
-def test_each_rank_dequantizes_to_its_slice_of_the_twin(tmp_path, arch):
+def test_each_rank_dequantizes_to_its_slice_of_the_twin(tmp_path, arch, family):
     source = build_checkpoint(tmp_path / "src", arch, matrix_gain=0.5, config_overrides=TP_SHAPES)
-    pair = quantize_checkpoint(source, tmp_path, "fp8")
+    pair = quantize_checkpoint(source, tmp_path, family)
 
     for rank in range(2):
         parallel = ParallelContext(tp_rank=rank, tp_size=2)
@@ -50,16 +59,19 @@ def test_each_rank_dequantizes_to_its_slice_of_the_twin(tmp_path, arch):
         checked = 0
         for name, module in ours.named_modules():
             if isinstance(module, QuantLinear):
-                assert torch.equal(_dequantized(module.raw), twin_params[f"{name}.weight"]), name
+                shape = (module.out_features, module.in_features)
+                _assert_match(_dequantized(module.scheme, module.raw, shape), twin_params[f"{name}.weight"], name)
                 checked += 1
             elif isinstance(module, QuantExperts):
                 gate_up, down = twin_params[f"{name}.gate_up_proj"], twin_params[f"{name}.down_proj"]
                 inter = module.intermediate_size
+                twins = {"gate_proj": lambda e: gate_up[e, :inter], "up_proj": lambda e: gate_up[e, inter:],
+                         "down_proj": lambda e: down[e]}
                 for e in range(module.num_experts):
-                    assert torch.equal(_dequantized(module.raw[e, "gate_proj"]), gate_up[e, :inter]), (name, e)
-                    assert torch.equal(_dequantized(module.raw[e, "up_proj"]), gate_up[e, inter:]), (name, e)
-                    assert torch.equal(_dequantized(module.raw[e, "down_proj"]), down[e]), (name, e)
-                    checked += 3
+                    for proj, twin_of in twins.items():
+                        ours_e = _dequantized(module.schemes[proj], module.raw[e, proj], module.projection_shape(proj))
+                        _assert_match(ours_e, twin_of(e), (name, e, proj))
+                        checked += 1
         assert checked == len(pair.quantized)  # every quantized projection, this rank's slice of it
 
 
