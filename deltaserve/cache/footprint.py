@@ -8,6 +8,7 @@ memory). Pure arithmetic: no tensors, no CUDA. The memory plan (planner.py) adds
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from deltaserve.config import ConfigError, ModelConfig
 from deltaserve.graph_sizes import PADDED_CHUNK_MIN_ROWS, chunk_graph_sizes, cuda_graph_count, graph_capture_sizes
@@ -20,6 +21,22 @@ FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")  # both mean torch.float8_e4m3fn with 
 _SAMPLER_BYTES_PER_LOGIT = 48
 _GDN_CHUNK = 64  # tokens per chunk of the chunked gated delta rule (fla-core's default)
 _GRAPH_FIXED_BYTES = 1 << 20  # per captured graph, besides its activations and output
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """What of the vocabulary-sized tensors one rank holds (cache/rank_share.py builds it with the rank's view of
+    the config): tp_size splits the embedding and lm_head rows; only the first pipeline stage embeds and only the
+    last holds lm_head (with tied embeddings a last stage that is not the first holds its own copy).
+    first_layer: the checkpoint index of the rank's first layer (the config's layers are the stage's)."""
+
+    tp_size: int = 1
+    first_stage: bool = True
+    last_stage: bool = True
+    first_layer: int = 0
+
+
+WHOLE = RankShare()
 
 
 # ---------------------------------------------------------------------------------------------- dtypes
@@ -65,9 +82,9 @@ def state_bytes_per_slot(cfg: ModelConfig, conv_dtype: str, ssm_dtype: str) -> t
     return conv, ssm
 
 
-def count_parameters(cfg: ModelConfig) -> dict[str, int]:
+def count_parameters(cfg: ModelConfig, share: RankShare = WHOLE) -> dict[str, int]:
     """Parameters by part, exactly as HybridForCausalLM builds them (the MTP head and vision tower are not
-    loaded). "linear": the decoder's projection matrices (what weight quantization compresses); "other":
+    loaded); of one rank with a rank's config and share. "linear": the decoder's projection matrices (what weight quantization compresses); "other":
     norms, conv taps, dt_bias, MoE router gates; "A_log": the decay rates, kept in float32."""
     H, HV = cfg.hidden_size, cfg.gdn_num_v_heads
     q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -75,7 +92,8 @@ def count_parameters(cfg: ModelConfig) -> dict[str, int]:
     attention = H * 2 * q_dim + 2 * H * kv_dim + q_dim * H  # q_proj (query + gate), k_proj, v_proj, o_proj
     gdn = H * (cfg.conv_dim + cfg.gdn_value_dim + 2 * HV) + cfg.gdn_value_dim * H  # in_proj (qkv z b a), out
     linear = num_attention * attention + num_gdn * gdn
-    other = H + 2 * H * cfg.num_layers + num_attention * 2 * cfg.head_dim  # final, layer, q/k norms
+    final_norm = H if share.last_stage else 0  # the last pipeline stage's
+    other = final_norm + 2 * H * cfg.num_layers + num_attention * 2 * cfg.head_dim  # final, layer, q/k norms
     other += num_gdn * (cfg.conv_dim * cfg.conv_kernel + HV + cfg.gdn_v_dim)  # conv1d, dt_bias, gated norm
     for is_moe in cfg.moe_layers:
         if is_moe:
@@ -84,18 +102,20 @@ def count_parameters(cfg: ModelConfig) -> dict[str, int]:
             other += cfg.num_experts * H + (H if shared else 0)  # router gate, shared-expert gate
         else:
             linear += 3 * H * cfg.intermediate_size
-    return {"embed_tokens": cfg.vocab_size * H, "lm_head": 0 if cfg.tie_word_embeddings else cfg.vocab_size * H,
+    vocab_rows = cfg.vocab_size // share.tp_size * H
+    own_lm_head = share.last_stage and not (cfg.tie_word_embeddings and share.first_stage)
+    return {"embed_tokens": vocab_rows if share.first_stage else 0, "lm_head": vocab_rows if own_lm_head else 0,
             "linear": linear, "other": other, "A_log": num_gdn * HV}
 
 
-def projection_shapes(cfg: ModelConfig) -> list[tuple[str, int, int, int]]:
+def projection_shapes(cfg: ModelConfig, first_layer: int = 0) -> list[tuple[str, int, int, int]]:
     """(name, N, K, count) of every projection matrix count_parameters counts as "linear", named as our modules
     are (a block's experts as its expert 0, `count` times): what a quantized checkpoint may store quantized."""
     H, HV = cfg.hidden_size, cfg.gdn_num_v_heads
     q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     shapes = []
     for i, kind in enumerate(cfg.layer_types):
-        layer = f"model.layers.{i}"
+        layer = f"model.layers.{first_layer + i}"
         if kind == "full_attention":
             shapes += [(f"{layer}.self_attn.q_proj", 2 * q_dim, H, 1), (f"{layer}.self_attn.k_proj", kv_dim, H, 1),
                        (f"{layer}.self_attn.v_proj", kv_dim, H, 1), (f"{layer}.self_attn.o_proj", H, q_dim, 1)]
@@ -119,16 +139,16 @@ def projection_shapes(cfg: ModelConfig) -> list[tuple[str, int, int, int]]:
     return shapes
 
 
-def weight_bytes(cfg: ModelConfig, dtype: str, weight_format=None) -> dict[str, int]:
+def weight_bytes(cfg: ModelConfig, dtype: str, weight_format=None, share: RankShare = WHOLE) -> dict[str, int]:
     """Weight bytes by storage format: the model dtype, float32 (A_log), and with a quantized `weight_format`
     (a layers/quant WeightFormat) each part of its projections (packed values, scales, zero points) as the
     prepared weights hold them, the projections it keeps unquantized in the model dtype."""
-    params = count_parameters(cfg)
+    params = count_parameters(cfg, share)
     by_format = {dtype: (params["embed_tokens"] + params["lm_head"] + params["other"]) * DTYPE_BYTES[dtype]}
     if weight_format is None:
         by_format[dtype] += params["linear"] * DTYPE_BYTES[dtype]
     else:
-        for name, n, k, count in projection_shapes(cfg):
+        for name, n, k, count in projection_shapes(cfg, share.first_layer):
             scheme = weight_format.scheme_for(name)
             parts = {dtype: n * k * DTYPE_BYTES[dtype]} if scheme is None else scheme.matrix_bytes(n, k)
             for part, nbytes in parts.items():
@@ -141,14 +161,14 @@ def weight_bytes(cfg: ModelConfig, dtype: str, weight_format=None) -> dict[str, 
 _OWN_INPUT = ("o_proj", "out_proj", "down_proj")
 
 
-def quant_scratch_bytes(cfg: ModelConfig, dtype: str, weight_format=None) -> int:
+def quant_scratch_bytes(cfg: ModelConfig, dtype: str, weight_format=None, first_layer: int = 0) -> int:
     """Bytes of the scratch buffer the int4 / NVFP4 prefill dequantizes into (ops/quant_gemm warm_up): a `dtype`
     copy of the largest such prepared matrix, the projections of one module that share an input joined as
     the loader joins them (an upper bound where a joint does not line up); 0 where no projection uses it."""
     if weight_format is None:
         return 0
     joined: dict[tuple[str, str], int] = {}  # (module or projection, scheme) -> N * K of the joined matrix
-    for name, n, k, _ in projection_shapes(cfg):
+    for name, n, k, _ in projection_shapes(cfg, first_layer):
         scheme = weight_format.scheme_for(name)
         if scheme is None or not scheme.uses_scratch:
             continue

@@ -1,6 +1,7 @@
 """The memory plan as text: the block the engine logs at startup, and `deltaserve plan`.
 
     deltaserve plan MODEL_OR_CONFIG [engine flags] [--gpu NAME | --gpu-memory BYTES] [--quantization METHOD]
+                    [--tensor-parallel-size N] [--pipeline-parallel-size M]
 
 MODEL_OR_CONFIG is a checkpoint directory, a config.json, or a hub id (a copy in the local Hugging Face
 cache, else the published config shipped in deltaserve/model_configs): nothing else is read (no weights, no
@@ -10,6 +11,10 @@ run at once?" is answered before anything is fetched. A quantized checkpoint's w
 load), as `deltaserve serve` would load them. The engine flags are `deltaserve serve`'s; serve
 flags that do not change memory are accepted and listed as ignored. Exit status: 0 when the plan for the
 chosen device fits (or no device was chosen), 1 when it does not, 2 for bad input.
+
+With --tensor-parallel-size / --pipeline-parallel-size the plan is per rank (one device each): every rank of a
+stage holds the same share, so one plan per pipeline stage is printed, and the GPU table shows the tightest stage
+(every stage holds the same requests' KV and states, so the smallest pool bounds them all).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from deltaserve.config import (DTYPES, KV_CACHE_DTYPES, PERFORMANCE_MODES, QUANT
                                ConfigError, EngineConfig, ModelConfig)
 from deltaserve.layers.quant import detect_weight_format
 from deltaserve.model_configs import resolve_model
+from deltaserve.worker.distributed import ParallelContext
 
 
 @dataclass(frozen=True)
@@ -109,7 +115,10 @@ def describe_plan(p: MemoryPlan) -> str:
         budget = f"{p.device_memory_bytes:,} bytes x {p.gpu_memory_utilization} = {p.budget_bytes:,} bytes"
     else:
         budget = f"cache memory {p.cache_memory_bytes:,} bytes from {p.cache_memory_source}"
-    lines = [f"Memory plan for {p.model_name}{on} ({budget})", f"  {'part':<20}{'bytes':>18}{'GiB':>9}  detail"]
+    lines = [f"Memory plan for {p.model_name}{on} ({budget})"]
+    if p.rank is not None:
+        lines.append(f"  per rank: {p.rank}")
+    lines.append(f"  {'part':<20}{'bytes':>18}{'GiB':>9}  detail")
 
     def row(label: str, nbytes: int, detail: str = "") -> None:
         lines.append(f"  {label:<20}{nbytes:>18,}{nbytes / 2**30:>9.2f}  {detail}".rstrip())
@@ -209,6 +218,25 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--prefix-cache-state-slots", type=int, default=None)
+    parser.add_argument("-tp", "--tensor-parallel-size", type=_positive, default=1,
+                        help="plan one rank of this many tensor-parallel GPUs")
+    parser.add_argument("-pp", "--pipeline-parallel-size", type=_positive, default=1,
+                        help="plan each of this many pipeline stages (one rank each)")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+    return value
+
+
+def _tightest(plans: list[MemoryPlan]) -> MemoryPlan:
+    """The stage that bounds the rest: one that does not fit, else the one with the smallest KV pool."""
+    return min(plans, key=lambda p: (p.error is None, p.pool_tokens, p.max_num_seqs))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -229,27 +257,34 @@ def main(argv: list[str] | None = None) -> int:
             performance_mode=args.performance_mode)
         name = _model_name(args.model, source)
         common = dict(weight_format=detect_weight_format(source, args.quantization), model_name=name)
-        table = [(gpu, plan(cfg, engine, device_memory_bytes=gpu.memory_bytes, device_name=gpu.name, **common))
+        tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+        ranks = [ParallelContext(tp_size=tp, pp_rank=stage, pp_size=pp) for stage in range(pp)]
+
+        def stages(**where) -> list[MemoryPlan]:
+            return [plan(cfg, engine, parallel=rank, **where, **common) for rank in ranks]
+
+        table = [(gpu, _tightest(stages(device_memory_bytes=gpu.memory_bytes, device_name=gpu.name)))
                  for gpu in GPUS.values()]
         chosen = None
         if args.gpu is not None:
-            chosen = plan(cfg, engine, device_memory_bytes=args.gpu.memory_bytes, device_name=args.gpu.name, **common)
+            chosen = stages(device_memory_bytes=args.gpu.memory_bytes, device_name=args.gpu.name)
         elif args.gpu_memory is not None or args.kv_cache_memory_bytes is not None:
-            chosen = plan(cfg, engine, device_memory_bytes=args.gpu_memory, **common)
+            chosen = stages(device_memory_bytes=args.gpu_memory)
     except (ConfigError, ValueError) as exc:
         parser.exit(2, f"deltaserve plan: error: {exc}\n")
     out = []
     if ignored:
         out.append(f"ignored (they do not change the memory plan): {' '.join(ignored)}")
     if chosen is not None:
-        out += [describe_plan(chosen), ""]
+        for stage in chosen:
+            out += [describe_plan(stage), ""]
     else:
         facts = table[0][1]
         out += [f"{name}: {_count(facts.num_parameters)} parameters, {facts.weight_bytes / 2**30:.2f} GiB of weights",
                 f"  KV per token: {facts.kv_formula}", f"  GDN state per sequence: {facts.state_formula}", ""]
     out += ["Common GPUs, with the same flags (memory assumed: the total the CUDA driver reports):", gpu_table(table)]
     print("\n".join(out))
-    return 0 if chosen is None or chosen.error is None else 1
+    return 0 if chosen is None or all(stage.error is None for stage in chosen) else 1
 
 
 def _model_name(model: str, source: Path) -> str:

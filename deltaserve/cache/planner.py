@@ -22,6 +22,9 @@ Rules, in order (each one is a line in `notes` when it changes what the user ask
 3. When no flag fixes the cache size, the KV pool never grows past what max_num_seqs requests of the
    target length can use (a tiny model on a big GPU).
 
+Under tensor / pipeline parallelism the plan is one rank's (`parallel`): its share of the weights and of each
+token's KV and each sequence's GDN state (cache/rank_share.py), against one device's memory.
+
 Pure arithmetic on config numbers: no tensors, no CUDA, so `deltaserve plan` runs anywhere.
 """
 
@@ -34,8 +37,10 @@ from dataclasses import dataclass
 from deltaserve.cache.footprint import (DTYPE_BYTES, count_parameters, estimate_activation_bytes,
                                         estimate_cuda_graph_bytes, kv_bytes_per_token, kv_cache_dtype, model_dtype,
                                         quant_scratch_bytes, ssm_cache_dtype, state_bytes_per_slot, weight_bytes)
+from deltaserve.cache.rank_share import rank_config, rank_share
 from deltaserve.config import ConfigError, EngineConfig, ModelConfig
 from deltaserve.graph_sizes import cuda_graph_count
+from deltaserve.worker.distributed import SINGLE, ParallelContext
 
 CPU_CACHE_BYTES = 1 << 30  # cache memory on the CPU when no flag sizes it
 RUNTIME_OVERHEAD_ESTIMATE = 1 << 30  # CUDA context and library workspaces, until the GPU measures them
@@ -102,6 +107,7 @@ class MemoryPlan:
     state_formula: str
     notes: tuple[str, ...] = ()
     error: str | None = None
+    rank: str | None = None  # which rank's share this plan is, under tensor / pipeline parallelism
 
     @property
     def weight_bytes(self) -> int:
@@ -242,22 +248,31 @@ class _Budget:
 
 def plan(cfg: ModelConfig, engine: EngineConfig, *, device_memory_bytes: int | None = None, on_gpu: bool = True,
          activation_bytes: int | None = None, overhead_bytes: int | None = None,
-         weight_format=None, model_name: str = "model", device_name: str | None = None) -> MemoryPlan:
+         weight_format=None, model_name: str = "model", device_name: str | None = None,
+         parallel: ParallelContext = SINGLE) -> MemoryPlan:
     """Plan the memory of `cfg` served with `engine`'s flags.
 
     device_memory_bytes: the device's total memory (needed on the GPU unless --kv-cache-memory-bytes is set).
     on_gpu: False plans the CPU engine (cache memory from the flag, else CPU_CACHE_BYTES; nothing else counts).
     activation_bytes, overhead_bytes: measured at GPU startup; None estimates them.
     weight_format: the checkpoint's quantization (a layers/quant WeightFormat, from detect_weight_format), or None.
+    parallel: the rank planned (its tp/pp place; SINGLE: the whole model on one device).
     A configuration that does not fit gives a plan whose `error` says why; `plan(...).check()` raises it.
     """
+    rank = None
+    share = rank_share(cfg, parallel)
+    if parallel.world_size > 1:
+        layers = parallel.stage_layers(cfg.num_layers)
+        rank = (f"one rank of tensor-parallel size {parallel.tp_size} (its ranks alike), pipeline stage "
+                f"{parallel.pp_rank} of {parallel.pp_size}: layers {layers.start}-{layers.stop - 1} of {cfg.num_layers}")
+        cfg = rank_config(cfg, parallel)
     dtype = model_dtype(engine.dtype, cfg, on_gpu)
     kv_dtype = kv_cache_dtype(engine.kv_cache_dtype, dtype)
     ssm_dtype = ssm_cache_dtype(engine.mamba_ssm_cache_dtype, cfg, dtype)
     conv_bytes, ssm_bytes = state_bytes_per_slot(cfg, dtype, ssm_dtype)  # the conv state keeps the model dtype
     per_token = kv_bytes_per_token(cfg, kv_dtype)
-    weights = weight_bytes(cfg, dtype, weight_format)
-    scratch = quant_scratch_bytes(cfg, dtype, weight_format) if on_gpu else 0
+    weights = weight_bytes(cfg, dtype, weight_format, share)
+    scratch = quant_scratch_bytes(cfg, dtype, weight_format, share.first_layer) if on_gpu else 0
     bs, limit = engine.block_size, cfg.max_position_embeddings
     target_len = engine.max_model_len or limit
     need_blocks = math.ceil(target_len / bs) + 1  # + the null block
@@ -265,6 +280,9 @@ def plan(cfg: ModelConfig, engine: EngineConfig, *, device_memory_bytes: int | N
                      need_blocks, on_gpu, device_memory_bytes, activation_bytes, overhead_bytes)
     checkpoint_slots = budget.checkpoint_slots
     notes: list[str] = []
+    if weight_format is not None and parallel.tp_size > 1 and not weight_format.tensor_parallel:
+        notes.append(f"deltaserve serve does not load {weight_format.method} checkpoints under --tensor-parallel-size "
+                     f"{parallel.tp_size} yet (only bf16, FP8 and NVFP4): these figures are what it would take")
 
     requested = num_seqs = engine.max_num_seqs
     if engine.num_gpu_blocks_override is not None:
@@ -294,7 +312,7 @@ def plan(cfg: ModelConfig, engine: EngineConfig, *, device_memory_bytes: int | N
         gpu_memory_utilization=engine.gpu_memory_utilization, model_dtype=dtype, kv_cache_dtype=kv_dtype,
         conv_state_dtype=dtype, ssm_state_dtype=ssm_dtype,
         weight_format=None if weight_format is None else weight_format.description,
-        num_parameters=sum(count_parameters(cfg).values()), weight_bytes_by_format=weights,
+        num_parameters=sum(count_parameters(cfg, share).values()), weight_bytes_by_format=weights,
         quant_scratch_bytes=scratch,
         activation_bytes=activation, activation_measured=on_gpu and activation_bytes is not None,
         cuda_graph_bytes=graphs, num_cuda_graphs=cuda_graph_count(num_seqs, engine.performance_mode) if graphs else 0,
@@ -309,7 +327,7 @@ def plan(cfg: ModelConfig, engine: EngineConfig, *, device_memory_bytes: int | N
         state_formula=(f"{conv_bytes + ssm_bytes:,} B = {num_gdn} GDN layers x (conv {cfg.conv_dim:,} x "
                        f"{cfg.conv_kernel - 1} x {DTYPE_BYTES[dtype]} B + recurrent {cfg.gdn_num_v_heads} x "
                        f"{cfg.gdn_k_dim} x {cfg.gdn_v_dim} x {DTYPE_BYTES[ssm_dtype]} B)"),
-        notes=tuple(notes), error=error)
+        notes=tuple(notes), error=error, rank=rank)
 
 
 def _clamp_num_seqs(budget: _Budget, requested: int, target_len: int, need_blocks: int, notes: list[str]) -> int:

@@ -3,6 +3,10 @@
 q_proj produces per head [query | gate] (interleaved per head, not split in halves); q and k get a
 zero-centred RMSNorm per head, then partial RoPE; the attention output is multiplied by sigmoid(gate)
 before o_proj. See the architecture reference, section 3.
+
+Under tensor parallelism a rank holds num_heads / tp_size query heads and the KV heads they read
+(`ParallelContext.kv_head_shard`: replicated when tp_size exceeds the KV heads); o_proj is row-parallel and
+its partial sums are all-reduced by the decoder layer.
 """
 
 import torch
@@ -15,6 +19,7 @@ from deltaserve.layers.rotary import PartialRotary
 from deltaserve.ops.attention import chunk_over_prefix_attention, fresh_causal_attention, paged_attention
 from deltaserve.ops.linear import linear
 from deltaserve.ops.rotary import qk_norm_rope_write_kv
+from deltaserve.worker.distributed import SINGLE, ParallelContext
 
 # Chunks shorter than this keep the paged kernel: cuDNN's launches would cost more than they save.
 SDPA_MIN_TOKENS = 512
@@ -28,8 +33,10 @@ class GatedAttention(nn.Module):
     PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")  # the linears a quantized checkpoint may store quantized
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 rotary: PartialRotary, eps: float):
+                 rotary: PartialRotary, eps: float, parallel: ParallelContext = SINGLE):
         super().__init__()
+        num_heads = parallel.shard(num_heads, "num_attention_heads")[1]  # this rank's
+        num_kv_heads = parallel.kv_head_shard(num_kv_heads)[1]
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim * 2, bias=False)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)

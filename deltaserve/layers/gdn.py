@@ -8,6 +8,10 @@ The decoder layer applies the input projection (`in_weight`, with its norm); `fo
 On the GPU, prefill copies no activation: the conv writes q, k and v as three contiguous tensors (fla's
 chunked kernels would copy strided views), and the gated norm reads z as a strided view of the projection.
 Decode keeps q, k, v as strided views of one conv output, which its kernels read in place.
+
+Under tensor parallelism a rank holds a contiguous block of key heads and the value heads that read them (value
+head h reads key head h // (HV / HK)), with their conv channels, A_log, dt_bias and states; the gated norm is per
+head (its weight is shared); out_proj is row-parallel, all-reduced by the decoder layer.
 """
 
 import torch
@@ -20,28 +24,32 @@ from deltaserve.layers.norm import GatedRMSNorm
 from deltaserve.ops.conv1d import conv_decode, conv_prefill
 from deltaserve.ops.gdn import gdn_decode, gdn_gates, gdn_prefill
 from deltaserve.ops.linear import gated_norm_linear
+from deltaserve.worker.distributed import SINGLE, ParallelContext
 
 
 class GatedDeltaNet(nn.Module):
     # the linears a quantized checkpoint may store quantized (conv1d never is)
     PROJECTIONS = ("in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, parallel: ParallelContext = SINGLE):
         super().__init__()
         H = cfg.hidden_size
-        self.num_k_heads, self.num_v_heads = cfg.gdn_num_k_heads, cfg.gdn_num_v_heads
+        # this rank's heads (all of them at tp_size 1)
+        self.num_k_heads = parallel.shard(cfg.gdn_num_k_heads, "linear_num_key_heads")[1]
+        self.num_v_heads = parallel.shard(cfg.gdn_num_v_heads, "linear_num_value_heads")[1]
         self.k_dim, self.v_dim = cfg.gdn_k_dim, cfg.gdn_v_dim
-        self.key_dim, self.value_dim = cfg.gdn_key_dim, cfg.gdn_value_dim
+        self.key_dim, self.value_dim = self.num_k_heads * self.k_dim, self.num_v_heads * self.v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
         self.fused_inproj = cfg.gdn_fused_inproj
         if self.fused_inproj:  # Qwen3-Next: [q|k|v|z] and [b|a], interleaved per key head
             self.in_proj_qkvz = nn.Linear(H, 2 * self.key_dim + 2 * self.value_dim, bias=False)
             self.in_proj_ba = nn.Linear(H, 2 * self.num_v_heads, bias=False)
         else:  # Qwen3.5: separate projections, [q|k|v] flat
-            self.in_proj_qkv = nn.Linear(H, cfg.conv_dim, bias=False)
+            self.in_proj_qkv = nn.Linear(H, self.conv_dim, bias=False)
             self.in_proj_z = nn.Linear(H, self.value_dim, bias=False)
             self.in_proj_b = nn.Linear(H, self.num_v_heads, bias=False)
             self.in_proj_a = nn.Linear(H, self.num_v_heads, bias=False)
-        self.conv1d = nn.Conv1d(cfg.conv_dim, cfg.conv_dim, cfg.conv_kernel, groups=cfg.conv_dim, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, cfg.conv_kernel, groups=self.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = GatedRMSNorm(self.v_dim, cfg.rms_norm_eps)

@@ -7,6 +7,10 @@ plus sigmoid(shared_expert_gate(x)) * shared_expert(x).
 Quantized checkpoints: projections are QuantLinears (layers/linear.py), routed experts a QuantExperts, which
 dequantizes every expert's weights for the same grouped matmul at each forward (correct, not fast); the routers
 (`gate`, `shared_expert_gate`) always stay in the model dtype.
+
+Tensor parallelism shards every expert (and the shared expert, and a dense MLP) by its intermediate size: gate
+and up are column-parallel, down row-parallel; the router is replicated, and the decoder layer all-reduces the
+block's output once (routed experts plus shared expert).
 """
 
 import torch
@@ -17,6 +21,7 @@ from deltaserve.layers.linear import fuse_linears, project
 from deltaserve.layers.quant.weight import fuse_quantized
 from deltaserve.ops.activation import silu_and_mul
 from deltaserve.ops.linear import silu_mul_linear
+from deltaserve.worker.distributed import SINGLE, ParallelContext
 
 
 # (S, K) x grouped (E, K, N) -> (S, N); torch >= 2.10 names it F.grouped_mm, older releases torch._grouped_mm
@@ -28,8 +33,10 @@ class SwiGLU(nn.Module):
 
     PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # the linears a quantized checkpoint may store quantized
 
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, parallel: ParallelContext = SINGLE,
+                 size_field: str = "intermediate_size"):
         super().__init__()
+        intermediate_size = parallel.shard(intermediate_size, size_field)[1]  # this rank's
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
@@ -128,12 +135,14 @@ class QuantExperts(nn.Module):
 
 class SparseMoE(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
-                 shared_intermediate_size: int, norm_topk_prob: bool):
+                 shared_intermediate_size: int, norm_topk_prob: bool, parallel: ParallelContext = SINGLE):
         super().__init__()
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
-        self.experts = Experts(num_experts, hidden_size, intermediate_size)
-        self.shared_expert = SwiGLU(hidden_size, shared_intermediate_size) if shared_intermediate_size else None
+        local_intermediate = parallel.shard(intermediate_size, "moe_intermediate_size")[1]
+        self.experts = Experts(num_experts, hidden_size, local_intermediate)
+        self.shared_expert = (SwiGLU(hidden_size, shared_intermediate_size, parallel, "shared_expert_intermediate_size")
+                              if shared_intermediate_size else None)
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_intermediate_size else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,9 @@ Any missing, unexpected or mis-shaped tensor is an error naming it: nothing part
 Quantized checkpoints (a WeightFormat, layers/quant/) have their projections' tensors routed to quantized modules
 by model/quant_loading.py; everything else loads as here, and a quantized tensor where a parameter expects a float
 one is an error too.
+Under tensor parallelism each rank reads only its slice of the sharded tensors (model/tp_slices.py); quantized
+FP8 block-scaled and NVFP4 checkpoints slice their scales with their weights; the int4 formats (AWQ, GPTQ,
+compressed-tensors) are refused there for now (their packed codes and group scales are not sliced).
 """
 
 from __future__ import annotations
@@ -22,11 +25,13 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
-from deltaserve.config import ModelConfig
+from deltaserve.config import ConfigError, ModelConfig
 from deltaserve.layers.quant.scheme import WeightFormat
 from deltaserve.model.errors import WeightLoadError
 from deltaserve.model.quant_loading import QuantTensors, fill_dummy, quantize_modules
 from deltaserve.model.qwen3_5 import HybridForCausalLM
+from deltaserve.model.tp_slices import read_rank_slice
+from deltaserve.worker.distributed import SINGLE, ParallelContext
 
 logger = logging.getLogger(__name__)
 
@@ -40,14 +45,20 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
-                weight_format: WeightFormat | None = None) -> HybridForCausalLM:
-    """Allocate the model on `device` in `dtype` without initialising it (weights must be loaded next); the
-    projections `weight_format` quantizes get quantized modules, which allocate nothing until loaded."""
+                weight_format: WeightFormat | None = None,
+                parallel: ParallelContext = SINGLE) -> HybridForCausalLM:
+    """Allocate the model (this rank's part of it) on `device` in `dtype` without initialising it (weights must
+    be loaded next); the projections `weight_format` quantizes get quantized modules, which allocate nothing
+    until loaded."""
+    if weight_format is not None and parallel.tp_size > 1 and not weight_format.tensor_parallel:
+        raise ConfigError(f"--tensor-parallel-size {parallel.tp_size} does not support {weight_format.method} "
+                          f"checkpoints yet ({weight_format.description}): their packed weights and scales are not "
+                          "sliced per rank; serve a bf16, FP8 or NVFP4 checkpoint, or --tensor-parallel-size 1")
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = HybridForCausalLM(cfg)
+            model = HybridForCausalLM(cfg, parallel)
     finally:
         torch.set_default_dtype(previous)
     if weight_format is not None:
@@ -63,12 +74,14 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str
 
 def load_model(path: str | Path | None, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
                load_format: str = "auto", seed: int = 0,
-               weight_format: WeightFormat | None = None) -> HybridForCausalLM:
-    """Build the model and load its weights (`load_format` "auto"/"safetensors" or "dummy"), quantized as
-    `weight_format` says (layers/quant/detect.py; None: every weight in `dtype`)."""
+               weight_format: WeightFormat | None = None,
+               parallel: ParallelContext = SINGLE) -> HybridForCausalLM:
+    """Build the model (this rank's part under `parallel`) and load its weights (`load_format`
+    "auto"/"safetensors" or "dummy"), quantized as `weight_format` says (layers/quant/detect.py; None: every
+    weight in `dtype`)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"--load-format {load_format!r} is not supported; choose one of {LOAD_FORMATS}")
-    model = build_model(cfg, dtype, device, weight_format)
+    model = build_model(cfg, dtype, device, weight_format, parallel)
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     else:
@@ -126,7 +139,8 @@ def load_safetensors(model: HybridForCausalLM, path: Path) -> None:
                 if name is None or (tied and name == "lm_head.weight"):
                     skipped += 1
                     continue
-                tensor = handle.get_tensor(raw_name)
+                tensor = (handle.get_tensor(raw_name) if model.parallel.tp_size == 1
+                          else read_rank_slice(handle, raw_name, name, model.config, model.parallel))
                 kv_scale = _KV_SCALE.match(name)
                 if kv_scale:
                     _load_kv_scale(model, kv_scale, tensor, raw_name)

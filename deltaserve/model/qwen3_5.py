@@ -9,6 +9,11 @@ Each norm is applied together with the projection that reads it (`ops.linear.rms
 for batch-1 decode on the GPU where the tuned table says it pays, the norm then the matmul elsewhere), so a
 mixer's forward takes its input projection's output, and a dense MLP's down projection takes the gate/up
 projection's.
+
+Tensor parallelism (`ParallelContext`): each mixer and MLP holds its rank's heads or intermediate slice and ends
+in a row-parallel projection whose partial sums the decoder layer all-reduces, once per mixer and once per MLP
+block; the embedding and lm_head are split along the vocabulary (logits gathered). At tp_size 1 nothing is
+reduced and the model is the plain one.
 """
 
 import torch
@@ -17,12 +22,14 @@ from torch import nn
 from deltaserve.config import ModelConfig
 from deltaserve.layers.attention import GatedAttention
 from deltaserve.layers.batch import ForwardBatch
+from deltaserve.layers.embedding import VocabParallelEmbedding
 from deltaserve.layers.gdn import GatedDeltaNet
 from deltaserve.layers.mlp import SparseMoE, SwiGLU
 from deltaserve.layers.quant.weight import plain_parts, quantized_parts
 from deltaserve.layers.norm import RMSNorm
 from deltaserve.layers.rotary import PartialRotary
 from deltaserve.ops.linear import rms_norm_linear
+from deltaserve.worker.distributed import SINGLE, ParallelContext
 
 
 def norm_then_project(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor):
@@ -34,19 +41,22 @@ def norm_then_project(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | N
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: PartialRotary):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: PartialRotary, parallel: ParallelContext = SINGLE):
         super().__init__()
         self.is_linear = cfg.layer_types[layer_idx] == "linear_attention"
         if self.is_linear:
-            self.linear_attn = GatedDeltaNet(cfg)
+            self.linear_attn = GatedDeltaNet(cfg, parallel)
         else:
             self.self_attn = GatedAttention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                            rotary, cfg.rms_norm_eps)
+                                            rotary, cfg.rms_norm_eps, parallel)
         if cfg.moe_layers[layer_idx]:
             self.mlp = SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
-                                 cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size, cfg.norm_topk_prob)
+                                 cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size, cfg.norm_topk_prob,
+                                 parallel)
         else:
-            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, parallel)
+        # the mixer's and the MLP's row-parallel outputs are partial sums over the TP ranks
+        self.all_reduce = parallel.all_reduce if parallel.tp_size > 1 else None
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -65,21 +75,26 @@ class DecoderLayer(nn.Module):
             residual = residual[rows]
             if x.shape[0] == 0:  # nothing samples: the K/V or state was all this layer had to produce
                 return x, residual
+        if self.all_reduce is not None:
+            x = self.all_reduce(x)
         if isinstance(self.mlp, SwiGLU):
             gate_up, residual = norm_then_project(self.post_attention_layernorm, x, residual, self.mlp.gate_up_weight)
-            return self.mlp.down(gate_up), residual
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+            out = self.mlp.down(gate_up)
+        else:
+            x, residual = self.post_attention_layernorm(x, residual)
+            out = self.mlp(x)
+        return (out if self.all_reduce is None else self.all_reduce(out)), residual
 
 
 class TextModel(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, parallel: ParallelContext = SINGLE):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size) if parallel.tp_size == 1
+                             else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, parallel))
         # One rotary cos/sin cache shared by every attention layer (non-persistent buffers: not in checkpoints).
         rotary = PartialRotary(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, cfg.max_position_embeddings)
         self.rotary = rotary
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, parallel) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch,
@@ -101,11 +116,12 @@ class TextModel(nn.Module):
 class HybridForCausalLM(nn.Module):
     """The causal LM: `forward` gives hidden states, `compute_logits` the logits of chosen rows."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, parallel: ParallelContext = SINGLE):
         super().__init__()
-        self.config = cfg
-        self.model = TextModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.config, self.parallel = cfg, parallel
+        self.model = TextModel(cfg, parallel)
+        # this rank's vocab rows (the embedding's, when tied); compute_logits gathers the rest
+        self.lm_head = nn.Linear(cfg.hidden_size, parallel.shard(cfg.vocab_size, "vocab_size")[1], bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         # All GDN layers' state pools, stacked ([layers, slots, ...]); bound by worker/kv_cache.py
@@ -117,8 +133,8 @@ class HybridForCausalLM(nn.Module):
         return self.model(input_ids, batch, sample_seqs)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, H] -> logits [N, V] in float32."""
-        return self.lm_head(hidden).float()
+        """hidden: [N, H] -> logits [N, V] in float32 (every rank's vocab slice gathered)."""
+        return self.parallel.all_gather(self.lm_head(hidden)).float()
 
     def fuse(self) -> None:
         """After the weights are loaded: merge projections that share an input (see layers/linear.py) and prepare

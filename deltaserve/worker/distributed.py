@@ -52,6 +52,16 @@ class ParallelContext:
         length = size // self.tp_size
         return self.tp_rank * length, length
 
+    def kv_head_shard(self, num_kv_heads: int) -> tuple[int, int]:
+        """(first, count) of the KV heads this rank's query heads read. With more ranks than KV heads each rank
+        holds one, replicated over tp_size / num_kv_heads ranks (rank r's query heads all read head r // that)."""
+        if self.tp_size <= num_kv_heads:
+            return self.shard(num_kv_heads, "num_key_value_heads")
+        if self.tp_size % num_kv_heads:
+            raise ValueError(f"num_key_value_heads = {num_kv_heads} does not divide --tensor-parallel-size "
+                             f"{self.tp_size} (each KV head is replicated over a whole number of ranks)")
+        return self.tp_rank // (self.tp_size // num_kv_heads), 1
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over the TP group, in place; x unchanged when tp_size == 1."""
         if self.tp_size > 1:

@@ -7,7 +7,7 @@
 
 Block 0 and state slot 0 are the null block / dummy slot: padding rows of a batch point at them, and the
 pools never hand them to a request. State rows after the working slots are the prefix cache's checkpoint
-slots (cache/state_pool.py). An fp8 (float8_e4m3fn) KV cache holds K / k_scale and V / v_scale, with the
+slots (cache/state_pool.py). Under tensor parallelism n_kv, conv_dim and HV are this rank's (the layers'). An fp8 (float8_e4m3fn) KV cache holds K / k_scale and V / v_scale, with the
 per-tensor scales kept on each attention layer. The sizes come from the memory plan (cache/planner.py).
 """
 
@@ -42,15 +42,16 @@ def bind_caches(model: HybridForCausalLM, shape: CacheShape, device: torch.devic
     cfg = model.config
     conv_dtype = model.model.embed_tokens.weight.dtype
     for attn in model.attention_layers:
-        kv_shape = (shape.num_blocks, shape.block_size, cfg.num_kv_heads, cfg.head_dim)
+        kv_shape = (shape.num_blocks, shape.block_size, attn.num_kv_heads, cfg.head_dim)
         attn.k_cache = torch.zeros(kv_shape, dtype=shape.kv_dtype, device=device)
         attn.v_cache = torch.zeros(kv_shape, dtype=shape.kv_dtype, device=device)
     # One tensor per state kind for all GDN layers, each layer's pool a contiguous view of it: a prefix-cache
     # slot copy is then one gather and one scatter per kind (state_copy.py), not two per layer.
     layers = model.gdn_layers
-    model.conv_states = torch.zeros(len(layers), shape.num_state_slots, cfg.conv_dim, cfg.conv_kernel - 1,
+    conv_dim, num_v_heads = (layers[0].conv_dim, layers[0].num_v_heads) if layers else (0, 0)  # this rank's
+    model.conv_states = torch.zeros(len(layers), shape.num_state_slots, conv_dim, cfg.conv_kernel - 1,
                                     dtype=conv_dtype, device=device)  # [L, S, conv_dim, W-1]
-    model.ssm_states = torch.zeros(len(layers), shape.num_state_slots, cfg.gdn_num_v_heads, cfg.gdn_k_dim,
+    model.ssm_states = torch.zeros(len(layers), shape.num_state_slots, num_v_heads, cfg.gdn_k_dim,
                                    cfg.gdn_v_dim, dtype=shape.ssm_dtype, device=device)  # [L, S, HV, K, V]
     for i, gdn in enumerate(layers):
         gdn.conv_state = model.conv_states[i]

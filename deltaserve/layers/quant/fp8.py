@@ -111,6 +111,7 @@ class Fp8Format(WeightFormat):
     """Qwen's FP8 checkpoints (kept_bf16: modules_to_not_convert), or online FP8 of a bf16 one (online=True)."""
 
     method = "fp8"
+    tensor_parallel = True  # the scale blocks of a rank's rows are whole 128-blocks (model/tp_slices.py)
 
     def __init__(self, kept_bf16: list[str], online: bool = False):
         self.kept_bf16 = tuple(kept_bf16)

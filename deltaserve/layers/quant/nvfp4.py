@@ -70,6 +70,7 @@ class Nvfp4Scheme(Scheme):
 
 class Nvfp4Format(WeightFormat):
     method = "modelopt"
+    tensor_parallel = True  # packed bytes and 16-column scales sliced by whole groups (model/tp_slices.py)
     description = "nvfp4 e2m1 weights, e4m3 scales per 16 (ModelOpt), served weight-only with bf16 activations"
 
     def __init__(self, excluded: list[str]):

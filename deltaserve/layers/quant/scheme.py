@@ -103,6 +103,8 @@ class WeightFormat:
 
     method: str = ""
     description: str = ""
+    # whether the loader can read a tensor-parallel rank's slice of its tensors (model/tp_slices.py)
+    tensor_parallel: bool = False
 
     def scheme_for(self, name: str) -> Scheme | None:
         """The scheme storing our projection `name`, or None: it stays in the model dtype."""

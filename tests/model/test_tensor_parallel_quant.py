@@ -1,0 +1,89 @@
+"""Quantized checkpoints under tensor parallelism (FP8 block-scaled, NVFP4): each rank's loaded codes and sliced
+scales dequantize to that rank's slice of the dequantized twin (which loads through the plain-weight slicing that
+test_tensor_parallel checks end to end); a rank's rows that split a scale block are refused.
+
+Bound: the twin multiplies codes and scales in float32 in its own order; the same two or three factors in another
+order differ by at most 2 ulps (rtol 2 eps). A scale taken from another rank's block is off by its ratio."""
+
+import pytest
+import torch
+
+from deltaserve.config import ModelConfig
+from deltaserve.demo import build_checkpoint
+from deltaserve.layers.linear import QuantLinear
+from deltaserve.layers.mlp import QuantExperts
+from deltaserve.layers.quant import detect_weight_format
+from deltaserve.layers.quant.weight import fuse_quantized
+from deltaserve.model.errors import WeightLoadError
+from deltaserve.model.loader import build_model, load_safetensors
+from deltaserve.worker.distributed import ParallelContext
+from tests.model.quant_checkpoints import quantize_checkpoint, tiny_source
+
+# Every rank's rows and columns whole 128-blocks at tp_size 2: q 2 x 2 x 128 rows, k and v one 128-row head,
+# GDN q and k one 128-row key head each, v and z two 64-row value heads, MLP widths 128 a rank.
+TP_SHAPES = dict(hidden_size=256, head_dim=128, num_attention_heads=4, num_key_value_heads=2,
+                 linear_num_key_heads=2, linear_key_head_dim=128, linear_num_value_heads=4, linear_value_head_dim=64,
+                 intermediate_size=256, moe_intermediate_size=256, shared_expert_intermediate_size=256)
+
+
+EPS32 = torch.finfo(torch.float32).eps
+
+
+def _dequantized(scheme, raw: dict, shape: tuple[int, int]) -> torch.Tensor:
+    """One projection's loaded tensors -> its float32 weight [N, K], as the scheme prepares and dequantizes it."""
+    return fuse_quantized([(scheme, dict(raw), shape[0])], shape[1], "cpu").dequantize(torch.float32)
+
+
+def _assert_match(ours: torch.Tensor, twin: torch.Tensor, what) -> None:
+    torch.testing.assert_close(ours, twin, rtol=2 * EPS32, atol=0, msg=lambda m: f"{what}: {m}")
+
+
+def _load(path, parallel, quantized: bool):
+    cfg = ModelConfig.from_pretrained(path)
+    fmt = detect_weight_format(path, None) if quantized else None
+    model = build_model(cfg, torch.float32, "cpu", fmt, parallel)
+    load_safetensors(model, path)
+    return model
+
+
+@pytest.mark.parametrize("family", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+def test_each_rank_dequantizes_to_its_slice_of_the_twin(tmp_path, arch, family):
+    source = build_checkpoint(tmp_path / "src", arch, matrix_gain=0.5, config_overrides=TP_SHAPES)
+    pair = quantize_checkpoint(source, tmp_path, family)
+
+    for rank in range(2):
+        parallel = ParallelContext(tp_rank=rank, tp_size=2)
+        ours, twin = _load(pair.path, parallel, True), _load(pair.reference, parallel, False)
+        twin_params = dict(twin.named_parameters())
+        checked = 0
+        for name, module in ours.named_modules():
+            if isinstance(module, QuantLinear):
+                shape = (module.out_features, module.in_features)
+                _assert_match(_dequantized(module.scheme, module.raw, shape), twin_params[f"{name}.weight"], name)
+                checked += 1
+            elif isinstance(module, QuantExperts):
+                gate_up, down = twin_params[f"{name}.gate_up_proj"], twin_params[f"{name}.down_proj"]
+                inter = module.intermediate_size
+                twins = {"gate_proj": lambda e: gate_up[e, :inter], "up_proj": lambda e: gate_up[e, inter:],
+                         "down_proj": lambda e: down[e]}
+                for e in range(module.num_experts):
+                    for proj, twin_of in twins.items():
+                        ours_e = _dequantized(module.schemes[proj], module.raw[e, proj], module.projection_shape(proj))
+                        _assert_match(ours_e, twin_of(e), (name, e, proj))
+                        checked += 1
+        assert checked == len(pair.quantized)  # every quantized projection, this rank's slice of it
+
+
+def test_a_scale_block_split_between_ranks_is_refused(tmp_path):
+    source = tiny_source(tmp_path / "src", "qwen3_5", matrix_gain=0.5)  # GDN key heads of 32 rows
+    pair = quantize_checkpoint(source, tmp_path, "fp8")
+    with pytest.raises(WeightLoadError, match="FP8 128x128 block scales cannot be split over --tensor-parallel"):
+        _load(pair.path, ParallelContext(tp_rank=1, tp_size=2), True)
+
+
+def test_fused_quantized_experts_are_refused_under_tp(tmp_path):
+    source = build_checkpoint(tmp_path / "src", "qwen3_5_moe", matrix_gain=0.5, config_overrides=TP_SHAPES)
+    pair = quantize_checkpoint(source, tmp_path, "fp8", fused_experts=True)
+    with pytest.raises(WeightLoadError, match="fused .stacked. quantized experts are not sliced"):
+        _load(pair.path, ParallelContext(tp_rank=0, tp_size=2), True)
