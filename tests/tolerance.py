@@ -1,0 +1,102 @@
+"""Float tolerances derived from the computation under test, instead of constants that happened to pass.
+
+The model is the classical forward-error bound of floating-point summation (Higham, "Accuracy and Stability of
+Numerical Algorithms", 2nd ed., section 3.1): a sum of n terms computed in ANY order (sequential, blocked,
+pairwise, several vector lanes, with or without FMA) satisfies
+
+    |fl(sum) - sum| <= gamma(n) * sum |terms|,      gamma(n) = n*u / (1 - n*u),  u = the unit roundoff,
+
+and a dot product of length K, one rounding per product on top, has gamma(K) * sum_k |a_k| |b_k|. Because the
+bound holds for every summation order, it holds for whatever blocking an instruction set (AVX2, AVX-512, AMX)
+or library picks: a tolerance built from it does not pass on one CPU and fail on the next. It is a worst case
+(the constant c of "c * K * u * M" is 1, no probabilistic sqrt(K) discount), so it leaves a margin over the
+typical error while staying far below what a real bug (a wrong scale, a dropped term, a 1% perturbation) makes.
+
+Helpers, from one op to a whole model:
+    unit_roundoff, gamma                   the constants
+    matmul_bound(a, b)                     elementwise bound of a @ b, from the operands themselves
+    dot_bound(K, M)                        scalar bound of a length-K reduction of terms of magnitude <= M
+    both_sides(*bounds)                    two rounded computations of one exact value (engine vs plain path)
+    recurrence_bound(T, K, M)              a non-expansive recurrence (the GDN state) over T steps
+    stack_bound(K_layer, depth, M)         a residual stack: error grows linearly with depth
+    assert_within(actual, expected, bound) the check, with the worst element named when it fails
+"""
+
+import torch
+
+UNIT_ROUNDOFF = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """Half the gap between 1 and the next number of dtype: the relative error of one rounding."""
+    if dtype not in UNIT_ROUNDOFF:
+        raise ValueError(f"no unit roundoff known for dtype {dtype}")
+    return UNIT_ROUNDOFF[dtype]
+
+
+def gamma(n: int, dtype: torch.dtype) -> float:
+    """Higham's gamma_n = n u / (1 - n u): the relative bound of n chained roundings (n u < 1 required)."""
+    nu = n * unit_roundoff(dtype)
+    if nu >= 1:
+        raise ValueError(f"gamma({n}) undefined in {dtype}: n * u = {nu:.3g} >= 1")
+    return nu / (1 - nu)
+
+
+def matmul_bound(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Elementwise bound of |fl(a @ b) - a @ b|: gamma(K) * (|a| @ |b|), a [..., M, K], b [..., K, N].
+    dtype is the precision the product is computed in (default a's); the magnitudes come from the operands."""
+    dtype = dtype or a.dtype
+    k = a.shape[-1]
+    return gamma(k, dtype) * (a.double().abs() @ b.double().abs())
+
+
+def dot_bound(k: int, magnitude: float, dtype: torch.dtype) -> float:
+    """Scalar bound of a length-k reduction whose terms are each at most `magnitude` in size: gamma(k) * k * M."""
+    return gamma(k, dtype) * k * magnitude
+
+
+def both_sides(*bounds):
+    """Two (or more) rounded computations of one exact value differ by at most the sum of their bounds."""
+    return sum(bounds)
+
+
+def recurrence_bound(steps: int, reduction: int, magnitude: float, dtype: torch.dtype) -> float:
+    """Bound on a state carried over `steps` steps of a non-expansive update, each step one chain of
+    `reduction` roundings on values of size <= magnitude.
+
+    For the gated delta rule S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T with unit keys,
+    beta in [0, 1] and g <= 0, the transition's spectral norm is <= 1: an error made at step t is not amplified
+    later, so the errors of the steps add up (T per-step bounds). A chunked evaluation reassociates the same
+    products (within a chunk of C tokens every element is a sum over C tokens and K key components), so pass
+    reduction = K + C for it and K for the per-token loop.
+    """
+    return steps * gamma(reduction, dtype) * magnitude
+
+
+def stack_bound(reduction_per_layer: int, depth: int, magnitude: float, dtype: torch.dtype) -> float:
+    """First-order bound on the output of a pre-norm residual stack, x_{l+1} = x_l + f_l(norm(x_l)).
+
+    Each layer adds its own rounding, gamma(reduction_per_layer) relative to the stream's magnitude, where
+    reduction_per_layer is the longest chain of dependent roundings a value goes through in one layer (the
+    in-projection's hidden size, the mixer's reductions over head dims and tokens, the out-projection's width,
+    the MLP's two). An error already in the stream passes the residual unchanged and reaches f_l through a
+    norm, which keeps it the same relative error; taking each f_l as well conditioned (relative condition
+    number <= 1), the layers' errors add: depth * gamma(reduction_per_layer) * magnitude.
+    """
+    return depth * gamma(reduction_per_layer, dtype) * magnitude
+
+
+def assert_within(actual: torch.Tensor, expected: torch.Tensor, bound, what: str = "") -> None:
+    """|actual - expected| <= bound elementwise (bound a tensor broadcasting against them, or a number).
+    Exact NaN/inf positions must agree; the message names the worst element against its bound."""
+    actual, expected = actual.double(), expected.double()
+    assert actual.shape == expected.shape, f"{what}: shapes {tuple(actual.shape)} vs {tuple(expected.shape)}"
+    finite = torch.isfinite(expected)
+    assert torch.equal(finite, torch.isfinite(actual)), f"{what}: non-finite values differ"
+    bound = torch.as_tensor(bound, dtype=torch.float64).expand_as(expected)
+    err = torch.where(finite, (actual - expected).abs(), 0.0)
+    ratio = err / bound.clamp_min(torch.finfo(torch.float64).tiny)
+    worst = int(ratio.argmax())
+    assert ratio.flatten()[worst] <= 1, (
+        f"{what}: |diff| {err.flatten()[worst].item():.3g} > derived bound {bound.flatten()[worst].item():.3g} "
+        f"at flat index {worst} ({int((ratio > 1).sum())} of {ratio.numel()} elements over)")
