@@ -18,6 +18,7 @@ Helpers, from one op to a whole model:
     dot_bound(K, M)                        scalar bound of a length-K reduction of terms of magnitude <= M
     both_sides(*bounds)                    two rounded computations of one exact value (engine vs plain path)
     recurrence_bound(T, K, M)              a non-expansive recurrence (the GDN state) over T steps
+    attention_bound(q, k, v, scale, S)     softmax attention, from the operands' magnitudes
     stack_bound(K_layer, depth, M)         a residual stack: error grows linearly with depth
     assert_within(actual, expected, bound) the check, with the worst element named when it fails
 """
@@ -71,6 +72,24 @@ def recurrence_bound(steps: int, reduction: int, magnitude: float, dtype: torch.
     reduction = K + C for it and K for the per-token loop.
     """
     return steps * gamma(reduction, dtype) * magnitude
+
+
+SOFTMAX_ROUNDINGS = 6  # per probability: the max subtraction, exp (within ~4 ulp), the divide
+
+
+def attention_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, kv_len: int,
+                    dtype: torch.dtype) -> float:
+    """Bound on |fl(softmax(scale q k^T) v) - exact| computed in dtype over at most kv_len keys, for q, k and v
+    of any leading shape ([..., head_dim]; the magnitudes are taken over all of them).
+
+    A score is a head_dim dot product: error e <= gamma(hd) * scale * max_q ||q||_1 * max |k|. Softmax turns
+    score errors of at most e into probability errors of at most 2e in l1, and adds its own roundings (the
+    normaliser sums kv_len terms); the weighted sum of values is a kv_len reduction of terms p_s |v_s|, with
+    sum p_s = 1. All times max |v|.
+    """
+    score = gamma(q.shape[-1], dtype) * scale * q.double().abs().sum(-1).max().item() * k.double().abs().max().item()
+    probabilities = 2 * score + gamma(kv_len + SOFTMAX_ROUNDINGS, dtype)
+    return v.double().abs().max().item() * (probabilities + gamma(kv_len, dtype))
 
 
 def stack_bound(reduction_per_layer: int, depth: int, magnitude: float, dtype: torch.dtype) -> float:

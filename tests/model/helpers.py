@@ -3,7 +3,7 @@
 import torch
 import transformers
 
-from tests.tolerance import stack_bound
+from tests.tolerance import assert_within, both_sides, stack_bound
 
 from deltaserve.config import ModelConfig
 from deltaserve.layers.batch import ForwardBatch
@@ -108,7 +108,19 @@ def layer_chain(cfg: ModelConfig, seq_len: int) -> int:
     return cfg.hidden_size + max(attention, gdn) + out_width + cfg.hidden_size + down + cfg.num_experts_per_tok + 1
 
 
-def logits_bound(cfg: ModelConfig, seq_len: int, logit_scale: float) -> float:
-    """Bound on |float32 logits - exact| for cfg over seq_len tokens: the stack of num_layers layers plus the
-    LM head (one more hidden-size reduction), relative to the logits' own scale (tests/tolerance.py)."""
-    return stack_bound(layer_chain(cfg, seq_len), cfg.num_layers + 1, logit_scale, torch.float32)
+def model_bound(cfg: ModelConfig, seq_len: int, magnitude: float) -> float:
+    """Bound on |float32 result - exact| of anything the float32 model cfg computes over up to seq_len tokens
+    (logits, a layer's KV or GDN state): the stack of num_layers layers plus the LM head (one more hidden-size
+    reduction), relative to the result's own magnitude (tests/tolerance.py's stack_bound)."""
+    return stack_bound(layer_chain(cfg, seq_len), cfg.num_layers + 1, magnitude, torch.float32)
+
+
+def layer_bound(cfg: ModelConfig, seq_len: int, magnitude: float) -> float:
+    """model_bound for one layer of cfg (its output, or the state it writes) rather than the whole stack."""
+    return stack_bound(layer_chain(cfg, seq_len), 1, magnitude, torch.float32)
+
+
+def assert_paths_agree(got: torch.Tensor, want: torch.Tensor, bound, what: str) -> None:
+    """Two float32 evaluations of one exact value (an engine path and the plain one): each side carries its
+    own rounding, so they may differ by twice `bound(magnitude)`, magnitude the plain side's largest element."""
+    assert_within(got, want, both_sides(bound(want.abs().max().item()), bound(want.abs().max().item())), what)

@@ -1,6 +1,6 @@
 """Our model against transformers on tiny random checkpoints of all three architectures (float32, CPU).
 
-Truth is transformers in float64. Bound: tests.model.helpers.logits_bound, derived from the config and the
+Truth is transformers in float64. Bound: tests.model.helpers.model_bound, derived from the config and the
 sequence length (the depth and the reduction chain of each layer, tests/tolerance.py), relative to the
 largest truth logit. A wrong layout, norm, gate or cache position is off by 1e-2 of the logit scale or more.
 """
@@ -8,7 +8,7 @@ largest truth logit. A wrong layout, norm, gate or cache position is off by 1e-2
 import pytest
 import torch
 
-from tests.model.helpers import SequenceRunner, load_pair, logits_bound
+from tests.model.helpers import SequenceRunner, load_pair, model_bound
 from tests.tolerance import assert_within
 
 ARCHS = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
@@ -16,7 +16,7 @@ ARCHS = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
 
 def assert_close(ours: torch.Tensor, truth: torch.Tensor, cfg, seq_len: int) -> None:
     """ours within the derived float32 bound of truth, for sequences of up to seq_len tokens."""
-    assert_within(ours, truth, logits_bound(cfg, seq_len, truth.abs().max().item()), "logits vs transformers")
+    assert_within(ours, truth, model_bound(cfg, seq_len, truth.abs().max().item()), "logits vs transformers")
 
 
 def reference_logits(ref, ids, rows=slice(None)):
