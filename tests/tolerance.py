@@ -78,18 +78,22 @@ SOFTMAX_ROUNDINGS = 6  # per probability: the max subtraction, exp (within ~4 ul
 
 
 def attention_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, kv_len: int,
-                    dtype: torch.dtype) -> float:
-    """Bound on |fl(softmax(scale q k^T) v) - exact| computed in dtype over at most kv_len keys, for q, k and v
-    of any leading shape ([..., head_dim]; the magnitudes are taken over all of them).
+                    dtype: torch.dtype, operands: torch.dtype | None = None) -> float:
+    """Bound on |fl(softmax(scale q k^T) v) - exact| accumulated in dtype over at most kv_len keys, for q, k and
+    v of any leading shape ([..., head_dim]; the magnitudes are taken over all of them). `operands`: the dtype
+    that q, K, the probabilities and V are rounded to before entering the dots (float16 tensor-core dots), if
+    coarser than dtype.
 
-    A score is a head_dim dot product: error e <= gamma(hd) * scale * max_q ||q||_1 * max |k|. Softmax turns
-    score errors of at most e into probability errors of at most 2e in l1, and adds its own roundings (the
-    normaliser sums kv_len terms); the weighted sum of values is a kv_len reduction of terms p_s |v_s|, with
-    sum p_s = 1. All times max |v|.
+    A score is a head_dim dot product: error e <= gamma(hd) * scale * max_q ||q||_1 * max |k| (plus one
+    rounding of q and of k to `operands`). Softmax turns score errors of at most e into probability errors of
+    at most 2e in l1, and adds its own roundings (the normaliser sums kv_len terms; one more to `operands`); the
+    weighted sum of values is a kv_len reduction of terms p_s |v_s|, with sum p_s = 1. All times max |v|.
     """
-    score = gamma(q.shape[-1], dtype) * scale * q.double().abs().sum(-1).max().item() * k.double().abs().max().item()
-    probabilities = 2 * score + gamma(kv_len + SOFTMAX_ROUNDINGS, dtype)
-    return v.double().abs().max().item() * (probabilities + gamma(kv_len, dtype))
+    operand = unit_roundoff(operands) if operands is not None else 0.0
+    score_magnitude = scale * q.double().abs().sum(-1).max().item() * k.double().abs().max().item()
+    score = (gamma(q.shape[-1], dtype) + 2 * operand) * score_magnitude
+    probabilities = 2 * score + gamma(kv_len + SOFTMAX_ROUNDINGS, dtype) + operand
+    return v.double().abs().max().item() * (probabilities + gamma(kv_len, dtype) + operand)
 
 
 def stack_bound(reduction_per_layer: int, depth: int, magnitude: float, dtype: torch.dtype) -> float:
