@@ -17,7 +17,7 @@ Helpers, from one op to a whole model:
     matmul_bound(a, b)                     elementwise bound of a @ b, from the operands themselves
     dot_bound(K, M)                        scalar bound of a length-K reduction of terms of magnitude <= M
     both_sides(*bounds)                    two rounded computations of one exact value (engine vs plain path)
-    recurrence_bound(T, K, M)              a non-expansive recurrence (the GDN state) over T steps
+    recurrence_bound(steps, chain, M)      a non-expansive recurrence (the GDN state): steps add up
     attention_bound(q, k, v, scale, S)     softmax attention, from the operands' magnitudes
     stack_bound(K_layer, depth, M)         a residual stack: error grows linearly with depth
     assert_within(actual, expected, bound) the check, with the worst element named when it fails
@@ -67,9 +67,9 @@ def recurrence_bound(steps: int, reduction: int, magnitude: float, dtype: torch.
 
     For the gated delta rule S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T with unit keys,
     beta in [0, 1] and g <= 0, the transition's spectral norm is <= 1: an error made at step t is not amplified
-    later, so the errors of the steps add up (T per-step bounds). A chunked evaluation reassociates the same
-    products (within a chunk of C tokens every element is a sum over C tokens and K key components), so pass
-    reduction = K + C for it and K for the per-token loop.
+    later, so the errors of the steps add up. Token by token: T steps of a K-term reduction (K the key dim).
+    Chunked over C tokens: the same products reassociated, one step per chunk (ceil(T / C) steps), each a chain
+    of K + 2C roundings (the C-term triangular solve inside the chunk, then the C-term state update).
     """
     return steps * gamma(reduction, dtype) * magnitude
 
@@ -78,22 +78,25 @@ SOFTMAX_ROUNDINGS = 6  # per probability: the max subtraction, exp (within ~4 ul
 
 
 def attention_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, kv_len: int,
-                    dtype: torch.dtype, operands: torch.dtype | None = None) -> float:
+                    dtype: torch.dtype, operands: torch.dtype | None = None,
+                    probabilities: torch.dtype | None = None) -> float:
     """Bound on |fl(softmax(scale q k^T) v) - exact| accumulated in dtype over at most kv_len keys, for q, k and
-    v of any leading shape ([..., head_dim]; the magnitudes are taken over all of them). `operands`: the dtype
-    that q, K, the probabilities and V are rounded to before entering the dots (float16 tensor-core dots), if
-    coarser than dtype.
+    v of any leading shape ([..., head_dim]; the magnitudes are taken over all of them). `operands`: a coarser
+    dtype that q, K and V are rounded to first (the caller's tensors being finer); `probabilities`: a coarser
+    dtype the probabilities are rounded to before the weighted sum (float16 tensor-core dots).
 
     A score is a head_dim dot product: error e <= gamma(hd) * scale * max_q ||q||_1 * max |k| (plus one
     rounding of q and of k to `operands`). Softmax turns score errors of at most e into probability errors of
-    at most 2e in l1, and adds its own roundings (the normaliser sums kv_len terms; one more to `operands`); the
-    weighted sum of values is a kv_len reduction of terms p_s |v_s|, with sum p_s = 1. All times max |v|.
+    at most 2e in l1, and adds its own roundings (the normaliser sums kv_len terms; one more to
+    `probabilities`); the weighted sum of values is a kv_len reduction of terms p_s |v_s|, with sum p_s = 1
+    (plus V's rounding to `operands`). All times max |v|.
     """
     operand = unit_roundoff(operands) if operands is not None else 0.0
+    probability = unit_roundoff(probabilities) if probabilities is not None else 0.0
     score_magnitude = scale * q.double().abs().sum(-1).max().item() * k.double().abs().max().item()
     score = (gamma(q.shape[-1], dtype) + 2 * operand) * score_magnitude
-    probabilities = 2 * score + gamma(kv_len + SOFTMAX_ROUNDINGS, dtype) + operand
-    return v.double().abs().max().item() * (probabilities + gamma(kv_len, dtype) + operand)
+    weights = 2 * score + gamma(kv_len + SOFTMAX_ROUNDINGS, dtype) + probability
+    return v.double().abs().max().item() * (weights + gamma(kv_len, dtype) + operand)
 
 
 def stack_bound(reduction_per_layer: int, depth: int, magnitude: float, dtype: torch.dtype) -> float:
@@ -114,6 +117,8 @@ def assert_within(actual: torch.Tensor, expected: torch.Tensor, bound, what: str
     Exact NaN/inf positions must agree; the message names the worst element against its bound."""
     actual, expected = actual.double(), expected.double()
     assert actual.shape == expected.shape, f"{what}: shapes {tuple(actual.shape)} vs {tuple(expected.shape)}"
+    if expected.numel() == 0:
+        return
     finite = torch.isfinite(expected)
     assert torch.equal(finite, torch.isfinite(actual)), f"{what}: non-finite values differ"
     bound = torch.as_tensor(bound, dtype=torch.float64).expand_as(expected)

@@ -99,10 +99,10 @@ def layer_chain(cfg: ModelConfig, seq_len: int) -> int:
     in-projection (hidden) + mixer + out-projection (its width) + MLP up (hidden) and down (intermediate, plus
     the sum over the chosen experts and the shared one). The attention mixer reduces over head_dim then over
     the keys; the GDN mixer is its conv plus a recurrence, token by token (seq_len steps of a key-dim reduction)
-    or chunked (a (key dim + chunk) reduction per chunk), whichever is longer.
+    or chunked (a chain of key dim + 2 chunk per chunk), whichever is longer (tests.tolerance.recurrence_bound).
     """
     attention = cfg.head_dim + seq_len
-    gdn = cfg.conv_kernel + max(seq_len * cfg.gdn_k_dim, -(-seq_len // GDN_CHUNK) * (cfg.gdn_k_dim + GDN_CHUNK))
+    gdn = cfg.conv_kernel + max(seq_len * cfg.gdn_k_dim, -(-seq_len // GDN_CHUNK) * (cfg.gdn_k_dim + 2 * GDN_CHUNK))
     out_width = max(cfg.num_heads * cfg.head_dim, cfg.gdn_num_v_heads * cfg.gdn_v_dim)
     down = max(cfg.intermediate_size, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size)
     return cfg.hidden_size + max(attention, gdn) + out_width + cfg.hidden_size + down + cfg.num_experts_per_tok + 1

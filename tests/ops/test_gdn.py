@@ -7,9 +7,9 @@ from deltaserve.ops.gdn import chunk_gated_delta_rule, fused_recurrent_gated_del
 from tests.tolerance import assert_within, both_sides, gamma, recurrence_bound, unit_roundoff
 
 # The ops compute in float32, the oracle in float64. Bounds come from tests.tolerance.recurrence_bound: with
-# unit keys, betas in [0, 1] and decays <= 1 the state update is non-expansive, so the float32 error of the
-# state after T tokens is at most T per-token roundings (a (key dim + chunk) reduction each when chunked), on
-# the largest state the oracle passes through. Outputs are S^T q with |q|_1 <= 1 (q is scaled to norm
+# unit keys, betas in [0, 1] and decays <= 1 the state update is non-expansive, so the float32 errors of the
+# steps add: T key-dim reductions token by token, ceil(T / C) chains of key dim + 2C when chunked, on the
+# largest state the oracle passes through. Outputs are S^T q with |q|_1 <= 1 (q is scaled to norm
 # key_dim^-0.5), so they carry the state's error plus one key-dim reduction. An algebra slip (a wrong decay,
 # a missing beta) shows up at 1e-2 or more.
 
@@ -44,7 +44,10 @@ def oracle(q, k, v, g, beta, initial_state, cu_seqlens):
 def bounds(steps: int, head_dim: int, magnitude: float, chunk_size: int | None = None):
     """(output bound, state bound) of one float32 evaluation over `steps` tokens whose states stay below
     magnitude: chunked when chunk_size is given, token by token otherwise."""
-    state = recurrence_bound(steps, head_dim + (chunk_size or 0), magnitude, torch.float32)
+    if chunk_size:
+        state = recurrence_bound(-(-steps // chunk_size), head_dim + 2 * chunk_size, magnitude, torch.float32)
+    else:
+        state = recurrence_bound(steps, head_dim, magnitude, torch.float32)
     return state + gamma(head_dim, torch.float32) * magnitude, state
 
 

@@ -52,8 +52,9 @@ SIGMOID_ROUNDINGS = 8  # the output gate: exp (within ~4 ulp), add, divide, the 
 
 def kernel_bound(batch, half: bool = False):
     """Kernel vs reference, both rounded: tests.tolerance.attention_bound per side, from the batch's q and cached
-    K/V (the NaN outside the sequences left out). half: q, K and the probabilities enter the kernel's dots in
-    float16 (accumulated in float32) and its output is float16; the reference computes in float32. A wrong mask,
+    K/V (the NaN outside the sequences left out). half: q and K are float16 already, the kernel rounds the
+    probabilities to float16 for its dots (accumulated in float32) and its output is float16; the reference
+    computes in float32 on the same values. A wrong mask,
     block or head shows up at 1e-2 or more."""
     k, v = (torch.nan_to_num(batch[name].float(), nan=0.0) for name in ("k_cache", "v_cache"))
     args = (batch["q"].float(), k, v, batch["scale"], int(batch["seq_lens"].max()), torch.float32)
@@ -61,7 +62,7 @@ def kernel_bound(batch, half: bool = False):
     if not half:
         return both_sides(reference_side, reference_side)
     output_rounding = unit_roundoff(torch.float16) * v.abs().max().item()
-    return both_sides(reference_side, attention_bound(*args, operands=torch.float16) + output_rounding)
+    return both_sides(reference_side, attention_bound(*args, probabilities=torch.float16) + output_rounding)
 
 
 @pytest.fixture
