@@ -79,13 +79,14 @@ SOFTMAX_ROUNDINGS = 6  # per probability: the max subtraction, exp (within ~4 ul
 
 def attention_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, kv_len: int,
                     dtype: torch.dtype, operands: torch.dtype | None = None,
-                    probabilities: torch.dtype | None = None) -> float:
+                    probabilities: torch.dtype | None = None, scores: torch.dtype | None = None) -> float:
     """Bound on |fl(softmax(scale q k^T) v) - exact| accumulated in dtype over at most kv_len keys, for q, k and
     v of any leading shape ([..., head_dim]; the magnitudes are taken over all of them). `operands`: a coarser
     dtype that q, K and V are rounded to first (the caller's tensors being finer); `probabilities`: a coarser
-    dtype the probabilities are rounded to before the weighted sum (float16 tensor-core dots).
+    dtype the probabilities are rounded to before the weighted sum (float16 tensor-core dots); `scores`: a
+    coarser dtype the scores are stored in (a bf16 matmul), one rounding of each.
 
-    A score is a head_dim dot product: error e <= gamma(hd) * scale * max_q ||q||_1 * max |k| (plus one
+    A score is a head_dim dot product: error e <= gamma(hd) * scale * max sum_d |q_d| |k_d| (plus one
     rounding of q and of k to `operands`). Softmax turns score errors of at most e into probability errors of
     at most 2e in l1, and adds its own roundings (the normaliser sums kv_len terms; one more to
     `probabilities`); the weighted sum of values is a kv_len reduction of terms p_s |v_s|, with sum p_s = 1
@@ -93,8 +94,11 @@ def attention_bound(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     """
     operand = unit_roundoff(operands) if operands is not None else 0.0
     probability = unit_roundoff(probabilities) if probabilities is not None else 0.0
-    score_magnitude = scale * q.double().abs().sum(-1).max().item() * k.double().abs().max().item()
-    score = (gamma(q.shape[-1], dtype) + 2 * operand) * score_magnitude
+    head_dim = q.shape[-1]  # the largest sum_d |q_d| |k_d| over every (query row, key row) pair:
+    pairs = q.double().abs().reshape(-1, head_dim) @ k.double().abs().reshape(-1, head_dim).T
+    score_magnitude = scale * pairs.max().item()
+    score_rounding = unit_roundoff(scores) if scores is not None else 0.0
+    score = (gamma(head_dim, dtype) + 2 * operand + score_rounding) * score_magnitude
     weights = 2 * score + gamma(kv_len + SOFTMAX_ROUNDINGS, dtype) + probability
     return v.double().abs().max().item() * (weights + gamma(kv_len, dtype) + operand)
 

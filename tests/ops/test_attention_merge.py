@@ -24,13 +24,15 @@ def merge_bound(values: torch.Tensor, lse: torch.Tensor, parts: int) -> float:
                                                   + gamma(parts * MERGE_ROUNDINGS, torch.float32))
 
 
-def paths_bound(q, k, v, scale, kv_len, parts, operands=None):
-    """A path (parts merged; q, K, V rounded to `operands` first, the output too) against the float32 oracle."""
+def paths_bound(q, k, v, scale, kv_len, parts, half=None):
+    """A path (parts merged; in `half`, a matmul storing scores, probabilities and the output in it) against
+    the float32 oracle on the same values."""
     oracle_side = attention_bound(q, k, v, scale, kv_len, torch.float32)
-    path_side = attention_bound(q, k, v, scale, kv_len, torch.float32, operands) + merge_bound(v, scale * (
-        q.double().abs().sum(-1).max() * k.double().abs().max()) + math.log(kv_len), parts)
-    if operands is not None:
-        path_side += unit_roundoff(operands) * v.double().abs().max().item()
+    path_side = attention_bound(q, k, v, scale, kv_len, torch.float32, probabilities=half, scores=half)
+    path_side += merge_bound(v, scale * (q.double().abs().sum(-1).max() * k.double().abs().max())
+                             + math.log(kv_len), parts)
+    if half is not None:
+        path_side += unit_roundoff(half) * v.double().abs().max().item()
     return both_sides(oracle_side, path_side)
 
 
@@ -106,8 +108,9 @@ def test_fresh_prompts_padded_to_buckets_match_reference(monkeypatch):
         length = end - start
         k_cache, v_cache = kv[0][start:end, None], kv[1][start:end, None]  # one token per block
         table = torch.arange(length, dtype=torch.int32)[None]
-        expected = oracle(q[start:end], k_cache, v_cache, table, 0, length, 0.25)
-        bound = paths_bound(q[start:end], kv[0][start:end], kv[1][start:end], 0.25, length, 1, torch.bfloat16)
+        expected = oracle(q[start:end].bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), table, 0, length, 0.25)
+        bound = paths_bound(q[start:end].bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), 0.25, length, 1,
+                            torch.bfloat16)
         assert_within(out[start:end], expected, bound, f"bf16 prompt of {length}")
 
 
@@ -156,8 +159,9 @@ def test_fp8_cache_is_attended_as_the_paged_kernel_reads_it(monkeypatch):
     q = torch.randn(prefix + length, 6, 16, generator=gen)
     out = cuda_attention.fresh_causal_attention(q.bfloat16(), fresh_k.bfloat16(), fresh_v.bfloat16(),
                                                 torch.tensor([0, prefix + length]), 0.25 * k_scale, v_scale=v_scale)
-    assert_within(out, oracle(q, k_held, v_held, table, 0, prefix + length, 0.25),
-                  paths_bound(q, *held, 0.25, prefix + length, 1, torch.bfloat16), "fp8 fresh prompt")
+    # the oracle on q as the path has it (bf16); the fp8 values are bf16-exact
+    assert_within(out, oracle(q.bfloat16(), k_held, v_held, table, 0, prefix + length, 0.25),
+                  paths_bound(q.bfloat16(), *held, 0.25, prefix + length, 1, torch.bfloat16), "fp8 fresh prompt")
 
 
 def test_cudnn_refusal_falls_back_to_the_paged_kernel(monkeypatch):
