@@ -24,9 +24,10 @@ CONFIGS = [(8, 32, 1, 1)] + ([linear_cuda.DEFAULT_CONFIG, "tuned"] if DEVICE == 
 
 # Fused kernel vs reference, both rounded: per side a K-term GEMM accumulated in float32 over the prologue's
 # output (an RMS norm: D + 4 roundings; SiLU and mul: 9; the gated norm: D + 12), relative to |f(x)| @ |W|^T
-# (tests/tolerance.py). In bf16 (GPU) also up to BF16_ROUNDINGS roundings to bf16 of the prologue's
-# intermediates and the output.
-BF16_ROUNDINGS = 4
+# (tests/tolerance.py). In bf16 (GPU) also up to BF16_ROUNDINGS roundings to bf16, relative to the same
+# magnitudes, per side: the prologue's intermediates (up to 4 for the gated norm), cuBLAS's reduced-precision
+# split-K partial sums (the reference), the output.
+BF16_ROUNDINGS = 8
 NORM_ROUNDINGS, SILU_MUL_ROUNDINGS = 4, 9
 
 
