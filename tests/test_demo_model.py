@@ -121,10 +121,10 @@ def test_engine_greedy_equals_transformers_on_the_demo_model(llm):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     for prompt, output in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
         ours = output.outputs[0].token_ids
-        ref, gaps = transformers_greedy(DEMO_MODEL_DIR, prompt, params.max_tokens)
-        if ours != ref:  # allowed only at an exact-arithmetic near tie of transformers' own logits
+        ref, gaps, ties = transformers_greedy(DEMO_MODEL_DIR, prompt, params.max_tokens)
+        if ours != ref:  # allowed only at a near tie of transformers' own logits (within float32 rounding)
             i = next(i for i, (a, b) in enumerate(zip(ours, ref)) if a != b)
-            assert gaps[i] < 1e-3, f"diverged from transformers at step {i} (top-2 gap {gaps[i]:.3g})"
+            assert gaps[i] < ties[i], f"diverged from transformers at step {i} (top-2 gap {gaps[i]:.3g})"
 
 
 def test_greedy_chat_closes_its_thinking_and_stops(llm):

@@ -25,7 +25,8 @@ Helpers, from one op to a whole model:
 
 import torch
 
-UNIT_ROUNDOFF = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+UNIT_ROUNDOFF = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11,
+                 torch.float8_e4m3fn: 2.0**-4}
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:
