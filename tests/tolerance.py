@@ -18,10 +18,13 @@ Helpers, from one op to a whole model:
     unit_roundoff, gamma                   the constants
     both_sides(*bounds)                    two rounded computations of one exact value (engine vs plain path)
     recurrence_bound(steps, chain, M)      a non-expansive recurrence (the GDN state): steps add up
+    silu_chain(x)                          the roundings of SiLU over x
     attention_bound(q, k, v, scale, S)     softmax attention, from the operands' magnitudes
     stack_bound(K_layer, depth, M)         a residual stack: error grows linearly with depth
     assert_within(actual, expected, bound) the check, with the worst element named when it fails
 """
+
+import math
 
 import torch
 
@@ -60,6 +63,15 @@ def recurrence_bound(steps: int, reduction: int, magnitude: float, dtype: torch.
     of K + 2C roundings (the C-term triangular solve inside the chunk, then the C-term state update).
     """
     return steps * gamma(reduction, dtype) * magnitude
+
+
+SILU_ROUNDINGS = 8  # x / (1 + exp(-x)): exp within ~4 ulp, the add, the divide, and a product after it
+
+
+def silu_chain(x: torch.Tensor) -> int:
+    """Roundings, relative to its result, of SiLU over x: SILU_ROUNDINGS, plus the exp argument's own rounding,
+    which exp turns into a relative error of |x| u (a GPU's exp2(x log2 e) twice that): 2 max |x| more."""
+    return SILU_ROUNDINGS + math.ceil(2 * x.double().abs().max().item())
 
 
 SOFTMAX_ROUNDINGS = 6  # per probability: the max subtraction, exp (within ~4 ulp), the divide
