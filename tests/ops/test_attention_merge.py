@@ -17,10 +17,11 @@ MERGE_ROUNDINGS = 6  # per part: the lse difference, exp, the weighted add, the 
 
 def merge_bound(values: torch.Tensor, lse: torch.Tensor, parts: int) -> float:
     """Bound of the float32 merge of `parts` float32-rounded partial attentions: each part's output rounded
-    (u max |v|), its log-sum-exp rounded (an absolute u |lse| that becomes a relative error of its weight, so
-    2 u max |lse| in l1 over weights summing to 1), and the merge's own roundings."""
+    (u max |v|); its log-sum-exp rounded, and the exp argument lse_i - lse rounded again (a GPU's exp2 of it
+    times log2 e), each an absolute u 2 max |lse| that becomes a relative error of the part's weight: 4 u max
+    |lse| in l1 over weights summing to 1; and the merge's own roundings."""
     u = unit_roundoff(torch.float32)
-    return values.double().abs().max().item() * (u + 2 * u * lse.double().abs().max().item()
+    return values.double().abs().max().item() * (u + 4 * u * lse.double().abs().max().item()
                                                   + gamma(parts * MERGE_ROUNDINGS, torch.float32))
 
 
@@ -28,7 +29,10 @@ def paths_bound(q, k, v, scale, kv_len, parts, half=None):
     """A path (parts merged; in `half`, a matmul storing scores, probabilities and the output in it) against
     the float32 oracle on the same values."""
     oracle_side = attention_bound(q, k, v, scale, kv_len, torch.float32)
-    path_side = attention_bound(q, k, v, scale, kv_len, torch.float32, probabilities=half, scores=half)
+    # on the GPU cuBLAS may also reduce split-K partials in bf16: one more rounding of scores and outputs,
+    # covered as roundings of the operands
+    operands = half if DEVICE == "cuda" else None
+    path_side = attention_bound(q, k, v, scale, kv_len, torch.float32, operands, probabilities=half, scores=half)
     path_side += merge_bound(v, scale * (q.double().abs().sum(-1).max() * k.double().abs().max())
                              + math.log(kv_len), parts)
     if half is not None:
