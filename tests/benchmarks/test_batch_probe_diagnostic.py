@@ -8,6 +8,7 @@ pytest.importorskip("triton")
 
 from benchmarks import batch_probe  # noqa: E402
 from tests.ops.interpreter import patch_interpreter_index  # noqa: E402
+from tests.tolerance import assert_within, both_sides, gamma  # noqa: E402
 
 patch_interpreter_index()
 
@@ -22,10 +23,14 @@ def test_diagnostic_modes():
     expected = (weight.sum(1, keepdim=True).expand(n, rows),  # the weights' sum, in every column
                 blocks.sum(1) @ x[:, : tile[1]].T,  # every K block's dot against the first x tile
                 weight @ x.T)  # the product
-    for mode, want in enumerate(expected):
+    # each a k-term float32 reduction on both sides: gamma(k) on the sum of its terms' magnitudes
+    magnitudes = (weight.abs().sum(1, keepdim=True).expand(n, rows), blocks.abs().sum(1) @ x[:, : tile[1]].abs().T,
+                  weight.abs() @ x.abs().T)
+    for mode, (want, magnitude) in enumerate(zip(expected, magnitudes)):
         out = torch.empty(n, rows)
         batch_probe._diagnostic(x, weight, out, tile, mode)
-        torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
+        one_side = gamma(k, torch.float32) * magnitude.double()
+        assert_within(out, want, both_sides(one_side, one_side), f"mode {mode}")
 
 
 def test_diagnose_refuses_row_counts_a_dot_tile_cannot_take(capsys):

@@ -9,8 +9,10 @@ import torch
 import transformers
 
 from deltaserve import LLM, RequestOutputKind, SamplingParams
+from deltaserve.config import ModelConfig
 from deltaserve.outputs import OutputAccumulator
 from deltaserve.ops.gdn.cuda import SPLIT_MIN_SHORT_SEQS
+from tests.model.helpers import model_bound
 
 ARCHS = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -25,17 +27,21 @@ def token_ids(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-def transformers_greedy(path, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
-    """transformers' greedy continuation and, per step, the gap between its two best logits."""
+def transformers_greedy(path, prompt: list[int], n: int) -> tuple[list[int], list[float], list[float]]:
+    """transformers' greedy continuation; per step, the gap between its two best logits, and the near-tie
+    threshold under which two float32 evaluations (ours and transformers') may rank them differently: each
+    logit of each side within model_bound of the exact one, so the gap within 4 bounds (tests/tolerance.py)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ids, gaps = list(prompt), []
+    cfg = ModelConfig.from_pretrained(path)
+    ids, gaps, ties = list(prompt), [], []
     with torch.no_grad():
         for _ in range(n):
             logits = model(torch.tensor([ids])).logits[0, -1]
             top = torch.topk(logits, 2).values
             gaps.append((top[0] - top[1]).item())
+            ties.append(4 * model_bound(cfg, len(ids), logits.abs().max().item()))
             ids.append(int(logits.argmax()))
-    return ids[len(prompt):], gaps
+    return ids[len(prompt):], gaps, ties
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -51,10 +57,10 @@ def test_batched_greedy_equals_each_alone_and_transformers(arch_llm):
     alone = [token_ids(llm.generate([p], GREEDY, use_tqdm=False))[0] for p in ps]
     assert batched == alone
     for prompt, ours in zip(ps[:3], batched):
-        ref, gaps = transformers_greedy(path, prompt, GREEDY.max_tokens)
-        if ours != ref:  # allowed only at an exact-arithmetic near tie of transformers' own logits
+        ref, gaps, ties = transformers_greedy(path, prompt, GREEDY.max_tokens)
+        if ours != ref:  # allowed only at a near tie of transformers' own logits (within float32 rounding)
             i = next(i for i, (a, b) in enumerate(zip(ours, ref)) if a != b)
-            assert gaps[i] < 1e-3, f"diverged from transformers at step {i} (top-2 gap {gaps[i]:.3g})"
+            assert gaps[i] < ties[i], f"diverged from transformers at step {i} (top-2 gap {gaps[i]:.3g})"
 
 
 def test_chunked_prefill_and_preemption_give_identical_outputs(make_checkpoint):

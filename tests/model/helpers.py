@@ -3,12 +3,15 @@
 import torch
 import transformers
 
+from tests.tolerance import assert_within, both_sides, stack_bound
+
 from deltaserve.config import ModelConfig
 from deltaserve.layers.batch import ForwardBatch
 from deltaserve.model.loader import load_model
 from deltaserve.worker.kv_cache import CacheShape, bind_caches
 
 BLOCK_SIZE = 4  # small and odd-fitting on purpose: most sequences span several partial blocks
+GDN_CHUNK = 64  # tokens per chunk of the chunked gated delta rule (ops/gdn/reference.py's default)
 
 
 class Reference:
@@ -87,3 +90,37 @@ def cache_tensors(model) -> list[torch.Tensor]:
     """Every tensor a step writes besides its outputs: KV caches and the stacked GDN pools."""
     kv = [t for layer in model.attention_layers for t in (layer.k_cache, layer.v_cache)]
     return kv + [model.conv_states, model.ssm_states]
+
+
+def layer_chain(cfg: ModelConfig, seq_len: int) -> int:
+    """The longest chain of dependent roundings a hidden value goes through in one layer of cfg, for sequences
+    of up to seq_len tokens: tests.tolerance.stack_bound's reduction_per_layer.
+
+    in-projection (hidden) + mixer + out-projection (its width) + MLP up (hidden) and down (intermediate, plus
+    the sum over the chosen experts and the shared one). The attention mixer reduces over head_dim then over
+    the keys; the GDN mixer is its conv plus a recurrence, token by token (seq_len steps of a key-dim reduction)
+    or chunked (a chain of key dim + 2 chunk per chunk), whichever is longer (tests.tolerance.recurrence_bound).
+    """
+    attention = cfg.head_dim + seq_len
+    gdn = cfg.conv_kernel + max(seq_len * cfg.gdn_k_dim, -(-seq_len // GDN_CHUNK) * (cfg.gdn_k_dim + 2 * GDN_CHUNK))
+    out_width = max(cfg.num_heads * cfg.head_dim, cfg.gdn_num_v_heads * cfg.gdn_v_dim)
+    down = max(cfg.intermediate_size, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size)
+    return cfg.hidden_size + max(attention, gdn) + out_width + cfg.hidden_size + down + cfg.num_experts_per_tok + 1
+
+
+def model_bound(cfg: ModelConfig, seq_len: int, magnitude: float) -> float:
+    """Bound on |float32 result - exact| of anything the float32 model cfg computes over up to seq_len tokens
+    (logits, a layer's KV or GDN state): the stack of num_layers layers plus the LM head (one more hidden-size
+    reduction), relative to the result's own magnitude (tests/tolerance.py's stack_bound)."""
+    return stack_bound(layer_chain(cfg, seq_len), cfg.num_layers + 1, magnitude, torch.float32)
+
+
+def layer_bound(cfg: ModelConfig, seq_len: int, magnitude: float) -> float:
+    """model_bound for one layer of cfg (its output, or the state it writes) rather than the whole stack."""
+    return stack_bound(layer_chain(cfg, seq_len), 1, magnitude, torch.float32)
+
+
+def assert_paths_agree(got: torch.Tensor, want: torch.Tensor, bound, what: str) -> None:
+    """Two float32 evaluations of one exact value (an engine path and the plain one): each side carries its
+    own rounding, so they may differ by twice `bound(magnitude)`, magnitude the plain side's largest element."""
+    assert_within(got, want, both_sides(bound(want.abs().max().item()), bound(want.abs().max().item())), what)

@@ -3,6 +3,7 @@ alone) gives those rows' logits as the full step does, and writes the same KV ca
 architecture, with none sampled, and with a Gated DeltaNet last layer (float32, CPU reference ops)."""
 
 import dataclasses
+from functools import partial
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from deltaserve.config import ModelConfig
 from deltaserve.layers.batch import ForwardBatch
 from deltaserve.model.loader import load_model
 from deltaserve.worker.kv_cache import CacheShape, bind_caches
-from tests.model.helpers import BLOCK_SIZE, cache_tensors
+from tests.model.helpers import BLOCK_SIZE, assert_paths_agree, cache_tensors, model_bound
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -46,7 +47,8 @@ def _check_sampled_rows(model, vocab: int) -> None:
         assert hidden.shape == (len(chosen), full.shape[1])
         if chosen:
             expected = model.compute_logits(full[batch.logits_indices[chosen]])
-            torch.testing.assert_close(model.compute_logits(hidden), expected, atol=1e-5, rtol=1e-5)
+            bound = partial(model_bound, model.config, 7 + 9)  # sequence 0: 7 cached tokens and 9 new
+            assert_paths_agree(model.compute_logits(hidden), expected, bound, "sampled rows' logits")
         for got, want in zip(caches, full_caches):
             torch.testing.assert_close(got, want, atol=0, rtol=0)
     assert not torch.equal(full_caches[-1], before[-1])  # the step did write the recurrent states

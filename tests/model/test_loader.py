@@ -22,6 +22,7 @@ from deltaserve.layers.batch import ForwardBatch
 from deltaserve.model.loader import WeightLoadError, init_dummy_weights, load_model
 from deltaserve.model_configs import CONFIGS_DIR
 from deltaserve.worker.kv_cache import CacheShape, bind_caches
+from tests.tolerance import assert_within, both_sides, unit_roundoff
 
 # Published config -> nominal size in billions of parameters (from the model's name).
 NOMINAL_BILLIONS = {"qwen3.5-0.8b": 0.8, "qwen3.5-4b": 4, "qwen3.5-9b": 9, "qwen3.5-27b": 27,
@@ -384,7 +385,11 @@ def test_fp8_kv_scales_are_read_and_applied(make_checkpoint, tmp_path):
         with torch.no_grad():
             results[name] = (model.compute_logits(model(ids, batch)), model.model.layers[3].self_attn.k_cache)
     (plain_logits, plain_cache), (scaled_logits, scaled_cache) = results["plain"], results["scaled"]
-    # the scaled cache holds twice the unscaled values (k_scale 0.5), each rounded to e4m3 (3 mantissa bits)
-    torch.testing.assert_close(scaled_cache[1:4].float() * 0.5, plain_cache[1:4].float(), atol=1e-2, rtol=0.13)
+    # the scaled cache holds twice the unscaled values (k_scale 0.5), each rounded to e4m3 (3 mantissa bits):
+    # within u = 1/16 relative on each side, or half the subnormal spacing 2^-9 (the scaled one's halved)
+    fp8_u, half_spacing = unit_roundoff(torch.float8_e4m3fn), 0.5 * 2.0**-9
+    plain_k = plain_cache[1:4].double()
+    bound = both_sides(fp8_u * plain_k.abs() + half_spacing, fp8_u * plain_k.abs() + 0.5 * half_spacing)
+    assert_within(scaled_cache[1:4].double() * 0.5, plain_k, bound, "scaled fp8 cache")
     assert not torch.equal(scaled_cache[1:4].float(), plain_cache[1:4].float())
     torch.testing.assert_close(scaled_logits, plain_logits, atol=0.1, rtol=0.1)
