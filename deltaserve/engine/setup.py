@@ -24,11 +24,12 @@ from deltaserve.cache.state_pool import StatePool
 from deltaserve.config import ConfigError, EngineConfig, ModelConfig
 from deltaserve.layers.batch import ForwardBatch
 from deltaserve.layers.quant import detect_weight_format
-from deltaserve.model.loader import load_model
+from deltaserve.model.loader import build_model, load_model
 from deltaserve.model.qwen3_5 import HybridForCausalLM
 from deltaserve.model_configs import is_shipped_config, resolve_model
 from deltaserve.sampling import Sampler, SamplingParams
 from deltaserve.worker.kv_cache import TORCH_DTYPES, CacheShape, bind_caches, release_caches
+from deltaserve.worker.executor import MultiprocExecutor, WorkerSpec, free_port
 from deltaserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -60,9 +61,13 @@ class EngineSetup:
         self.weight_format = detect_weight_format(model_path, config.quantization)
         if self.weight_format is not None:
             logger.info("quantized weights: %s", self.weight_format.description)
+        world = config.tensor_parallel_size * config.pipeline_parallel_size
         reserved_before = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
-        model = load_model(model_path, self.model_config, self.dtype, self.device, config.load_format, config.seed,
-                           self.weight_format)
+        if world > 1:  # the workers load the weights; here a shape-only model for the plan
+            model = build_model(self.model_config, self.dtype, "meta", self.weight_format)
+        else:
+            model = load_model(model_path, self.model_config, self.dtype, self.device, config.load_format,
+                               config.seed, self.weight_format)
 
         self.memory_plan = self._plan(config, model, reserved_before)
         self.max_num_seqs = self.memory_plan.max_num_seqs
@@ -79,8 +84,18 @@ class EngineSetup:
                         f"{shape.block_size}")
             prefix_cache = PrefixCache(block_pool, state_pool, identity)
         self.cache_manager = CacheManager(block_pool, state_pool, prefix_cache)
-        self.runner = ModelRunner(model, shape, self.device, self.max_num_seqs, self.max_model_len,
-                                  config.enforce_eager, config.max_num_batched_tokens, config.performance_mode)
+        if world == 1:
+            self.runner = ModelRunner(model, shape, self.device, self.max_num_seqs, self.max_model_len,
+                                      config.enforce_eager, config.max_num_batched_tokens, config.performance_mode)
+        else:
+            runner_kwargs = dict(max_num_seqs=self.max_num_seqs, max_model_len=self.max_model_len,
+                                 enforce_eager=config.enforce_eager,
+                                 max_num_batched_tokens=config.max_num_batched_tokens,
+                                 performance_mode=config.performance_mode)
+            self.runner = MultiprocExecutor(WorkerSpec(
+                model_path, self.model_config, self.dtype, self.device.type, config.load_format, config.seed,
+                self.weight_format, shape, runner_kwargs, config.tensor_parallel_size, config.pipeline_parallel_size,
+                free_port()))
 
     @staticmethod
     def _device(name: str) -> torch.device:
@@ -110,6 +125,9 @@ class EngineSetup:
         """The memory plan, logged as one block; raises PlanError (naming the numbers) if it does not fit.
         reserved_before: what torch's allocator held before this engine loaded its weights (GPU)."""
         on_gpu = self.device.type == "cuda"
+        if on_gpu and model.lm_head.weight.device.type == "meta":
+            raise ConfigError("--tensor-parallel-size / --pipeline-parallel-size > 1 on CUDA needs the per-rank "
+                              "memory plan (not built yet); use --device cpu")
         device_memory = activation = overhead = device_name = None
         if on_gpu:
             activation = self._measure_activation(model, config)

@@ -23,6 +23,7 @@ from deltaserve.layers.quant.weight import plain_parts, quantized_parts
 from deltaserve.layers.norm import RMSNorm
 from deltaserve.layers.rotary import PartialRotary
 from deltaserve.ops.linear import rms_norm_linear
+from deltaserve.worker.distributed import SINGLE, ParallelContext
 
 
 def norm_then_project(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor):
@@ -34,7 +35,7 @@ def norm_then_project(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | N
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: PartialRotary):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: PartialRotary, parallel: ParallelContext = SINGLE):
         super().__init__()
         self.is_linear = cfg.layer_types[layer_idx] == "linear_attention"
         if self.is_linear:
@@ -73,25 +74,39 @@ class DecoderLayer(nn.Module):
 
 
 class TextModel(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """A pipeline stage's part of the decoder: its layers (`parallel.stage_layers`; `layers[i]` is the model's
+    layer `layer_offset + i`), the embedding on the first stage and the final norm on the last."""
+
+    def __init__(self, cfg: ModelConfig, parallel: ParallelContext = SINGLE):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.parallel = parallel
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if parallel.is_first_stage else None
         # One rotary cos/sin cache shared by every attention layer (non-persistent buffers: not in checkpoints).
         rotary = PartialRotary(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, cfg.max_position_embeddings)
         self.rotary = rotary
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        stage = parallel.stage_layers(cfg.num_layers)
+        self.layer_offset = stage.start
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, parallel) for i in stage)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if parallel.is_last_stage else None
 
-    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch,
-                sample_seqs: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor | None, batch: ForwardBatch, sample_seqs: torch.Tensor | None = None,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
         """input_ids: [T] -> final hidden states [T, H] (after the final norm). With sample_seqs ([S] int64
         sequence indices, maybe none), only the rows of those sequences' last tokens, [S, H]: nothing reads the
         last layer's output at other rows, so its attention and MLP run for these alone (on 27B, 1/16 of a long
-        prompt's attention and 1/64 of its matmuls)."""
-        h, residual = self.embed_tokens(input_ids), None
-        last = len(self.layers) - 1
+        prompt's attention and 1/64 of its matmuls).
+
+        A later pipeline stage starts from the previous stage's `intermediate` (h, residual), [T, H] each, instead
+        of input_ids; a stage before the last returns its own (h, residual) for the next, every row kept."""
+        if intermediate is None:
+            h, residual = self.embed_tokens(input_ids), None
+        else:
+            h, residual = intermediate
+        last = len(self.layers) - 1 if self.parallel.is_last_stage else -1
         for i, layer in enumerate(self.layers):
             h, residual = layer(h, residual, batch, sample_seqs if i == last else None)
+        if not self.parallel.is_last_stage:
+            return h, residual
         if h.shape[0] == 0:
             return h
         h, _ = self.norm(h, residual)
@@ -101,20 +116,22 @@ class TextModel(nn.Module):
 class HybridForCausalLM(nn.Module):
     """The causal LM: `forward` gives hidden states, `compute_logits` the logits of chosen rows."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, parallel: ParallelContext = SINGLE):
         super().__init__()
         self.config = cfg
-        self.model = TextModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
+        self.parallel = parallel
+        self.model = TextModel(cfg, parallel)
+        # on the last stage only; tied to the embedding when one stage holds both (the loader fills it otherwise)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if parallel.is_last_stage else None
+        if cfg.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
         # All GDN layers' state pools, stacked ([layers, slots, ...]); bound by worker/kv_cache.py
         self.conv_states: torch.Tensor | None = None
         self.ssm_states: torch.Tensor | None = None
 
-    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch,
-                sample_seqs: torch.Tensor | None = None) -> torch.Tensor:
-        return self.model(input_ids, batch, sample_seqs)
+    def forward(self, input_ids: torch.Tensor | None, batch: ForwardBatch, sample_seqs: torch.Tensor | None = None,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
+        return self.model(input_ids, batch, sample_seqs, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] -> logits [N, V] in float32."""
@@ -157,6 +174,11 @@ class HybridForCausalLM(nn.Module):
             layout = tuple("tensor" if isinstance(v, torch.Tensor) else v for v in vars(weight.prepared).values())
             weights.setdefault((type(weight.prepared), layout), weight)
         return list(weights.values())
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype (the model's; every stage holds a layer norm in it)."""
+        return self.model.layers[0].input_layernorm.weight.dtype
 
     @property
     def attention_layers(self) -> list[GatedAttention]:
