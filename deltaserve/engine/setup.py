@@ -125,11 +125,12 @@ class EngineSetup:
         """The memory plan, logged as one block; raises PlanError (naming the numbers) if it does not fit.
         reserved_before: what torch's allocator held before this engine loaded its weights (GPU)."""
         on_gpu = self.device.type == "cuda"
-        if on_gpu and model.lm_head.weight.device.type == "meta":
-            raise ConfigError("--tensor-parallel-size / --pipeline-parallel-size > 1 on CUDA needs the per-rank "
-                              "memory plan (not built yet); use --device cpu")
         device_memory = activation = overhead = device_name = None
-        if on_gpu:
+        if on_gpu and next(model.parameters()).device.type == "meta":
+            # several ranks: the workers hold the weights, so the activation peak is estimated, not measured
+            free, device_memory = torch.cuda.mem_get_info(self.device)
+            overhead, device_name = device_memory - free, torch.cuda.get_device_name(self.device)
+        elif on_gpu:
             activation = self._measure_activation(model, config)
             torch.cuda.empty_cache()
             free, device_memory = torch.cuda.mem_get_info(self.device)
