@@ -37,6 +37,7 @@ from deltaserve.worker.distributed import ParallelContext
 logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 600.0  # loading a stage's weights
+PEER_DEATH_WAIT_S = 2.0  # a rank's error may follow a peer's death: how long to wait for that death to show
 STEP_TIMEOUT_S = 300.0  # one step's samples; also torch.distributed's own timeout on the workers' collectives
 
 
@@ -184,13 +185,18 @@ class MultiprocExecutor:
             ready = multiprocessing.connection.wait(self._conns + [p.sentinel for p in self._procs], max(left, 0))
             if not ready:
                 raise self._fail(f"no answer from {self._describe(min(ranks))} within {timeout:.0f} s")
+            self._raise_if_died()
             for r, conn in enumerate(self._conns):
                 if conn in ready and conn.poll(0):
                     try:
                         message_kind, payload = conn.recv()
-                    except EOFError:
+                    except (EOFError, OSError):
                         continue  # the process is gone: its sentinel says so below
                     if message_kind == "error":
+                        # a peer's death makes the others' collectives fail: name the dead rank, not them
+                        others = [p.sentinel for i, p in enumerate(self._procs) if i != r and p.exitcode is None]
+                        multiprocessing.connection.wait(others, PEER_DEATH_WAIT_S)
+                        self._raise_if_died()
                         raise self._fail(f"{self._describe(r)} failed:\n{payload}")
                     if r not in ranks or message_kind != kind:
                         raise self._fail(f"{self._describe(r)} sent {message_kind!r}, expected {kind!r}")
@@ -199,6 +205,15 @@ class MultiprocExecutor:
                 if proc.sentinel in ready and not self._conns[r].poll(0):
                     raise self._fail(f"{self._describe(r)} died (exit code {proc.exitcode})")
         return payload
+
+    def _raise_if_died(self) -> None:
+        # a process's sentinel fires as it closes its files, a moment before it can be reaped: join those
+        ended = multiprocessing.connection.wait([p.sentinel for p in self._procs], 0)
+        for r, proc in enumerate(self._procs):
+            if proc.sentinel in ended:
+                proc.join(PEER_DEATH_WAIT_S)
+            if proc.exitcode not in (None, 0):
+                raise self._fail(f"{self._describe(r)} died (exit code {proc.exitcode})")
 
     def _send(self, step: ExecutorStep, bitmask: torch.Tensor | None = None, masked: list[int] = ()) -> None:
         if self.failed is not None:
@@ -233,6 +248,8 @@ class MultiprocExecutor:
         return dataclasses.replace(scheduled, sequences=rows)
 
     def launch(self, scheduled: SchedulerOutput, defer_sample: bool = False) -> ExecutorStep:
+        if self.failed is not None:
+            raise RankFailed(self.failed)
         scheduled = self._fill_pending(scheduled)
         chosen = [r for r in scheduled.sequences if r.sample]
         step = ExecutorStep(scheduled, [r.request_id for r in chosen], (chosen, None) if defer_sample else None)
