@@ -38,7 +38,8 @@ logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 600.0  # loading a stage's weights
 PEER_DEATH_WAIT_S = 2.0  # a rank's error may follow a peer's death: how long to wait for that death to show
-STEP_TIMEOUT_S = 300.0  # one step's samples; also torch.distributed's own timeout on the workers' collectives
+STEP_TIMEOUT_S = 300.0
+GENERATOR_IDLE_STEPS = 4096  # one step's samples; also torch.distributed's own timeout on the workers' collectives
 
 
 class RankFailed(RuntimeError):
@@ -114,26 +115,30 @@ def _worker_main(rank: int, spec: WorkerSpec, conn) -> None:
         runner = ModelRunner(model, spec.cache_shape, device, **spec.runner_kwargs)
         reports = parallel.is_last_stage and parallel.tp_rank == 0
         conn.send(("ready", None))
-        # seeded sampling: each request's generator lives here (the engine's copy never advances)
-        generators: dict[tuple[str, int], torch.Generator] = {}
+        # seeded sampling: each request's generator lives here (the engine's copy never advances), with the step
+        # it was last used at; one unused for GENERATOR_IDLE_STEPS steps belongs to a finished request
+        generators: dict[tuple[str, int], tuple[torch.Generator, int]] = {}
+        step_index = 0
         while True:
             kind, payload = pickle.loads(conn.recv_bytes())
             if kind == "stop":
                 break
             scheduled, bitmask, masked = payload
+            step_index += 1
             for row in scheduled.sequences:
                 if row.generator is not None:
                     key = (row.request_id, row.serial)
-                    if key not in generators:
-                        generators[key] = make_generator(row.generator.initial_seed(), device)
-                    row.generator = generators[key]
-            live = {(r.request_id, r.serial) for r in scheduled.sequences}
+                    generator = generators.get(key, (None, 0))[0]
+                    if generator is None:
+                        generator = make_generator(row.generator.initial_seed(), device)
+                    generators[key] = generator, step_index
+                    row.generator = generator
+            if step_index % GENERATOR_IDLE_STEPS == 0:
+                generators = {k: v for k, v in generators.items() if step_index - v[1] < GENERATOR_IDLE_STEPS}
             step = runner.launch(scheduled, defer_sample=bitmask is not None)
             if step.deferred is not None:
                 runner.sample(step, bitmask, masked)
             output = runner.collect(step)
-            for key in [k for k in generators if k not in live and k[0] not in output.sampled]:
-                del generators[key]  # not in this step: finished, or preempted (its draws restart then)
             if reports:
                 conn.send(("output", output))
     except Exception:
