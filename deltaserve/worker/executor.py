@@ -72,7 +72,6 @@ class ExecutorStep:
     request_ids: list[str]
     deferred: tuple[list[ScheduledSequence], None] | None = None
     output: ModelOutput | None = None
-    sent: bool = False
 
 
 def free_port() -> int:
@@ -229,7 +228,6 @@ class MultiprocExecutor:
                 conn.send_bytes(data)
             except OSError as exc:
                 raise self._fail(f"{self._describe(rank)} cannot be reached: {exc}") from exc
-        step.sent = True
         self._steps.append(step)
 
     def _read_until(self, step: ExecutorStep) -> None:
