@@ -72,7 +72,7 @@ def _run(args: argparse.Namespace) -> None:
     model = engine.runner.model
     hidden_size = model.config.hidden_size
 
-    def no_forward(input_ids, batch, sampling_rows):
+    def no_forward(input_ids, batch, sampling_rows, intermediate=None):
         return torch.zeros(len(sampling_rows), hidden_size)  # [S, H]: the lm_head and the sampler still run
 
     model.forward = no_forward

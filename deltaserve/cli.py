@@ -52,9 +52,6 @@ class NotBuilt:
 NOT_BUILT = (
     NotBuilt("enable_chunked_prefill", "--no-enable-chunked-prefill", lambda v: v is False, "off",
              "turning chunked prefill off (it is always on)"),
-    NotBuilt("tensor_parallel_size", "--tensor-parallel-size", lambda v: v > 1, "> 1", "tensor parallelism"),
-    NotBuilt("pipeline_parallel_size", "--pipeline-parallel-size", lambda v: v > 1, "> 1",
-             "pipeline parallelism"),
     NotBuilt("api_server_count", "--api-server-count", lambda v: v > 1, "> 1", "several API server processes"),
     NotBuilt("mm_processor_kwargs", "--mm-processor-kwargs", lambda v: v is not None, "any",
              "multimodal input (text only)"),
@@ -240,6 +237,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                        help=h("tensor_parallel_size", "GPUs to shard each layer over"))
     sched.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1,
                        help=h("pipeline_parallel_size", "pipeline stages"))
+    sched.add_argument("--distributed-executor-backend", default="mp",
+                       help="how ranks run: 'mp', one worker process per rank (the only backend)")
 
 
 def check_not_built(args: argparse.Namespace) -> None:
@@ -274,7 +273,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[EngineConfig, ServerSet
         quantization=args.quantization, device=args.device, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        num_gpu_blocks_override=args.num_gpu_blocks_override, kv_cache_dtype=args.kv_cache_dtype,
+        num_gpu_blocks_override=args.num_gpu_blocks_override, tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size, distributed_executor_backend=args.distributed_executor_backend, kv_cache_dtype=args.kv_cache_dtype,
         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype, enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling, performance_mode=args.performance_mode,
         generation_config=args.generation_config, override_generation_config=args.override_generation_config or {},

@@ -297,6 +297,9 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # None: by performance_mode (8192; 16384 for "throughput")
     block_size: int = 16
+    tensor_parallel_size: int = 1  # ranks sharding each layer
+    pipeline_parallel_size: int = 1  # pipeline stages, each a contiguous run of layers
+    distributed_executor_backend: str = "mp"  # one worker process per rank (worker/executor.py)
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
@@ -330,8 +333,10 @@ class EngineConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} {value!r} is not supported; choose one of {options}")
 
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
-                     "kv_cache_memory_bytes", "num_gpu_blocks_override"):
+                     "kv_cache_memory_bytes", "num_gpu_blocks_override", "tensor_parallel_size",
+                     "pipeline_parallel_size"):
             positive(name)
+        choice("distributed_executor_backend", ("mp",))
         choice("dtype", DTYPES)
         choice("kv_cache_dtype", KV_CACHE_DTYPES)
         choice("mamba_ssm_cache_dtype", SSM_CACHE_DTYPES)

@@ -42,6 +42,7 @@ _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up
 # self_attn.attn.k_scale (and v_scale alike)
 _KV_SCALE = re.compile(r"^(model\.layers\.\d+\.self_attn)\.(?:k_proj\.|v_proj\.|attn\.)?([kv])_scale$")
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
@@ -67,7 +68,7 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str
     for gdn in model.gdn_layers:  # the decay parameter stays float32 (stored so in checkpoints)
         gdn.A_log.data = gdn.A_log.data.float()
     model.model.rotary.materialize(device)
-    if cfg.tie_word_embeddings:  # to_empty() keeps the tie only if it is re-established
+    if cfg.tie_word_embeddings and model.lm_head is not None and model.model.embed_tokens is not None:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval().requires_grad_(False)
 
@@ -76,9 +77,9 @@ def load_model(path: str | Path | None, cfg: ModelConfig, dtype: torch.dtype, de
                load_format: str = "auto", seed: int = 0,
                weight_format: WeightFormat | None = None,
                parallel: ParallelContext = SINGLE) -> HybridForCausalLM:
-    """Build the model (this rank's part under `parallel`) and load its weights (`load_format`
-    "auto"/"safetensors" or "dummy"), quantized as `weight_format` says (layers/quant/detect.py; None: every
-    weight in `dtype`)."""
+    """Build the model (this rank's part under `parallel`: its pipeline stage's layers, its tensor-parallel
+    slices) and load its weights (`load_format` "auto"/"safetensors" or "dummy"), quantized as `weight_format`
+    says (layers/quant/detect.py; None: every weight in `dtype`)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"--load-format {load_format!r} is not supported; choose one of {LOAD_FORMATS}")
     model = build_model(cfg, dtype, device, weight_format, parallel)
@@ -118,10 +119,29 @@ def _map_name(name: str) -> str | None:
     return name
 
 
+def _stage_name(model: HybridForCausalLM, name: str) -> str | None:
+    """A checkpoint name (after _map_name) -> its parameter name in this pipeline stage's model, or None for a
+    tensor of another stage: layer i is the stage's layer i - layer_offset; a tied embedding is the last
+    stage's lm_head when the first stage is another."""
+    text = model.model
+    layer = _LAYER.match(name)
+    if layer:
+        index = int(layer.group(1)) - text.layer_offset
+        if not 0 <= index < len(text.layers):
+            return None
+        return f"model.layers.{index}.{name[layer.end():]}"
+    if name == "model.embed_tokens.weight" and text.embed_tokens is None:
+        return "lm_head.weight" if model.config.tie_word_embeddings and model.lm_head is not None else None
+    if (name == "model.norm.weight" and text.norm is None) or (name == "lm_head.weight" and model.lm_head is None):
+        return None
+    return name
+
+
 def load_safetensors(model: HybridForCausalLM, path: Path) -> None:
-    """Fill every parameter of `model` from the checkpoint directory `path`."""
+    """Fill every parameter of `model` (one pipeline stage's part of the checkpoint) from the directory `path`."""
     params = dict(model.named_parameters())
-    tied = model.config.tie_word_embeddings
+    # tied: lm_head is the embedding itself, unless this stage holds only lm_head (then loaded from the embedding)
+    tied = model.config.tie_word_embeddings and model.model.embed_tokens is not None
     pending = {name for name in params if not (tied and name == "lm_head.weight")}
     # fused expert param -> the (expert, projection) slices loaded so far. A set, not a count, so that a
     # slice repeated in two files cannot stand in for a missing one.
@@ -136,6 +156,7 @@ def load_safetensors(model: HybridForCausalLM, path: Path) -> None:
         with handle:
             for raw_name in handle.keys():
                 name = _map_name(raw_name)
+                name = None if name is None else _stage_name(model, name)
                 if name is None or (tied and name == "lm_head.weight"):
                     skipped += 1
                     continue
@@ -165,7 +186,8 @@ def load_safetensors(model: HybridForCausalLM, path: Path) -> None:
         missing = sorted(pending)
         raise WeightLoadError(f"checkpoint '{path}' lacks {len(missing)} tensors, e.g. {missing[:5]}")
     if skipped:
-        logger.info("skipped %d checkpoint tensors (vision tower, MTP head or tied lm_head)", skipped)
+        logger.info("skipped %d checkpoint tensors (vision tower, MTP head, tied lm_head or other "
+                    "pipeline stages')", skipped)
 
 
 def _load_kv_scale(model: HybridForCausalLM, match, tensor, raw_name: str) -> None:

@@ -87,26 +87,42 @@ class DecoderLayer(nn.Module):
 
 
 class TextModel(nn.Module):
+    """A pipeline stage's part of the decoder: its layers (`parallel.stage_layers`; `layers[i]` is the model's
+    layer `layer_offset + i`), the embedding on the first stage and the final norm on the last."""
+
     def __init__(self, cfg: ModelConfig, parallel: ParallelContext = SINGLE):
         super().__init__()
-        self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size) if parallel.tp_size == 1
-                             else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, parallel))
+        self.parallel = parallel
+        self.embed_tokens = None
+        if parallel.is_first_stage:
+            self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size) if parallel.tp_size == 1
+                                 else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, parallel))
         # One rotary cos/sin cache shared by every attention layer (non-persistent buffers: not in checkpoints).
         rotary = PartialRotary(cfg.head_dim, cfg.rotary_dim, cfg.rope_theta, cfg.max_position_embeddings)
         self.rotary = rotary
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, parallel) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        stage = parallel.stage_layers(cfg.num_layers)
+        self.layer_offset = stage.start
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, parallel) for i in stage)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if parallel.is_last_stage else None
 
-    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch,
-                sample_seqs: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor | None, batch: ForwardBatch, sample_seqs: torch.Tensor | None = None,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
         """input_ids: [T] -> final hidden states [T, H] (after the final norm). With sample_seqs ([S] int64
         sequence indices, maybe none), only the rows of those sequences' last tokens, [S, H]: nothing reads the
         last layer's output at other rows, so its attention and MLP run for these alone (on 27B, 1/16 of a long
-        prompt's attention and 1/64 of its matmuls)."""
-        h, residual = self.embed_tokens(input_ids), None
-        last = len(self.layers) - 1
+        prompt's attention and 1/64 of its matmuls).
+
+        A later pipeline stage starts from the previous stage's `intermediate` (h, residual), [T, H] each, instead
+        of input_ids; a stage before the last returns its own (h, residual) for the next, every row kept."""
+        if intermediate is None:
+            h, residual = self.embed_tokens(input_ids), None
+        else:
+            h, residual = intermediate
+        last = len(self.layers) - 1 if self.parallel.is_last_stage else -1
         for i, layer in enumerate(self.layers):
             h, residual = layer(h, residual, batch, sample_seqs if i == last else None)
+        if not self.parallel.is_last_stage:
+            return h, residual
         if h.shape[0] == 0:
             return h
         h, _ = self.norm(h, residual)
@@ -120,17 +136,20 @@ class HybridForCausalLM(nn.Module):
         super().__init__()
         self.config, self.parallel = cfg, parallel
         self.model = TextModel(cfg, parallel)
-        # this rank's vocab rows (the embedding's, when tied); compute_logits gathers the rest
-        self.lm_head = nn.Linear(cfg.hidden_size, parallel.shard(cfg.vocab_size, "vocab_size")[1], bias=False)
-        if cfg.tie_word_embeddings:
+        # on the last stage only, this rank's vocab rows (compute_logits gathers the rest); tied to the embedding
+        # when one stage holds both (the loader fills it otherwise)
+        self.lm_head = None
+        if parallel.is_last_stage:
+            self.lm_head = nn.Linear(cfg.hidden_size, parallel.shard(cfg.vocab_size, "vocab_size")[1], bias=False)
+        if cfg.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
         # All GDN layers' state pools, stacked ([layers, slots, ...]); bound by worker/kv_cache.py
         self.conv_states: torch.Tensor | None = None
         self.ssm_states: torch.Tensor | None = None
 
-    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch,
-                sample_seqs: torch.Tensor | None = None) -> torch.Tensor:
-        return self.model(input_ids, batch, sample_seqs)
+    def forward(self, input_ids: torch.Tensor | None, batch: ForwardBatch, sample_seqs: torch.Tensor | None = None,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
+        return self.model(input_ids, batch, sample_seqs, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, H] -> logits [N, V] in float32 (every rank's vocab slice gathered)."""
@@ -173,6 +192,11 @@ class HybridForCausalLM(nn.Module):
             layout = tuple("tensor" if isinstance(v, torch.Tensor) else v for v in vars(weight.prepared).values())
             weights.setdefault((type(weight.prepared), layout), weight)
         return list(weights.values())
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype (the model's; every stage holds a layer norm in it)."""
+        return self.model.layers[0].input_layernorm.weight.dtype
 
     @property
     def attention_layers(self) -> list[GatedAttention]:

@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from deltaserve import __version__
 from deltaserve.config import EngineConfig
 from deltaserve.server import openapi
-from deltaserve.server.async_engine import AsyncEngine, EngineError
+from deltaserve.server.async_engine import AsyncEngine, EngineDeadError, EngineError
 from deltaserve.server.body_deadline import BodyDeadline
 from deltaserve.generation_defaults import sampling_defaults
 from deltaserve.server.chat import ChatRenderer
@@ -62,6 +62,7 @@ _OPEN_HOSTS = ("0.0.0.0", "::", "")
 # and the loop thread share one GIL: under asyncio the loop, slowed at each socket send, joins the deltas that
 # queued instead of writing one chunk per token per stream (docs/performance.md, "Host work a step").
 EVENT_LOOP = "asyncio"
+DEAD_ENGINE_EXIT_S = 5.0  # how long a server whose engine went down keeps answering 503 before it exits
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -166,6 +167,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def value_error(_: Request, exc: ValueError) -> Response:  # the engine refused the request
         return from_value_error(exc).response()
 
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, exc: EngineDeadError) -> Response:
+        return APIError(503, str(exc)).response()
+
     @app.exception_handler(EngineError)
     async def engine_error(_: Request, exc: EngineError) -> Response:
         return APIError(500, str(exc)).response()
@@ -238,12 +243,24 @@ def run_server(engine_config: EngineConfig, settings: ServerSettings) -> None:
 
 class _GracefulServer(uvicorn.Server):
     """uvicorn, plus: `grace` seconds after the first SIGTERM / Ctrl-C the engine aborts every request still
-    in flight, so that they end cleanly instead of being cut off by uvicorn's task cancellation."""
+    in flight, so that they end cleanly instead of being cut off by uvicorn's task cancellation. When the engine
+    goes down (a worker rank died) it keeps answering 503 for DEAD_ENGINE_EXIT_S seconds, then exits naming why."""
 
     def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace: float):
         super().__init__(config)
         self._engine = engine
         self._grace = grace
+        engine.on_dead = self._exit_later
+
+    def _exit_later(self, reason: str) -> None:
+        timer = threading.Timer(DEAD_ENGINE_EXIT_S, lambda: setattr(self, "should_exit", True))
+        timer.daemon = True
+        timer.start()
+
+    def run(self, *args, **kwargs) -> None:
+        super().run(*args, **kwargs)
+        if self._engine.dead is not None:
+            raise SystemExit(f"deltaserve stopped: the engine went down ({self._engine.dead})")
 
     def handle_exit(self, sig, frame) -> None:
         if not self.should_exit:

@@ -24,18 +24,23 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from deltaserve.outputs import CompletionOutput, OutputAccumulator, RequestOutput
 from deltaserve.sampling import RequestOutputKind, SamplingParams
 from deltaserve.server.metrics import ServerMetrics
+from deltaserve.worker.executor import RankFailed
 
 logger = logging.getLogger(__name__)
 
 
 class EngineError(RuntimeError):
     """The engine failed while running a request (the client gets a 500)."""
+
+
+class EngineDeadError(EngineError):
+    """The engine cannot run steps any more (a worker rank died): the client gets a 503."""
 
 
 class _Aborted:
@@ -102,6 +107,9 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
         self._thread = threading.Thread(target=self._run, name="deltaserve-engine", daemon=True)
+        # why the engine is down (a worker rank failed), once it is: requests are refused from then on
+        self.dead: str | None = None
+        self.on_dead: Callable[[str], None] | None = None  # called once, on the engine thread, when it goes down
 
     # -- the event-loop side -----------------------------------------------------------------------------
 
@@ -115,7 +123,7 @@ class AsyncEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive()
+        return self._thread.is_alive() and self.dead is None
 
     def start(self) -> None:
         self._thread.start()
@@ -144,6 +152,8 @@ class AsyncEngine:
         EngineError if the engine fails while running it. Leaving the loop early (a client disconnect cancels
         the handler) aborts the request.
         """
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine is down: {self.dead}")
         params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
         stream = _RequestStream(asyncio.get_running_loop())
         self._commands.put(_Add(request_id, prompt_token_ids, params, stream, group))
@@ -197,7 +207,7 @@ class AsyncEngine:
                     self._abort_all(_ABORTED)
                 else:
                     self._handle(command)
-            if self.engine.has_unfinished():
+            if self.dead is None and self.engine.has_unfinished():
                 self._step()
             self._publish_stats()
 
@@ -208,6 +218,9 @@ class AsyncEngine:
             if tracked is not None:
                 _end_stream(tracked, _ABORTED)
                 self._record_finish(tracked, ["abort"] * tracked.num_choices)
+            return
+        if self.dead is not None:
+            command.stream.put(EngineDeadError(f"the engine is down: {self.dead}"))
             return
         try:
             self.engine.add_request(command.request_id, command.prompt_token_ids, command.params,
@@ -225,6 +238,13 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except RankFailed as exc:  # no step can run any more: refuse requests from now on
+            self.dead = str(exc).splitlines()[0]
+            logger.error("the engine is down (%s); failing %d in-flight request(s)", self.dead, len(self._tracked))
+            self._abort_all(EngineDeadError(f"the engine is down: {self.dead}"))
+            if self.on_dead is not None:
+                self.on_dead(self.dead)
+            return
         except Exception as exc:  # fail the requests, keep the server alive
             logger.exception("engine step failed; failing %d in-flight request(s)", len(self._tracked))
             self._abort_all(EngineError(f"the engine failed while running the request: {exc}"))

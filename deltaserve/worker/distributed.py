@@ -86,3 +86,21 @@ def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
     base, extra = divmod(num_layers, pp_size)
     start = pp_rank * base + min(pp_rank, extra)
     return range(start, start + base + (1 if pp_rank < extra else 0))
+
+
+def send_to_next_stage(parallel: ParallelContext, tensors: tuple[torch.Tensor, ...]) -> None:
+    """Pipeline parallelism: send a stage's outputs (hidden states, residual) to the same TP rank of the next
+    stage (every TP rank of a stage holds them whole)."""
+    for tensor in tensors:
+        dist.send(tensor.contiguous(), dst=parallel.rank + parallel.tp_size)
+
+
+def recv_from_previous_stage(parallel: ParallelContext, shapes: list[tuple[int, ...]], dtype: torch.dtype,
+                             device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The previous stage's outputs, in send order; every rank knows their shapes from the step's batch."""
+    received = []
+    for shape in shapes:
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(tensor, src=parallel.rank - parallel.tp_size)
+        received.append(tensor)
+    return tuple(received)

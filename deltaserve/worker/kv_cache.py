@@ -40,7 +40,7 @@ class CacheShape:
 def bind_caches(model: HybridForCausalLM, shape: CacheShape, device: torch.device | str) -> None:
     """Allocate zeroed pools of `shape` on `device` and attach them to each layer."""
     cfg = model.config
-    conv_dtype = model.model.embed_tokens.weight.dtype
+    conv_dtype = model.dtype
     for attn in model.attention_layers:
         kv_shape = (shape.num_blocks, shape.block_size, attn.num_kv_heads, cfg.head_dim)
         attn.k_cache = torch.zeros(kv_shape, dtype=shape.kv_dtype, device=device)

@@ -29,6 +29,7 @@ from deltaserve.sched_output import ModelOutput, ScheduledSequence, SchedulerOut
 from deltaserve.structured import bitmask as grammar_bitmask
 from deltaserve.worker import warm_up
 from deltaserve.worker.cuda_graph import StepGraphs
+from deltaserve.worker.distributed import recv_from_previous_stage, send_to_next_stage
 from deltaserve.worker.kv_cache import CacheShape, bind_caches
 from deltaserve.worker.state_copy import restore_checkpoints, save_checkpoints
 
@@ -68,7 +69,10 @@ class ModelRunner:
         # the last launched step's samples: request id -> row, and the [S] token ids on the device
         self._last_samples: tuple[dict[str, int], torch.Tensor] = ({}, torch.empty(0, dtype=torch.int64))
         self.graphs: StepGraphs | None = None
-        if device.type == "cuda":
+        self.parallel = model.parallel
+        if device.type == "cuda" and self.parallel.pp_size > 1:
+            logger.warning("CUDA graphs are off with pipeline parallelism: each stage's step runs eagerly")
+        elif device.type == "cuda":
             from deltaserve.ops import pdl  # GPU only (Triton)
 
             logger.info("programmatic dependent launch of our kernels: %s", "on" if pdl.verify(device) else
@@ -149,7 +153,10 @@ class ModelRunner:
             logits = self.graphs.run_single(batch, input_ids, rows[0].mid_save)  # [1, V], read if it samples
         else:
             # only the sampled sequences' last rows leave the last layer (its attention and MLP skip the rest)
-            hidden = self.model(input_ids, batch, to_device(sampling_rows, self.device, torch.int64))  # [S, H]
+            hidden = self._stage_forward(input_ids, batch, to_device(sampling_rows, self.device, torch.int64))
+            if hidden is None:  # a pipeline stage before the last: its outputs went on to the next stage
+                save_checkpoints(self.model, scheduled)
+                return LaunchedStep([], None)
             if sampling_rows:
                 logits = self.model.compute_logits(hidden)  # [S, V] float32
         save_checkpoints(self.model, scheduled)  # working slot -> new checkpoint (chunks ending at a boundary)
@@ -160,6 +167,22 @@ class ModelRunner:
         if not defer_sample:
             self.sample(step)
         return step
+
+    def _stage_forward(self, input_ids: torch.Tensor, batch: ForwardBatch,
+                       sample_seqs: torch.Tensor) -> torch.Tensor | None:
+        """The forward of this rank's pipeline stage: final hidden states [S, H] on the last stage; a stage before
+        it sends its (h, residual), [T, H] each, to the next and returns None. A later stage starts from the
+        previous stage's (h, residual) instead of input_ids."""
+        parallel = self.parallel
+        intermediate = None
+        if not parallel.is_first_stage:
+            shape = (input_ids.shape[0], self.model.config.hidden_size)
+            intermediate = recv_from_previous_stage(parallel, [shape, shape], self.model.dtype, self.device)
+        out = self.model(input_ids, batch, sample_seqs if parallel.is_last_stage else None, intermediate)
+        if parallel.is_last_stage:
+            return out
+        send_to_next_stage(parallel, out)
+        return None
 
     def grammar_bitmask(self, num_rows: int, vocab_size: int) -> torch.Tensor:
         """A host buffer [num_rows, ceil(V/32)] int32 for a step's grammar masks (pinned on CUDA, reused: the

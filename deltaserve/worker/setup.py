@@ -23,13 +23,14 @@ from deltaserve.cache.state_pool import StatePool
 from deltaserve.config import ConfigError, EngineConfig, ModelConfig
 from deltaserve.layers.batch import ForwardBatch
 from deltaserve.layers.quant import detect_weight_format
-from deltaserve.model.loader import load_model
+from deltaserve.model.loader import build_model, load_model
 from deltaserve.model.qwen3_5 import HybridForCausalLM
 from deltaserve.model_configs import is_shipped_config, resolve_model
 from deltaserve.resolved_config import ResolvedConfig, resolve_dtypes
 from deltaserve.sampling import SamplingParams
 from deltaserve.worker.sampler import Sampler
 from deltaserve.worker.kv_cache import TORCH_DTYPES, CacheShape, bind_caches, release_caches
+from deltaserve.worker.executor import MultiprocExecutor, WorkerSpec, free_port
 from deltaserve.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -61,9 +62,13 @@ class EngineSetup:
         self.weight_format = detect_weight_format(model_path, config.quantization)
         if self.weight_format is not None:
             logger.info("quantized weights: %s", self.weight_format.description)
+        world = config.tensor_parallel_size * config.pipeline_parallel_size
         reserved_before = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
-        model = load_model(model_path, self.model_config, self.dtype, self.device, config.load_format, config.seed,
-                           self.weight_format)
+        if world > 1:  # the workers load the weights; here a shape-only model for the plan
+            model = build_model(self.model_config, self.dtype, "meta", self.weight_format)
+        else:
+            model = load_model(model_path, self.model_config, self.dtype, self.device, config.load_format,
+                               config.seed, self.weight_format)
 
         self.memory_plan = self._plan(config, model, reserved_before)
         # downstream reads these two: the plan's sizes and the figures resolved with it
@@ -82,7 +87,13 @@ class EngineSetup:
                         f"{shape.block_size}")
             prefix_cache = PrefixCache(block_pool, state_pool, identity)
         self.cache_manager = CacheManager(block_pool, state_pool, prefix_cache)
-        self.runner = ModelRunner(model, shape, self.device, self.resolved)
+        if world == 1:
+            self.runner = ModelRunner(model, shape, self.device, self.resolved)
+        else:
+            self.runner = MultiprocExecutor(WorkerSpec(
+                model_path, self.model_config, self.dtype, self.device.type, config.load_format, config.seed,
+                self.weight_format, shape, self.resolved, config.tensor_parallel_size, config.pipeline_parallel_size,
+                free_port()))
 
     @staticmethod
     def _device(name: str) -> torch.device:
@@ -113,7 +124,11 @@ class EngineSetup:
         reserved_before: what torch's allocator held before this engine loaded its weights (GPU)."""
         on_gpu = self.device.type == "cuda"
         device_memory = activation = overhead = device_name = None
-        if on_gpu:
+        if on_gpu and next(model.parameters()).device.type == "meta":
+            # several ranks: the workers hold the weights, so the activation peak is estimated, not measured
+            free, device_memory = torch.cuda.mem_get_info(self.device)
+            overhead, device_name = device_memory - free, torch.cuda.get_device_name(self.device)
+        elif on_gpu:
             activation = self._measure_activation(model, config)
             torch.cuda.empty_cache()
             free, device_memory = torch.cuda.mem_get_info(self.device)

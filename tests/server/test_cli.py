@@ -121,16 +121,21 @@ def test_help_documents_every_issue_flag(capsys):
     for flag in ISSUE_FLAGS:
         assert f"  {flag}" in text or f", {flag}" in text, flag
     words = " ".join(text.split())  # undo the line wrapping
-    assert "> 1: not supported yet (tensor parallelism)" in words
+    assert "> 1: not supported yet (several API server processes)" in words
     assert "--mamba-block-size MAMBA_BLOCK_SIZE accepted, no effect" in words
 
 
 def test_not_built_flag_exits_2_with_one_line(capsys):
-    assert cli.main(["serve", "-pp", "2", "-tp", "2"]) == 2
+    assert cli.main(["serve", "--api-server-count", "2"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
-    assert "--pipeline-parallel-size 2 is not supported yet (pipeline parallelism)" in err
-    assert "--tensor-parallel-size 2 is not supported yet (tensor parallelism)" in err
+    assert "--api-server-count 2 is not supported yet (several API server processes)" in err
+
+
+def test_parallel_flags_reach_the_engine_config():
+    engine = cli.configs_from_args(parse(["-tp", "2", "-pp", "3", "--distributed-executor-backend", "mp"]))[0]
+    assert (engine.tensor_parallel_size, engine.pipeline_parallel_size) == (2, 3)
+    assert engine.distributed_executor_backend == "mp"
 
 
 @pytest.mark.parametrize("argv, fragment", [
@@ -139,6 +144,9 @@ def test_not_built_flag_exits_2_with_one_line(capsys):
     (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),
     (["--chat-template", "no-such-file.jinja"], "--chat-template 'no-such-file.jinja'"),
     (["--port", "70000"], "--port must be in [0, 65535]"),
+    (["-pp", "0"], "--pipeline-parallel-size must be a positive integer, got 0"),
+    (["-tp", "-1"], "--tensor-parallel-size must be a positive integer, got -1"),
+    (["--distributed-executor-backend", "ray"], "--distributed-executor-backend 'ray' is not supported"),
     (["--max-num-seqs-per-request", "0"], "--max-num-seqs-per-request must be a positive integer, got 0"),
     (["--request-body-timeout", "-1"], "--request-body-timeout must be a positive number of seconds, got -1.0"),
     (["MODEL", "--override-generation-config", '{"temperature": -1}'], "temperature must be >= 0"),

@@ -1,0 +1,69 @@
+"""Pipeline parallelism on the CPU (gloo, one spawned process per stage): with float32 weights each layer's
+arithmetic is the same wherever it runs, so the tokens of PP=2 and PP=3 engines (7 layers: 3, 2, 2, uneven)
+equal the single-process engine's exactly, over batched, chunked (32-token budget) and prefix-cached requests,
+greedy and seeded. A tied embedding reaches the last stage's lm_head; a killed rank gives a clear error."""
+
+import os
+import signal
+
+import pytest
+
+from deltaserve.config import EngineConfig
+from deltaserve.demo import TINY_CONFIGS, build_checkpoint
+from deltaserve.engine.llm_engine import LLMEngine
+from deltaserve.sampling import SamplingParams
+from deltaserve.worker.executor import RankFailed
+
+PROMPTS = [[(7 * i + 3 * j) % 200 + 1 for j in range(n)] for i, n in enumerate((5, 40, 13, 70))]
+SEVEN_LAYERS = dict(num_hidden_layers=7, layer_types=["linear_attention"] * 3 + ["full_attention"]
+                    + ["linear_attention"] * 2 + ["full_attention"])
+
+
+def _run(engine: LLMEngine) -> dict[str, list[int]]:
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", prompt, greedy)
+    engine.add_request("hit", PROMPTS[3][:-4] + [9, 8, 7], greedy)  # a prefix-cache hit on r3's blocks
+    engine.add_request("seeded", PROMPTS[1], SamplingParams(temperature=1.0, seed=5, max_tokens=6, ignore_eos=True))
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    return done
+
+
+def _engine(path, pp: int) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(path), device="cpu", dtype="float32", pipeline_parallel_size=pp,
+                                  max_num_batched_tokens=32, max_model_len=256, skip_tokenizer_init=True))
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+def test_pipeline_matches_single_process(tmp_path, arch):
+    path = build_checkpoint(tmp_path, arch, config_overrides=SEVEN_LAYERS)
+    expected = _run(_engine(path, 1))
+    assert len(expected) == len(PROMPTS) + 2
+    for pp in (2, 3):
+        engine = _engine(path, pp)
+        try:
+            assert _run(engine) == expected, f"pp={pp}"
+        finally:
+            engine.runner.shutdown()
+
+
+def test_tied_embedding_and_a_killed_rank(make_checkpoint):
+    assert TINY_CONFIGS["qwen3_5_tied"]["tie_word_embeddings"]
+    path = make_checkpoint("qwen3_5_tied")
+    expected = _run(_engine(path, 1))
+    engine = _engine(path, 2)  # the last stage's lm_head is loaded from the first stage's embedding
+    try:
+        assert _run(engine) == expected
+        os.kill(engine.runner._procs[0].pid, signal.SIGKILL)
+        engine.add_request("after", PROMPTS[0], SamplingParams(temperature=0, max_tokens=4))
+        with pytest.raises(RankFailed, match=r"rank 0 \(pipeline stage 0, tensor-parallel rank 0\) died"):
+            while engine.has_unfinished():
+                engine.step()
+        with pytest.raises(RankFailed, match="rank 0"):  # and every later step says so at once
+            engine.step()
+    finally:
+        engine.runner.shutdown()
