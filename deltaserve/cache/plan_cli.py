@@ -30,7 +30,7 @@ from deltaserve.config import (DTYPES, KV_CACHE_DTYPES, PERFORMANCE_MODES, QUANT
                                ConfigError, EngineConfig, ModelConfig)
 from deltaserve.layers.quant import detect_weight_format
 from deltaserve.model_configs import resolve_model
-from deltaserve.worker.distributed import ParallelContext
+from deltaserve.parallel_layout import RankLayout
 
 
 @dataclass(frozen=True)
@@ -234,7 +234,7 @@ def _positive(text: str) -> int:
     return value
 
 
-def _tightest(plans: list[MemoryPlan]) -> MemoryPlan:
+def tightest_plan(plans: list[MemoryPlan]) -> MemoryPlan:
     """The stage that bounds the rest: one that does not fit, else the one with the smallest KV pool."""
     return min(plans, key=lambda p: (p.error is None, p.pool_tokens, p.max_num_seqs))
 
@@ -258,12 +258,12 @@ def main(argv: list[str] | None = None) -> int:
         name = _model_name(args.model, source)
         common = dict(weight_format=detect_weight_format(source, args.quantization), model_name=name)
         tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
-        ranks = [ParallelContext(tp_size=tp, pp_rank=stage, pp_size=pp) for stage in range(pp)]
+        ranks = [RankLayout(tp_size=tp, pp_rank=stage, pp_size=pp) for stage in range(pp)]
 
         def stages(**where) -> list[MemoryPlan]:
             return [plan(cfg, engine, parallel=rank, **where, **common) for rank in ranks]
 
-        table = [(gpu, _tightest(stages(device_memory_bytes=gpu.memory_bytes, device_name=gpu.name)))
+        table = [(gpu, tightest_plan(stages(device_memory_bytes=gpu.memory_bytes, device_name=gpu.name)))
                  for gpu in GPUS.values()]
         chosen = None
         if args.gpu is not None:

@@ -31,6 +31,7 @@ Pure arithmetic on config numbers: no tensors, no CUDA, so `deltaserve plan` run
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -40,7 +41,7 @@ from deltaserve.cache.footprint import (DTYPE_BYTES, count_parameters, estimate_
 from deltaserve.cache.rank_share import rank_config, rank_share
 from deltaserve.config import ConfigError, EngineConfig, ModelConfig
 from deltaserve.graph_sizes import cuda_graph_count
-from deltaserve.worker.distributed import SINGLE, ParallelContext
+from deltaserve.parallel_layout import ONE_RANK, RankLayout
 
 CPU_CACHE_BYTES = 1 << 30  # cache memory on the CPU when no flag sizes it
 RUNTIME_OVERHEAD_ESTIMATE = 1 << 30  # CUDA context and library workspaces, until the GPU measures them
@@ -243,20 +244,23 @@ class _Budget:
 
     def blocks_left(self, num_seqs: int) -> int:
         """KV blocks (the null block included) that fit beside the state slots."""
-        return (self.cache_memory(num_seqs) - self.states(num_seqs)) // self.block_bytes
+        left = self.cache_memory(num_seqs) - self.states(num_seqs)
+        if self.block_bytes == 0:  # a pipeline stage without attention layers: its blocks cost nothing
+            return sys.maxsize if left >= 0 else -1
+        return left // self.block_bytes
 
 
 def plan(cfg: ModelConfig, engine: EngineConfig, *, device_memory_bytes: int | None = None, on_gpu: bool = True,
          activation_bytes: int | None = None, overhead_bytes: int | None = None,
          weight_format=None, model_name: str = "model", device_name: str | None = None,
-         parallel: ParallelContext = SINGLE) -> MemoryPlan:
+         parallel: RankLayout = ONE_RANK) -> MemoryPlan:
     """Plan the memory of `cfg` served with `engine`'s flags.
 
     device_memory_bytes: the device's total memory (needed on the GPU unless --kv-cache-memory-bytes is set).
     on_gpu: False plans the CPU engine (cache memory from the flag, else CPU_CACHE_BYTES; nothing else counts).
     activation_bytes, overhead_bytes: measured at GPU startup; None estimates them.
     weight_format: the checkpoint's quantization (a layers/quant WeightFormat, from detect_weight_format), or None.
-    parallel: the rank planned (its tp/pp place; SINGLE: the whole model on one device).
+    parallel: the rank planned (its tp/pp place; ONE_RANK: the whole model on one device).
     A configuration that does not fit gives a plan whose `error` says why; `plan(...).check()` raises it.
     """
     rank = None

@@ -12,10 +12,10 @@ from dataclasses import replace
 
 from deltaserve.cache.footprint import RankShare
 from deltaserve.config import ModelConfig
-from deltaserve.worker.distributed import ParallelContext
+from deltaserve.parallel_layout import RankLayout
 
 
-def rank_config(cfg: ModelConfig, parallel: ParallelContext) -> ModelConfig:
+def rank_config(cfg: ModelConfig, parallel: RankLayout) -> ModelConfig:
     """cfg as rank `parallel` builds it; a size that does not divide is a ValueError naming its config field."""
     layers = parallel.stage_layers(cfg.num_layers)
     moe = cfg.moe_layers[layers.start:layers.stop]
@@ -36,6 +36,6 @@ def rank_config(cfg: ModelConfig, parallel: ParallelContext) -> ModelConfig:
                                               any(moe)))
 
 
-def rank_share(cfg: ModelConfig, parallel: ParallelContext) -> RankShare:
+def rank_share(cfg: ModelConfig, parallel: RankLayout) -> RankShare:
     return RankShare(tp_size=parallel.tp_size, first_stage=parallel.is_first_stage, last_stage=parallel.is_last_stage,
                      first_layer=parallel.stage_layers(cfg.num_layers).start)

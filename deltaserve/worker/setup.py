@@ -16,7 +16,7 @@ import torch
 
 from deltaserve.cache.block_pool import BlockPool
 from deltaserve.cache.cache_manager import CacheManager
-from deltaserve.cache.plan_cli import describe_plan
+from deltaserve.cache.plan_cli import describe_plan, tightest_plan
 from deltaserve.cache.planner import MemoryPlan, plan
 from deltaserve.cache.prefix_cache import PrefixCache
 from deltaserve.cache.state_pool import StatePool
@@ -26,12 +26,13 @@ from deltaserve.layers.quant import detect_weight_format
 from deltaserve.model.loader import build_model, load_model
 from deltaserve.model.qwen3_5 import HybridForCausalLM
 from deltaserve.model_configs import is_shipped_config, resolve_model
+from deltaserve.parallel_layout import RankLayout
 from deltaserve.resolved_config import ResolvedConfig, resolve_dtypes
 from deltaserve.sampling import SamplingParams
-from deltaserve.worker.sampler import Sampler
-from deltaserve.worker.kv_cache import TORCH_DTYPES, CacheShape, bind_caches, release_caches
 from deltaserve.worker.executor import MultiprocExecutor, WorkerSpec, free_port
+from deltaserve.worker.kv_cache import TORCH_DTYPES, CacheShape, bind_caches, release_caches
 from deltaserve.worker.model_runner import ModelRunner
+from deltaserve.worker.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -137,9 +138,14 @@ class EngineSetup:
             ours = torch.cuda.memory_reserved(self.device) - reserved_before
             overhead = max(0, device_memory - free - ours)
             device_name = torch.cuda.get_device_name(self.device)
-        memory_plan = plan(self.model_config, config, device_memory_bytes=device_memory, on_gpu=on_gpu,
-                           activation_bytes=activation, overhead_bytes=overhead, weight_format=self.weight_format,
-                           model_name=self.model_path.name, device_name=device_name or "CPU")
+        tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+        # every rank gets the same pools: those of the rank with the least room (one rank per GPU, GPUs alike)
+        memory_plan = tightest_plan([
+            plan(self.model_config, config, device_memory_bytes=device_memory, on_gpu=on_gpu,
+                 activation_bytes=activation, overhead_bytes=overhead, weight_format=self.weight_format,
+                 model_name=self.model_path.name, device_name=device_name or "CPU",
+                 parallel=RankLayout(tp_size=tp, pp_rank=stage, pp_size=pp))
+            for stage in range(pp)])
         if memory_plan.error is not None:
             logger.error("%s", describe_plan(memory_plan))
             memory_plan.check()

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from deltaserve.cache.footprint import count_parameters, weight_bytes
-from deltaserve.cache.plan_cli import main
+from deltaserve.cache.plan_cli import main, tightest_plan
 from deltaserve.cache.planner import plan
 from deltaserve.cache.rank_share import rank_config, rank_share
 from deltaserve.config import EngineConfig, ModelConfig
@@ -66,3 +66,13 @@ def test_plan_cli_names_a_size_that_does_not_divide(capsys):
         main(["Qwen/Qwen3.5-27B", "--tensor-parallel-size", "5"])
     assert exit_info.value.code == 2
     assert "num_attention_heads = 24 does not divide over --tensor-parallel-size 5" in capsys.readouterr().err
+
+
+def test_a_stage_without_attention_layers_plans_no_kv_bound():
+    # Qwen3.5-0.8B's first three layers are GDN: over 8 stages stage 0 holds no attention layer
+    cfg = ModelConfig.from_pretrained(CONFIGS_DIR / "qwen3.5-0.8b")
+    stages = [plan(cfg, EngineConfig(max_num_seqs=4), device_memory_bytes=80 * GIB,
+                   parallel=ParallelContext(pp_rank=stage, pp_size=8)) for stage in range(8)]
+    assert stages[0].kv_bytes_per_token == 0 and stages[0].error is None
+    assert stages[0].num_blocks >= max(p.num_blocks for p in stages[1:])  # only the sequences' need caps it
+    assert tightest_plan(stages).num_blocks == min(p.num_blocks for p in stages)  # every rank's pool fits

@@ -59,11 +59,14 @@ def test_tensor_parallel_engines_match_single_process(tmp_path, arch):
     # Qwen3-Next with one KV head: both TP ranks hold it (replicated)
     overrides = dict(SEVEN_LAYERS, **({"num_key_value_heads": 1} if arch == "qwen3_next" else {}))
     path = build_checkpoint(tmp_path, arch, config_overrides=overrides)
-    expected = _run(_engine(path, 1))
+    single = _engine(path, 1)
+    expected = _run(single)
     expected.pop("seeded")  # a reordered sum may move a sampled draw across a bucket edge: greedy rows only
     for pp, tp in ((1, 2), (2, 2)):
         engine = _engine(path, pp, tp)
         try:
+            # the caches are planned for one rank: its share of the weights, not the whole model
+            assert engine.memory_plan.weight_bytes < single.memory_plan.weight_bytes
             done = _run(engine)
             done.pop("seeded")
             assert done == expected, f"pp={pp} tp={tp}"
