@@ -15,6 +15,7 @@ from deltaserve.demo import TINY_CONFIGS, build_checkpoint
 from deltaserve.engine.llm_engine import LLMEngine
 from deltaserve.sampling import SamplingParams
 from deltaserve.worker.executor import RankFailed
+from tests.model.quant_checkpoints import QUANT_SHAPES, quantize_checkpoint
 
 PROMPTS = [[(7 * i + 3 * j) % 200 + 1 for j in range(n)] for i, n in enumerate((5, 40, 13, 70))]
 SEVEN_LAYERS = dict(num_hidden_layers=7, layer_types=["linear_attention"] * 3 + ["full_attention"]
@@ -52,6 +53,19 @@ def test_pipeline_matches_single_process(tmp_path, arch):
             assert _run(engine) == expected, f"pp={pp}"
         finally:
             engine.runner.shutdown()
+
+
+def test_pipeline_stages_of_an_awq_checkpoint(tmp_path):
+    # COMMAND_LINES.md's AWQ 27B over three pipeline stages: each stage loads its layers' packed int4 tensors
+    source = build_checkpoint(tmp_path / "source", "qwen3_5", matrix_gain=0.5,
+                              config_overrides=dict(QUANT_SHAPES, **SEVEN_LAYERS))
+    path = quantize_checkpoint(source, tmp_path, "awq", group_size=64).path
+    expected = _run(_engine(path, 1))
+    engine = _engine(path, 3)
+    try:
+        assert _run(engine) == expected
+    finally:
+        engine.runner.shutdown()
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_next"])
