@@ -295,7 +295,8 @@ def plan(cfg: ModelConfig, engine: EngineConfig, *, device_memory_bytes: int | N
         num_seqs = _clamp_num_seqs(budget, requested, target_len, need_blocks, notes)
         num_blocks = budget.blocks_left(num_seqs)
         useful = math.ceil(num_seqs * target_len / bs) + 1
-        if budget.source != _KV_BYTES_FLAG and num_blocks > useful:
+        # (a stage without attention layers has no byte bound at all, whatever sized the cache)
+        if (budget.source != _KV_BYTES_FLAG or budget.block_bytes == 0) and num_blocks > useful:
             num_blocks = useful
             notes.append(f"KV pool capped at {useful - 1:,} blocks: {num_seqs} sequences of {target_len:,} tokens "
                          "use no more")

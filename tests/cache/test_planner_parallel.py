@@ -11,6 +11,7 @@ from deltaserve.cache.rank_share import rank_config, rank_share
 from deltaserve.config import EngineConfig, ModelConfig
 from deltaserve.model.loader import build_model
 from deltaserve.model_configs import CONFIGS_DIR
+from deltaserve.parallel_layout import RankLayout
 from deltaserve.worker.distributed import ParallelContext
 
 GIB = 2**30
@@ -76,3 +77,5 @@ def test_a_stage_without_attention_layers_plans_no_kv_bound():
     assert stages[0].kv_bytes_per_token == 0 and stages[0].error is None
     assert stages[0].num_blocks >= max(p.num_blocks for p in stages[1:])  # only the sequences' need caps it
     assert tightest_plan(stages).num_blocks == min(p.num_blocks for p in stages)  # every rank's pool fits
+    sized = plan(cfg, EngineConfig(max_num_seqs=4, kv_cache_memory_bytes=GIB), parallel=RankLayout(pp_size=8))
+    assert sized.num_blocks < 2**31  # capped at what its sequences use, not the unbounded count
