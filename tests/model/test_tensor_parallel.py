@@ -79,8 +79,10 @@ def _worker(rank: int, store: str, checkpoints: dict, out_dir: str) -> None:
                 _bind(single)
                 results[name] = (sharded, _run(single, cfg.vocab_size),
                                  (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size))
-    if rank == 0:
-        torch.save(results, os.path.join(out_dir, "results.pt"))
+    if rank == 0:  # its sharded runs needed every collective of rank 1: both ranks' work is in them
+        torch.save(results, os.path.join(out_dir, "results.tmp"))
+        os.replace(os.path.join(out_dir, "results.tmp"), os.path.join(out_dir, "results.pt"))
+    dist.barrier()  # no rank tears gloo down while the results are being written
     dist.destroy_process_group()
 
 
@@ -89,7 +91,13 @@ def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
     checkpoints = {name: str(build_checkpoint(root / name, name, config_overrides=overrides))
                    for name, overrides in VARIANTS.items()}
-    mp.spawn(_worker, args=(str(root / "store"), checkpoints, str(root)), nprocs=TP, join=True)
+    try:
+        mp.spawn(_worker, args=(str(root / "store"), checkpoints, str(root)), nprocs=TP, join=True)
+    except mp.ProcessExitedException:
+        # gloo's teardown has aborted a rank at exit in full-suite runs ("terminate called without an active
+        # exception") after every result was computed: the results file says the work itself completed
+        if not (root / "results.pt").is_file():
+            raise
     return torch.load(root / "results.pt")
 
 
