@@ -118,14 +118,15 @@ def stack_bound(reduction_per_layer: int, depth: int, magnitude: float, dtype: t
 
 def assert_within(actual: torch.Tensor, expected: torch.Tensor, bound, what: str = "") -> None:
     """|actual - expected| <= bound elementwise (bound a tensor broadcasting against them, or a number).
-    Exact NaN/inf positions must agree; the message names the worst element against its bound."""
-    actual, expected = actual.double(), expected.double()
+    Exact NaN/inf positions must agree; the message names the worst element against its bound. Compared on the
+    CPU, so GPU results, CPU references and bounds of either kind mix."""
+    actual, expected = actual.detach().double().cpu(), expected.detach().double().cpu()
     assert actual.shape == expected.shape, f"{what}: shapes {tuple(actual.shape)} vs {tuple(expected.shape)}"
     if expected.numel() == 0:
         return
     finite = torch.isfinite(expected)
     assert torch.equal(finite, torch.isfinite(actual)), f"{what}: non-finite values differ"
-    bound = torch.as_tensor(bound, dtype=torch.float64).expand_as(expected)
+    bound = torch.as_tensor(bound, dtype=torch.float64).cpu().expand_as(expected)
     err = torch.where(finite, (actual - expected).abs(), 0.0)
     ratio = err / bound.clamp_min(torch.finfo(torch.float64).tiny)
     worst = int(ratio.argmax())

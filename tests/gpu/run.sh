@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Everything GPU in one command, on an H200 machine: GPU tests, then the benchmarks.
-#   tests/gpu/run.sh OUTDIR [full|quick|tests|bench|serve|structured|tune|quant]
+#   tests/gpu/run.sh OUTDIR [full|quick|tests|ops|bench|serve|structured|tune|quant]
 #   full   every GPU test, then all benchmarks (more than one 10-minute device call: use tests, then bench)
 #   quick  every GPU test, a kernel profile and a short benchmark
-#   tests  the GPU tests alone (~7.5 min on an H200); TESTS="paths" narrows them
+#   tests  the GPU tests alone (tests/gpu, ~8 min on an H200); TESTS="paths" runs those instead
+#   ops    the op tests (tests/ops) on the GPU's compiled kernels instead of CI's interpreter (~3 min)
 #   bench  the benchmarks alone; WORKLOADS=W1,W3 chooses them, PROFILE=0 leaves out their kernel profiles
 #          (every workload with profiles ~8 min, without ~6)
 #   serve  a workload through the HTTP server: `deltaserve serve` on a published config with dummy weights and a
@@ -24,7 +25,7 @@
 # (../shared/tools/gpu-wheels.sh .whl); the published configs are the ones shipped in deltaserve/model_configs/.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-OUT=${1:?usage: tests/gpu/run.sh OUTDIR [quick|full|tests|bench|serve|structured|tune|quant]}
+OUT=${1:?usage: tests/gpu/run.sh OUTDIR [quick|full|tests|ops|bench|serve|structured|tune|quant]}
 MODE=${2:-full}
 mkdir -p "$OUT"
 export DELTASERVE_GPU_OUT="$(cd "$OUT" && pwd)"  # where GPU tests write their figures (memory_plan.json)
@@ -97,6 +98,10 @@ WAIT
   kill -INT $server; wait $server
   exit $status
 fi
+if [ "$MODE" = ops ]; then
+  python3 -m pytest tests/ops -q -rs --timeout=300 -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
+  exit "${PIPESTATUS[0]}"
+fi
 if [ "$MODE" != bench ]; then
   if [ -n "${TESTS:-}" ]; then
     python3 -m pytest $TESTS -q -rs --timeout=300 -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
@@ -109,7 +114,7 @@ if [ "$MODE" != bench ]; then
     python3 -m pytest "$compile_test" "$grammar_compile_test" -q -rs --timeout=300 -p no:cacheprovider 2>&1 \
       | tee "$OUT/gpu_tests.log"
     status=${PIPESTATUS[0]}
-    python3 -m pytest tests/gpu tests/ops --deselect "$compile_test" --deselect "$grammar_compile_test" -q -rs \
+    python3 -m pytest tests/gpu --deselect "$compile_test" --deselect "$grammar_compile_test" -q -rs \
       --timeout=300 -p no:cacheprovider 2>&1 | tee -a "$OUT/gpu_tests.log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
   fi
