@@ -48,9 +48,11 @@ def build_block(cfg: ModelConfig) -> SparseMoE:
     with torch.no_grad():
         for param in block.parameters():
             param.normal_(0.0, param.shape[-1] ** -0.5)
+    block = block.to(torch.bfloat16)
+    block.fuse()  # as the loader does: the router, shared gate and shared gate/up joined into one weight
     if block.shared_expert is not None:
         block.shared_expert.fuse()
-    return block.to(torch.bfloat16)
+    return block
 
 
 def torch_path(block: SparseMoE, x: torch.Tensor) -> torch.Tensor:

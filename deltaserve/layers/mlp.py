@@ -20,7 +20,7 @@ from torch import nn
 from deltaserve.layers.linear import fuse_linears, project
 from deltaserve.layers.quant.weight import fuse_quantized
 from deltaserve.ops import moe
-from deltaserve.ops.linear import silu_mul_linear
+from deltaserve.ops.linear import linear, silu_mul_linear
 from deltaserve.ops.moe.reference import add_shared_expert, grouped_experts
 from deltaserve.worker.distributed import SINGLE, ParallelContext
 
@@ -40,8 +40,9 @@ class SwiGLU(nn.Module):
         self.gate_up_weight: torch.Tensor | None = None  # [gate | up] rows, set by fuse()
 
     def fuse(self) -> None:
-        """After loading: gate and up projections become one matmul."""
-        self.gate_up_weight = fuse_linears(self.gate_proj, self.up_proj)
+        """After loading: gate and up projections become one matmul (unless a parent's fuse joined them already)."""
+        if self.gate_up_weight is None:
+            self.gate_up_weight = fuse_linears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(project(x, self.gate_up_weight))
@@ -65,6 +66,10 @@ class Experts(nn.Module):
         or None. Returns sum_j w_j * expert_{id_j}(x) (+ sigmoid(gate) * shared): [T, H] (ops.moe.experts: the
         fused kernels on the GPU at decode sizes, else the grouped matmul)."""
         return moe.experts(x, topk_ids, topk_weights, self.gate_up_proj, self.down_proj, shared)
+
+    def fused_serves(self, x: torch.Tensor) -> bool:
+        """Whether a forward over x takes the fused kernels."""
+        return moe.fused_serves(x, self.gate_up_proj, self.down_proj)
 
 
 class QuantExperts(nn.Module):
@@ -112,6 +117,9 @@ class QuantExperts(nn.Module):
         out = grouped_experts(x, topk_ids, topk_weights, gate_up, down, self.schemes["down_proj"].round_activation)
         return out if shared is None else add_shared_expert(out, *shared)
 
+    def fused_serves(self, x: torch.Tensor) -> bool:
+        return False
+
 
 class SparseMoE(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
@@ -124,12 +132,41 @@ class SparseMoE(nn.Module):
         self.shared_expert = (SwiGLU(hidden_size, shared_intermediate_size, parallel, "shared_expert_intermediate_size")
                               if shared_intermediate_size else None)
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_intermediate_size else None
+        # [router | shared gate | shared gate/up] rows, set by fuse() where all are plain linears
+        self.in_weight: torch.Tensor | None = None
+
+    def fuse(self) -> None:
+        """After loading (before the shared expert's own fuse): the router, the shared expert's gate and its
+        gate/up projections, which all read x, become one [E + 1 + 2I_shared, H] weight, the parameters views of
+        its rows. Steps on the fused experts multiply it once (one launch instead of three a layer)."""
+        if self.shared_expert is None:
+            return
+        linears = (self.gate, self.shared_expert_gate, self.shared_expert.gate_proj, self.shared_expert.up_proj)
+        if all(type(linear) is nn.Linear for linear in linears):
+            self.in_weight = fuse_linears(*linears)
+            self.shared_expert.gate_up_weight = self.in_weight[self.gate.out_features + 1:]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] -> [T, H]."""
-        logits = self.gate(x)  # [T, E]
+        shared = None  # (the shared expert's output [T, H], its gate logits [T, 1]), summed in by the experts' op
+        if self.in_weight is not None and self.experts.fused_serves(x):
+            E = self.gate.out_features
+            projected = linear(x, self.in_weight)  # [T, E + 1 + 2I_shared]
+            logits, shared = projected[:, :E], (self.shared_expert.down(projected[:, E + 1:]), projected[:, E:E + 1])
+        else:
+            logits = self.gate(x)  # [T, E]
+            if self.shared_expert is not None:
+                shared = (self.shared_expert(x), self.shared_expert_gate(x))
         ids, weights = moe.route(logits, self.top_k, self.norm_topk_prob)  # [T, k] each, weights float32
-        shared = None
-        if self.shared_expert is not None:  # (output [T, H], gate logits [T, 1]), summed in by the experts' op
-            shared = (self.shared_expert(x), self.shared_expert_gate(x))
         return self.experts(x, ids, weights, shared)
+
+    @torch.no_grad()
+    def warm_up_fused(self) -> None:
+        """GPU start-up: a forward at every token bucket of the fused experts' tile table (each bucket's tiles
+        are a kernel variant; nothing else the kernels take varies with the batch), so that no eager step
+        compiles one while serving."""
+        for rows in moe.ROW_BUCKETS:
+            x = torch.zeros(rows, self.gate.in_features, dtype=self.gate.weight.dtype, device=self.gate.weight.device)
+            if not self.experts.fused_serves(x):
+                return
+            self(x)

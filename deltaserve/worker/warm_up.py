@@ -16,9 +16,9 @@ import time
 
 import torch
 
-from deltaserve.layers.mlp import Experts, SparseMoE
+from deltaserve.layers.mlp import SparseMoE
 from deltaserve.model.qwen3_5 import HybridForCausalLM
-from deltaserve.ops import moe, quant_gemm
+from deltaserve.ops import quant_gemm
 from deltaserve.ops.linear import warm_up_skinny
 from deltaserve.sampling import SamplingParams
 from deltaserve.structured import bitmask as grammar_bitmask
@@ -36,10 +36,9 @@ def after_capture(model: HybridForCausalLM, device: torch.device, max_num_batche
     from deltaserve.ops.attention.cuda_sdpa import warm_up_cudnn_attention  # GPU only
 
     warm_up_skinny(model.projection_weights())
-    blocks = [m for m in model.modules() if isinstance(m, SparseMoE) and isinstance(m.experts, Experts)]
-    if blocks:  # every MoE layer launches the same variants
-        experts = blocks[0].experts
-        moe.warm_up(experts.gate_up_proj, experts.down_proj, blocks[0].top_k, blocks[0].shared_expert is not None)
+    moe_blocks = [module for module in model.modules() if isinstance(module, SparseMoE)]
+    if moe_blocks:  # every MoE layer launches the same variants
+        moe_blocks[0].warm_up_fused()
     if model.gdn_layers:  # every GDN layer launches the same variants
         model.gdn_layers[0].warm_up_output_norm(max_num_batched_tokens)
     attention = model.attention_layers[0]  # every attention layer launches the same variants

@@ -30,8 +30,10 @@ def block_35b():
     with torch.no_grad():
         for param in block.parameters():
             param.normal_(0.0, param.shape[-1] ** -0.5)
+    block = block.to(torch.bfloat16)
+    block.fuse()  # as the loader does: router, shared gate and shared gate/up joined into one weight
     block.shared_expert.fuse()
-    return block.to(torch.bfloat16)
+    return block
 
 
 def inputs(tokens: int, seed: int) -> torch.Tensor:

@@ -181,3 +181,40 @@ def test_sparse_moe_fused_path_matches_torch_path(monkeypatch, shared_size, reno
             bound = bound + shared_bound(block.shared_expert(x), block.shared_expert_gate(x), torch.float32)
         bound = bound + 2 * gamma(1, torch.float32) * (magnitude + want.double().abs())  # the final sum's rounding
     assert_within(got, want, bound, "SparseMoE fused vs torch")
+
+
+def test_fused_in_projection_equals_separate_projections(monkeypatch):
+    """SparseMoE.fuse joins the router, the shared gate and the shared gate/up into one weight, which steps on the
+    fused experts multiply once. With operands on a coarse dyadic grid (x in halves, weights in eighths, H = 40)
+    every product and sum is exact in float32, so any blocking gives the same projections, and the block's output
+    with the joined weight must equal, bitwise, its output with the three separate ones."""
+    block = sparse_moe(20, True, seed=9)
+    gen = torch.Generator().manual_seed(10)
+    with torch.no_grad():
+        for param in block.parameters():
+            param.copy_(torch.randint(-8, 9, param.shape, generator=gen) / 8)
+    block.shared_expert.gate_up_weight = None
+    block.fuse()
+    block.shared_expert.fuse()
+    assert block.shared_expert.gate_up_weight.data_ptr() == block.in_weight[8:].data_ptr()  # a view, no copy
+    assert block.gate.weight.data_ptr() == block.in_weight.data_ptr()
+    x = (torch.randint(-2, 3, (6, 40), generator=gen) / 2).to(DEVICE)
+    monkeypatch.setattr(moe, "_route_on_gpu", lambda logits: True)
+    monkeypatch.setattr(moe, "fused_serves", lambda x, gate_up, down: True)
+    monkeypatch.setattr(moe, "tiles_for", lambda *shape: SMALL)
+    with torch.no_grad():
+        joined = block(x)
+        block.in_weight = None
+        separate = block(x)
+    assert torch.equal(joined, separate)
+
+
+def test_warm_up_runs_every_bucket_where_the_fused_path_serves(monkeypatch):
+    block = sparse_moe(20, True, seed=11)
+    rows = []
+    monkeypatch.setattr(moe, "experts", lambda x, *args: rows.append(x.shape[0]) or torch.zeros_like(x))
+    block.warm_up_fused()
+    assert rows == []  # the CPU: the fused path does not serve, nothing runs
+    monkeypatch.setattr(moe, "fused_serves", lambda x, gate_up, down: True)
+    block.warm_up_fused()
+    assert rows == list(configs.ROW_BUCKETS)

@@ -13,10 +13,10 @@ kernel of another weight format goes beside `cuda.fused_experts` and is chosen b
 import torch
 
 from deltaserve.ops.moe import reference
-from deltaserve.ops.moe.configs import FUSED_MAX_TOKENS, tiles_for
+from deltaserve.ops.moe.configs import FUSED_MAX_TOKENS, ROW_BUCKETS, tiles_for
 from deltaserve.ops.moe.reference import grouped_experts
 
-__all__ = ["FUSED_MAX_TOKENS", "experts", "fused_serves", "grouped_experts", "route", "warm_up"]
+__all__ = ["FUSED_MAX_TOKENS", "ROW_BUCKETS", "experts", "fused_serves", "grouped_experts", "route"]
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16)
 MAX_EXPERTS = 1024  # the routing and align kernels hold one row of every expert in registers
@@ -56,20 +56,3 @@ def experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
         return cuda.fused_experts(x, topk_ids, topk_weights, gate_up, down, tiles, shared)
     out = grouped_experts(x, topk_ids, topk_weights, gate_up, down)
     return out if shared is None else reference.add_shared_expert(out, *shared)
-
-
-@torch.no_grad()
-def warm_up(gate_up: torch.Tensor, down: torch.Tensor, top_k: int, with_shared: bool) -> None:
-    """GPU start-up: run the fused kernels once at every bucket of the tile table (each bucket's tiles are a
-    variant; nothing else they take varies with the batch), so that an eager step compiles none while serving."""
-    from deltaserve.ops.moe.configs import ROW_BUCKETS
-
-    E, _, H = gate_up.shape
-    for rows in ROW_BUCKETS:
-        x = torch.zeros(rows, H, dtype=gate_up.dtype, device=gate_up.device)
-        if not fused_serves(x, gate_up, down):
-            return
-        ids = (torch.arange(rows * top_k, device=x.device) % E).view(rows, top_k)  # distinct within a row (k <= E)
-        weights = torch.full((rows, top_k), 1.0 / top_k, device=x.device)
-        shared = (x, x[:, :1]) if with_shared else None
-        experts(x, ids, weights, gate_up, down, shared)
