@@ -5,10 +5,12 @@ beside the bytes-over-bandwidth limit.
 
 For the MoE shape of the model in CONFIG_DIR (default Qwen3.5-35B-A3B), at each token count, inside CUDA graphs as
 decode runs them, each call on other random inputs so that its experts are not the previous call's (one call
-touches k of E experts; L2 holds about one call's): times the old path (torch softmax + topk + renormalise, sort +
-grouped_mm, the shared expert) and the fused path (the routing kernel, the fused experts with the shared sum),
-the fused experts alone, and the limit: the bytes a layer must read (router, shared expert, and the distinct
-selected experts' weights, counted from the calls' routing) over 4.8 TB/s (the H200's nominal HBM bandwidth).
+touches k of E experts; L2 holds about one call's): times the old path (the router, torch softmax + topk +
+renormalise, sort + grouped_mm, the shared expert and its gate), the fused path (one GEMM for the router, the
+shared gate and the shared gate/up; the routing kernel; the fused experts with the shared sum), the fused experts
+alone (and their align kernel alone), the routing kernel alone, and the limit: the bytes a layer must read
+(router, shared expert, and the distinct selected experts' weights, counted from the calls' routing) over 4.8 TB/s
+(the H200's nominal HBM bandwidth).
 `--sweep` then tunes the fused kernels' tiles per token bucket (kernel A's over its candidates with kernel B's
 default, then kernel B's with A's best, then BLOCK_M), starting no bucket after --budget-s seconds, and merges the
 winners into --out (copy to deltaserve/ops/moe/configs.json to ship them).
@@ -88,7 +90,12 @@ def time_layer(block: SparseMoE, tokens: int) -> dict:
         fused = graph_time_us([functools.partial(block, x) for x in xs])
         alone = graph_time_us([functools.partial(moe_cuda.fused_experts, x, ids, w, experts.gate_up_proj,
                                                  experts.down_proj, tiles) for x, (ids, w) in zip(xs, routed)])
-    return {"old": old, "fused": fused, "experts": alone, "limit": 1e6 * total / HBM_BYTES_PER_S,
+        align = graph_time_us([functools.partial(moe_cuda.align, ids, experts.gate_up_proj.shape[0], tiles.block_m)
+                               for ids, _ in routed])
+        route = graph_time_us([functools.partial(moe_cuda.route, block.gate(x), block.top_k, block.norm_topk_prob)
+                               for x in xs])
+    return {"old": old, "fused": fused, "experts": alone, "align": align, "route": route,
+            "limit": 1e6 * total / HBM_BYTES_PER_S,
             "experts_limit": 1e6 * routed_bytes / HBM_BYTES_PER_S, "mb": total / 1e6}
 
 
@@ -160,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"T={tokens:>3} ({r['mb']:.0f} MB): torch path {r['old']:7.1f} us | fused {r['fused']:7.1f} us "
               f"({r['old'] / r['fused']:.2f}x) | limit {r['limit']:6.1f} us (fused at {r['limit'] / r['fused']:.0%}) "
               f"| experts alone {r['experts']:6.1f} us, limit {r['experts_limit']:6.1f} us "
-              f"({r['experts_limit'] / r['experts']:.0%})", flush=True)
+              f"({r['experts_limit'] / r['experts']:.0%}; of it align {r['align']:.1f} us) | routing kernel "
+              f"{r['route']:.1f} us", flush=True)
     if not args.sweep:
         return 0
     start, table = time.monotonic(), {}

@@ -118,6 +118,7 @@ class QuantExperts(nn.Module):
         return out if shared is None else add_shared_expert(out, *shared)
 
     def fused_serves(self, x: torch.Tensor) -> bool:
+        """Quantized experts run the dequantized grouped matmul (no fused kernel of their formats yet)."""
         return False
 
 

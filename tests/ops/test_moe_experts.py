@@ -76,12 +76,10 @@ def test_align_groups_pairs_by_expert(tokens, experts, top_k, block_m):
     <= BLOCK_M each, and the rest of the table has 0 rows."""
     gen = torch.Generator().manual_seed(tokens + experts)
     ids, _ = random_routing(tokens, experts, top_k, gen)
-    flat = ids.reshape(-1).to(torch.int32)
-    pairs, blocks = flat.numel(), moe_cuda.num_blocks(experts, tokens, top_k, block_m)
-    sorted_pairs = torch.full((pairs,), -1, dtype=torch.int32, device=DEVICE)
-    table = torch.full((3, blocks), -1, dtype=torch.int32, device=DEVICE)
-    moe_cuda._align_kernel[(1,)](flat, sorted_pairs, table[0], table[1], table[2], pairs, blocks, BLOCK_M=block_m,
-                                 BLOCK_E=triton.next_power_of_2(experts), CHUNK=moe_cuda.ALIGN_CHUNK)
+    flat = ids.reshape(-1)
+    pairs = flat.numel()
+    sorted_pairs, table = moe_cuda.align(ids, experts, block_m)
+    assert table.shape == (3, moe_cuda.num_blocks(experts, tokens, top_k, block_m))
     want = sorted(range(pairs), key=lambda p: (int(flat[p]), p))
     assert sorted_pairs.tolist() == want
     covered = []

@@ -234,6 +234,20 @@ def num_blocks(num_experts: int, tokens: int, top_k: int, block_m: int) -> int:
     return min(num_experts, pairs) + (0 if block_m >= tokens else pairs // block_m)
 
 
+def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk_ids [T, k] -> (sorted_pairs [T*k] int32: the pairs t*k + j sorted by (expert, pair); block_table
+    [3, num_blocks] int32: per block its expert, its first position in sorted_pairs and its rows, 0 past the last
+    block). One launch of _align_kernel, no host sync."""
+    T, top_k = topk_ids.shape
+    pairs, blocks = T * top_k, num_blocks(num_experts, T, top_k, block_m)
+    sorted_pairs = torch.empty(pairs, dtype=torch.int32, device=topk_ids.device)
+    block_table = torch.empty(3, blocks, dtype=torch.int32, device=topk_ids.device)
+    _align_kernel[(1,)](topk_ids.reshape(-1).to(torch.int32), sorted_pairs, block_table[0], block_table[1],
+                        block_table[2], pairs, blocks, BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts),
+                        CHUNK=ALIGN_CHUNK, **pdl.launch_args(topk_ids.device))
+    return sorted_pairs, block_table
+
+
 def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up: torch.Tensor,
                   down: torch.Tensor, tiles: MoeTiles, shared: tuple[torch.Tensor, torch.Tensor] | None = None
                   ) -> torch.Tensor:
@@ -258,13 +272,9 @@ def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     launch = pdl.launch_args(x.device)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     pairs = T * top_k
-    ids = topk_ids.reshape(-1).to(torch.int32)  # [P]
     weights = topk_weights.reshape(-1).to(torch.float32)  # [P]
-    blocks = num_blocks(E, T, top_k, tiles.block_m)
-    sorted_pairs = torch.empty(pairs, dtype=torch.int32, device=x.device)
-    block_table = torch.empty(3, blocks, dtype=torch.int32, device=x.device)  # expert, first pair, rows
-    _align_kernel[(1,)](ids, sorted_pairs, block_table[0], block_table[1], block_table[2], pairs, blocks,
-                        BLOCK_M=tiles.block_m, BLOCK_E=triton.next_power_of_2(E), CHUNK=ALIGN_CHUNK, **launch)
+    sorted_pairs, block_table = align(topk_ids, E, tiles.block_m)
+    blocks = block_table.shape[1]
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     tile = tiles.gate_up
     _gate_up_kernel[(blocks, triton.cdiv(inter, tile.block_n))](
