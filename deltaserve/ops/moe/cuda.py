@@ -271,6 +271,8 @@ def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
         return out
     launch = pdl.launch_args(x.device)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    # the tiles are sized for 16-bit operands: float32 ones (tests) take twice the shared memory a stage
+    stage_divisor = x.element_size() // 2
     pairs = T * top_k
     weights = topk_weights.reshape(-1).to(torch.float32)  # [P]
     sorted_pairs, block_table = align(topk_ids, E, tiles.block_m)
@@ -281,14 +283,14 @@ def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
         x, gate_up, act, sorted_pairs, block_table[0], block_table[1], block_table[2], H, inter, x.stride(0),
         gate_up.stride(0), gate_up.stride(1), TOP_K=top_k, BLOCK_M=tiles.block_m, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, EVEN_N=inter % tile.block_n == 0, EVEN_K=H % tile.block_k == 0, PRECISION=precision,
-        num_warps=tile.warps, num_stages=tile.stages, **launch)
+        num_warps=tile.warps, num_stages=max(1, tile.stages // stage_divisor), **launch)
     y = torch.empty(pairs, H, dtype=torch.float32, device=x.device)  # [T, k, H]
     tile = tiles.down
     _down_kernel[(blocks, triton.cdiv(H, tile.block_n))](
         act, down, weights, y, sorted_pairs, block_table[0], block_table[1], block_table[2], H, inter,
         down.stride(0), down.stride(1), BLOCK_M=tiles.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         EVEN_N=H % tile.block_n == 0, EVEN_K=inter % tile.block_k == 0, PRECISION=precision,
-        num_warps=tile.warps, num_stages=tile.stages, **launch)
+        num_warps=tile.warps, num_stages=max(1, tile.stages // stage_divisor), **launch)
     shared_out, shared_gate = shared if shared is not None else (out, out)  # unread without HAS_SHARED
     _combine_kernel[(T, triton.cdiv(H, COMBINE_BLOCK))](
         y, out, shared_out, shared_gate, H, out.stride(0), shared_out.stride(0), shared_gate.stride(0),
