@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="config.json directory of an MoE model (default: the shipped Qwen3.5-35B-A3B config)")
     parser.add_argument("--tokens", default="1,2,4,8,16,32,64", help="token counts to time")
     parser.add_argument("--sweep", action="store_true", help="tune the fused kernels' tiles per bucket")
-    parser.add_argument("--budget-s", type=float, default=150.0, help="start no sweep bucket after this many s")
+    parser.add_argument("--budget-s", type=float, default=90.0, help="start no sweep bucket after this many s")
     parser.add_argument("--out", default="moe_configs.json", help="merge the swept tiles into this table")
     args = parser.parse_args(argv)
     try:

@@ -131,27 +131,44 @@ def _align_kernel(topk_ids, sorted_pairs, block_expert, block_first, block_rows,
 
 
 @triton.jit
-def _block_pairs(sorted_pairs, block_first, block_rows, b, BLOCK_M: tl.constexpr):
-    """Block b's pairs [BLOCK_M] (0 past its rows) and their mask."""
+def _block_pairs(sorted_pairs, block_expert, block_first, block_rows, b, BLOCK_M: tl.constexpr,
+                 ONE_TOKEN: tl.constexpr):
+    """Block b's expert (int64), pairs [BLOCK_M] (0 past its rows) and their mask. ONE_TOKEN: the k pairs of a
+    single token are k distinct experts, so pair b is block b, its expert block_expert [b] (topk_ids itself) and no
+    align kernel ran."""
     ms = tl.arange(0, BLOCK_M)
-    m_ok = ms < tl.load(block_rows + b)
-    pairs = tl.load(sorted_pairs + tl.load(block_first + b) + ms, mask=m_ok, other=0)
-    return pairs, m_ok
+    if ONE_TOKEN:
+        m_ok = ms < 1
+        pairs = b + ms * 0
+    else:
+        m_ok = ms < tl.load(block_rows + b)
+        pairs = tl.load(sorted_pairs + tl.load(block_first + b) + ms, mask=m_ok, other=0)
+    return tl.load(block_expert + b).to(tl.int64), pairs, m_ok
+
+
+@triton.jit
+def _block_used(block_rows, b, ONE_TOKEN: tl.constexpr):
+    """Whether block b holds pairs (past the last block the align kernel wrote 0 rows)."""
+    used = True
+    if not ONE_TOKEN:
+        used = tl.load(block_rows + b) > 0
+    return used
 
 
 @triton.jit
 def _gate_up_kernel(
     x, gate_up, act, sorted_pairs, block_expert, block_first, block_rows, H, I, stride_x, stride_we, stride_wn,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, ONE_TOKEN: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Kernel A. Grid (blocks, cdiv(I, BLOCK_N)): program (b, n) writes act [pair, n block] = silu(x_t Wg^T) *
     (x_t Wu^T) for block b's pairs, Wg / Wu the n block's gate / up rows of its expert's gate_up [2I, H]."""
     wait_for_previous_kernel(PDL)
     b = tl.program_id(0)
-    if tl.load(block_rows + b) > 0:
-        pairs, m_ok = _block_pairs(sorted_pairs, block_first, block_rows, b, BLOCK_M)  # [BM]
-        expert = tl.load(block_expert + b).to(tl.int64)
+    if _block_used(block_rows, b, ONE_TOKEN):
+        expert, pairs, m_ok = _block_pairs(sorted_pairs, block_expert, block_first, block_rows, b, BLOCK_M,
+                                           ONE_TOKEN)  # pairs, m_ok: [BM]
         ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] intermediate columns
         n_ok = ns < I
         gate_rows = gate_up + expert * stride_we + ns[:, None].to(tl.int64) * stride_wn  # [BN, 1]
@@ -181,15 +198,15 @@ def _gate_up_kernel(
 def _down_kernel(
     act, down, topk_weights, y, sorted_pairs, block_expert, block_first, block_rows, H, I, stride_we, stride_wn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
-    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, ONE_TOKEN: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Kernel B. Grid (blocks, cdiv(H, BLOCK_N)): program (b, n) writes y [pair, n block] (float32) =
     w_pair * act[pair] Wd^T for block b's pairs, Wd the n block's rows of its expert's down [H, I]."""
     wait_for_previous_kernel(PDL)
     b = tl.program_id(0)
-    if tl.load(block_rows + b) > 0:
-        pairs, m_ok = _block_pairs(sorted_pairs, block_first, block_rows, b, BLOCK_M)  # [BM]
-        expert = tl.load(block_expert + b).to(tl.int64)
+    if _block_used(block_rows, b, ONE_TOKEN):
+        expert, pairs, m_ok = _block_pairs(sorted_pairs, block_expert, block_first, block_rows, b, BLOCK_M,
+                                           ONE_TOKEN)  # pairs, m_ok: [BM]
         ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] hidden columns
         n_ok = ns < H
         w_rows = down + expert * stride_we + ns[:, None].to(tl.int64) * stride_wn  # [BN, 1]
@@ -275,22 +292,27 @@ def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     stage_divisor = x.element_size() // 2
     pairs = T * top_k
     weights = topk_weights.reshape(-1).to(torch.float32)  # [P]
-    sorted_pairs, block_table = align(topk_ids, E, tiles.block_m)
-    blocks = block_table.shape[1]
+    one_token = T == 1
+    if one_token:  # block j = pair j = expert topk_ids [0, j]: nothing to group, no align launch
+        ids = topk_ids.reshape(-1).to(torch.int32)
+        sorted_pairs, block_table, blocks = ids, ids.expand(3, top_k), top_k  # of the table only row 0 is read
+    else:
+        sorted_pairs, block_table = align(topk_ids, E, tiles.block_m)
+        blocks = block_table.shape[1]
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     tile = tiles.gate_up
     _gate_up_kernel[(blocks, triton.cdiv(inter, tile.block_n))](
         x, gate_up, act, sorted_pairs, block_table[0], block_table[1], block_table[2], H, inter, x.stride(0),
         gate_up.stride(0), gate_up.stride(1), TOP_K=top_k, BLOCK_M=tiles.block_m, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, EVEN_N=inter % tile.block_n == 0, EVEN_K=H % tile.block_k == 0, PRECISION=precision,
-        num_warps=tile.warps, num_stages=max(1, tile.stages // stage_divisor), **launch)
+        ONE_TOKEN=one_token, num_warps=tile.warps, num_stages=max(1, tile.stages // stage_divisor), **launch)
     y = torch.empty(pairs, H, dtype=torch.float32, device=x.device)  # [T, k, H]
     tile = tiles.down
     _down_kernel[(blocks, triton.cdiv(H, tile.block_n))](
         act, down, weights, y, sorted_pairs, block_table[0], block_table[1], block_table[2], H, inter,
         down.stride(0), down.stride(1), BLOCK_M=tiles.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         EVEN_N=H % tile.block_n == 0, EVEN_K=inter % tile.block_k == 0, PRECISION=precision,
-        num_warps=tile.warps, num_stages=max(1, tile.stages // stage_divisor), **launch)
+        ONE_TOKEN=one_token, num_warps=tile.warps, num_stages=max(1, tile.stages // stage_divisor), **launch)
     shared_out, shared_gate = shared if shared is not None else (out, out)  # unread without HAS_SHARED
     _combine_kernel[(T, triton.cdiv(H, COMBINE_BLOCK))](
         y, out, shared_out, shared_gate, H, out.stride(0), shared_out.stride(0), shared_gate.stride(0),
