@@ -19,7 +19,8 @@ property at 64 tokens, where 35B-A3B's 512 pairs fall on ~220 of 256 experts.
 The grouping runs on the device without a host sync, so a step captures into a CUDA graph: _align_kernel (one
 program) counts the pairs per expert, lays the pairs out sorted by (expert, pair index) and writes a block table
 (expert, first sorted pair, valid rows) for a grid sized by the worst case, min(E, T*k) blocks (plus T*k //
-BLOCK_M where BLOCK_M < T); blocks past the real count have 0 rows and exit.
+BLOCK_M where BLOCK_M < T); blocks past the real count have 0 rows and exit. A single token (batch-1 decode)
+needs no grouping, its k experts being distinct: block j is its pair j, and the align launch is skipped.
 
 Kernel A: act[pair] = silu(x_t @ Wg^T) * (x_t @ Wu^T), gate_up stacked [E, 2I, H] with the gate rows first,
 float32 accumulators, act rounded once to x's dtype: [T*k, I]. Kernel B: y[pair] = w_pair * (act[pair] @ Wd^T),
