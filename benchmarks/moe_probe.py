@@ -178,9 +178,9 @@ def main(argv: list[str] | None = None) -> int:
             break
         best, best_time, default_time = sweep_bucket(block, bucket)
         table[configs.table_key(E, k, H, inter, bucket)] = configs.tiles_entry(best)
+        write_table(args.out, table)  # after every bucket: a run killed later keeps what it measured
         print(f"bucket {bucket:>2}: best {best_time:6.1f} us {configs.tiles_entry(best)} (default {default_time:6.1f} "
               f"us) after {time.monotonic() - start:.0f} s", flush=True)
-    write_table(args.out, table)
     print(f"wrote {len(table)} entries to {args.out}", flush=True)
     return 0
 
