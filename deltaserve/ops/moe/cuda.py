@@ -150,8 +150,9 @@ def _block_pairs(sorted_pairs, block_expert, block_first, block_rows, b, BLOCK_M
 @triton.jit
 def _block_used(block_rows, b, ONE_TOKEN: tl.constexpr):
     """Whether block b holds pairs (past the last block the align kernel wrote 0 rows)."""
-    used = True
-    if not ONE_TOKEN:
+    if ONE_TOKEN:
+        used = b >= 0  # always (a tensor, as the other branch's)
+    else:
         used = tl.load(block_rows + b) > 0
     return used
 
