@@ -2,7 +2,8 @@
 
 MoE routing (architecture reference, section 4.1): softmax over experts in float32, top-k, renormalise the
 k weights (always for Qwen3.5-MoE, if norm_topk_prob for Qwen3-Next), weighted sum of the chosen experts,
-plus sigmoid(shared_expert_gate(x)) * shared_expert(x).
+plus sigmoid(shared_expert_gate(x)) * shared_expert(x). The routing and the experts with that sum are
+`ops.moe` ops: Triton kernels on the GPU (fused experts at decode sizes), torch's grouped matmul elsewhere.
 
 Quantized checkpoints: projections are QuantLinears (layers/linear.py), routed experts a QuantExperts, which
 dequantizes every expert's weights for the same grouped matmul at each forward (correct, not fast); the routers
@@ -14,18 +15,14 @@ block's output once (routed experts plus shared expert).
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.layers.linear import fuse_linears, project
 from deltaserve.layers.quant.weight import fuse_quantized
-from deltaserve.ops.activation import silu_and_mul
-from deltaserve.ops.linear import silu_mul_linear
+from deltaserve.ops import moe
+from deltaserve.ops.linear import linear, silu_mul_linear
+from deltaserve.ops.moe.reference import add_shared_expert, grouped_experts
 from deltaserve.worker.distributed import SINGLE, ParallelContext
-
-
-# (S, K) x grouped (E, K, N) -> (S, N); torch >= 2.10 names it F.grouped_mm, older releases torch._grouped_mm
-grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
 
 
 class SwiGLU(nn.Module):
@@ -43,8 +40,9 @@ class SwiGLU(nn.Module):
         self.gate_up_weight: torch.Tensor | None = None  # [gate | up] rows, set by fuse()
 
     def fuse(self) -> None:
-        """After loading: gate and up projections become one matmul."""
-        self.gate_up_weight = fuse_linears(self.gate_proj, self.up_proj)
+        """After loading: gate and up projections become one matmul (unless a parent's fuse joined them already)."""
+        if self.gate_up_weight is None:
+            self.gate_up_weight = fuse_linears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(project(x, self.gate_up_weight))
@@ -62,32 +60,16 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
-    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """x: [T, H]; topk_ids, topk_weights: [T, k]. Returns sum_j w_j * expert_{id_j}(x): [T, H]."""
-        return grouped_experts(x, topk_ids, topk_weights, self.gate_up_proj, self.down_proj)
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x: [T, H]; topk_ids, topk_weights: [T, k]; shared: (shared expert output [T, H], its gate logits [T, 1])
+        or None. Returns sum_j w_j * expert_{id_j}(x) (+ sigmoid(gate) * shared): [T, H] (ops.moe.experts: the
+        fused kernels on the GPU at decode sizes, else the grouped matmul)."""
+        return moe.experts(x, topk_ids, topk_weights, self.gate_up_proj, self.down_proj, shared)
 
-
-def grouped_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up: torch.Tensor,
-                    down: torch.Tensor, round_input=None) -> torch.Tensor:
-    """x: [T, H]; topk_ids, topk_weights: [T, k]; gate_up [E, 2I, H]; down [E, H, I] -> sum_j w_j expert_j(x): [T, H].
-    round_input: applied to each projection's input rows (dequantized W8A8 weights: the activations' rounding).
-
-    The T*k (token, expert) pairs are sorted by expert and run as one grouped matmul per projection
-    (torch's grouped_mm): no host sync and no loop over experts, so it also runs inside CUDA graphs.
-    """
-    k = topk_ids.shape[1]
-    sorted_ids, order = torch.sort(topk_ids.reshape(-1), stable=True)  # [T*k]
-    rows = order // k  # [T*k] source token of each sorted pair
-    experts = torch.arange(gate_up.shape[0], device=x.device)
-    # [E] end of each expert's group (searchsorted, unlike bincount, needs no host sync)
-    offs = torch.searchsorted(sorted_ids, experts, right=True).to(torch.int32)
-    if round_input is not None:  # per-row rounding: the same before or after the gather
-        x = round_input(x)
-    h = grouped_mm(x[rows], gate_up.transpose(1, 2), offs=offs)  # [T*k, 2I]
-    act = silu_and_mul(h)
-    y = grouped_mm(act if round_input is None else round_input(act), down.transpose(1, 2), offs=offs)  # [T*k, H]
-    y = y * topk_weights.reshape(-1)[order].unsqueeze(1).to(y.dtype)
-    return torch.zeros_like(x).index_add_(0, rows, y)
+    def fused_serves(self, x: torch.Tensor) -> bool:
+        """Whether a forward over x takes the fused kernels."""
+        return moe.fused_serves(x, self.gate_up_proj, self.down_proj)
 
 
 class QuantExperts(nn.Module):
@@ -126,11 +108,18 @@ class QuantExperts(nn.Module):
             self.gate_up.append(fuse_quantized(parts, H, self.device))
             self.down.append(fuse_quantized([(self.schemes["down_proj"], down, H)], inter, self.device))
 
-    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """As Experts.forward."""
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """As Experts.forward. The seam for fused quantized experts (issue 32 item 4): a kernel of this weight
+        format in ops.moe, chosen there as `ops.moe.experts` chooses the bf16 one."""
         gate_up = torch.stack([w.dequantize(x.dtype) for w in self.gate_up])  # [E, 2I, H]
         down = torch.stack([w.dequantize(x.dtype) for w in self.down])  # [E, H, I]
-        return grouped_experts(x, topk_ids, topk_weights, gate_up, down, self.schemes["down_proj"].round_activation)
+        out = grouped_experts(x, topk_ids, topk_weights, gate_up, down, self.schemes["down_proj"].round_activation)
+        return out if shared is None else add_shared_expert(out, *shared)
+
+    def fused_serves(self, x: torch.Tensor) -> bool:
+        """Quantized experts run the dequantized grouped matmul (no fused kernel of their formats yet)."""
+        return False
 
 
 class SparseMoE(nn.Module):
@@ -144,15 +133,41 @@ class SparseMoE(nn.Module):
         self.shared_expert = (SwiGLU(hidden_size, shared_intermediate_size, parallel, "shared_expert_intermediate_size")
                               if shared_intermediate_size else None)
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_intermediate_size else None
+        # [router | shared gate | shared gate/up] rows, set by fuse() where all are plain linears
+        self.in_weight: torch.Tensor | None = None
+
+    def fuse(self) -> None:
+        """After loading (before the shared expert's own fuse): the router, the shared expert's gate and its
+        gate/up projections, which all read x, become one [E + 1 + 2I_shared, H] weight, the parameters views of
+        its rows. Steps on the fused experts multiply it once (one launch instead of three a layer)."""
+        if self.shared_expert is None:
+            return
+        linears = (self.gate, self.shared_expert_gate, self.shared_expert.gate_proj, self.shared_expert.up_proj)
+        if all(type(linear) is nn.Linear for linear in linears):
+            self.in_weight = fuse_linears(*linears)
+            self.shared_expert.gate_up_weight = self.in_weight[self.gate.out_features + 1:]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] -> [T, H]."""
-        logits = self.gate(x)  # [T, E]
-        probs = torch.softmax(logits.float(), dim=-1)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        out = self.experts(x, ids, weights.to(logits.dtype))
-        if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        shared = None  # (the shared expert's output [T, H], its gate logits [T, 1]), summed in by the experts' op
+        if self.in_weight is not None and self.experts.fused_serves(x):
+            E = self.gate.out_features
+            projected = linear(x, self.in_weight)  # [T, E + 1 + 2I_shared]
+            logits, shared = projected[:, :E], (self.shared_expert.down(projected[:, E + 1:]), projected[:, E:E + 1])
+        else:
+            logits = self.gate(x)  # [T, E]
+            if self.shared_expert is not None:
+                shared = (self.shared_expert(x), self.shared_expert_gate(x))
+        ids, weights = moe.route(logits, self.top_k, self.norm_topk_prob)  # [T, k] each, weights float32
+        return self.experts(x, ids, weights, shared)
+
+    @torch.no_grad()
+    def warm_up_fused(self) -> None:
+        """GPU start-up: a forward at every token bucket of the fused experts' tile table (each bucket's tiles
+        are a kernel variant; nothing else the kernels take varies with the batch), so that no eager step
+        compiles one while serving."""
+        for rows in moe.ROW_BUCKETS:
+            x = torch.zeros(rows, self.gate.in_features, dtype=self.gate.weight.dtype, device=self.gate.weight.device)
+            if not self.experts.fused_serves(x):
+                return
+            self(x)

@@ -3,8 +3,9 @@ before the first request, so that no user's request pays for it (docs/architectu
 
     before_capture(model)                the quantized GEMMs' variants at every row class (ops.quant_gemm)
     after_capture(model, device, tokens) variants that steps outside the CUDA graphs launch: the skinny GEMM's
-                                         row buckets, the gated output norm, the one-split decode attention,
-                                         the grammar mask kernel, cuDNN's attention plans
+                                         row buckets, the fused MoE tiles of every bucket, the gated output
+                                         norm, the one-split decode attention, the grammar mask kernel,
+                                         cuDNN's attention plans
     engine_steps(engine)                 a few real steps through the whole engine (LLMEngine.warm_up)
 """
 
@@ -15,6 +16,7 @@ import time
 
 import torch
 
+from deltaserve.layers.mlp import SparseMoE
 from deltaserve.model.qwen3_5 import HybridForCausalLM
 from deltaserve.ops import quant_gemm
 from deltaserve.ops.linear import warm_up_skinny
@@ -34,6 +36,9 @@ def after_capture(model: HybridForCausalLM, device: torch.device, max_num_batche
     from deltaserve.ops.attention.cuda_sdpa import warm_up_cudnn_attention  # GPU only
 
     warm_up_skinny(model.projection_weights())
+    moe_blocks = [module for module in model.modules() if isinstance(module, SparseMoE)]
+    if moe_blocks:  # every MoE layer launches the same variants
+        moe_blocks[0].warm_up_fused()
     if model.gdn_layers:  # every GDN layer launches the same variants
         model.gdn_layers[0].warm_up_output_norm(max_num_batched_tokens)
     attention = model.attention_layers[0]  # every attention layer launches the same variants

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything GPU in one command, on an H200 machine: GPU tests, then the benchmarks.
-#   tests/gpu/run.sh OUTDIR [full|quick|tests|ops|bench|serve|structured|tune|quant]
+#   tests/gpu/run.sh OUTDIR [full|quick|tests|ops|bench|serve|structured|tune|quant|moe]
 #   full   every GPU test, then all benchmarks (more than one 10-minute device call: use tests, then bench)
 #   quick  every GPU test, a kernel profile and a short benchmark
 #   tests  the GPU tests alone (tests/gpu, ~8 min on an H200); TESTS="paths" runs those instead
@@ -15,6 +15,9 @@
 #          kernel and tile, TB/s and TFLOP/s beside the limits) writing OUTDIR/quant_gemm_configs.json (for
 #          deltaserve/ops/quant_gemm/configs.json); ~6-7 min on an H200: the probe starts no shape after
 #          PROBE_BUDGET (240) s and is killed at PROBE_TIMEOUT (300) s, keeping what it measured
+#   moe    the fused MoE path: its GPU tests and the tests/ops MoE tests, then benchmarks/moe_probe.py on MODEL (default
+#          qwen3.5-35b-a3b): torch path vs fused vs the bandwidth limit at 1-64 tokens and the tile sweep, writing
+#          OUTDIR/moe_configs.json (for deltaserve/ops/moe/configs.json); killed at PROBE_TIMEOUT (300) s
 #   structured  what structured output costs a served model: TPOT of json_schema requests against the same free
 #          run at batch 1 and 64 (benchmarks/structured_overhead.py); MODEL (default qwen3.5-27b) chooses it (~6 min)
 #   tune   the tables this GPU should ship: fla-core's pinned kernel configurations as OUTDIR/fla_configs.tgz
@@ -25,7 +28,7 @@
 # (../shared/tools/gpu-wheels.sh .whl); the published configs are the ones shipped in deltaserve/model_configs/.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-OUT=${1:?usage: tests/gpu/run.sh OUTDIR [quick|full|tests|ops|bench|serve|structured|tune|quant]}
+OUT=${1:?usage: tests/gpu/run.sh OUTDIR [quick|full|tests|ops|bench|serve|structured|tune|quant|moe]}
 MODE=${2:-full}
 mkdir -p "$OUT"
 export DELTASERVE_GPU_OUT="$(cd "$OUT" && pwd)"  # where GPU tests write their figures (memory_plan.json)
@@ -56,6 +59,16 @@ if [ "$MODE" = quant ]; then
   status=${PIPESTATUS[0]}
   timeout "${PROBE_TIMEOUT:-300}" python3 benchmarks/quant_gemm_probe.py "$CONFIGS/qwen3.5-27b" \
     --budget-s "${PROBE_BUDGET:-240}" --out "$OUT/quant_gemm_configs.json" 2>&1 | tee "$OUT/quant_probe.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  exit $status
+fi
+if [ "$MODE" = moe ]; then
+  python3 -m pytest tests/gpu/test_moe_gpu.py tests/ops/test_moe_routing.py tests/ops/test_moe_experts.py -q -rs \
+    --timeout=300 -p no:cacheprovider 2>&1 | tee "$OUT/moe_tests.log"
+  status=${PIPESTATUS[0]}
+  cp deltaserve/ops/moe/configs.json "$OUT/moe_configs.json"
+  timeout "${PROBE_TIMEOUT:-300}" python3 -m benchmarks.moe_probe "$CONFIGS/${MODEL:-qwen3.5-35b-a3b}" --sweep \
+    --out "$OUT/moe_configs.json" 2>&1 | tee "$OUT/moe_probe.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   exit $status
 fi

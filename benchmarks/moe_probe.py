@@ -1,0 +1,189 @@
+"""One MoE layer (router + routed experts + gated shared expert) on the torch path and on the fused path (ops/moe),
+beside the bytes-over-bandwidth limit.
+
+    python -m benchmarks.moe_probe [CONFIG_DIR] [--tokens 1,2,4,8,16,32,64] [--sweep] [--out moe_configs.json]
+
+For the MoE shape of the model in CONFIG_DIR (default Qwen3.5-35B-A3B), at each token count, inside CUDA graphs as
+decode runs them, each call on other random inputs so that its experts are not the previous call's (one call
+touches k of E experts; L2 holds about one call's): times the old path (the router, torch softmax + topk +
+renormalise, sort + grouped_mm, the shared expert and its gate), the fused path (one GEMM for the router, the
+shared gate and the shared gate/up; the routing kernel; the fused experts with the shared sum), the fused experts
+alone (and their align kernel alone), the routing kernel alone, and the limit: the bytes a layer must read
+(router, shared expert, and the distinct selected experts' weights, counted from the calls' routing) over 4.8 TB/s
+(the H200's nominal HBM bandwidth).
+`--sweep` then tunes the fused kernels' tiles per token bucket (kernel A's over its candidates with kernel B's
+default, then kernel B's with A's best, then BLOCK_M), starting no bucket after --budget-s seconds, and merges the
+winners into --out (copy to deltaserve/ops/moe/configs.json to ship them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import time
+
+import torch
+
+from benchmarks.gemv_probe import write_table
+from benchmarks.timing import graph_time_us
+from deltaserve.config import ModelConfig
+from deltaserve.layers.mlp import SparseMoE
+from deltaserve.model_configs import CONFIGS_DIR
+from deltaserve.ops import moe
+from deltaserve.ops.moe import configs, reference
+from deltaserve.ops.moe import cuda as moe_cuda
+
+HBM_BYTES_PER_S = 4.8e12  # H200 nominal
+CALLS = 16  # calls per graph, each on its own inputs
+# kernel tiles tried by --sweep: [BLOCK_N, BLOCK_K, warps, stages]
+TILE_SWEEP = [configs.Tile(bn, bk, warps, stages)
+              for bn, bk, (warps, stages) in itertools.product((16, 32, 64, 128), (64, 128, 256), ((4, 3), (4, 4), (8, 4)))
+              if bn * bk <= 16384]
+
+
+def build_block(cfg: ModelConfig) -> SparseMoE:
+    """One MoE block of the model's shapes in bf16 on the GPU, weights std 1 / sqrt(fan_in)."""
+    with torch.device("cuda"):
+        block = SparseMoE(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+                          cfg.shared_expert_intermediate_size, cfg.norm_topk_prob)
+    with torch.no_grad():
+        for param in block.parameters():
+            param.normal_(0.0, param.shape[-1] ** -0.5)
+    block = block.to(torch.bfloat16)
+    block.fuse()  # as the loader does: the router, shared gate and shared gate/up joined into one weight
+    if block.shared_expert is not None:
+        block.shared_expert.fuse()
+    return block
+
+
+def torch_path(block: SparseMoE, x: torch.Tensor) -> torch.Tensor:
+    """The layer as it ran before ops.moe's kernels: torch routing, sort + grouped_mm, the shared expert's sum."""
+    ids, weights = reference.route(block.gate(x), block.top_k, block.norm_topk_prob)
+    out = reference.grouped_experts(x, ids, weights, block.experts.gate_up_proj, block.experts.down_proj)
+    if block.shared_expert is None:
+        return out
+    return reference.add_shared_expert(out, block.shared_expert(x), block.shared_expert_gate(x))
+
+
+def layer_bytes(block: SparseMoE, routings: list[torch.Tensor]) -> tuple[float, float]:
+    """(bytes a layer call must read, of them the routed experts'), averaged over the calls' routing [T, k]."""
+    experts = block.experts
+    per_expert = (experts.gate_up_proj[0].numel() + experts.down_proj[0].numel()) * 2
+    routed = sum(ids.unique().numel() for ids in routings) / len(routings) * per_expert
+    fixed = block.gate.weight.numel() * 2
+    if block.shared_expert is not None:
+        fixed += sum(p.numel() for p in block.shared_expert.parameters() if p.dim() == 2) * 2
+        fixed += block.shared_expert_gate.weight.numel() * 2
+    return fixed + routed, routed
+
+
+def time_layer(block: SparseMoE, tokens: int) -> dict:
+    xs = [torch.randn(tokens, block.gate.in_features, device="cuda", dtype=torch.bfloat16) for _ in range(CALLS)]
+    with torch.no_grad():
+        routed = [moe.route(block.gate(x), block.top_k, block.norm_topk_prob) for x in xs]
+        total, routed_bytes = layer_bytes(block, [ids for ids, _ in routed])
+        experts = block.experts
+        tiles = configs.tiles_for(experts.gate_up_proj.shape[0], block.top_k, experts.gate_up_proj.shape[2],
+                                  experts.down_proj.shape[2], tokens)
+        old = graph_time_us([functools.partial(torch_path, block, x) for x in xs])
+        fused = graph_time_us([functools.partial(block, x) for x in xs])
+        alone = graph_time_us([functools.partial(moe_cuda.fused_experts, x, ids, w, experts.gate_up_proj,
+                                                 experts.down_proj, tiles) for x, (ids, w) in zip(xs, routed)])
+        align = graph_time_us([functools.partial(moe_cuda.align, ids, experts.gate_up_proj.shape[0], tiles.block_m)
+                               for ids, _ in routed])
+        route = graph_time_us([functools.partial(moe_cuda.route, block.gate(x), block.top_k, block.norm_topk_prob)
+                               for x in xs])
+    return {"old": old, "fused": fused, "experts": alone, "align": align, "route": route,
+            "limit": 1e6 * total / HBM_BYTES_PER_S,
+            "experts_limit": 1e6 * routed_bytes / HBM_BYTES_PER_S, "mb": total / 1e6}
+
+
+def sweep_bucket(block: SparseMoE, tokens: int) -> tuple[configs.MoeTiles, float, float]:
+    """(the best tiles, their time, the default's time) of the fused experts at `tokens` tokens."""
+    experts = block.experts
+    xs = [torch.randn(tokens, block.gate.in_features, device="cuda", dtype=torch.bfloat16) for _ in range(CALLS)]
+    with torch.no_grad():
+        routed = [moe.route(block.gate(x), block.top_k, block.norm_topk_prob) for x in xs]
+
+    def timed(tiles: configs.MoeTiles) -> float:
+        try:
+            with torch.no_grad():
+                return graph_time_us([functools.partial(moe_cuda.fused_experts, x, ids, w, experts.gate_up_proj,
+                                                        experts.down_proj, tiles) for x, (ids, w) in zip(xs, routed)])
+        except Exception as exc:  # a tile Triton cannot build (registers, shared memory): skip it
+            print(f"    {tiles}: failed ({type(exc).__name__})", flush=True)
+            return float("inf")
+
+    default = configs.default_tiles(tokens)
+    default_time = timed(default)
+    best_time, best = default_time, default
+    for tile in TILE_SWEEP:
+        candidate = best._replace(gate_up=tile)
+        t = timed(candidate)
+        if t < best_time:
+            best_time, best = t, candidate
+    for tile in TILE_SWEEP:
+        candidate = best._replace(down=tile)
+        t = timed(candidate)
+        if t < best_time:
+            best_time, best = t, candidate
+    for block_m in (16, 32, 64):
+        if block_m < best.block_m:
+            candidate = best._replace(block_m=block_m)
+            t = timed(candidate)
+            if t < best_time:
+                best_time, best = t, candidate
+    return best, best_time, default_time
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.moe_probe", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", nargs="?", default=str(CONFIGS_DIR / "qwen3.5-35b-a3b"),
+                        help="config.json directory of an MoE model (default: the shipped Qwen3.5-35B-A3B config)")
+    parser.add_argument("--tokens", default="1,2,4,8,16,32,64", help="token counts to time")
+    parser.add_argument("--sweep", action="store_true", help="tune the fused kernels' tiles per bucket")
+    parser.add_argument("--budget-s", type=float, default=90.0, help="start no sweep bucket after this many s")
+    parser.add_argument("--out", default="moe_configs.json", help="merge the swept tiles into this table")
+    args = parser.parse_args(argv)
+    try:
+        token_counts = [int(t) for t in args.tokens.split(",")]
+    except ValueError:
+        token_counts = [0]
+    if min(token_counts) < 1:
+        parser.error(f"--tokens takes comma-separated positive integers, got {args.tokens!r}")
+    cfg = ModelConfig.from_pretrained(args.model)
+    if not cfg.num_experts:
+        parser.error(f"{args.model} is not an MoE model")
+    if not torch.cuda.is_available():
+        parser.error("no CUDA device here: the probe times GPU kernels")
+    block = build_block(cfg)
+    E, k, H, inter = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
+    print(f"MoE layer of {args.model}: E={E} top-{k} H={H} I={inter} shared={cfg.shared_expert_intermediate_size}; "
+          f"limit at {HBM_BYTES_PER_S / 1e12:.1f} TB/s", flush=True)
+    for tokens in token_counts:
+        r = time_layer(block, tokens)
+        print(f"T={tokens:>3} ({r['mb']:.0f} MB): torch path {r['old']:7.1f} us | fused {r['fused']:7.1f} us "
+              f"({r['old'] / r['fused']:.2f}x) | limit {r['limit']:6.1f} us (fused at {r['limit'] / r['fused']:.0%}) "
+              f"| experts alone {r['experts']:6.1f} us, limit {r['experts_limit']:6.1f} us "
+              f"({r['experts_limit'] / r['experts']:.0%}; of it align {r['align']:.1f} us) | routing kernel "
+              f"{r['route']:.1f} us", flush=True)
+    if not args.sweep:
+        return 0
+    start, table = time.monotonic(), {}
+    for bucket in configs.ROW_BUCKETS:
+        if time.monotonic() - start > args.budget_s:
+            print(f"budget of {args.budget_s:.0f} s spent: buckets from {bucket} not swept", flush=True)
+            break
+        best, best_time, default_time = sweep_bucket(block, bucket)
+        table[configs.table_key(E, k, H, inter, bucket)] = configs.tiles_entry(best)
+        write_table(args.out, table)  # after every bucket: a run killed later keeps what it measured
+        print(f"bucket {bucket:>2}: best {best_time:6.1f} us {configs.tiles_entry(best)} (default {default_time:6.1f} "
+              f"us) after {time.monotonic() - start:.0f} s", flush=True)
+    print(f"wrote {len(table)} entries to {args.out}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

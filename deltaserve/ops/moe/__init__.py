@@ -1,0 +1,58 @@
+"""The sparse MoE block's ops: routing and the routed experts (with the gated shared expert's sum).
+
+    route(logits, k, renormalize)                -> topk_ids [T, k], topk_weights [T, k] float32
+    experts(x, ids, weights, gate_up, down, shared) -> sum_j w_j expert_j(x) (+ sigmoid(g) * shared): [T, H]
+
+On CUDA, routing is one Triton kernel (any T), and for 16-bit batches of up to FUSED_MAX_TOKENS tokens with plain
+stacked weights the experts run the fused kernels of `cuda.py` (tiles from `configs.py`). Elsewhere (the CPU,
+float32, prefill-sized batches) the plain-torch `reference.py`: sort by expert + torch's grouped matmul. Weights
+that are not plain tensors (a quantized checkpoint's, layers/mlp.QuantExperts) take the reference too: a fused
+kernel of another weight format goes beside `cuda.fused_experts` and is chosen by `fused_serves`.
+"""
+
+import torch
+
+from deltaserve.ops.moe import reference
+from deltaserve.ops.moe.configs import FUSED_MAX_TOKENS, ROW_BUCKETS, tiles_for
+from deltaserve.ops.moe.reference import grouped_experts
+
+__all__ = ["FUSED_MAX_TOKENS", "ROW_BUCKETS", "experts", "fused_serves", "grouped_experts", "route"]
+
+FUSED_DTYPES = (torch.bfloat16, torch.float16)
+MAX_EXPERTS = 1024  # the routing and align kernels hold one row of every expert in registers
+
+
+def _route_on_gpu(logits: torch.Tensor) -> bool:
+    return logits.is_cuda and logits.shape[1] <= MAX_EXPERTS and logits.stride(1) == 1
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits: [T, E] -> (topk_ids [T, k] (int32 from the kernel, int64 from torch), topk_weights [T, k] float32):
+    softmax in float32, the k largest, renormalised to sum 1 where `renormalize` (see reference.route)."""
+    if _route_on_gpu(logits):
+        from deltaserve.ops.moe import cuda
+        return cuda.route(logits, top_k, renormalize)
+    return reference.route(logits, top_k, renormalize)
+
+
+def fused_serves(x: torch.Tensor, gate_up, down) -> bool:
+    """Whether the fused kernels take this call: a CUDA batch of 1 to FUSED_MAX_TOKENS tokens of a 16-bit dtype,
+    plain weight tensors of that dtype with unit last strides, at most MAX_EXPERTS experts."""
+    return (x.is_cuda and x.dtype in FUSED_DTYPES and 1 <= x.shape[0] <= FUSED_MAX_TOKENS
+            and isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)
+            and gate_up.dtype == down.dtype == x.dtype and gate_up.shape[0] <= MAX_EXPERTS
+            and x.stride(1) == gate_up.stride(2) == down.stride(2) == 1)
+
+
+def experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up, down,
+            shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """x: [T, H]; topk_ids, topk_weights: [T, k]; gate_up [E, 2I, H] (gate rows first); down [E, H, I];
+    shared: (the shared expert's output [T, H], its gate logits [T, 1]) or None.
+    Returns sum_j w_j expert_{id_j}(x) (+ sigmoid(gate) * shared): [T, H] in x.dtype."""
+    if fused_serves(x, gate_up, down):
+        from deltaserve.ops.moe import cuda
+        E, two_i, H = gate_up.shape
+        tiles = tiles_for(E, topk_ids.shape[1], H, two_i // 2, x.shape[0])
+        return cuda.fused_experts(x, topk_ids, topk_weights, gate_up, down, tiles, shared)
+    out = grouped_experts(x, topk_ids, topk_weights, gate_up, down)
+    return out if shared is None else reference.add_shared_expert(out, *shared)

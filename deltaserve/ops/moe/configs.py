@@ -1,0 +1,97 @@
+"""Tiles of the fused MoE kernels: the tuned table (configs.json, measured on an H200 by `python -m
+benchmarks.moe_probe`) and the default for shapes and buckets it does not name.
+
+Keys are "E:k:H:I:rows": experts, top-k, hidden size, (this rank's) expert intermediate size, and the bucket of the
+batch's token count (ROW_BUCKETS). Values are dicts:
+  {"block_m": pairs of one expert a program takes (a power of two >= 16),
+   "gate_up": [BLOCK_N, BLOCK_K, warps, stages],   kernel A over an expert's [2I, H] gate/up rows
+   "down": [BLOCK_N, BLOCK_K, warps, stages]}      kernel B over its [H, I] down rows
+DELTASERVE_MOE_CONFIGS names another file.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import NamedTuple
+
+from deltaserve.ops.tuned_table import read_tuned_table
+
+CONFIGS_FILE = Path(__file__).with_name("configs.json")
+ENV_VAR = "DELTASERVE_MOE_CONFIGS"
+# Token-count buckets of the table; the fused path serves batches up to the last one (decode), larger ones run the
+# grouped matmul.
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+FUSED_MAX_TOKENS = ROW_BUCKETS[-1]
+
+
+class Tile(NamedTuple):
+    """One kernel's launch: a program's [BLOCK_N, BLOCK_K] weight tile, its warps and pipeline stages."""
+
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+
+
+class MoeTiles(NamedTuple):
+    block_m: int
+    gate_up: Tile
+    down: Tile
+
+
+def row_bucket(rows: int) -> int:
+    """The table's bucket of a batch of 1 <= rows <= FUSED_MAX_TOKENS tokens."""
+    return next(bucket for bucket in ROW_BUCKETS if rows <= bucket)
+
+
+def table_key(num_experts: int, top_k: int, hidden: int, intermediate: int, rows: int) -> str:
+    return f"{num_experts}:{top_k}:{hidden}:{intermediate}:{row_bucket(rows)}"
+
+
+def check_entry(where: str, key: str, entry) -> None:
+    """Raise ValueError naming the entry unless it is a valid tile set under a valid key."""
+    parts = key.split(":")
+    if len(parts) != 5 or not all(p.isdigit() for p in parts) or int(parts[4]) not in ROW_BUCKETS:
+        raise ValueError(f"{where}: key {key!r} is not \"E:k:H:I:rows\" with rows one of {ROW_BUCKETS}")
+    block_m = entry.get("block_m") if isinstance(entry, dict) else None
+    if not (isinstance(block_m, int) and block_m >= 16 and block_m & (block_m - 1) == 0):
+        raise ValueError(f"{where}: entry {key!r}: block_m must be a power of two >= 16, got {block_m!r}")
+    for kernel in ("gate_up", "down"):
+        tile = entry.get(kernel)
+        if not (isinstance(tile, list) and len(tile) == 4 and all(isinstance(v, int) and v > 0 for v in tile)
+                and tile[0] >= 16 and tile[1] >= 16):
+            raise ValueError(f"{where}: entry {key!r}: {kernel} must be [BLOCK_N >= 16, BLOCK_K >= 16, warps, "
+                             f"stages], got {tile!r}")
+
+
+@functools.cache
+def tuned_table() -> dict:
+    """The table, checked (a file named by DELTASERVE_MOE_CONFIGS must exist)."""
+    return read_tuned_table(ENV_VAR, CONFIGS_FILE, check_entry)
+
+
+def default_tiles(rows: int) -> MoeTiles:
+    """Tiles that build for any shape: BLOCK_M covers the most pairs one expert can get (a token picks an expert at
+    most once, so at most `rows`), so each selected expert's weights are read by one row of programs. At one
+    token of 35B-A3B: kernel A 8 experts x I / 32 = 128 programs, each two [32, H] tiles (gate and up), kernel B
+    8 x H / 64 = 256 programs.
+    Above FUSED_MAX_TOKENS (a direct call; the dispatch sends such batches to the grouped matmul) BLOCK_M stays 64 and
+    a popular expert takes several blocks."""
+    block_m = min(64, max(16, 1 << (max(rows, 1) - 1).bit_length()))
+    return MoeTiles(block_m, Tile(32, 128, 4, 4), Tile(64, 128, 4, 4))
+
+
+def tiles_for(num_experts: int, top_k: int, hidden: int, intermediate: int, rows: int) -> MoeTiles:
+    """The tuned tiles of this shape at `rows` tokens, else the default."""
+    if rows > FUSED_MAX_TOKENS:
+        return default_tiles(rows)
+    entry = tuned_table().get(table_key(num_experts, top_k, hidden, intermediate, rows))
+    if entry is None:
+        return default_tiles(rows)
+    return MoeTiles(entry["block_m"], Tile(*entry["gate_up"]), Tile(*entry["down"]))
+
+
+def tiles_entry(tiles: MoeTiles) -> dict:
+    """The table's JSON entry of `tiles`."""
+    return {"block_m": tiles.block_m, "gate_up": list(tiles.gate_up), "down": list(tiles.down)}

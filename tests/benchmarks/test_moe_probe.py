@@ -1,0 +1,37 @@
+"""moe_probe on the CPU: its torch path is the SparseMoE block's, its byte count is the weights it names, and bad
+arguments are refused by name."""
+
+import pytest
+import torch
+
+from benchmarks import moe_probe
+from deltaserve.layers.mlp import SparseMoE
+from deltaserve.model_configs import CONFIGS_DIR
+
+
+def test_torch_path_is_the_blocks_and_bytes_count_the_selected_experts():
+    torch.manual_seed(0)
+    block = SparseMoE(24, 5, 2, 16, 8, norm_topk_prob=True)
+    with torch.no_grad():
+        for param in block.parameters():
+            param.normal_()
+    block.shared_expert.fuse()
+    x = torch.randn(3, 24)
+    with torch.no_grad():
+        assert torch.equal(moe_probe.torch_path(block, x), block(x))  # on the CPU the block runs the torch path
+    ids = torch.tensor([[0, 1], [1, 2], [0, 2]])  # three distinct experts
+    per_expert = 2 * (2 * 16 * 24 + 24 * 16)
+    fixed = 2 * (5 * 24 + 3 * 8 * 24 + 24)  # router, shared gate/up/down, shared gate
+    assert moe_probe.layer_bytes(block, [ids]) == (fixed + 3 * per_expert, 3 * per_expert)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tokens", "1,x"], "--tokens takes comma-separated positive integers, got '1,x'"),
+    (["--tokens", "0"], "--tokens takes comma-separated positive integers, got '0'"),
+    ([str(CONFIGS_DIR / "qwen3.5-27b")], "is not an MoE model"),
+])
+def test_bad_arguments_are_named(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        moe_probe.main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

@@ -1,0 +1,78 @@
+"""Bounds for the MoE ops (ops/moe) derived from their computations (tests/tolerance.py's model), shared by the
+CPU tests (the Triton interpreter) and tests/gpu/test_moe_gpu.py.
+
+Routing. Per side, a probability p_j = e_j / S with e_j = exp(x_j - max): the subtraction's rounding becomes a
+relative error of |x_j - max| u in exp (twice that for a GPU's exp2), exp and the divide (SOFTMAX_ROUNDINGS), and
+the normaliser S a sum of E terms. Renormalised, S divides every p_j alike and cancels: w_j = p_j / sum_i p_i keeps
+the roundings of p_j and of the k p_i, the k-term sum and the divide.
+
+Experts, first order, per side, for one output element: g = x Wg^T and u = x Wu^T carry gamma(H) relative to
+G = |x| |Wg|^T and U = |x| |Wu|^T; act = silu(g) u passes them on with |d act / d g| <= 1.1 |u| and
+|d act / d u| = |silu(g)| <= |g| (2.1 gamma(H) G U) and adds SiLU's own roundings and its rounding to the dtype;
+the down product adds gamma(I) of |act| <= G U, the routing weight's product one rounding and the k-term sum
+gamma(k). All relative to M = sum_j |w_j| |Wd_j| (G_j U_j): see `experts_magnitude`.
+"""
+
+import math
+
+import torch
+
+from tests.tolerance import SOFTMAX_ROUNDINGS, gamma, silu_chain, unit_roundoff
+
+# Roundings to bf16 per side beyond the float32 model, relative to M. The reference: its gate/up outputs (two, each
+# through the product: counted 3), silu's output and product (2), the down output (1), the weight's cast and its
+# product (2), the k-term index_add_ in bf16 (k), and cuBLAS's reduced-precision split-K partial sums (2): 10 + k.
+# The fused kernels: act (1) and the output (1).
+REFERENCE_BF16_ROUNDINGS, FUSED_BF16_ROUNDINGS = 10, 2
+
+
+def route_bound(logits: torch.Tensor, weights: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
+    """Elementwise bound [T, k] of the routing weights of two computations (kernel vs torch)."""
+    spread = math.ceil(2 * (logits.double().max(-1, keepdim=True).values - logits.double()).max().item())
+    per_probability = SOFTMAX_ROUNDINGS + spread
+    roundings = 2 * per_probability + top_k + 1 if renormalize else per_probability + logits.shape[1]
+    one_side = gamma(roundings, torch.float32) * weights.double().abs()
+    return 2 * one_side
+
+
+def experts_magnitude(x, topk_ids, topk_weights, gate_up, down):
+    """M [T, H] = sum_j |w_j| |Wd_j| (G_j U_j) in float64 (module docstring), and max |g| over the pairs."""
+    T, H = x.shape
+    inter = gate_up.shape[1] // 2
+    x, ids, w = x.double().abs(), topk_ids.long(), topk_weights.double().abs()
+    magnitude = torch.zeros(T, H, dtype=torch.float64, device=x.device)
+    gate_max = 0.0
+    for expert in ids.unique().tolist():
+        tokens, slots = (ids == expert).nonzero(as_tuple=True)
+        wgu = gate_up[expert].double()
+        gu = x[tokens] @ wgu.abs().T  # [n, 2I]: G | U
+        gate_max = max(gate_max, (x[tokens] @ wgu[:inter].T).abs().max().item())  # |g| itself, for SiLU's exp
+        act = gu[:, :inter] * gu[:, inter:]  # [n, I]
+        magnitude.index_add_(0, tokens, w[tokens, slots, None] * (act @ down[expert].double().abs().T))
+    return magnitude, gate_max
+
+
+def experts_bound(x, topk_ids, topk_weights, gate_up, down, fused_bf16: bool = False,
+                  reference_bf16: bool = False) -> torch.Tensor:
+    """Elementwise bound [T, H] of fused vs grouped-matmul experts on the same routing, accumulated in float32;
+    `*_bf16`: that side rounds its intermediates to bf16 as well."""
+    H, inter, top_k = x.shape[1], gate_up.shape[1] // 2, topk_ids.shape[1]
+    magnitude, gate_max = experts_magnitude(x, topk_ids, topk_weights, gate_up, down)
+    silu_roundings = silu_chain(torch.tensor([gate_max])) + 1
+    one_side = 2.1 * gamma(H, torch.float32) + gamma(silu_roundings + inter + top_k + 1, torch.float32)
+    relative = 2 * one_side
+    if fused_bf16:
+        relative += gamma(FUSED_BF16_ROUNDINGS, torch.bfloat16)
+    if reference_bf16:
+        relative += gamma(REFERENCE_BF16_ROUNDINGS + top_k, torch.bfloat16)
+    return relative * magnitude
+
+
+def shared_bound(shared: torch.Tensor, shared_gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bound [T, H] of two computations of + sigmoid(gate) * shared on the same operands: the sigmoid (as SiLU's
+    chain), its product and the sum, per side, relative to |sigmoid(gate) shared|, in `dtype` (bf16: the
+    reference rounds sigmoid, product and sum; fused, once at the end, counted with the experts)."""
+    term = (torch.sigmoid(shared_gate.double()) * shared.double()).abs()
+    roundings = silu_chain(shared_gate) + 2
+    one_side = gamma(roundings, torch.float32) + (3 * unit_roundoff(torch.bfloat16) if dtype == torch.bfloat16 else 0)
+    return 2 * one_side * term

@@ -1,0 +1,218 @@
+"""The fused MoE experts (ops/moe/cuda.fused_experts) against the grouped-matmul reference, the align kernel's
+grouping, per-pair determinism, the tile table, and the SparseMoE block on the fused path (the Triton interpreter on
+the CPU in float32; tests/gpu/test_moe_gpu.py runs bf16 at the real shapes)."""
+
+import json
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from deltaserve.layers.mlp import SparseMoE  # noqa: E402
+from deltaserve.ops import moe  # noqa: E402
+from deltaserve.ops.moe import configs  # noqa: E402
+from deltaserve.ops.moe import cuda as moe_cuda  # noqa: E402
+from deltaserve.ops.moe import reference  # noqa: E402
+from deltaserve.ops.moe.configs import MoeTiles, Tile  # noqa: E402
+from tests.ops.interpreter import patch_interpreter_index  # noqa: E402
+from tests.ops.moe_oracle import experts_bound, experts_magnitude, route_bound, shared_bound  # noqa: E402
+from tests.tolerance import assert_within, gamma  # noqa: E402
+
+patch_interpreter_index()
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# small tiles keep the interpreter quick: one block holds 16 pairs, so T > 16 puts a popular expert in two blocks
+SMALL = MoeTiles(16, Tile(16, 16, 4, 1), Tile(16, 16, 4, 1))
+
+
+def random_routing(tokens: int, experts: int, top_k: int, gen: torch.Generator):
+    """topk_ids [T, k] (distinct experts per token) and positive weights [T, k] float32."""
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=gen) + 0.1
+    return ids.to(DEVICE), (weights / weights.sum(-1, keepdim=True)).to(DEVICE)
+
+
+def expert_weights(experts: int, hidden: int, inter: int, gen: torch.Generator, dtype=torch.float32):
+    gate_up = (0.2 * torch.randn(experts, 2 * inter, hidden, generator=gen)).to(DEVICE, dtype)
+    down = (0.2 * torch.randn(experts, hidden, inter, generator=gen)).to(DEVICE, dtype)
+    return gate_up, down
+
+
+# (experts, top_k, hidden, intermediate): odd expert counts, k = 1 and 8, sizes the tiles do not divide, and one
+# that they do (the unmasked loads)
+SHAPES = [(7, 1, 40, 24), (7, 3, 40, 24), (11, 8, 40, 24), (9, 2, 32, 48)]
+
+
+@pytest.mark.parametrize("experts,top_k,hidden,inter", SHAPES)
+@pytest.mark.parametrize("tokens", [1, 2, 5, 16, 33])
+def test_fused_experts_match_grouped_matmul(experts, top_k, hidden, inter, tokens):
+    gen = torch.Generator().manual_seed(1000 * tokens + experts + top_k)
+    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE)
+    gate_up, down = expert_weights(experts, hidden, inter, gen)
+    ids, weights = random_routing(tokens, experts, top_k, gen)
+    got = moe_cuda.fused_experts(x, ids, weights, gate_up, down, SMALL)
+    want = reference.grouped_experts(x, ids, weights, gate_up, down)
+    assert_within(got, want, experts_bound(x, ids, weights, gate_up, down), "fused experts")
+
+
+def test_fused_experts_beyond_decode_sizes_default_tiles():
+    """70 tokens with the default tiles: BLOCK_M 64 < T, so popular experts span several blocks."""
+    gen = torch.Generator().manual_seed(70)
+    x = torch.randn(70, 40, generator=gen).to(DEVICE)
+    gate_up, down = expert_weights(11, 40, 24, gen)
+    ids, weights = random_routing(70, 11, 8, gen)
+    tiles = configs.default_tiles(70)
+    assert tiles.block_m == 64 and moe_cuda.num_blocks(11, 70, 8, 64) > 11
+    got = moe_cuda.fused_experts(x, ids, weights, gate_up, down, tiles)
+    want = reference.grouped_experts(x, ids, weights, gate_up, down)
+    assert_within(got, want, experts_bound(x, ids, weights, gate_up, down), "fused experts, 70 tokens")
+
+
+@pytest.mark.parametrize("block_m", [16, 32])
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 7, 1), (33, 11, 8), (20, 5, 5)])
+def test_align_groups_pairs_by_expert(tokens, experts, top_k, block_m):
+    """sorted_pairs is the permutation sorted by (expert, pair); the blocks cover each expert's pairs in order,
+    <= BLOCK_M each, and the rest of the table has 0 rows."""
+    gen = torch.Generator().manual_seed(tokens + experts)
+    ids, _ = random_routing(tokens, experts, top_k, gen)
+    flat = ids.reshape(-1)
+    pairs = flat.numel()
+    sorted_pairs, table = moe_cuda.align(ids, experts, block_m)
+    assert table.shape == (3, moe_cuda.num_blocks(experts, tokens, top_k, block_m))
+    want = sorted(range(pairs), key=lambda p: (int(flat[p]), p))
+    assert sorted_pairs.tolist() == want
+    covered = []
+    for expert, first, rows in table.T.tolist():
+        assert 0 <= rows <= block_m
+        if rows:
+            chunk = want[first:first + rows]
+            assert all(int(flat[p]) == expert for p in chunk)
+            covered += chunk
+    assert covered == want  # in order, each pair once
+    used = int((table[2] > 0).sum())
+    assert table[2, used:].eq(0).all() and table[2, :used].gt(0).all()
+
+
+def test_a_pair_does_not_depend_on_the_batch():
+    """Token 0 alone and inside a batch of 29 whose other tokens share its experts: bitwise the same output (the
+    same tiles; its sum over k in its own order; nothing depends on the other pairs of its expert's block)."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(29, 40, generator=gen).to(DEVICE)
+    gate_up, down = expert_weights(7, 40, 24, gen)
+    ids, weights = random_routing(29, 7, 3, gen)
+    ids[1:4] = ids[0]  # its experts, in the same and other slots, with other weights
+    ids[4] = ids[0].flip(0)
+    shared = (torch.randn(29, 40, generator=gen).to(DEVICE), torch.randn(29, 1, generator=gen).to(DEVICE))
+    batch = moe_cuda.fused_experts(x, ids, weights, gate_up, down, SMALL, shared)
+    alone = moe_cuda.fused_experts(x[:1], ids[:1], weights[:1], gate_up, down, SMALL, (shared[0][:1], shared[1][:1]))
+    assert torch.equal(batch[:1], alone)
+    logits = torch.randn(29, 7, generator=gen).to(DEVICE)
+    assert all(torch.equal(a[:1], b) for a, b in zip(moe_cuda.route(logits, 3, True), moe_cuda.route(logits[:1], 3, True)))
+
+
+def test_fused_experts_reject_mismatched_shapes():
+    x = torch.zeros(2, 40, device=DEVICE)
+    gate_up, down = torch.zeros(7, 48, 40, device=DEVICE), torch.zeros(7, 40, 20, device=DEVICE)
+    ids, weights = torch.zeros(2, 2, dtype=torch.int32, device=DEVICE), torch.zeros(2, 2, device=DEVICE)
+    with pytest.raises(ValueError, match="do not fit"):
+        moe_cuda.fused_experts(x, ids, weights, gate_up, down, SMALL)
+
+
+def test_tile_table_is_valid_and_checked(tmp_path, monkeypatch):
+    shipped = json.loads(configs.CONFIGS_FILE.read_text())
+    for key, entry in shipped.items():
+        configs.check_entry("shipped", key, entry)
+    for shape in ("256:8:2048:512", "256:8:3072:1024", "512:10:2048:512"):  # 35B-A3B, 122B-A10B, Qwen3-Next
+        assert all(f"{shape}:{bucket}" in shipped for bucket in configs.ROW_BUCKETS), shape
+    assert configs.tiles_for(7, 3, 40, 24, 5) == configs.default_tiles(5)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"7:3:40:24:3": configs.tiles_entry(SMALL)}))  # 3 is not a bucket
+    monkeypatch.setenv(configs.ENV_VAR, str(bad))
+    configs.tuned_table.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="rows one of"):
+            configs.tuned_table()
+        bad.write_text(json.dumps({"7:3:40:24:4": {"block_m": 24, "gate_up": [16, 16, 4, 1], "down": [16, 16, 4, 1]}}))
+        configs.tuned_table.cache_clear()
+        with pytest.raises(ValueError, match="power of two"):
+            configs.tuned_table()
+    finally:
+        configs.tuned_table.cache_clear()
+
+
+def sparse_moe(shared_size: int, renormalize: bool, seed: int) -> SparseMoE:
+    """A SparseMoE of odd sizes (hidden 40, 7 experts, top-3, intermediate 24) with random weights."""
+    gen = torch.Generator().manual_seed(seed)
+    block = SparseMoE(40, 7, 3, 24, shared_size, renormalize)
+    with torch.no_grad():
+        for param in block.parameters():
+            param.copy_(0.3 * torch.randn(param.shape, generator=gen))
+    if block.shared_expert is not None:
+        block.shared_expert.fuse()
+    return block.to(DEVICE)
+
+
+@pytest.mark.parametrize("shared_size", [0, 20])
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("tokens", [1, 6, 17])
+def test_sparse_moe_fused_path_matches_torch_path(monkeypatch, shared_size, renormalize, tokens):
+    """The whole block, routing kernel and fused experts (forced on for the CPU's float32) against the torch
+    path: the experts' bound, plus the routing weights' difference carried through M, plus the shared sum's."""
+    block = sparse_moe(shared_size, renormalize, seed=tokens)
+    x = torch.randn(tokens, 40, generator=torch.Generator().manual_seed(tokens + 1)).to(DEVICE)
+    with torch.no_grad():
+        want = block(x)
+        logits = block.gate(x)
+        ids, weights = reference.route(logits, 3, renormalize)
+        monkeypatch.setattr(moe, "_route_on_gpu", lambda logits: True)
+        monkeypatch.setattr(moe, "fused_serves", lambda x, gate_up, down: True)
+        monkeypatch.setattr(moe, "tiles_for", lambda *shape: SMALL)
+        got = block(x)
+    assert torch.equal(moe_cuda.route(logits, 3, renormalize)[0].long(), ids)  # no near-ties in this data
+    experts = block.experts
+    magnitude, _ = experts_magnitude(x, ids, weights, experts.gate_up_proj, experts.down_proj)
+    relative_w = (route_bound(logits, weights, 3, renormalize) / weights.double()).max().item()
+    bound = experts_bound(x, ids, weights, experts.gate_up_proj, experts.down_proj) + relative_w * magnitude
+    if shared_size:
+        with torch.no_grad():
+            bound = bound + shared_bound(block.shared_expert(x), block.shared_expert_gate(x), torch.float32)
+        bound = bound + 2 * gamma(1, torch.float32) * (magnitude + want.double().abs())  # the final sum's rounding
+    assert_within(got, want, bound, "SparseMoE fused vs torch")
+
+
+def test_fused_in_projection_equals_separate_projections(monkeypatch):
+    """SparseMoE.fuse joins the router, the shared gate and the shared gate/up into one weight, which steps on the
+    fused experts multiply once. With operands on a coarse dyadic grid (x in halves, weights in eighths, H = 40)
+    every product and sum is exact in float32, so any blocking gives the same projections, and the block's output
+    with the joined weight must equal, bitwise, its output with the three separate ones."""
+    block = sparse_moe(20, True, seed=9)
+    gen = torch.Generator().manual_seed(10)
+    with torch.no_grad():
+        for param in block.parameters():
+            param.copy_(torch.randint(-8, 9, param.shape, generator=gen) / 8)
+    block.shared_expert.gate_up_weight = None
+    block.fuse()
+    block.shared_expert.fuse()
+    assert block.shared_expert.gate_up_weight.data_ptr() == block.in_weight[8:].data_ptr()  # a view, no copy
+    assert block.gate.weight.data_ptr() == block.in_weight.data_ptr()
+    x = (torch.randint(-2, 3, (6, 40), generator=gen) / 2).to(DEVICE)
+    monkeypatch.setattr(moe, "_route_on_gpu", lambda logits: True)
+    monkeypatch.setattr(moe, "fused_serves", lambda x, gate_up, down: True)
+    monkeypatch.setattr(moe, "tiles_for", lambda *shape: SMALL)
+    with torch.no_grad():
+        joined = block(x)
+        block.in_weight = None
+        separate = block(x)
+    assert torch.equal(joined, separate)
+
+
+def test_warm_up_runs_every_bucket_where_the_fused_path_serves(monkeypatch):
+    block = sparse_moe(20, True, seed=11)
+    rows = []
+    monkeypatch.setattr(moe, "experts", lambda x, *args: rows.append(x.shape[0]) or torch.zeros_like(x))
+    block.warm_up_fused()
+    assert rows == []  # the CPU: the fused path does not serve, nothing runs
+    monkeypatch.setattr(moe, "fused_serves", lambda x, gate_up, down: True)
+    block.warm_up_fused()
+    assert rows == list(configs.ROW_BUCKETS)
