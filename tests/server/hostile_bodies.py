@@ -23,7 +23,8 @@ VALID = {
     "/v1/completions": [
         {"prompt": "The sea", "max_tokens": 3},
         {"prompt": [5, 6, 7], "max_tokens": 2, "echo": True, "temperature": 0},
-        {"prompt": ["a b", "c"], "max_tokens": 2, "n": 2, "seed": 3, "stop": ["x"]},
+        {"prompt": ["a b", "c"], "max_tokens": 2, "seed": 3, "stop": ["x"]},
+        {"prompt": "a b", "max_tokens": 2, "n": 2, "seed": 3},
         {"prompt": "Go", "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}, "logprobs": 2},
     ],
     "/v1/chat/completions": [
