@@ -8,7 +8,7 @@ state slot free (checkpoint slots too once the prefix cache is reset), the engin
 outputs under load equal the same requests alone token for token, except at a near tie (docs/architecture.md,
 'What "exact" means').
 
-CI runs the short form (~a minute on two cores). DELTASERVE_CAMPAIGN=long runs the release form: 17x the random
+CI runs the short form (under a minute on two cores). DELTASERVE_CAMPAIGN=long runs the release form: 17x the random
 bodies, 10x the soak, three SIGTERM rounds.
 """
 
