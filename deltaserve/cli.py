@@ -146,7 +146,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--api-server-count", type=int, default=1, help=h("api_server_count",
                         "number of API server processes"))
     server.add_argument("--max-num-seqs-per-request", type=int, default=None, metavar="N",
-                        help="most sequences (prompts x n) one request may ask for (default: --max-num-seqs)")
+                        help="most sequences (prompts x n) one request may ask for (default: half of --max-num-seqs, so "
+                             "that one request leaves seats for other clients)")
     server.add_argument("--request-body-timeout", type=float, default=30.0, metavar="SECONDS",
                         help="seconds a request's body may take to arrive, else a 408")
     server.add_argument("--disable-fastapi-docs", action="store_true",

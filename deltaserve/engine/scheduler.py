@@ -5,11 +5,12 @@ Each step, every request's num_computed_tokens catches up with its num_tokens in
 max_num_seqs run: in arrival order, except that the sequences of one client request (`Request.group`: its n
 choices, its batch of prompts) take turns with other clients' (the group with the fewest running goes first).
 A prompt longer than the remaining budget is cut into chunks (chunked prefill), and prefill chunks share the
-step with decode tokens. When KV blocks or state slots run out, the newest
-running request is preempted: its cache is freed and it is recomputed later from its tokens, so nothing
-is dropped. Batching, chunking and preemption change only which steps compute a sequence's tokens, so its
-greedy output is the same token for token, except at a near tie, where the different float reduction order of
-another batch shape may pick the other of two nearly equal logits (docs/architecture.md, 'What "exact" means').
+step with decode tokens. When KV blocks or state slots run out, a running request is preempted (the newest of the
+group with the most sequences running, so one client's fan-out gives up its cache before another client's
+request): its cache is freed and it is recomputed later from its tokens, so nothing is dropped. Batching,
+chunking and preemption change only which steps compute a sequence's tokens, so its greedy output is the same
+token for token, except at a near tie, where the different float reduction order of another batch shape may pick
+the other of two nearly equal logits (docs/architecture.md, 'What "exact" means').
 
 With prefix caching on, a waiting request starts at its prefix hit (cached KV blocks plus a GDN state
 checkpoint, copied into its working slot before the forward: `state_restores`), and prefill chunks are cut
@@ -111,7 +112,7 @@ class Scheduler:
                 continue
             num_new = self._chunk(request, request.num_computed_tokens, budget)
             while not self.cache.allocate(request, num_new):
-                victim = self.running[-1]
+                victim = self._victim(index)
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
@@ -156,6 +157,16 @@ class Scheduler:
         if rows:  # an empty step is not launched: its finished ids wait for the next one
             finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(rows, restores, saves, finished)
+
+    def _victim(self, first: int) -> Request:
+        """The running request to preempt when running[first] cannot grow: one of running[first:] (those before
+        it already have their room this step), the newest of the group with the most sequences running. So a
+        client request's many sequences give up their cache before another client's one does (newest first when
+        every group runs as many, e.g. one sequence each)."""
+        candidates = self.running[first:]
+        running_per_group = Counter(request.group for request in self.running)
+        most = max(running_per_group[request.group] for request in candidates)
+        return next(request for request in reversed(candidates) if running_per_group[request.group] == most)
 
     def _next_waiting(self, running_per_group: Counter) -> int:
         """Position in `waiting` of the request to admit next: the first one of the group with the fewest sequences

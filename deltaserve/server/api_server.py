@@ -202,7 +202,13 @@ def make_state(engine, engine_config: EngineConfig, settings: ServerSettings, de
     # the engine's max_num_seqs, as the memory plan may have clamped it
     max_num_seqs = getattr(engine.scheduler, "max_num_seqs", engine_config.max_num_seqs)
     return ServerState(async_engine, settings, renderer, metrics, dict(defaults or {}), model_root,
-                       settings.max_num_seqs_per_request or max_num_seqs)
+                       settings.max_num_seqs_per_request or default_seqs_per_request(max_num_seqs))
+
+
+def default_seqs_per_request(max_num_seqs: int) -> int:
+    """Half the engine's seats (at least one): one request cannot take them all, so another client's request
+    finds a seat at the next step instead of waiting for that request's sequences to finish."""
+    return max(1, max_num_seqs // 2)
 
 
 def warn_if_open(settings: ServerSettings) -> bool:

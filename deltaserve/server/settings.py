@@ -30,8 +30,8 @@ class ServerSettings:
     # Seconds a request's body may take to arrive, from the end of its headers (then a 408).
     request_body_timeout: float = 30.0
     disable_fastapi_docs: bool = False  # no /docs, /redoc, /openapi.json (they answer without the key)
-    # Sequences one request may ask for (prompts x n); None: the engine's max_num_seqs (one request can fill the
-    # batch, not queue beyond it).
+    # Sequences one request may ask for (prompts x n); None: half the engine's max_num_seqs
+    # (api_server.default_seqs_per_request), so that one request leaves seats for other clients.
     max_num_seqs_per_request: int | None = None
 
     def __post_init__(self):

@@ -23,7 +23,9 @@ import json
 from typing import Any
 
 from deltaserve.sampling import SamplingParams
+from deltaserve.server import json_limits
 from deltaserve.server.errors import bad_request
+from deltaserve.server.json_limits import JSONLimitError
 from deltaserve.server.protocol import ChatCompletionRequest, NamedToolChoice, ToolDefinition, _SamplingFields
 from deltaserve.server.reasoning import THINK_END
 from deltaserve.structured.compiler import MAX_WHITESPACE
@@ -65,7 +67,27 @@ def requested_constraint(request: _SamplingFields) -> tuple[StructuredOutputsPar
     if not found:
         return None, None
     field, fields = found[0]
+    for key in _JSON_TEXT_KEYS:
+        if isinstance(fields.get(key), str):
+            _check_json_limits(field, key, fields[key])
     return _params(field, **fields), field
+
+
+_JSON_TEXT_KEYS = ("json", "structural_tag")  # constraints that may come as JSON text inside a string
+
+
+def _check_json_limits(field: str, key: str, text: str) -> None:
+    """400 naming `field` for JSON text nested deeper (or with longer integers) than a body may have: xgrammar's
+    compile of a schema hundreds of levels deep takes the tokenizer thread for seconds, and Python's parser and
+    the schema walk recurse. Malformed text is left to the compile, which says why."""
+    try:
+        json_limits.loads(text)
+    except JSONLimitError as exc:
+        where = {"structured_outputs": f"structured_outputs.{key}",
+                 "response_format": "response_format.json_schema.schema"}.get(field, field)
+        raise bad_request(f"{where}: {exc}", field) from exc
+    except ValueError:
+        pass
 
 
 def _structured_outputs_fields(value: dict[str, Any]) -> dict[str, Any]:

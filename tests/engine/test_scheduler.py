@@ -155,6 +155,26 @@ def test_preemption_frees_the_newest_and_resumes_it_from_scratch():
     assert_pools_empty(sched)
 
 
+def test_preemption_takes_from_the_request_with_the_most_sequences_first():
+    """Client a's request runs two sequences, client b's one, admitted after them (the newest). When the pool runs
+    out, a's newest sequence gives up its blocks, not b's: one client's fan-out cannot push another client's
+    request out of the cache (newest-first alone would preempt b, and again each time it came back)."""
+    sched = make_scheduler(num_blocks=10, block_size=4, budget=100)  # 9 usable blocks of 4 tokens
+    a0, a1 = (make_request(f"a#{i}", 8, max_tokens=20, group="a") for i in range(2))
+    b = make_request("b", 8, max_tokens=20)
+    sched.add_request(a0)
+    sched.add_request(a1)
+    fake_step(sched)
+    sched.add_request(b)
+    while not any(r.num_preemptions for r in (a0, a1, b)):
+        fake_step(sched)
+    assert a1.num_preemptions == 1 and b.status == RequestStatus.RUNNING and a0.status == RequestStatus.RUNNING
+    while sched.has_unfinished():
+        fake_step(sched)
+    assert [r.num_output_tokens for r in (a0, a1, b)] == [20, 20, 20]
+    assert_pools_empty(sched)
+
+
 def test_a_request_alone_that_cannot_grow_preempts_itself_without_losing_tokens():
     sched = make_scheduler(num_blocks=3, block_size=4, budget=100)  # 2 usable blocks: 8 tokens
     req = make_request("a", 8, max_tokens=3)

@@ -23,7 +23,8 @@ VALID = {
     "/v1/completions": [
         {"prompt": "The sea", "max_tokens": 3},
         {"prompt": [5, 6, 7], "max_tokens": 2, "echo": True, "temperature": 0},
-        {"prompt": ["a b", "c"], "max_tokens": 2, "n": 2, "seed": 3, "stop": ["x"]},
+        {"prompt": ["a b", "c"], "max_tokens": 2, "seed": 3, "stop": ["x"]},
+        {"prompt": "a b", "max_tokens": 2, "n": 2, "seed": 3},
         {"prompt": "Go", "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}, "logprobs": 2},
     ],
     "/v1/chat/completions": [
@@ -169,6 +170,11 @@ HAND_WRITTEN = [
     _chat(_called('{"a": ' + "7" * 5001 + "}")),
     _chat(_called("[1")),
     _chat({"role": "user", "content": [{"type": "text"}]}),
+    # JSON text in a constraint: a schema 300 levels deep compiled for seconds, 1,500 levels recursed
+    *[_post("/v1/completions", {"prompt": "hi", "structured_outputs": {"json": '{"type": "array", "items": ' * depth
+                                                                       + "{}" + "}" * depth}})
+      for depth in (300, 1500)],
+    _post("/v1/completions", {"prompt": "hi", "guided_json": "[" * 100_000}),
     _post("/v1/completions", {"prompt": [1] * 100_000}),  # past the context
     _post("/v1/completions", {"prompt": [[]]}),
     _post("/v1/completions", {"prompt": "hi", "stop": ["a"] * 2000, "max_tokens": 2}),

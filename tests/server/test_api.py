@@ -229,11 +229,11 @@ ERROR_CASES = [
     ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature", "valid number"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 2.5}, 400, "max_tokens", "integer"),
     ("/v1/completions", {"prompt": "hi", "n": 100000}, 400, "n", "128"),
-    # at most max_num_seqs (8 here) sequences a request: 64 prompts x 128 would have queued 8,192
+    # at most half of max_num_seqs (8 here) sequences a request: 64 prompts x 128 would have queued 8,192
     ("/v1/completions", {"prompt": ["hi"] * 64, "n": 128}, 400, "n",
-     "64 prompts x n=128 = 8,192 sequences; a request may run at most 8 (--max-num-seqs-per-request)"),
-    ("/v1/completions", {"prompt": [[5]] * 9}, 400, "prompt", "9 prompts x n=1 = 9 sequences"),
-    ("/v1/chat/completions", {"messages": MESSAGES, "n": 9}, 400, "n", "n=9 sequences; a request may run at most 8"),
+     "64 prompts x n=128 = 8,192 sequences; a request may run at most 4 (--max-num-seqs-per-request)"),
+    ("/v1/completions", {"prompt": [[5]] * 5}, 400, "prompt", "5 prompts x n=1 = 5 sequences"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "n": 5}, 400, "n", "n=5 sequences; a request may run at most 4"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 10**9}, 400, "max_tokens",
      f"maximum context length is {MAX_MODEL_LEN} tokens, you requested"),
     ("/v1/completions", {"prompt": _LONG}, 400, "prompt", f"maximum context length is {MAX_MODEL_LEN}"),
@@ -366,6 +366,49 @@ def test_non_streaming_disconnect_aborts_and_frees_blocks(server):
                20, what="the request aborted")
     assert server.metric("vllm:num_requests_running") == 0
     assert server.metric("vllm:kv_cache_usage_perc") == 0
+
+
+def test_a_small_request_beside_a_max_size_fan_out_runs_in_its_own_steps(server):
+    """Fair admission: a request at --max-num-seqs-per-request (by default half the seats) runs long; a small
+    request sent meanwhile is admitted at the first step after it arrives and finishes in the steps its own
+    tokens take (the scheduler's rule: ceil(prompt / (budget - the fan-out's decode rows)) prompt chunks, then one
+    step per further token), while the fan-out is still running: it waits for neither the fan-out's sequences
+    nor a seat. With a limit of every seat it would wait for a fan-out sequence to end (LONG_RUN steps)."""
+    engine = server.state.engine.engine
+    scheduler = engine.scheduler
+    limit = server.state.max_num_seqs_per_request
+    steps: list[tuple[dict[str, str], set[str]]] = []  # per step: {id: group} before it, the ids it scheduled
+    original = scheduler.schedule
+
+    def recording():
+        present = {r.request_id: r.group for r in [*scheduler.waiting, *scheduler.running]}
+        out = original()
+        steps.append((present, {row.request_id for row in out.sequences}))
+        return out
+
+    fan_out = {"prompt": PROMPT, "max_tokens": LONG_RUN, "ignore_eos": True, "stream": True, "n": limit}
+    small_prompt = [11, 523, 87, 301, 42, 9]  # no prefix shared with PROMPT
+    small_tokens = 4
+    scheduler.schedule = recording
+    try:
+        with httpx.stream("POST", f"{server.base_url}/v1/completions", json=fan_out, timeout=60) as response:
+            lines = response.iter_lines()  # held: a collected iterator closes the connection
+            assert next(line for line in lines if line.startswith("data: "))
+            wait_until(lambda: server.metric("vllm:num_requests_running") == limit, 20, what="the fan-out running")
+            small = server.post("/v1/completions", json={"prompt": small_prompt, "max_tokens": small_tokens,
+                                                         "ignore_eos": True, "temperature": 0})
+            assert small.status_code == 200, small.text
+    finally:
+        del scheduler.schedule
+    small_group = small.json()["id"]
+    first = next(i for i, (present, _) in enumerate(steps) if small_group in present.values())
+    small_id = next(rid for rid, group in steps[first][0].items() if group == small_group)
+    ran = [i for i, (_, scheduled) in enumerate(steps) if small_id in scheduled]
+    prompt_chunks = -(-len(small_prompt) // (scheduler.max_num_batched_tokens - limit))
+    assert ran == list(range(first, first + prompt_chunks + small_tokens - 1)), (first, ran)
+    fan_out_group = next(group for group in steps[first][0].values() if group != small_group)
+    assert any(fan_out_group in present.values() for present, _ in steps[ran[-1] + 1:]), "the fan-out ended first"
+    wait_until(lambda: server.metric("vllm:num_requests_running") == 0, 20, what="the fan-out aborted")
 
 
 def test_cached_tokens_are_reported(server, client):

@@ -144,11 +144,13 @@ def test_docs_answer_without_the_key_and_can_be_turned_off(tokenizer):
 
 
 def test_sequences_per_request_are_bounded_and_one_requests_share_a_group(tokenizer):
-    """At most --max-num-seqs-per-request sequences (prompts x n) a request, by default the engine's
-    max_num_seqs; a request's prompts reach the engine as one group (the scheduler's unit of fairness)."""
+    """At most --max-num-seqs-per-request sequences (prompts x n) a request, by default half the engine's
+    max_num_seqs (at least one); a request's prompts reach the engine as one group (the scheduler's unit of
+    fairness)."""
     engine = ScriptedEngine(tokenizer)
-    assert make_state(engine, EngineConfig(max_num_seqs=3), ServerSettings(served_model_names=("s",))) \
-        .max_num_seqs_per_request == 3
+    for max_num_seqs, default in ((8, 4), (3, 1), (1, 1)):
+        state = make_state(engine, EngineConfig(max_num_seqs=max_num_seqs), ServerSettings(served_model_names=("s",)))
+        assert state.max_num_seqs_per_request == default, max_num_seqs
     settings = ServerSettings(served_model_names=("s",), max_num_seqs_per_request=4)
     with ServerThread(make_state(engine, EngineConfig(), settings)) as server:
         ok = server.post("/v1/completions", json={"prompt": [[5, 6], [7]], "n": 2, "max_tokens": 2})

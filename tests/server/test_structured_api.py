@@ -12,6 +12,7 @@ import pytest
 from deltaserve.config import EngineConfig
 from deltaserve.engine.llm_engine import LLMEngine
 from deltaserve.server.api_server import make_state
+from deltaserve.server.json_limits import MAX_JSON_DEPTH
 from deltaserve.server.settings import ServerSettings
 from tests.server.harness import ServerThread
 from tests.structured.schemas import random_schema
@@ -144,6 +145,10 @@ def test_forced_tool_calls_have_arguments_that_validate(server, hermes, which):
             jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
 
 
+# an array schema one level deeper than a body may nest, as JSON text
+_DEEP_SCHEMA_TEXT = '{"type": "array", "items": ' * MAX_JSON_DEPTH + '{"type": "integer"}' + "}" * MAX_JSON_DEPTH
+
+
 @pytest.mark.parametrize("body, param, fragment", [
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nothing"}}}},
      "response_format", 'response_format.json_schema.schema: the JSON schema cannot be used: Unsupported type'),
@@ -161,6 +166,16 @@ def test_forced_tool_calls_have_arguments_that_validate(server, hermes, which):
     ({"guided_whitespace_pattern": " ", "guided_json": {}}, "guided_whitespace_pattern", "not supported"),
     ({"guided_decoding_backend": "outlines", "guided_regex": "a"}, "guided_decoding_backend", "xgrammar"),
     ({"guided_regex": "a", "min_tokens": 2}, "min_tokens", "min_tokens must be 0 with structured_outputs"),
+    # JSON text inside a string is bounded as the body is (Python's parser and xgrammar's compile recursed)
+    ({"structured_outputs": {"json": _DEEP_SCHEMA_TEXT}}, "structured_outputs",
+     f"structured_outputs.json: nested too deeply (more than {MAX_JSON_DEPTH} levels)"),
+    ({"guided_json": "[" * 100_000 + "]" * 100_000}, "guided_json", "guided_json: nested too deeply"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": _DEEP_SCHEMA_TEXT}}}, "response_format",
+     "response_format.json_schema.schema: nested too deeply"),
+    ({"structured_outputs": {"structural_tag": '{"a": ' * 2000 + "1" + "}" * 2000}}, "structured_outputs",
+     "structured_outputs.structural_tag: nested too deeply"),
+    ({"guided_json": '{"maxItems": ' + "7" * 5000 + "}"}, "guided_json",
+     "guided_json: maxItems: an integer of 5,000 digits"),
 ])
 def test_bad_constraints_are_400s_naming_the_field(server, body, param, fragment):
     response = server.post("/v1/completions", json={"model": "tiny", "prompt": "x", **body})
