@@ -118,7 +118,8 @@ def _quantized_ranges(name: str, shape: list[int], placement: tuple[Scheme, str,
         matrix = rank_ranges(projection, shape, cfg, parallel)
     if matrix is None:
         return None
-    along = scheme.tp_axes(suffix).n if matrix[0] == 0 else scheme.tp_axes(suffix).k
+    axes = scheme.tp_axes(suffix)
+    along = axes.n if matrix[0] == 0 else axes.k
     if along is None:
         return matrix, None
     dim = along.dim + (1 if fused else 0)
