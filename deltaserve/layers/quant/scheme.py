@@ -54,7 +54,7 @@ def scalar(prefix: str, suffix: str, tensor: torch.Tensor) -> float:
 class Along:
     """Where one dimension of a quantized matrix [N, K] runs in a checkpoint tensor: the tensor's `dim`, `per` rows
     (or columns) of the matrix per index along it (8 for int32 words of nibbles, g for group scales) and the name
-    of that unit, for errors ("packed word", "group of 128")."""
+    of that unit, for errors ("packed int4 word", "int4 group")."""
 
     dim: int
     per: int = 1
