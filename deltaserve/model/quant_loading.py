@@ -7,6 +7,8 @@
    names them) to its module, on the device (or in host memory where the scheme stages there).
 3. `QuantTensors.finish`, once every file is read: each projection's tensors are checked by its scheme (a missing,
    unexpected or mis-shaped tensor is a WeightLoadError naming it) and converted to the layout fusing takes.
+Under tensor parallelism `QuantTensors.placement` tells model/tp_slices.py whose tensor each one is (its scheme and
+projection), so that only the rank's slice is read.
 `fill_dummy` gives every quantized module random tensors in that layout instead (--load-format dummy).
 """
 

@@ -77,7 +77,7 @@ class Int4Scheme(Scheme):
     def tp_axes(self, suffix):
         words, groups = Along(1, 8, "packed int4 word"), Along(1, self.group_size, "int4 group")
         return {"weight_packed": TpAxes(Along(0), words), "weight_scale": TpAxes(Along(0), groups),
-                "weight_zero_point": TpAxes(Along(0, 8, "packed word of zero point"), groups),
+                "weight_zero_point": TpAxes(Along(0, 8, "int4 zero-point word"), groups),
                 "weight_g_idx": TpAxes(None, Along(0))}.get(suffix, REPLICATED)  # weight_shape: rewritten
 
     def rank_values(self, prefix, suffix, tensor, dim, spans, shape, tp_size):
@@ -138,8 +138,7 @@ class Int4Scheme(Scheme):
 def local_groups(name: str, shape: list[int], g_idx: torch.Tensor, spans: list[tuple[int, int]], group_size: int,
                  tp_size: int) -> torch.Tensor:
     """A row-parallel rank's slice of act-order groups g_idx [..., K_rank] (of checkpoint tensor `name`, `shape`;
-    the rank's columns `spans` of K, concatenated)
-    -> the groups renumbered from 0 in the rank's own group scales. Each span's columns must hold exactly its own
+    the rank's columns `spans` of K, concatenated) -> the groups renumbered from 0 in the rank's own group scales. Each span's columns must hold exactly its own
     groups (those of columns start .. start + length in order); act order that mixes them across the ranks'
     columns is refused, naming the tensor."""
     local, at, first_local = torch.empty_like(g_idx), 0, 0
