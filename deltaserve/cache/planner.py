@@ -286,7 +286,7 @@ def plan(cfg: ModelConfig, engine: EngineConfig, *, device_memory_bytes: int | N
     notes: list[str] = []
     if weight_format is not None and parallel.tp_size > 1 and not weight_format.tensor_parallel:
         notes.append(f"deltaserve serve does not load {weight_format.method} checkpoints under --tensor-parallel-size "
-                     f"{parallel.tp_size} yet (only bf16, FP8 and NVFP4): these figures are what it would take")
+                     f"{parallel.tp_size} yet: these figures are what it would take")
 
     requested = num_seqs = engine.max_num_seqs
     if engine.num_gpu_blocks_override is not None:

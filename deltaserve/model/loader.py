@@ -8,8 +8,8 @@ Quantized checkpoints (a WeightFormat, layers/quant/) have their projections' te
 by model/quant_loading.py; everything else loads as here, and a quantized tensor where a parameter expects a float
 one is an error too.
 Under tensor parallelism each rank reads only its slice of the sharded tensors (model/tp_slices.py); quantized
-FP8 block-scaled and NVFP4 checkpoints slice their scales with their weights; the int4 formats (AWQ, GPTQ,
-compressed-tensors) are refused there for now (their packed codes and group scales are not sliced).
+checkpoints of every format slice their packed codes, scales and zero points with their weights (whole words,
+groups and blocks), dense projections and routed experts alike.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str
     if weight_format is not None and parallel.tp_size > 1 and not weight_format.tensor_parallel:
         raise ConfigError(f"--tensor-parallel-size {parallel.tp_size} does not support {weight_format.method} "
                           f"checkpoints yet ({weight_format.description}): their packed weights and scales are not "
-                          "sliced per rank; serve a bf16, FP8 or NVFP4 checkpoint, or --tensor-parallel-size 1")
+                          "sliced per rank; serve another format, or --tensor-parallel-size 1")
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -161,7 +161,8 @@ def load_safetensors(model: HybridForCausalLM, path: Path) -> None:
                     skipped += 1
                     continue
                 tensor = (handle.get_tensor(raw_name) if model.parallel.tp_size == 1
-                          else read_rank_slice(handle, raw_name, name, model.config, model.parallel))
+                          else read_rank_slice(handle, raw_name, name, model.config, model.parallel,
+                                               quantized.placement(name)))
                 kv_scale = _KV_SCALE.match(name)
                 if kv_scale:
                     _load_kv_scale(model, kv_scale, tensor, raw_name)

@@ -7,6 +7,8 @@
    names them) to its module, on the device (or in host memory where the scheme stages there).
 3. `QuantTensors.finish`, once every file is read: each projection's tensors are checked by its scheme (a missing,
    unexpected or mis-shaped tensor is a WeightLoadError naming it) and converted to the layout fusing takes.
+Under tensor parallelism `QuantTensors.placement` tells model/tp_slices.py whose tensor each one is (its scheme and
+projection), so that only the rank's slice is read.
 `fill_dummy` gives every quantized module random tensors in that layout instead (--load-format dummy).
 """
 
@@ -20,7 +22,7 @@ from torch import nn
 from deltaserve.config import ConfigError
 from deltaserve.layers.linear import QuantLinear
 from deltaserve.layers.mlp import Experts, QuantExperts
-from deltaserve.layers.quant.scheme import WeightFormat
+from deltaserve.layers.quant.scheme import Scheme, WeightFormat
 from deltaserve.model.errors import WeightLoadError
 
 _EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -82,6 +84,23 @@ class QuantTensors:
         self.spelling: dict = {}  # module key -> its checkpoint name, for errors
         self.fused: dict[tuple[str, str], dict[str, torch.Tensor]] = {}  # (experts, projection) -> [E, ...] tensors
         self.multimodal = False
+
+    def placement(self, name: str) -> tuple[Scheme, str, str] | None:
+        """(scheme, suffix, projection) of checkpoint tensor `name` (ours) where it is one of a quantized module's
+        tensors: the projection is its weight's name (`<linear>.weight`, `experts.{e}.<proj>.weight`) or, for a
+        fused expert tensor, `experts.gate_up_proj` / `experts.down_proj`. None for any other tensor."""
+        prefix, _, suffix = name.rpartition(".")
+        if prefix in self.linears:
+            scheme, projection = self.linears[prefix].scheme, f"{prefix}.weight"
+        elif (expert := _PER_EXPERT.match(name)) and expert.group(1) in self.experts:
+            scheme, suffix = self.experts[expert.group(1)].schemes[expert.group(3)], expert.group(4)
+            projection = f"{expert.group(1)}.{expert.group(2)}.{expert.group(3)}.weight"
+        elif (fused := _FUSED_EXPERTS.match(name)) and fused.group(1) in self.experts:
+            scheme = self.experts[fused.group(1)].schemes[fused.group(2)]
+            suffix, projection = _fused_suffix(scheme, fused.group(3)), f"{fused.group(1)}.{fused.group(2)}"
+        else:
+            return None
+        return (scheme, suffix, projection) if suffix in scheme.tensors + scheme.optional else None
 
     def take(self, name: str, raw_name: str, tensor: torch.Tensor) -> bool:
         """Store `tensor` (ours `name`, the checkpoint's `raw_name`) if it belongs to a quantized module."""

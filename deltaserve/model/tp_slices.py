@@ -6,14 +6,23 @@ their rank's output rows (heads, intermediate rows, vocab rows), row-parallel on
 tensor no rule names (norms, routers, the shared-expert gate, KV scales) is replicated. The ranges match how
 the layers split themselves (layers/attention.py, gdn.py, mlp.py, embedding.py).
 
-FP8 block-scaled checkpoints (layers/quant/fp8.py): a projection's `weight_scale_inv` [ceil(N/128), ceil(K/128)]
-takes the blocks of its weight's ranges, which must then be whole 128-blocks (or end the tensor); otherwise the
-block straddles two ranks and loading stops with an error naming the tensor. Online FP8 slices the bf16 weight
-and quantizes the rank's slice.
-
-NVFP4 (layers/quant/nvfp4.py): the uint8 `weight` packs two values a byte along K and `weight_scale` holds one
-scale per 16 columns, so a row-parallel slice takes half the byte columns and 1/16 of the scale columns (whole
-groups); the per-tensor weight_scale_2 and input_scale are replicated.
+Quantized checkpoints: a quantized module's tensors (QuantTensors.placement: its Scheme, the tensor's suffix and
+the projection it belongs to) take the projection's ranges of rows (N) or columns (K), mapped into the tensor by
+the scheme's `tp_axes` (which of its dims holds N and K, and how many rows or columns one index there covers):
+    FP8 block        weight [N, K]; weight_scale_inv one per 128 x 128 block
+    online FP8       the bf16 weight, quantized per rank after slicing
+    NVFP4            weight [N, K/2] (two values a byte); weight_scale one per 16 columns; the per-tensor
+                     weight_scale_2 and input_scale replicated
+    compressed-tensors int4   weight_packed [N, K/8]; weight_scale [N, K/g]; weight_zero_point [N/8, K/g];
+                     weight_g_idx [K]; weight_shape rewritten to the rank's [N, K]
+    AutoAWQ          qweight [K, N/8]; qzeros [K/g, N/8]; scales [K/g, N]
+    GPTQ             qweight [K/8, N]; qzeros [K/g, N/8]; scales [K/g, N]; g_idx [K]
+A rank's ranges must be whole units there (packed words, groups, blocks; or end the tensor where the last unit
+is partial): otherwise a unit straddles two ranks and loading stops with an error naming the tensor, its shape,
+the unit and the tensor-parallel size. Act-order groups (g_idx) of a row-parallel projection are renumbered to the
+rank's own group scales; act order that mixes groups across the ranks' columns is refused (layers/quant/int4.py).
+Routed experts, per expert or fused ([E, ...], gate rows first), are sliced by moe_intermediate_size as the bf16
+ones: gate_up column-parallel, down row-parallel.
 """
 
 from __future__ import annotations
@@ -23,8 +32,7 @@ import re
 import torch
 
 from deltaserve.config import ModelConfig
-from deltaserve.layers.quant.fp8 import BLOCK
-from deltaserve.layers.quant.nvfp4 import GROUP as NVFP4_GROUP
+from deltaserve.layers.quant.scheme import Scheme
 from deltaserve.model.errors import WeightLoadError
 from deltaserve.worker.distributed import ParallelContext
 
@@ -35,7 +43,6 @@ _GDN = re.compile(r"\.linear_attn\.(in_proj_qkv|conv1d|in_proj_z|in_proj_b|in_pr
                   r"out_proj)\.weight$|\.linear_attn\.(dt_bias|A_log)$")
 _MLP = re.compile(r"\.mlp\.(shared_expert\.|experts\.\d+\.)?(gate_proj|up_proj|down_proj)\.weight$")
 _FUSED_EXPERTS = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)$")
-_FUSED_EXPERT_EXTRA = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)_\w+$")  # a quantized one's scales
 
 
 def _scaled(shard: tuple[int, int], unit: int) -> tuple[int, int]:
@@ -44,14 +51,6 @@ def _scaled(shard: tuple[int, int], unit: int) -> tuple[int, int]:
 
 def rank_ranges(name: str, shape: list[int], cfg: ModelConfig, parallel: ParallelContext) -> Ranges | None:
     """The ranges of checkpoint tensor `name` (ours, of `shape`) this rank holds; None: the whole tensor."""
-    if name.endswith(".weight_scale_inv"):
-        return _block_scale_ranges(name, shape, cfg, parallel)
-    if name.endswith(".weight_scale"):
-        return _packed_ranges(name, rank_ranges(name.removesuffix("_scale"), shape, cfg, parallel), NVFP4_GROUP,
-                              parallel)
-    if _FUSED_EXPERT_EXTRA.search(name):
-        raise WeightLoadError(f"'{name}': the scales of fused (stacked) quantized experts are not sliced under "
-                              f"--tensor-parallel-size {parallel.tp_size}; per-expert checkpoints are")
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         return 0, [parallel.shard(cfg.vocab_size, "vocab_size")]
     if match := _ATTN.search(name):
@@ -73,35 +72,6 @@ def rank_ranges(name: str, shape: list[int], cfg: ModelConfig, parallel: Paralle
     if match := _FUSED_EXPERTS.search(name):
         return _fused_expert_ranges(match.group(1), shape, cfg, parallel)
     return None
-
-
-def _block_scale_ranges(name: str, shape: list[int], cfg: ModelConfig, parallel: ParallelContext) -> Ranges | None:
-    """An FP8 weight's scale blocks [N / 128, K / 128]: those covering the rank's ranges of the weight."""
-    weight = rank_ranges(name.removesuffix("_scale_inv"), [s * b for s, b in zip(shape, BLOCK)], cfg, parallel)
-    if weight is None:
-        return None
-    dim, spans = weight
-    block, blocks = [], BLOCK[dim]
-    for start, length in spans:
-        whole = length % blocks == 0 or -(-(start + length) // blocks) == shape[dim]
-        if start % blocks or not whole:
-            raise WeightLoadError(f"'{name}': FP8 128x128 block scales cannot be split over --tensor-parallel-size "
-                                  f"{parallel.tp_size} (this rank's rows [{start}, {start + length}) along dim {dim} "
-                                  "are not whole blocks)")
-        block.append((start // blocks, -(-length // blocks)))
-    return dim, block
-
-
-def _packed_ranges(name: str, ranges: Ranges | None, per_column: int, parallel: ParallelContext) -> Ranges | None:
-    """Ranges of a tensor holding one column per `per_column` of its weight's K (packed values, group scales):
-    row ranges as they are, column ranges in its own columns (whole ones, else an error naming the tensor)."""
-    if ranges is None or ranges[0] == 0:
-        return ranges
-    dim, spans = ranges
-    if any(start % per_column or length % per_column for start, length in spans):
-        raise WeightLoadError(f"'{name}': this rank's columns {spans} are not whole groups of {per_column}, so it "
-                              f"cannot be split over --tensor-parallel-size {parallel.tp_size}")
-    return dim, [(start // per_column, length // per_column) for start, length in spans]
 
 
 def _gdn_ranges(part: str, cfg: ModelConfig, parallel: ParallelContext) -> Ranges:
@@ -133,15 +103,61 @@ def _fused_expert_ranges(proj: str, shape: list[int], cfg: ModelConfig, parallel
     return (2 if shape[2] == inter else 1), [(start, length)]
 
 
-def read_rank_slice(handle, raw_name: str, name: str, cfg: ModelConfig, parallel: ParallelContext) -> torch.Tensor:
-    """This rank's part of checkpoint tensor `raw_name` (ours `name`) from the open safetensors `handle`."""
-    piece = handle.get_slice(raw_name)
-    ranges = rank_ranges(name, piece.get_shape(), cfg, parallel)
-    if piece.get_dtype() == "U8" and name.endswith(".weight"):  # NVFP4: two e2m1 values a byte along K
-        ranges = _packed_ranges(raw_name, ranges, 2, parallel)
+def _quantized_ranges(name: str, shape: list[int], placement: tuple[Scheme, str, str], cfg: ModelConfig,
+                      parallel: ParallelContext) -> tuple[Ranges, Ranges] | None:
+    """(the projection's ranges along its matrix [N, K] (dim 0 N, 1 K), the tensor's ranges) of quantized
+    checkpoint tensor `name` (of `shape`); None: the projection is replicated. A fused expert tensor has the
+    experts first, then one expert's layout."""
+    scheme, suffix, projection = placement
+    fused = _FUSED_EXPERTS.search(projection)
+    if fused:
+        start, length = parallel.shard(cfg.moe_intermediate_size, "moe_intermediate_size")
+        matrix = ((0, [(start, length), (cfg.moe_intermediate_size + start, length)]) if fused.group(1) == "gate_up_proj"
+                  else (1, [(start, length)]))
+    else:
+        matrix = rank_ranges(projection, shape, cfg, parallel)
+    if matrix is None:
+        return None
+    axes = scheme.tp_axes(suffix)
+    along = axes.n if matrix[0] == 0 else axes.k
+    if along is None:
+        return matrix, None
+    dim = along.dim + (1 if fused else 0)
+    units = []
+    for start, length in matrix[1]:
+        whole = length % along.per == 0 or -(-(start + length) // along.per) == shape[dim]
+        if start % along.per or not whole:
+            what = "rows" if matrix[0] == 0 else "columns"
+            raise WeightLoadError(f"'{name}' {shape}: this rank's {what} [{start}, {start + length}) of "
+                                  f"{'N' if matrix[0] == 0 else 'K'} are not whole {along.unit}s of {along.per} "
+                                  f"{what} (dim {dim} of the tensor), so it cannot be split over "
+                                  f"--tensor-parallel-size {parallel.tp_size}")
+        units.append((start // along.per, -(-length // along.per)))
+    return matrix, (dim, units)
+
+
+def _read(handle, raw_name: str, ranges: Ranges | None) -> torch.Tensor:
     if ranges is None:
         return handle.get_tensor(raw_name)
+    piece = handle.get_slice(raw_name)
     dim, spans = ranges
     lead = (slice(None),) * dim
     parts = [piece[lead + (slice(start, start + length),)] for start, length in spans]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
+def read_rank_slice(handle, raw_name: str, name: str, cfg: ModelConfig, parallel: ParallelContext,
+                    placement: tuple[Scheme, str, str] | None = None) -> torch.Tensor:
+    """This rank's part of checkpoint tensor `raw_name` (ours `name`) from the open safetensors `handle`;
+    `placement`: (scheme, suffix, projection) where it is a quantized module's tensor."""
+    shape = handle.get_slice(raw_name).get_shape()
+    if placement is None:
+        return _read(handle, raw_name, rank_ranges(name, shape, cfg, parallel))
+    ranges = _quantized_ranges(raw_name, shape, placement, cfg, parallel)
+    if ranges is None:
+        return handle.get_tensor(raw_name)
+    (matrix_dim, matrix_spans), tensor_ranges = ranges
+    scheme, suffix, _ = placement
+    prefix = raw_name[: len(raw_name) - len(raw_name.rsplit(".", 1)[-1]) - 1]
+    return scheme.rank_values(prefix, suffix, _read(handle, raw_name, tensor_ranges), matrix_dim, matrix_spans,
+                              shape, parallel.tp_size)

@@ -127,10 +127,16 @@ def awq(w: torch.Tensor, group_size: int):
     return {"qweight": pack(q.t()), "qzeros": pack(zero.t()), "scales": scale.t().contiguous()}, dq
 
 
-def gptq(w: torch.Tensor, group_size: int, act_order: bool):
-    """Symmetric GPTQ v1 (qzeros store zero - 1 = 7); with act order the groups are a permutation of columns."""
+def gptq(w: torch.Tensor, group_size: int, act_order: int | None):
+    """Symmetric GPTQ v1 (qzeros store zero - 1 = 7). act_order: the number of equal column blocks whose columns
+    the groups permute within (1: the whole K; 2: each half, as one row-parallel rank of 2 holds them); None:
+    groups in column order (desc_act false)."""
     n, k = w.shape
-    order = (torch.arange(k) * 37) % k if act_order else torch.arange(k)  # 37 is prime to every K here
+    if act_order is None:
+        order = torch.arange(k)
+    else:  # 37 is prime to every block width here
+        block = k // act_order
+        order = (torch.arange(k) // block) * block + (torch.arange(k) % block * 37) % block
     g_idx = order // group_size
     q, zero, scale, dq = _minmax_int4(w, g_idx[None], k // group_size, symmetric=True)
     qweight = _pack_words(q.t().reshape(k // 8, 8, n).transpose(1, 2))  # [K/8, N]: rows 8j + i in nibble i
@@ -168,8 +174,10 @@ def _nvfp4_share(name: str) -> str:
 
 
 def quantize_checkpoint(source: Path, folder: Path, family: str, group_size: int = 128, symmetric: bool = False,
-                        multimodal: bool = False, fused_experts: bool = False) -> QuantizedPair:
-    """Write `source`'s projections in `family`'s layout to folder/"quantized", the dequantized twin beside it."""
+                        multimodal: bool = False, fused_experts: bool = False,
+                        act_order: int | None = 1) -> QuantizedPair:
+    """Write `source`'s projections in `family`'s layout to folder/"quantized", the dequantized twin beside it
+    (act_order: GPTQ's, as gptq() takes it)."""
     tensors = load_file(source / "model.safetensors")
     config = json.loads((source / "config.json").read_text())
     names = sorted(name for name in tensors if _QUANTIZED.search(name))
@@ -187,7 +195,7 @@ def quantize_checkpoint(source: Path, folder: Path, family: str, group_size: int
         elif family == "awq":
             parts, dq = awq(w, group_size)
         elif family == "gptq":
-            parts, dq = gptq(w, group_size, act_order=True)
+            parts, dq = gptq(w, group_size, act_order)
         else:
             parts, dq = nvfp4(w, shared_amax[_nvfp4_share(name)] / (6 * 448))
         prefix = name.removesuffix(".weight")
@@ -195,14 +203,14 @@ def quantize_checkpoint(source: Path, folder: Path, family: str, group_size: int
         dequantized[name] = dq
     kept = {name: t for name, t in tensors.items() if name not in names}
     if fused_experts:
-        on_disk = _fuse_experts(on_disk)
+        on_disk = _fuse_experts(on_disk, family)
     if family == "nvfp4":  # ModelOpt's FP8 KV-cache scales, per attention layer
         for name in names:
             if name.endswith("self_attn.k_proj.weight"):
                 on_disk[name.replace(".weight", ".k_scale")] = torch.tensor(KV_SCALES[0])
                 on_disk[name.replace("k_proj.weight", "v_proj.v_scale")] = torch.tensor(KV_SCALES[1])
     out = dict(kept, **on_disk)
-    quant_config, extra = _quant_config(family, group_size, symmetric)
+    quant_config, extra = _quant_config(family, group_size, symmetric, act_order is not None)
     if multimodal:  # the language model's names, and quantized MTP and vision tensors the loader skips
         out = {re.sub(r"^model\.", "model.language_model.", k): v for k, v in out.items()}
         out.update({f"{prefix}.{suffix}": t for prefix in ("mtp.layers.0.mlp.gate_proj", "model.visual.blocks.0.qkv")
@@ -218,9 +226,11 @@ def quantize_checkpoint(source: Path, folder: Path, family: str, group_size: int
     return QuantizedPair(path, reference, names)
 
 
-def _fuse_experts(on_disk: dict) -> dict:
-    """Per-expert tensors -> transformers' fused ones: experts.gate_up_proj[_<suffix>] [E, 2I, ...] (gate rows
-    first) and experts.down_proj[_<suffix>] [E, ...]; `weight` becomes the bare name."""
+def _fuse_experts(on_disk: dict, family: str) -> dict:
+    """Per-expert tensors -> transformers' fused ones: experts.gate_up_proj[_<suffix>] [E, ...] (gate rows first
+    along N: dim 0 of [N, ...] layouts, dim 1 of AWQ's and GPTQ's [K, N] ones; act order's g_idx is gate's, which
+    up shares; compressed-tensors' weight_shape the joined [2I, H]) and experts.down_proj[_<suffix>] [E, ...];
+    `weight` becomes the bare name."""
     per_expert = re.compile(r"^(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(\w+)$")
     fused, parts = {}, {}
     for name, tensor in on_disk.items():
@@ -233,13 +243,21 @@ def _fuse_experts(on_disk: dict) -> dict:
     for (prefix, suffix), by_expert in parts.items():
         experts = 1 + max(e for e, _ in by_expert)
         tail = "" if suffix == "weight" else "_" + suffix.removeprefix("weight_")
-        fused[f"{prefix}.gate_up_proj{tail}"] = torch.stack(
-            [torch.cat([by_expert[e, "gate_proj"], by_expert[e, "up_proj"]]) for e in range(experts)])
+
+        def gate_up(e):
+            gate, up = by_expert[e, "gate_proj"], by_expert[e, "up_proj"]
+            if suffix == "g_idx":
+                return gate
+            if suffix == "weight_shape":
+                return torch.stack([gate[0] + up[0], gate[1]])
+            return torch.cat([gate, up], dim=1 if family in ("awq", "gptq") else 0)
+
+        fused[f"{prefix}.gate_up_proj{tail}"] = torch.stack([gate_up(e) for e in range(experts)])
         fused[f"{prefix}.down_proj{tail}"] = torch.stack([by_expert[e, "down_proj"] for e in range(experts)])
     return fused
 
 
-def _quant_config(family: str, group_size: int, symmetric: bool) -> tuple[dict | None, dict]:
+def _quant_config(family: str, group_size: int, symmetric: bool, act_order: bool) -> tuple[dict | None, dict]:
     """(config.json's quantization_config or None, other files to write)."""
     if family == "fp8":
         return dict(PUBLISHED["fp8"]), {}
@@ -255,7 +273,7 @@ def _quant_config(family: str, group_size: int, symmetric: bool) -> tuple[dict |
         return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm",
                 "modules_to_not_convert": ["linear_attn.in_proj_a", "linear_attn.in_proj_b", "visual"]}, {}
     if family == "gptq":
-        return {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": True, "sym": True,
+        return {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": act_order, "sym": True,
                 "checkpoint_format": "gptq", "dynamic": {r"-:.*linear_attn\.in_proj_[ab]$": {}}}, {}
     return None, {"hf_quant_config.json": PUBLISHED["nvfp4"]}
 

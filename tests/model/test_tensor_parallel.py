@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 
 from deltaserve.config import ConfigError, ModelConfig
 from deltaserve.demo import build_checkpoint
-from deltaserve.layers.quant.int4 import CompressedTensorsFormat
+from deltaserve.layers.quant.scheme import WeightFormat
 from deltaserve.model.loader import load_model
 from deltaserve.worker.distributed import ParallelContext
 from deltaserve.worker.kv_cache import CacheShape, bind_caches
@@ -135,8 +135,17 @@ def test_an_indivisible_size_names_its_field(ckpt_qwen3_5, tp_size, field):
         load_model(None, cfg, torch.float32, "meta", load_format="dummy", parallel=ParallelContext(tp_size=tp_size))
 
 
+class _UnslicedFormat(WeightFormat):
+    """A format that does not say tensor_parallel (every format the engine reads today does)."""
+
+    method, description = "unsliced", "a format without per-rank slicing"
+
+    def scheme_for(self, name):
+        return None
+
+
 def test_formats_without_rank_slicing_are_refused_under_tp(ckpt_qwen3_5):
     cfg = ModelConfig.from_pretrained(ckpt_qwen3_5)
-    with pytest.raises(ConfigError, match="--tensor-parallel-size 2 does not support compressed-tensors checkpoints"):
-        load_model(None, cfg, torch.float32, "meta", load_format="dummy", weight_format=CompressedTensorsFormat([], []),
+    with pytest.raises(ConfigError, match="--tensor-parallel-size 2 does not support unsliced checkpoints"):
+        load_model(None, cfg, torch.float32, "meta", load_format="dummy", weight_format=_UnslicedFormat(),
                    parallel=ParallelContext(tp_size=2))

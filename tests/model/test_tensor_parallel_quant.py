@@ -1,6 +1,7 @@
 """Quantized checkpoints under tensor parallelism (FP8 block-scaled, NVFP4): each rank's loaded codes and sliced
 scales dequantize to that rank's slice of the dequantized twin (which loads through the plain-weight slicing that
-test_tensor_parallel checks end to end); a rank's rows that split a scale block are refused.
+test_tensor_parallel checks end to end); fused (stacked) FP8 experts load each rank's slice as per-expert ones do;
+a rank's rows that split a scale block are refused. (int4: test_tensor_parallel_int4.)
 
 Bound: the twin multiplies codes and scales in float32 in its own order; the same two or three factors in another
 order differ by at most 2 ulps (rtol 2 eps). A scale taken from another rank's block is off by its ratio."""
@@ -78,12 +79,33 @@ def test_each_rank_dequantizes_to_its_slice_of_the_twin(tmp_path, arch, family):
 def test_a_scale_block_split_between_ranks_is_refused(tmp_path):
     source = tiny_source(tmp_path / "src", "qwen3_5", matrix_gain=0.5)  # GDN key heads of 32 rows
     pair = quantize_checkpoint(source, tmp_path, "fp8")
-    with pytest.raises(WeightLoadError, match="FP8 128x128 block scales cannot be split over --tensor-parallel"):
+    with pytest.raises(WeightLoadError, match=r"weight_scale_inv' \[\d+, \d+\]: this rank's rows \[32, 64\) of N are not "
+                       r"whole FP8 128x128 blocks of 128 rows .*--tensor-parallel-size 2"):
         _load(pair.path, ParallelContext(tp_rank=1, tp_size=2), True)
 
 
-def test_fused_quantized_experts_are_refused_under_tp(tmp_path):
+def test_fused_quantized_experts_load_each_ranks_slice_as_per_expert_ones(tmp_path):
+    """transformers' fused layout (experts.gate_up_proj [E, 2I, H] e4m3, gate_up_proj_scale_inv [E, 2I/128, H/128]):
+    each rank's experts are the per-expert checkpoint's, bit for bit."""
     source = build_checkpoint(tmp_path / "src", "qwen3_5_moe", matrix_gain=0.5, config_overrides=TP_SHAPES)
-    pair = quantize_checkpoint(source, tmp_path, "fp8", fused_experts=True)
-    with pytest.raises(WeightLoadError, match="fused .stacked. quantized experts are not sliced"):
-        _load(pair.path, ParallelContext(tp_rank=0, tp_size=2), True)
+    per_expert = quantize_checkpoint(source, tmp_path / "a", "fp8")
+    fused = quantize_checkpoint(source, tmp_path / "b", "fp8", fused_experts=True)
+    for rank in range(2):
+        parallel = ParallelContext(tp_rank=rank, tp_size=2)
+        ours = dict(_load(fused.path, parallel, True).named_modules())
+        checked = 0
+        for name, module in _load(per_expert.path, parallel, True).named_modules():
+            if not isinstance(module, QuantExperts):
+                continue
+            joined = ours[name]
+            for e in range(module.num_experts):
+                gate_up = torch.cat([_dequantized(module.schemes[p], module.raw[e, p], module.projection_shape(p))
+                                     for p in ("gate_proj", "up_proj")])
+                fused_gate_up = _dequantized(joined.schemes["gate_up_proj"], joined.raw[e, "gate_up_proj"],
+                                             joined.projection_shape("gate_up_proj"))
+                assert torch.equal(fused_gate_up, gate_up), (rank, name, e)
+                down = [_dequantized(m.schemes["down_proj"], m.raw[e, "down_proj"], m.projection_shape("down_proj"))
+                        for m in (module, joined)]
+                assert torch.equal(*down), (rank, name, e)
+                checked += 1
+        assert checked > 0

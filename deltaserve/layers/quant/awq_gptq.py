@@ -24,7 +24,7 @@ import torch
 
 from deltaserve.layers.quant.fp8 import name_matches
 from deltaserve.layers.quant.int4 import Int4Scheme
-from deltaserve.layers.quant.scheme import HALF_FLOATS, WeightFormat, checkpoint_names, expect
+from deltaserve.layers.quant.scheme import HALF_FLOATS, Along, TpAxes, WeightFormat, checkpoint_names, expect
 from deltaserve.model.errors import WeightLoadError
 from deltaserve.ops.quant_gemm.reference import pack_int4, unpack_int4
 
@@ -64,6 +64,11 @@ class AwqScheme(Int4Scheme):
         super().__init__(group_size, symmetric=False)
         self.tensors, self.optional = ("qweight", "qzeros", "scales"), ()
 
+    def tp_axes(self, suffix):
+        groups = Along(0, self.group_size, "int4 group")
+        return {"qweight": TpAxes(Along(1, 8, "packed int4 word"), Along(0)),
+                "qzeros": TpAxes(Along(1, 8, "packed int4 word"), groups), "scales": TpAxes(Along(1), groups)}[suffix]
+
     def load(self, prefix, tensors, shape):
         n, k = shape
         groups = self._groups(prefix, k)
@@ -84,6 +89,12 @@ class GptqScheme(Int4Scheme):
         super().__init__(group_size, symmetric, act_order)
         self.v1 = v1
         self.tensors, self.optional = ("qweight", "qzeros", "scales"), ("g_idx",)
+
+    def tp_axes(self, suffix):
+        groups = Along(0, self.group_size, "int4 group")
+        return {"qweight": TpAxes(Along(1), Along(0, 8, "packed int4 word")),
+                "qzeros": TpAxes(Along(1, 8, "packed int4 word"), groups), "scales": TpAxes(Along(1), groups),
+                "g_idx": TpAxes(None, Along(0))}[suffix]
 
     def load(self, prefix, tensors, shape):
         n, k = shape
@@ -118,6 +129,8 @@ class GptqScheme(Int4Scheme):
 class Int4ConvertedFormat(WeightFormat):
     """An AutoAWQ or GPTQ checkpoint: one scheme for every projection but those `kept_bf16` names (the
     `modules_to_not_convert` spelling of fp8.py) and those the GPTQ `dynamic` field excludes ("-:" regexes)."""
+
+    tensor_parallel = True  # packed words and group scales sliced by whole words and groups (model/tp_slices.py)
 
     def __init__(self, method: str, scheme: Int4Scheme, kept_bf16: list[str], excluded_regexes: list[str],
                  description: str):

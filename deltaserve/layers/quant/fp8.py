@@ -20,8 +20,8 @@ import math
 
 import torch
 
-from deltaserve.layers.quant.scheme import (FLOATS, Scheme, WeightFormat, checkpoint_names, describe, expect,
-                                            stack_rows)
+from deltaserve.layers.quant.scheme import (FLOATS, PLAIN, Along, Scheme, TpAxes, WeightFormat, checkpoint_names,
+                                            describe, expect, stack_rows)
 from deltaserve.layers.quant.weight import QuantWeight
 from deltaserve.model.errors import WeightLoadError
 from deltaserve.ops.quant_gemm import fp8_block_linear, fp8_block_quantize, prepare_fp8_block
@@ -53,6 +53,11 @@ class Fp8BlockScheme(Scheme):
         if not bool(torch.isfinite(scale).all()) or bool((scale < 0).any()):
             raise WeightLoadError(f"tensor '{prefix}.weight_scale_inv' holds negative or non-finite scales")
         return {"weight": tensors["weight"], "weight_scale_inv": scale}
+
+    def tp_axes(self, suffix):
+        if suffix == "weight_scale_inv":  # a rank's rows and columns must be whole blocks (or end the matrix)
+            return TpAxes(Along(0, BLOCK[0], "FP8 128x128 block"), Along(1, BLOCK[1], "FP8 128x128 block"))
+        return PLAIN
 
     def joinable(self, rows_before, first, nxt):
         return rows_before % BLOCK[0] == 0  # a scale block never spans two projections

@@ -19,8 +19,8 @@ import re
 
 import torch
 
-from deltaserve.layers.quant.scheme import (HALF_FLOATS, Scheme, WeightFormat, checkpoint_names, expect,
-                                            stack_rows)
+from deltaserve.layers.quant.scheme import (HALF_FLOATS, REPLICATED, Along, Scheme, TpAxes, WeightFormat,
+                                            checkpoint_names, expect, stack_rows)
 from deltaserve.layers.quant.weight import QuantWeight
 from deltaserve.model.errors import WeightLoadError
 from deltaserve.ops.quant_gemm import int4_linear, prepare_int4
@@ -74,6 +74,21 @@ class Int4Scheme(Scheme):
             loaded["weight_g_idx"] = g_idx.to(torch.int32)
         return loaded
 
+    def tp_axes(self, suffix):
+        words, groups = Along(1, 8, "packed int4 word"), Along(1, self.group_size, "int4 group")
+        return {"weight_packed": TpAxes(Along(0), words), "weight_scale": TpAxes(Along(0), groups),
+                "weight_zero_point": TpAxes(Along(0, 8, "int4 zero-point word"), groups),
+                "weight_g_idx": TpAxes(None, Along(0))}.get(suffix, REPLICATED)  # weight_shape: rewritten
+
+    def rank_values(self, prefix, suffix, tensor, dim, spans, shape, tp_size):
+        if suffix == "weight_shape":  # the rank's (N, K)
+            local = tensor.clone()
+            local[..., dim] = sum(length for _, length in spans)
+            return local
+        if suffix in ("weight_g_idx", "g_idx") and dim == 1:
+            return local_groups(f"{prefix}.{suffix}", shape, tensor, spans, self.group_size, tp_size)
+        return tensor
+
     def joinable(self, rows_before, first, nxt):
         if rows_before % 8 or ("weight_zero_point" in first) != ("weight_zero_point" in nxt):
             return False  # zero points are packed 8 rows a word
@@ -120,10 +135,36 @@ class Int4Scheme(Scheme):
         return parts
 
 
+def local_groups(name: str, shape: list[int], g_idx: torch.Tensor, spans: list[tuple[int, int]], group_size: int,
+                 tp_size: int) -> torch.Tensor:
+    """A row-parallel rank's slice of act-order groups g_idx [..., K_rank] (of checkpoint tensor `name`, `shape`;
+    the rank's columns `spans` of K, concatenated) -> the groups renumbered from 0 in the rank's own group scales. Each span's columns must hold exactly its own
+    groups (those of columns start .. start + length in order); act order that mixes them across the ranks'
+    columns is refused, naming the tensor."""
+    local, at, first_local = torch.empty_like(g_idx), 0, 0
+    for start, length in spans:
+        chunk = g_idx[..., at:at + length].long()
+        first, count = start // group_size, length // group_size
+        if start % group_size or length % group_size:
+            raise WeightLoadError(f"'{name}' {shape}: this rank's columns [{start}, {start + length}) of "
+                                  f"K are not whole int4 groups of {group_size} columns, so it cannot be split over "
+                                  f"--tensor-parallel-size {tp_size}")
+        if bool((chunk < first).any()) or bool((chunk >= first + count).any()):
+            raise WeightLoadError(f"'{name}' {shape}: act-order groups (g_idx, group size {group_size}) "
+                                  f"of this rank's columns [{start}, {start + length}) of K are not its own groups "
+                                  f"{first}..{first + count - 1}, so it cannot be split over --tensor-parallel-size "
+                                  f"{tp_size} (act order reorders columns across the whole K; serve it with "
+                                  "--tensor-parallel-size 1)")
+        local[..., at:at + length] = (chunk - first + first_local).to(g_idx.dtype)
+        at, first_local = at + length, first_local + count
+    return local
+
+
 class CompressedTensorsFormat(WeightFormat):
     """A compressed-tensors checkpoint: (targets, scheme) per config group, and its ignore list."""
 
     method = "compressed-tensors"
+    tensor_parallel = True  # packed words and group scales sliced by whole words and groups (model/tp_slices.py)
 
     def __init__(self, groups: list[tuple[tuple[str, ...], Int4Scheme]], ignore: list[str]):
         self.groups, self.ignore = groups, tuple(ignore)

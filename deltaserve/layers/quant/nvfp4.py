@@ -18,7 +18,8 @@ from fnmatch import fnmatchcase
 
 import torch
 
-from deltaserve.layers.quant.scheme import Scheme, WeightFormat, checkpoint_names, expect, scalar, stack_rows
+from deltaserve.layers.quant.scheme import (REPLICATED, Along, Scheme, TpAxes, WeightFormat, checkpoint_names, expect,
+                                            scalar, stack_rows)
 from deltaserve.layers.quant.weight import QuantWeight
 from deltaserve.model.errors import WeightLoadError
 from deltaserve.ops.quant_gemm import nvfp4_linear, prepare_nvfp4
@@ -43,6 +44,13 @@ class Nvfp4Scheme(Scheme):
         if "input_scale" in tensors:
             scalar(prefix, "input_scale", tensors["input_scale"])  # checked; weight-only serving does not use it
         return loaded
+
+    def tp_axes(self, suffix):
+        if suffix == "weight":
+            return TpAxes(Along(0), Along(1, 2, "e2m1 byte"))
+        if suffix == "weight_scale":
+            return TpAxes(Along(0), Along(1, GROUP, "NVFP4 group"))
+        return REPLICATED  # weight_scale_2, input_scale: one value a projection
 
     def joinable(self, rows_before, first, nxt):
         return True  # rows of any scales: each row keeps its own second-level scale

@@ -15,6 +15,7 @@ conv1d) are never quantized, whatever a list says: they are not offered to `sche
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -47,6 +48,30 @@ def scalar(prefix: str, suffix: str, tensor: torch.Tensor) -> float:
     if not math.isfinite(value) or value <= 0:
         raise WeightLoadError(f"tensor '{prefix}.{suffix}' must be a positive finite scale, got {value}")
     return value
+
+
+@dataclass(frozen=True)
+class Along:
+    """Where one dimension of a quantized matrix [N, K] runs in a checkpoint tensor: the tensor's `dim`, `per` rows
+    (or columns) of the matrix per index along it (8 for int32 words of nibbles, g for group scales) and the name
+    of that unit, for errors ("packed int4 word", "int4 group")."""
+
+    dim: int
+    per: int = 1
+    unit: str = ""
+
+
+@dataclass(frozen=True)
+class TpAxes:
+    """Where a checkpoint tensor of one projection holds the matrix's N (rows) and K (columns), for slicing it per
+    tensor-parallel rank (model/tp_slices.py); None: it does not run along that dimension (read whole)."""
+
+    n: Along | None
+    k: Along | None
+
+
+REPLICATED = TpAxes(None, None)  # per-tensor scales, shapes: every rank reads them whole
+PLAIN = TpAxes(Along(0), Along(1))  # a [N, K] tensor of one value per element
 
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -90,6 +115,18 @@ class Scheme:
     def matrix_bytes(self, n: int, k: int) -> dict[str, int]:
         """Device bytes of one prepared [n, k] matrix, by part (packed values, scales, zero points)."""
         raise NotImplementedError
+
+    def tp_axes(self, suffix: str) -> TpAxes:
+        """Where checkpoint tensor `suffix` of one projection holds N and K (for tensor-parallel slicing; only
+        formats whose WeightFormat says tensor_parallel implement it)."""
+        raise NotImplementedError
+
+    def rank_values(self, prefix: str, suffix: str, tensor: torch.Tensor, dim: int, spans: list[tuple[int, int]],
+                    shape: list[int], tp_size: int) -> torch.Tensor:
+        """A rank's slice of checkpoint tensor `prefix.suffix` (of `shape`) whose values name positions in the
+        matrix, renumbered for the rank's [N, K] (spans: its (start, length) ranges along matrix dim `dim`, 0 = N,
+        1 = K); the others as they are (the default)."""
+        return tensor
 
     def round_activation(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] as the scheme's products see it: itself for weight-only schemes (the default). Used where a
