@@ -1,5 +1,6 @@
 """Shared pieces of the tensor-parallel tests on the CPU: one rank's build and load of a checkpoint, a quantized
-projection's dequantized weight, and a greedy run served by TP gloo processes (sharded) next to tp_size 1."""
+projection's dequantized weight, a greedy run served by TP gloo processes (sharded) next to tp_size 1, and the
+bound the two runs' logits must keep."""
 
 import os
 
