@@ -12,78 +12,21 @@ model's 2 * num_layers reduced blocks contribute once (the tiny models' activati
 |delta logit| <= 2 * num_blocks * n_max * eps * max|logit|. A wrong slice of any weight is off by O(max|logit|).
 """
 
-import os
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from deltaserve.config import ConfigError, ModelConfig
 from deltaserve.demo import build_checkpoint
 from deltaserve.layers.quant.scheme import WeightFormat
 from deltaserve.model.loader import load_model
 from deltaserve.worker.distributed import ParallelContext
-from deltaserve.worker.kv_cache import CacheShape, bind_caches
-from tests.model.helpers import BLOCK_SIZE, SequenceRunner
+from tests.model.tp_harness import assert_within_reordered_sums, serve_sharded_and_single
 
-TP = 2
 # (arch, config overrides): every head count divides by 2, except Qwen3-Next's single KV head (replicated)
 VARIANTS = {"qwen3_5": None, "qwen3_5_tied": None, "qwen3_5_moe": None,
             "qwen3_next": {"num_key_value_heads": 1}}
-PREFILL = [{0: 5, 1: 7}, {0: 6, 1: 3}]  # tokens per sequence in each batched step
+PREFILL = [{1: 5, 2: 7}, {1: 6, 2: 3}]  # {state slot: tokens} of each batched step: two sequences
 DECODE_STEPS = 4
-EPS32 = torch.finfo(torch.float32).eps
-
-
-def _bind(model) -> None:
-    bind_caches(model, CacheShape(num_blocks=32, block_size=BLOCK_SIZE, num_state_slots=4,
-                                  kv_dtype=torch.float32, ssm_dtype=torch.float32), "cpu")
-
-
-def _run(model, vocab: int) -> tuple[list[torch.Tensor], dict[int, list[int]]]:
-    """The prefill steps' logits (each [tokens, V]) and each sequence's greedy tokens."""
-    runner, gen = SequenceRunner(model), torch.Generator().manual_seed(0)
-    for slot in (1, 2):
-        runner.add(slot)
-    logits, last = [], {}
-    for step in PREFILL:
-        out = runner.step({slot + 1: torch.randint(0, vocab, (n,), generator=gen).tolist()
-                           for slot, n in step.items()})
-        logits += [out[slot] for slot in sorted(out)]
-        last = {slot: rows[-1] for slot, rows in out.items()}
-    tokens = {slot: [] for slot in last}
-    for _ in range(DECODE_STEPS):
-        chosen = {slot: int(row.argmax()) for slot, row in last.items()}
-        for slot, token in chosen.items():
-            tokens[slot].append(token)
-        out = runner.step({slot: [token] for slot, token in chosen.items()})
-        logits += [out[slot] for slot in sorted(out)]
-        last = {slot: rows[-1] for slot, rows in out.items()}
-    return logits, tokens
-
-
-def _worker(rank: int, store: str, checkpoints: dict, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=TP)
-    parallel = ParallelContext(tp_rank=rank, tp_size=TP, tp_group=dist.group.WORLD)
-    results = {}
-    with torch.no_grad():
-        for name, path in checkpoints.items():
-            cfg = ModelConfig.from_pretrained(path)
-            model = load_model(path, cfg, torch.float32, "cpu", parallel=parallel)
-            _bind(model)
-            sharded = _run(model, cfg.vocab_size)
-            if rank == 0:
-                single = load_model(path, cfg, torch.float32, "cpu")
-                _bind(single)
-                results[name] = (sharded, _run(single, cfg.vocab_size),
-                                 (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size))
-    if rank == 0:  # its sharded runs needed every collective of rank 1: both ranks' work is in them
-        torch.save(results, os.path.join(out_dir, "results.tmp"))
-        os.replace(os.path.join(out_dir, "results.tmp"), os.path.join(out_dir, "results.pt"))
-    dist.barrier()  # no rank tears gloo down while the results are being written
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -91,26 +34,13 @@ def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
     checkpoints = {name: str(build_checkpoint(root / name, name, config_overrides=overrides))
                    for name, overrides in VARIANTS.items()}
-    try:
-        mp.spawn(_worker, args=(str(root / "store"), checkpoints, str(root)), nprocs=TP, join=True)
-    except mp.ProcessExitedException:
-        # gloo's teardown has aborted a rank at exit in full-suite runs ("terminate called without an active
-        # exception") after every result was computed: the results file says the work itself completed
-        if not (root / "results.pt").is_file():
-            raise
-    return torch.load(root / "results.pt")
+    return serve_sharded_and_single(root, checkpoints, PREFILL, DECODE_STEPS)
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_rank0_logits_match_single_rank(results, name):
-    (sharded, _), (single, _), (num_layers, hidden, intermediate) = results[name]
-    assert len(sharded) == len(single)
-    n_max = max(hidden, intermediate)
-    for ours, truth in zip(sharded, single):
-        scale = truth.abs().max().item()
-        bound = 2 * (2 * num_layers) * n_max * EPS32 * scale
-        err = (ours - truth).abs().max().item()
-        assert err <= bound, f"{name}: max |tp2 - tp1| = {err:.3g} > {bound:.3g}"
+    (sharded, _), (single, _), cfg = results[name]
+    assert_within_reordered_sums(sharded, single, cfg.num_layers, max(cfg.hidden_size, cfg.intermediate_size), name)
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))

@@ -14,31 +14,21 @@ whole groups), per-expert and fused ([E, ...]) experts, GPTQ with and without ac
   refused with an error naming the tensor, its shape, the group size and the tensor-parallel size.
 """
 
-import os
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from deltaserve.config import ModelConfig
 from deltaserve.demo import build_checkpoint
 from deltaserve.layers.linear import QuantLinear
 from deltaserve.layers.mlp import QuantExperts
-from deltaserve.layers.quant import detect_weight_format
-from deltaserve.layers.quant.weight import fuse_quantized
 from deltaserve.model.errors import WeightLoadError
-from deltaserve.model.loader import build_model, load_model, load_safetensors
 from deltaserve.model.tp_slices import rank_ranges
 from deltaserve.worker.distributed import SINGLE, ParallelContext
-from deltaserve.worker.kv_cache import CacheShape, bind_caches
-from tests.model.helpers import BLOCK_SIZE, SequenceRunner
 from tests.model.quant_checkpoints import QUANT_SHAPES, quantize_checkpoint
+from tests.model.tp_harness import TP, assert_within_reordered_sums, dequantize, load_rank, serve_sharded_and_single
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-TP = 2
-EPS32 = torch.finfo(torch.float32).eps
 # Groups of 32: QUANT_SHAPES' row-parallel inputs are 64 or 128 columns a rank. Groups of 128: GDN value heads of
 # 64 and MLP widths of 256, so that every rank's inputs are 128 columns (o_proj: 2 heads x 64).
 GROUP_128_SHAPES = dict(QUANT_SHAPES, linear_value_head_dim=64, intermediate_size=256, moe_intermediate_size=256,
@@ -52,7 +42,7 @@ CASES = {
     "gptq-g128-moe-act-order": ("gptq", "qwen3_5_moe", dict(group_size=128, act_order=TP)),  # within each half
     "gptq-g32-dense": ("gptq", "qwen3_5", dict(group_size=32, act_order=None)),
 }
-PREFILL = {0: 7, 1: 5}  # tokens of each sequence's prompt, prefilled in one batch
+PREFILL = [{0: 7, 1: 5}]  # {state slot: prompt tokens}: two prompts prefilled in one batch
 DECODE_STEPS = 4
 
 
@@ -74,37 +64,25 @@ def pairs(tmp_path_factory):
     return out
 
 
-def _load(path, parallel, quantized: bool = True):
-    cfg = ModelConfig.from_pretrained(path)
-    model = build_model(cfg, torch.float32, "cpu", detect_weight_format(path) if quantized else None, parallel)
-    load_safetensors(model, path)
-    return model
-
-
-def _dequantize(scheme, raw: dict, shape: tuple[int, int]) -> torch.Tensor:
-    """One projection's loaded tensors -> its float32 weight [N, K], as the scheme prepares and dequantizes it."""
-    return fuse_quantized([(scheme, dict(raw), shape[0])], shape[1], "cpu").dequantize(torch.float32)
-
-
 def _dequantized_weights(model) -> dict[str, torch.Tensor]:
     """Our name of each quantized projection's weight (as rank_ranges takes it; experts one by one, gate and up
     apart) -> the float32 [N, K] its loaded tensors hold."""
     out = {}
     for name, module in model.named_modules():
         if isinstance(module, QuantLinear):
-            out[f"{name}.weight"] = _dequantize(module.scheme, module.raw, (module.out_features, module.in_features))
+            out[f"{name}.weight"] = dequantize(module.scheme, module.raw, (module.out_features, module.in_features))
         elif isinstance(module, QuantExperts):
             inter = module.intermediate_size
             for e in range(module.num_experts):
                 if (e, "gate_up_proj") in module.raw:  # fused checkpoint: one [2I, H] matrix, gate rows first
-                    gate_up = _dequantize(module.schemes["gate_up_proj"], module.raw[e, "gate_up_proj"],
-                                          module.projection_shape("gate_up_proj"))
+                    gate_up = dequantize(module.schemes["gate_up_proj"], module.raw[e, "gate_up_proj"],
+                                         module.projection_shape("gate_up_proj"))
                     parts = {"gate_proj": gate_up[:inter], "up_proj": gate_up[inter:]}
                 else:
-                    parts = {proj: _dequantize(module.schemes[proj], module.raw[e, proj], module.projection_shape(proj))
+                    parts = {proj: dequantize(module.schemes[proj], module.raw[e, proj], module.projection_shape(proj))
                              for proj in ("gate_proj", "up_proj")}
-                parts["down_proj"] = _dequantize(module.schemes["down_proj"], module.raw[e, "down_proj"],
-                                                 module.projection_shape("down_proj"))
+                parts["down_proj"] = dequantize(module.schemes["down_proj"], module.raw[e, "down_proj"],
+                                                module.projection_shape("down_proj"))
                 out.update({f"{name}.{e}.{proj}.weight": w for proj, w in parts.items()})
     return out
 
@@ -140,13 +118,13 @@ def _put_back(full: torch.Tensor, shard: torch.Tensor, name: str, cfg, parallel,
 def test_rank_shards_are_exact_slices_of_the_dequantized_weights(pairs, case):
     pair = pairs[case]
     cfg = ModelConfig.from_pretrained(pair.path)
-    full = _dequantized_weights(_load(pair.path, SINGLE))
+    full = _dequantized_weights(load_rank(pair.path, SINGLE))
     covered = {name: torch.zeros_like(w, dtype=torch.bool) for name, w in full.items()}
     for rank in range(TP):
         parallel = ParallelContext(tp_rank=rank, tp_size=TP)
-        shards = _dequantized_weights(_load(pair.path, parallel))
+        shards = _dequantized_weights(load_rank(pair.path, parallel))
         assert shards.keys() == full.keys()
-        twin = _twin_weights(_load(pair.reference, parallel, quantized=False), shards)
+        twin = _twin_weights(load_rank(pair.reference, parallel, quantized=False), shards)
         for name, shard in shards.items():
             assert torch.equal(shard, twin[name]), (case, rank, name)
             _put_back(full[name], shard, name, cfg, parallel, covered[name])
@@ -164,7 +142,7 @@ def test_a_shard_that_splits_a_group_is_refused(tmp_path):
         pair = quantize_checkpoint(source, tmp_path / family, family, group_size=128, act_order=None)
         with pytest.raises(WeightLoadError, match=r"'model\.layers\.\d+\.\S+' \[\d+(, \d+)?\]: this rank's columns "
                            r"\[64, 128\) of K are not whole int4 groups of 128 columns\b.*--tensor-parallel-size 2"):
-            _load(pair.path, ParallelContext(tp_rank=1, tp_size=TP))
+            load_rank(pair.path, ParallelContext(tp_rank=1, tp_size=TP))
 
 
 def test_act_order_across_the_ranks_columns_is_refused(tmp_path):
@@ -172,76 +150,23 @@ def test_act_order_across_the_ranks_columns_is_refused(tmp_path):
     pair = quantize_checkpoint(source, tmp_path / "gptq", "gptq", group_size=32, act_order=1)  # over the whole K
     with pytest.raises(WeightLoadError, match=r"g_idx' \[\d+\]: act-order groups \(g_idx, group size 32\) of this "
                        r"rank's columns .* --tensor-parallel-size 2"):
-        _load(pair.path, ParallelContext(tp_rank=0, tp_size=TP))
+        load_rank(pair.path, ParallelContext(tp_rank=0, tp_size=TP))
 
 
 # ------------------------------------------------------------------------------------ end to end (gloo)
 
 
-def _bind(model) -> None:
-    bind_caches(model, CacheShape(num_blocks=32, block_size=BLOCK_SIZE, num_state_slots=4,
-                                  kv_dtype=torch.float32, ssm_dtype=torch.float32), "cpu")
-
-
-def _greedy(model, vocab: int) -> tuple[list[torch.Tensor], dict[int, list[int]]]:
-    """A batched prefill of two prompts, then greedy decode steps: (every step's logits, each sequence's tokens)."""
-    runner, gen = SequenceRunner(model), torch.Generator().manual_seed(0)
-    for slot in PREFILL:
-        runner.add(slot)
-    out = runner.step({slot: torch.randint(0, vocab, (n,), generator=gen).tolist() for slot, n in PREFILL.items()})
-    logits, tokens = [out[slot] for slot in sorted(out)], {slot: [] for slot in PREFILL}
-    for _ in range(DECODE_STEPS):
-        chosen = {slot: int(rows[-1].argmax()) for slot, rows in out.items()}
-        for slot, token in chosen.items():
-            tokens[slot].append(token)
-        out = runner.step({slot: [token] for slot, token in chosen.items()})
-        logits += [out[slot] for slot in sorted(out)]
-    return logits, tokens
-
-
-def _worker(rank: int, store: str, checkpoints: dict, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=TP)
-    parallel = ParallelContext(tp_rank=rank, tp_size=TP, tp_group=dist.group.WORLD)
-    results = {}
-    with torch.no_grad():
-        for name, path in checkpoints.items():
-            cfg = ModelConfig.from_pretrained(path)
-            fmt = detect_weight_format(path)
-            model = load_model(path, cfg, torch.float32, "cpu", weight_format=fmt, parallel=parallel)
-            _bind(model)
-            sharded = _greedy(model, cfg.vocab_size)
-            if rank == 0:
-                single = load_model(path, cfg, torch.float32, "cpu", weight_format=fmt)
-                _bind(single)
-                n_max = max(cfg.hidden_size, cfg.intermediate_size, cfg.moe_intermediate_size or 0)
-                results[name] = (sharded, _greedy(single, cfg.vocab_size), (cfg.num_layers, n_max))
-    if rank == 0:  # its sharded runs needed every collective of rank 1: both ranks' work is in them
-        torch.save(results, os.path.join(out_dir, "results.tmp"))
-        os.replace(os.path.join(out_dir, "results.tmp"), os.path.join(out_dir, "results.pt"))
-    dist.barrier()  # no rank tears gloo down while the results are being written
-    dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def served(pairs, tmp_path_factory):
-    """name -> ((tp 2 logits, tokens), (tp 1 logits, tokens), (num_layers, widest sum)), from one spawn."""
+    """name -> ((tp 2 logits, tokens), (tp 1 logits, tokens), ModelConfig), from one spawn."""
     root = tmp_path_factory.mktemp("tp-int4-run")
     checkpoints = {name: str(pair.path) for name, pair in pairs.items()}
-    try:
-        mp.spawn(_worker, args=(str(root / "store"), checkpoints, str(root)), nprocs=TP, join=True)
-    except mp.ProcessExitedException:
-        if not (root / "results.pt").is_file():  # gloo's teardown aborting a rank after the results (as there)
-            raise
-    return torch.load(root / "results.pt")
+    return serve_sharded_and_single(root, checkpoints, PREFILL, DECODE_STEPS)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_tp2_serves_the_tp1_tokens_and_logits(served, case):
-    (sharded, sharded_tokens), (single, single_tokens), (num_layers, n_max) = served[case]
+    (sharded, sharded_tokens), (single, single_tokens), cfg = served[case]
     assert sharded_tokens == single_tokens
-    assert len(sharded) == len(single)
-    for ours, truth in zip(sharded, single):
-        bound = 2 * (2 * num_layers) * n_max * EPS32 * truth.abs().max().item()
-        err = (ours - truth).abs().max().item()
-        assert err <= bound, f"{case}: max |tp2 - tp1| = {err:.3g} > {bound:.3g}"
+    n_max = max(cfg.hidden_size, cfg.intermediate_size, cfg.moe_intermediate_size or 0)
+    assert_within_reordered_sums(sharded, single, cfg.num_layers, n_max, case)

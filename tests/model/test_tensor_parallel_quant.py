@@ -9,16 +9,13 @@ order differ by at most 2 ulps (rtol 2 eps). A scale taken from another rank's b
 import pytest
 import torch
 
-from deltaserve.config import ModelConfig
 from deltaserve.demo import build_checkpoint
 from deltaserve.layers.linear import QuantLinear
 from deltaserve.layers.mlp import QuantExperts
-from deltaserve.layers.quant import detect_weight_format
-from deltaserve.layers.quant.weight import fuse_quantized
 from deltaserve.model.errors import WeightLoadError
-from deltaserve.model.loader import build_model, load_safetensors
 from deltaserve.worker.distributed import ParallelContext
 from tests.model.quant_checkpoints import quantize_checkpoint, tiny_source
+from tests.model.tp_harness import dequantize, load_rank
 
 # Every rank's rows and columns whole 128-blocks at tp_size 2: q 2 x 2 x 128 rows, k and v one 128-row head,
 # GDN q and k one 128-row key head each, v and z two 64-row value heads, MLP widths 128 a rank.
@@ -30,21 +27,8 @@ TP_SHAPES = dict(hidden_size=256, head_dim=128, num_attention_heads=4, num_key_v
 EPS32 = torch.finfo(torch.float32).eps
 
 
-def _dequantized(scheme, raw: dict, shape: tuple[int, int]) -> torch.Tensor:
-    """One projection's loaded tensors -> its float32 weight [N, K], as the scheme prepares and dequantizes it."""
-    return fuse_quantized([(scheme, dict(raw), shape[0])], shape[1], "cpu").dequantize(torch.float32)
-
-
 def _assert_match(ours: torch.Tensor, twin: torch.Tensor, what) -> None:
     torch.testing.assert_close(ours, twin, rtol=2 * EPS32, atol=0, msg=lambda m: f"{what}: {m}")
-
-
-def _load(path, parallel, quantized: bool):
-    cfg = ModelConfig.from_pretrained(path)
-    fmt = detect_weight_format(path, None) if quantized else None
-    model = build_model(cfg, torch.float32, "cpu", fmt, parallel)
-    load_safetensors(model, path)
-    return model
 
 
 @pytest.mark.parametrize("family", ["fp8", "nvfp4"])
@@ -55,13 +39,13 @@ def test_each_rank_dequantizes_to_its_slice_of_the_twin(tmp_path, arch, family):
 
     for rank in range(2):
         parallel = ParallelContext(tp_rank=rank, tp_size=2)
-        ours, twin = _load(pair.path, parallel, True), _load(pair.reference, parallel, False)
+        ours, twin = load_rank(pair.path, parallel, True), load_rank(pair.reference, parallel, False)
         twin_params = dict(twin.named_parameters())
         checked = 0
         for name, module in ours.named_modules():
             if isinstance(module, QuantLinear):
                 shape = (module.out_features, module.in_features)
-                _assert_match(_dequantized(module.scheme, module.raw, shape), twin_params[f"{name}.weight"], name)
+                _assert_match(dequantize(module.scheme, module.raw, shape), twin_params[f"{name}.weight"], name)
                 checked += 1
             elif isinstance(module, QuantExperts):
                 gate_up, down = twin_params[f"{name}.gate_up_proj"], twin_params[f"{name}.down_proj"]
@@ -70,7 +54,7 @@ def test_each_rank_dequantizes_to_its_slice_of_the_twin(tmp_path, arch, family):
                          "down_proj": lambda e: down[e]}
                 for e in range(module.num_experts):
                     for proj, twin_of in twins.items():
-                        ours_e = _dequantized(module.schemes[proj], module.raw[e, proj], module.projection_shape(proj))
+                        ours_e = dequantize(module.schemes[proj], module.raw[e, proj], module.projection_shape(proj))
                         _assert_match(ours_e, twin_of(e), (name, e, proj))
                         checked += 1
         assert checked == len(pair.quantized)  # every quantized projection, this rank's slice of it
@@ -81,7 +65,7 @@ def test_a_scale_block_split_between_ranks_is_refused(tmp_path):
     pair = quantize_checkpoint(source, tmp_path, "fp8")
     with pytest.raises(WeightLoadError, match=r"weight_scale_inv' \[\d+, \d+\]: this rank's rows \[32, 64\) of N are not "
                        r"whole FP8 128x128 blocks of 128 rows .*--tensor-parallel-size 2"):
-        _load(pair.path, ParallelContext(tp_rank=1, tp_size=2), True)
+        load_rank(pair.path, ParallelContext(tp_rank=1, tp_size=2), True)
 
 
 def test_fused_quantized_experts_load_each_ranks_slice_as_per_expert_ones(tmp_path):
@@ -92,19 +76,19 @@ def test_fused_quantized_experts_load_each_ranks_slice_as_per_expert_ones(tmp_pa
     fused = quantize_checkpoint(source, tmp_path / "b", "fp8", fused_experts=True)
     for rank in range(2):
         parallel = ParallelContext(tp_rank=rank, tp_size=2)
-        ours = dict(_load(fused.path, parallel, True).named_modules())
+        ours = dict(load_rank(fused.path, parallel, True).named_modules())
         checked = 0
-        for name, module in _load(per_expert.path, parallel, True).named_modules():
+        for name, module in load_rank(per_expert.path, parallel, True).named_modules():
             if not isinstance(module, QuantExperts):
                 continue
             joined = ours[name]
             for e in range(module.num_experts):
-                gate_up = torch.cat([_dequantized(module.schemes[p], module.raw[e, p], module.projection_shape(p))
+                gate_up = torch.cat([dequantize(module.schemes[p], module.raw[e, p], module.projection_shape(p))
                                      for p in ("gate_proj", "up_proj")])
-                fused_gate_up = _dequantized(joined.schemes["gate_up_proj"], joined.raw[e, "gate_up_proj"],
-                                             joined.projection_shape("gate_up_proj"))
+                fused_gate_up = dequantize(joined.schemes["gate_up_proj"], joined.raw[e, "gate_up_proj"],
+                                           joined.projection_shape("gate_up_proj"))
                 assert torch.equal(fused_gate_up, gate_up), (rank, name, e)
-                down = [_dequantized(m.schemes["down_proj"], m.raw[e, "down_proj"], m.projection_shape("down_proj"))
+                down = [dequantize(m.schemes["down_proj"], m.raw[e, "down_proj"], m.projection_shape("down_proj"))
                         for m in (module, joined)]
                 assert torch.equal(*down), (rank, name, e)
                 checked += 1
