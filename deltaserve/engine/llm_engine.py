@@ -255,11 +255,11 @@ class LLMEngine:
         sequence in two steps in flight, so no row waits for a pending sample)."""
         touched: dict[str, _Parent] = {}
         if len(self._micro_batches) == self._num_micro_batches:
-            self._process(*self._micro_batches.popleft(), touched)  # taken out first, as in step()
+            self._process_oldest(touched)
         scheduled = self.last_scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             if self._micro_batches:
-                self._process(*self._micro_batches.popleft(), touched)
+                self._process_oldest(touched)
         else:
             constrained = any(row.grammar is not None and row.sample for row in scheduled.sequences)
             launched = (scheduled, self.runner.launch(scheduled, constrained))
@@ -267,6 +267,17 @@ class LLMEngine:
             if launched[1].deferred is not None:  # its rows' earlier tokens are all read back and accepted
                 self._sample_with_grammar(*launched, touched)
         return self._outputs(touched)
+
+    def _process_oldest(self, touched: dict[str, _Parent]) -> None:
+        """Read back the oldest micro-batch, taken out first (as in step()). If that raises (a rank failed), its
+        sequences are no longer in flight for the scheduler: the next step schedules them again, and its launch
+        reports the failure at once instead of finding nothing to run."""
+        scheduled, launched = self._micro_batches.popleft()
+        try:
+            self._process(scheduled, launched, touched)
+        except BaseException:
+            self.scheduler.release(scheduled)
+            raise
 
     def _outputs(self, touched: dict[str, _Parent]) -> list[RequestOutput]:
         return [self._make_output(parent) for parent in touched.values()

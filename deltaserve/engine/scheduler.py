@@ -262,6 +262,13 @@ class Scheduler:
                 self.cache.cache_full_blocks(request)
         return updated
 
+    def release(self, scheduled: SchedulerOutput) -> None:
+        """A step whose output will never be taken in: its sequences may be scheduled again (micro-batches)."""
+        for row in scheduled.sequences:
+            request = self._request_of(row)
+            if request is not None:
+                self._in_flight.discard(request)
+
     def _request_of(self, row: ScheduledSequence) -> Request | None:
         """The live request a step's row was scheduled for; None once it is gone, even if a new request has
         taken its id since (the row's sample is not the newcomer's)."""

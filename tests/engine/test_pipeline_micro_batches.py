@@ -6,8 +6,13 @@ shares, nothing in flight preempted or scheduled twice, an abort of a sequence i
 PP=2 and PP=3 (gloo, spawned ranks, float32: each layer's arithmetic is the same wherever it runs, so greedy and
 seeded tokens equal the single process's exactly) over many concurrent requests of different lengths, chunked
 (32-token budget), a prefix-cache hit, a KV pool small enough to preempt, and one request aborted while its step
-is in flight; the ranks' step timelines (worker/step_trace.py) show stage 0 beginning a step before the last
+is in flight, then a stage killed with three micro-batches in flight; the ranks' step timelines (worker/step_trace.py) show stage 0 beginning a step before the last
 stage has finished the one before it."""
+
+import os
+import signal
+
+import pytest
 
 from deltaserve.config import EngineConfig
 from deltaserve.demo import build_checkpoint
@@ -15,6 +20,7 @@ from deltaserve.engine.llm_engine import LLMEngine
 from deltaserve.sampling import SamplingParams
 from deltaserve.sched_output import ModelOutput
 from deltaserve.worker import step_trace
+from deltaserve.worker.executor import RankFailed
 from tests.engine.test_pipeline_parallel import SEVEN_LAYERS
 from tests.engine.test_scheduler import assert_pools_empty, make_request, make_scheduler
 
@@ -119,6 +125,20 @@ def _workload(engine: LLMEngine) -> tuple[dict[str, list[int]], dict]:
     return done, seen
 
 
+def _kill_a_middle_stage_with_micro_batches_in_flight(engine: LLMEngine) -> None:
+    """Every micro-batch in flight when stage 1 dies: the engine names the dead rank (RankFailed), no hang."""
+    for i in range(3):
+        engine.add_request(f"late{i}", [3 + i] * 10, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    while len(engine._micro_batches) < 3:
+        engine.step()
+    os.kill(engine.runner._procs[1].pid, signal.SIGKILL)
+    with pytest.raises(RankFailed, match=r"rank 1 \(pipeline stage 1, tensor-parallel rank 0\) died"):
+        while engine.has_unfinished():
+            engine.step()
+    with pytest.raises(RankFailed, match="rank 1"):  # and every later step says so at once
+        engine.step()
+
+
 def _engine(path, pp: int) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(path), device="cpu", dtype="float32", pipeline_parallel_size=pp,
                                   max_num_batched_tokens=32, max_model_len=128, block_size=4,
@@ -141,10 +161,14 @@ def test_micro_batched_stages_overlap_and_match_single_process(tmp_path, monkeyp
             assert not engine.scheduler.requests and not engine.scheduler._in_flight
             states = engine.cache_manager.state_pool
             assert states.num_free_slots == states.num_slots - 1
+            # the steps both ranks have finished (one aborted request's last step may still be in flight)
+            first, last = step_trace.read(trace, 0), step_trace.read(trace, pp - 1)
+            num_steps = min(len(first), len(last))
+            assert num_steps > 10
+            # stage 0 began step i + 1 before the last stage finished step i: two steps in the pipeline at once
+            overlapped = [i for i in range(num_steps - 1) if first[i + 1][0] < last[i][1]]
+            assert overlapped, f"pp={pp}: no step began on stage 0 before the last stage finished the one before"
+            if pp == 3:
+                _kill_a_middle_stage_with_micro_batches_in_flight(engine)
         finally:
             engine.runner.shutdown()
-        first, last = step_trace.read(trace, 0), step_trace.read(trace, pp - 1)
-        assert len(first) == len(last) > 0
-        # stage 0 began step i + 1 before the last stage finished step i: two steps were in the pipeline at once
-        overlapped = [i for i in range(len(first) - 1) if first[i + 1][0] < last[i][1]]
-        assert overlapped, f"pp={pp}: no step began on stage 0 before the last stage finished the one before"
