@@ -97,21 +97,25 @@ GREEDY_LENGTHS = (5, 40, 13, 70, 2, 27, 9, 51)
 
 
 def _workload(engine: LLMEngine) -> tuple[dict[str, list[int]], dict]:
-    """Eight greedy prompts of different lengths and output lengths, a prefix hit, a seeded one, and "gone",
+    """Eight greedy prompts of different lengths and output lengths, a prefix hit, a seeded one with n = 2, a
+    penalized one (its sampling reads its output tokens on the host), and "gone",
     aborted while its step is in flight. Returns the finished token ids and what was seen along the way."""
     for i, n in enumerate(GREEDY_LENGTHS):
         prompt = [(7 * i + 3 * j) % 200 + 1 for j in range(n)]
         engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=4 + i, ignore_eos=True))
     engine.add_request("hit", [(21 + 3 * j) % 200 + 1 for j in range(66)] + [9, 8, 7],
                        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))  # r3's blocks
-    engine.add_request("seeded", [5, 6, 7, 8], SamplingParams(temperature=1.0, seed=3, max_tokens=8, ignore_eos=True))
+    engine.add_request("seeded", [5, 6, 7, 8], SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=8,
+                                                              ignore_eos=True))
+    engine.add_request("penalized", [4, 4, 5, 5, 6], SamplingParams(temperature=0, repetition_penalty=1.3,
+                                                                    min_tokens=3, max_tokens=8, ignore_eos=True))
     engine.add_request("gone", list(range(1, 30)), SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
     done, seen = {}, {"preempted": set(), "most_in_flight": 0, "aborted_in_flight": False}
     steps = 0
     while engine.has_unfinished():
         for out in engine.step():
             if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
+                done[out.request_id] = [o.token_ids for o in out.outputs]
         steps += 1
         steps_in_flight = [*engine._micro_batches, *([engine._in_flight] if engine._in_flight else [])]
         in_flight = [{row.request_id for row in scheduled.sequences} for scheduled, _ in steps_in_flight]
@@ -148,7 +152,7 @@ def _engine(path, pp: int) -> LLMEngine:
 def test_micro_batched_stages_overlap_and_match_single_process(tmp_path, monkeypatch):
     path = build_checkpoint(tmp_path, "qwen3_5", config_overrides=SEVEN_LAYERS)
     expected, _ = _workload(_engine(path, 1))
-    assert "gone" not in expected and len(expected) == len(GREEDY_LENGTHS) + 2
+    assert "gone" not in expected and len(expected) == len(GREEDY_LENGTHS) + 3
     for pp in (2, 3):
         trace = tmp_path / f"trace-pp{pp}"
         trace.mkdir()
