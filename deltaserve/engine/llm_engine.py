@@ -4,6 +4,8 @@
     step():  scheduler.schedule() -> runner.launch() -> runner.collect() -> scheduler.update_from_output()
              -> detokenize; with async scheduling (the default) step k+1 is launched before step k's
              samples are collected, and a request's new token is reported one call later
+             with pipeline parallelism (-pp N, async scheduling): up to N micro-batches in flight, each over its own
+             sequences (_step_micro_batches), so that the stages overlap
     abort_request(id) frees everything at any stage.
 
 A request with n > 1 runs as n child sequences ("{id}#{i}"), reported together as one RequestOutput.
@@ -21,6 +23,7 @@ import contextlib
 import gc
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -102,11 +105,14 @@ class LLMEngine:
         self.model_path = setup.model_path  # the checkpoint directory (the demo model's when none was given)
         self.runner = setup.runner
         self.cache_manager = setup.cache_manager
+        # pipeline stages overlap when each runs another step: as many steps in flight as stages (micro-batches)
+        self._num_micro_batches = config.pipeline_parallel_size if config.async_scheduling else 1
         self.scheduler = Scheduler(setup.cache_manager, setup.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len)
+                                   self.max_model_len, self._num_micro_batches)
         self.eos_token_ids = setup.eos_token_ids
         self._parents: dict[str, _Parent] = {}
         self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None  # launched, samples not read yet
+        self._micro_batches: deque[tuple[SchedulerOutput, LaunchedStep]] = deque()  # the same, oldest first (-pp)
         self.last_scheduled: SchedulerOutput | None = None  # what the latest step() launched (benchmarks read it)
         self._child_parent: dict[str, str] = {}
         self._grammar_compiler: GrammarCompiler | None = None  # built at the first structured-output request
@@ -123,7 +129,7 @@ class LLMEngine:
         reset_prefix_cache. False, and nothing changes, while requests are unfinished."""
         if self.has_unfinished():
             return False
-        while self._in_flight is not None:  # the last step's checkpoints are committed when it is read back
+        while self._in_flight is not None or self._micro_batches:  # checkpoints are committed as steps are read
             self.step()
         self.cache_manager.reset_prefix_cache()
         return True
@@ -221,6 +227,8 @@ class LLMEngine:
         With async scheduling the step is launched before the previous one's samples are read back, so the
         device never waits for the host between steps; its own outputs are returned by the next call.
         """
+        if self._num_micro_batches > 1:
+            return self._step_micro_batches()
         touched: dict[str, _Parent] = {}
         # Taken out before it is processed: a step whose processing raised is never processed again.
         previous, self._in_flight = self._in_flight, None
@@ -238,6 +246,40 @@ class LLMEngine:
             self._sample_with_grammar(*launched, touched)
         if launched is not None and not self.config.async_scheduling:
             self._process(*launched, touched)
+        return self._outputs(touched)
+
+    def _step_micro_batches(self) -> list[RequestOutput]:
+        """Pipeline parallelism: launch one micro-batch, keeping up to one per stage in flight, so that the first
+        stage runs it while later stages run the earlier ones. The oldest is read back first when all are in
+        flight, or instead of a launch when every schedulable sequence is in flight (the scheduler never puts one
+        sequence in two steps in flight, so no row waits for a pending sample)."""
+        touched: dict[str, _Parent] = {}
+        if len(self._micro_batches) == self._num_micro_batches:
+            self._process_oldest(touched)
+        scheduled = self.last_scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            if self._micro_batches:
+                self._process_oldest(touched)
+        else:
+            constrained = any(row.grammar is not None and row.sample for row in scheduled.sequences)
+            launched = (scheduled, self.runner.launch(scheduled, constrained))
+            self._micro_batches.append(launched)
+            if launched[1].deferred is not None:  # its rows' earlier tokens are all read back and accepted
+                self._sample_with_grammar(*launched, touched)
+        return self._outputs(touched)
+
+    def _process_oldest(self, touched: dict[str, _Parent]) -> None:
+        """Read back the oldest micro-batch, taken out first (as in step()). If that raises (a rank failed), its
+        sequences are no longer in flight for the scheduler: the next step schedules them again, and its launch
+        reports the failure at once instead of finding nothing to run."""
+        scheduled, launched = self._micro_batches.popleft()
+        try:
+            self._process(scheduled, launched, touched)
+        except BaseException:
+            self.scheduler.release(scheduled)
+            raise
+
+    def _outputs(self, touched: dict[str, _Parent]) -> list[RequestOutput]:
         return [self._make_output(parent) for parent in touched.values()
                 if parent.output_kind is not RequestOutputKind.FINAL_ONLY
                 or all(child.finish_reason is not None for child in parent.children)]

@@ -18,6 +18,16 @@ where a checkpoint belongs, so that the runner can copy the state out after the 
 except where the checkpoint is within a block of the chunk's end (every prompt's end): the row then carries
 `mid_save` and the GDN layers copy the state out inside the step. See cache/cache_manager.py for where
 checkpoints go.
+
+Micro-batches (pipeline parallelism, `num_micro_batches` > 1): the engine keeps up to that many steps in flight,
+each over its own sequences, so that the first stage runs step i+1 while later stages run step i. A step then
+skips the sequences of steps still in flight (`_in_flight`, until their output is taken in: a sequence is never in
+two in-flight steps, so no row waits for a pending sample) and takes at most an even share of the live sequences
+(`_micro_batch_rows`), leaving the rest to the next step. max_num_batched_tokens bounds each step (what one stage
+computes at a time); max_num_seqs, KV blocks and state slots are shared by all steps in flight, allocated when a
+step is scheduled. Preemption takes the newest running sequence that is not in flight; an abort or a stop string
+may end one that is (its rows are then ignored when its step's output comes back; every stage runs the steps in
+order, so a later step that reuses its blocks or slot runs after it on each stage).
 """
 
 from __future__ import annotations
@@ -35,7 +45,8 @@ def _samples_from_history(request: Request) -> bool:
 
 
 class Scheduler:
-    def __init__(self, cache: CacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
+    def __init__(self, cache: CacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 num_micro_batches: int = 1):
         self.cache = cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -44,6 +55,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []  # finished since the last launched step (SchedulerOutput)
+        self.num_micro_batches = num_micro_batches  # steps the engine keeps in flight, over disjoint sequences
+        # with micro-batches: the running requests of steps whose output is not taken in yet (skipped by schedule)
+        self._in_flight: set[Request] = set()
 
     # -- requests in and out -------------------------------------------------------------------------------
 
@@ -78,6 +92,7 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
+        self._in_flight.discard(request)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
@@ -99,20 +114,24 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
+        max_rows = self._micro_batch_rows()
         chosen: list[tuple[Request, int]] = []
         restores: list[tuple[int, int]] = []
         preempted = False
+        in_flight = self._in_flight
 
-        # 1. Running requests, oldest first; make room by preempting the newest ones.
+        # 1. Running requests, oldest first; make room by preempting the newest ones (not one in flight).
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and budget > 0 and len(chosen) < max_rows:
             request = self.running[index]
-            if request.reached_limit(self.max_model_len):
-                index += 1  # its last token is pending: it finishes when that step's output is processed
+            if request.reached_limit(self.max_model_len) or request in in_flight:
+                # its last token is pending (it finishes when that step's output is processed), or it is in a
+                # micro-batch in flight
+                index += 1
                 continue
             num_new = self._chunk(request, request.num_computed_tokens, budget)
             while not self.cache.allocate(request, num_new):
-                victim = self._victim(index)
+                victim = self._victim(index)  # the request itself at worst
                 self._preempt(victim)
                 preempted = True
                 if victim is request:
@@ -124,7 +143,8 @@ class Scheduler:
 
         # 2. Waiting requests, fairly between groups (_next_waiting), unless this step had to preempt (no room to grow).
         running_per_group = Counter(request.group for request in self.running) if self.waiting else Counter()
-        while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs
+               and len(chosen) < max_rows):
             position = self._next_waiting(running_per_group)
             request = self.waiting[position]
             hit = self.cache.find_hit(request)
@@ -153,6 +173,8 @@ class Scheduler:
         for (request, num_new), row in zip(chosen, rows):
             request.num_computed_tokens += num_new
             request.num_pending_tokens += row.sample
+        if self.num_micro_batches > 1:
+            in_flight.update(request for request, _ in chosen)
         finished = []
         if rows:  # an empty step is not launched: its finished ids wait for the next one
             finished, self._finished_ids = self._finished_ids, []
@@ -160,13 +182,21 @@ class Scheduler:
 
     def _victim(self, first: int) -> Request:
         """The running request to preempt when running[first] cannot grow: one of running[first:] (those before
-        it already have their room this step), the newest of the group with the most sequences running. So a
-        client request's many sequences give up their cache before another client's one does (newest first when
-        every group runs as many, e.g. one sequence each)."""
-        candidates = self.running[first:]
+        it already have their room this step) not in a micro-batch in flight, the newest of the group with the
+        most sequences running. So a client request's many sequences give up their cache before another
+        client's one does (newest first when every group runs as many, e.g. one sequence each)."""
+        candidates = [request for request in self.running[first:] if request not in self._in_flight]
         running_per_group = Counter(request.group for request in self.running)
         most = max(running_per_group[request.group] for request in candidates)
         return next(request for request in reversed(candidates) if running_per_group[request.group] == most)
+
+    def _micro_batch_rows(self) -> int:
+        """The most sequences one step may take: all of them with one micro-batch; with several, an even share
+        of the live ones (running and waiting, up to max_num_seqs), so that every step in flight has work."""
+        if self.num_micro_batches == 1:
+            return self.max_num_seqs
+        live = min(len(self.running) + len(self.waiting), self.max_num_seqs)
+        return max(1, -(-live // self.num_micro_batches))
 
     def _next_waiting(self, running_per_group: Counter) -> int:
         """Position in `waiting` of the request to admit next: the first one of the group with the fewest sequences
@@ -224,6 +254,8 @@ class Scheduler:
         updated = []
         for row in scheduled.sequences:
             request = self._request_of(row)
+            if request is not None and self._in_flight:
+                self._in_flight.discard(request)  # its next step may be scheduled (micro-batches)
             if request is None or request.status.finished or not row.sample:
                 continue  # aborted or finished while the step ran, or a prefill chunk short of the end
             request.num_pending_tokens -= 1
@@ -240,6 +272,13 @@ class Scheduler:
             if request is not None and not row.sample:
                 self.cache.cache_full_blocks(request)
         return updated
+
+    def release(self, scheduled: SchedulerOutput) -> None:
+        """A step whose output will never be taken in: its sequences may be scheduled again (micro-batches)."""
+        for row in scheduled.sequences:
+            request = self._request_of(row)
+            if request is not None:
+                self._in_flight.discard(request)
 
     def _request_of(self, row: ScheduledSequence) -> Request | None:
         """The live request a step's row was scheduled for; None once it is gone, even if a new request has

@@ -9,9 +9,12 @@ Transport engine <-> workers: one multiprocessing Pipe per rank, the step pickle
 each. A pipe, unlike a collective, lets the engine wait on every rank's pipe and process sentinel at once with a
 timeout (multiprocessing.connection.wait), so a dead or failed rank is reported by number instead of hanging.
 
-It offers LLMEngine what ModelRunner does (launch / sample / collect / grammar_bitmask / device); steps run one
-after another (no micro-batches: stages do not overlap yet). A row whose input is the previous step's sample
-(async scheduling) gets that sample filled in here, once it is back.
+It offers LLMEngine what ModelRunner does (launch / sample / collect / grammar_bitmask / device). Steps are sent
+without waiting for earlier ones' samples: with pipeline parallelism the engine keeps one micro-batch per stage
+in flight (disjoint sequences), and the first stage takes the next step as soon as it has passed its outputs on,
+while the later stages still run the earlier ones. A row whose input is a sample not yet back (async scheduling
+without micro-batches) gets it filled in here, once it is back. Each worker drains its pipe on a thread, so that
+the engine's write of a step never waits for that rank's compute.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ import dataclasses
 import logging
 import multiprocessing.connection
 import pickle
+import queue
 import socket
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -34,6 +39,7 @@ from deltaserve.resolved_config import ResolvedConfig
 from deltaserve.sched_output import ModelOutput, ScheduledSequence, SchedulerOutput
 from deltaserve.structured import bitmask as grammar_bitmask
 from deltaserve.worker.distributed import ParallelContext
+from deltaserve.worker.step_trace import StepTrace
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +99,16 @@ def _parallel_context(rank: int, tp_size: int, pp_size: int) -> ParallelContext:
     return ParallelContext(tp_rank, tp_size, pp_rank, pp_size, group)
 
 
+def _drain(conn, inbox: queue.SimpleQueue) -> None:
+    """Move the engine's messages into `inbox` as they arrive (None once the engine's end is closed): a step sent
+    while this rank computes (or writes its output) waits in the queue, never in the pipe."""
+    try:
+        while True:
+            inbox.put(conn.recv_bytes())
+    except (EOFError, OSError):
+        inbox.put(None)
+
+
 def _worker_main(rank: int, spec: WorkerSpec, conn) -> None:
     """One rank: join the group, load the stage, then run every step the engine sends until "stop"."""
     from deltaserve.model.loader import load_model
@@ -112,16 +128,23 @@ def _worker_main(rank: int, spec: WorkerSpec, conn) -> None:
                            spec.weight_format, parallel)
         runner = ModelRunner(model, spec.cache_shape, device, spec.resolved)
         reports = parallel.is_last_stage and parallel.tp_rank == 0
+        trace = StepTrace.from_env(rank)
+        inbox = queue.SimpleQueue()
+        threading.Thread(target=_drain, args=(conn, inbox), daemon=True, name="deltaserve-pipe").start()
         conn.send(("ready", None))
-        while True:
-            kind, payload = pickle.loads(conn.recv_bytes())
+        while (message := inbox.get()) is not None:
+            kind, payload = pickle.loads(message)
             if kind == "stop":
                 break
+            if trace is not None:
+                trace.begin()
             scheduled, bitmask, masked = payload
             step = runner.launch(scheduled, defer_sample=bitmask is not None)
             if step.deferred is not None:
                 runner.sample(step, bitmask, masked)
             output = runner.collect(step)
+            if trace is not None:  # before the output leaves: the engine's next step comes after this time
+                trace.end()
             if reports:
                 conn.send(("output", output))
     except Exception:

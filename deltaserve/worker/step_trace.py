@@ -1,0 +1,37 @@
+"""A timeline of the steps each rank runs, for seeing pipeline stages overlap: with DELTASERVE_STEP_TRACE set to a
+directory, every worker appends one line per step to `rank<N>.tsv` there: the step's index (the same step has the
+same index on every rank, steps reach every rank in one order), then when the rank began and finished it, in
+nanoseconds of CLOCK_MONOTONIC (one clock for every process of the machine)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+ENV_VAR = "DELTASERVE_STEP_TRACE"
+
+
+class StepTrace:
+    def __init__(self, path: Path):
+        self._file = path.open("a", buffering=1)  # line-buffered: a line is complete once written
+        self._index = 0
+        self._started = 0
+
+    @classmethod
+    def from_env(cls, rank: int) -> StepTrace | None:
+        folder = os.environ.get(ENV_VAR)
+        return cls(Path(folder) / f"rank{rank}.tsv") if folder else None
+
+    def begin(self) -> None:
+        self._started = time.monotonic_ns()
+
+    def end(self) -> None:
+        self._file.write(f"{self._index}\t{self._started}\t{time.monotonic_ns()}\n")
+        self._index += 1
+
+
+def read(folder: Path, rank: int) -> list[tuple[int, int]]:
+    """One rank's (began, finished) per step, in step order."""
+    lines = (Path(folder) / f"rank{rank}.tsv").read_text().splitlines()
+    return [(int(began), int(finished)) for _, began, finished in (line.split("\t") for line in lines)]
