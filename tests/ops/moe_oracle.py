@@ -94,8 +94,8 @@ def sparse_block_bound(x, logits, top_k, renormalize, gate_up, down, shared_gate
     """Bound [T, H] of the fused sparse block (ops/moe/cuda.fused_moe) against reference.sparse_block on the same
     operands (the same experts chosen): the k + 1 experts' bound (`with_shared_slot`: each side's products, SiLU,
     the (k + 1)-term sum); the routing weights' difference (route_bound, relative) carried through the routed
-    experts' magnitude; and the gate's sigmoid and its product on each side (`shared_bound`), relative to
-    |sigmoid(gate)| times the shared expert's magnitude."""
+    experts' magnitude; the gate's sigmoid and its product on each side (`shared_bound`), relative to
+    |sigmoid(gate)| times the shared expert's magnitude; in bf16 the reference's final sum."""
     ids, weights = reference.route(logits, top_k, renormalize)
     slot_ids, slot_weights, slot_gate_up, slot_down = with_shared_slot(ids, weights, gate_up, down, shared_gate_up,
                                                                        shared_down, shared_gate)
@@ -104,5 +104,9 @@ def sparse_block_bound(x, logits, top_k, renormalize, gate_up, down, shared_gate
     relative_w = (route_bound(logits, weights, top_k, renormalize) / weights.double()).max().item()
     ones = torch.ones_like(shared_gate, dtype=torch.float64)
     shared_magnitude, _ = experts_magnitude(x, ids[:, :1] * 0, ones, shared_gate_up[None], shared_down[None])
+    bound = bound + relative_w * routed_magnitude
+    if reference_bf16:  # its bf16 sum of the routed experts and the gated shared expert, relative to the whole
+        bound = bound + unit_roundoff(torch.bfloat16) * experts_magnitude(x, slot_ids, slot_weights, slot_gate_up,
+                                                                          slot_down)[0]
     dtype = torch.bfloat16 if reference_bf16 else torch.float32
-    return bound + relative_w * routed_magnitude + shared_bound(shared_magnitude, shared_gate, dtype)
+    return bound + shared_bound(shared_magnitude, shared_gate, dtype)
