@@ -3,7 +3,9 @@
 MoE routing (architecture reference, section 4.1): softmax over experts in float32, top-k, renormalise the
 k weights (always for Qwen3.5-MoE, if norm_topk_prob for Qwen3-Next), weighted sum of the chosen experts,
 plus sigmoid(shared_expert_gate(x)) * shared_expert(x). The routing and the experts with that sum are
-`ops.moe` ops: Triton kernels on the GPU (fused experts at decode sizes), torch's grouped matmul elsewhere.
+`ops.moe` ops: Triton kernels on the GPU (fused experts at decode sizes; where the shared expert has the experts'
+intermediate size, `ops.moe.sparse_block` runs it as a slot of theirs, with the routing), torch's grouped matmul
+elsewhere.
 
 Quantized checkpoints: projections are QuantLinears (layers/linear.py), routed experts a QuantExperts, which
 dequantizes every expert's weights for the same grouped matmul at each forward (correct, not fast); the routers

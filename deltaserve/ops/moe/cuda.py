@@ -1,9 +1,10 @@
 """Triton MoE for decode batches: routing, then the routed experts in two weight-streaming kernels.
 
     route(logits, k, renormalize)   one program per token: softmax (float32) over its E logits, the k largest
-                                    probabilities by k rounds of max (ties: the lower expert index first, then
+                                    by k rounds of max over the logits (ties: the lower expert index first, then
                                     the next round takes the other), divided by their sum where renormalize
     fused_experts(...)              _align_kernel -> _gate_up_kernel (A) -> _down_kernel (B) -> _combine_kernel
+    fused_moe(...)                  the same launches less the routing kernel, with the shared expert as a slot
 
 Why this shape (bandwidth). A decode step of 35B-A3B at one token reads per MoE layer 8 experts x 3 x 512 x 2048
 bf16 = 50 MB of expert weights and next to nothing else: the limit is bytes / bandwidth, ~10.5 us at 4.8 TB/s.
@@ -28,6 +29,15 @@ down [E, H, I], float32 [T*k, H] (= [T, k, H]). The combine kernel sums each tok
 and adds the gated shared expert, sigmoid(g_t) * shared_t, in float32, rounding once: no atomics, so graphs equal
 eager bitwise, and a pair's numbers depend only on its token, its expert and the tiles (not on which other tokens
 share the batch or the expert).
+
+fused_moe: the shared expert as one more slot. Where it has the routed experts' intermediate size, its T rows are
+pairs T*k .. T*k + T - 1 of act and y, taken by cdiv(T, BLOCK_M) blocks after the routed ones (its own weight
+pointers, the routed experts' row strides), kernel B weighting them by sigmoid(gate) and the combine adding row
+T*k + t after the k routed ones. Its routing runs in kernel A at one token (every program routes the token, its
+block b taking the b-th expert; program (0, 0) writes the ids and weights kernel B reads) and in the align kernel
+above (ROUTE_ROWS tokens a step, then a barrier before the grouping reads the ids). The routing's sums do not
+depend on the tile's shape or warps (the softmax's in fixed point, the k weights' in order), so kernel A, the align
+kernel and the routing kernel give the same bits, and a token alone (kernel A) equals itself in a batch (align).
 """
 
 from __future__ import annotations
