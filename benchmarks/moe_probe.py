@@ -90,7 +90,7 @@ def slot_operands(block: SparseMoE) -> tuple | None:
         return None
     operands = (experts.gate_up_proj, experts.down_proj, block.shared_expert.gate_up_weight,
                 block.shared_expert.down_proj.weight)
-    probe = torch.zeros(1, block.gate.in_features, dtype=experts.gate_up_proj.dtype, device="cuda")
+    probe = torch.zeros(1, block.gate.in_features, dtype=experts.gate_up_proj.dtype, device=experts.gate_up_proj.device)
     return operands if moe.shared_slot_serves(probe, *operands) else None
 
 
