@@ -1,8 +1,9 @@
 """Triton MoE for decode batches: routing, then the routed experts in two weight-streaming kernels.
 
-    route(logits, k, renormalize)   one program per token: softmax (float32) over its E logits, the k largest
-                                    by k rounds of max over the logits (ties: the lower expert index first, then
-                                    the next round takes the other), divided by their sum where renormalize
+    route(logits, k, renormalize)   one program per token: softmax (float32) over its E (finite) logits, the k
+                                    largest by k rounds of max over the logits (ties: the lower expert index
+                                    first, then the next round takes the other), divided by their sum where
+                                    renormalize
     fused_experts(...)              _align_kernel -> _gate_up_kernel (A) -> _down_kernel (B) -> _combine_kernel
     fused_moe(...)                  the same launches less the routing kernel, with the shared expert as a slot
 
@@ -58,29 +59,27 @@ FIXED_ONE = tl.constexpr(2.0**52)  # the routing softmax sums exp(x - max) <= 1 
 @triton.jit
 def _top_k(x, lane_ok, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
            RENORMALIZE: tl.constexpr):
-    """Routing of R tokens: x [R, BE] float32 logits (-inf on the padding lanes, lane_ok [1, BE] False there) ->
-    (ids [R, BK] int32, weights [R, BK] float32; lanes >= k hold 0). Every step is elementwise, exact (max, min,
-    the softmax sum in 2^-52 fixed point) or in a fixed order (the k-term sum), so the result does not depend on R,
-    on the warps or on the kernel it is inlined in: the routing kernel, kernel A and the align kernel agree bitwise."""
+    """Routing of R tokens: x [R, BE] float32 finite logits (-inf on the padding lanes, lane_ok [1, BE] False there)
+    -> (ids [R, BK] int32, weights [R, BK] float32; lanes >= k hold 0). Each round is one reduction (the largest
+    remaining logit and, among equal ones, the lowest index); every step is elementwise, exact (max, the softmax
+    sum in 2^-52 fixed point) or in a fixed order (the k-term sum), so the result does not depend on R, on the warps
+    or on the kernel it is inlined in: the routing kernel, kernel A and the align kernel agree bitwise."""
     es = tl.arange(0, BLOCK_E)[None, :]
     js = tl.arange(0, BLOCK_K)[None, :]
-    shifted = tl.exp(x - tl.max(x, axis=1)[:, None])  # [R, BE] in (0, 1]; 0 on the padding lanes
+    top = tl.max(x, axis=1)  # [R]
+    shifted = tl.exp(x - top[:, None])  # [R, BE] in (0, 1]; 0 on the padding lanes
     total = tl.sum((shifted * FIXED_ONE).to(tl.int64), axis=1).to(tl.float32) * (1.0 / FIXED_ONE)  # [R]
-    probs = shifted / total[:, None]
-    taken = (tl.zeros_like(x) != 0) | ~lane_ok  # [R, BE]: the padding lanes and the experts chosen so far
+    remaining = tl.where(lane_ok, x, float("-inf"))  # [R, BE]
     chosen_w = tl.zeros([x.shape[0], BLOCK_K], dtype=tl.float32)
     chosen_id = tl.zeros([x.shape[0], BLOCK_K], dtype=tl.int32)
     kept = tl.zeros([x.shape[0]], dtype=tl.float32)  # the sum of the chosen probabilities, j = 0..k-1 in order
     for j in tl.static_range(TOP_K):
-        candidates = tl.where(taken, float("-inf"), x)
-        best = tl.max(candidates, axis=1)  # [R]
-        expert = tl.min(tl.where((candidates == best[:, None]) & ~taken, es, BLOCK_E), axis=1)  # lowest among ties
-        pick = es == expert[:, None]  # [R, BE]
-        w = tl.max(tl.where(pick, probs, 0.0), axis=1)  # [R] its probability (one lane: exact)
+        best, expert = tl.max(remaining, axis=1, return_indices=True, return_indices_tie_break_left=True)  # [R]
+        w = tl.exp(best - top) / total  # its probability, as the softmax's lane would compute it
         chosen_w = tl.where(js == j, w[:, None], chosen_w)
         chosen_id = tl.where(js == j, expert[:, None], chosen_id)
         kept += w
-        taken = taken | pick
+        remaining = tl.where(es == expert[:, None], float("-inf"), remaining)
     if RENORMALIZE:
         chosen_w = chosen_w / kept[:, None]
     return chosen_id, chosen_w
@@ -194,13 +193,13 @@ def _block_pairs(sorted_pairs, block_first, block_rows, b, routed_blocks, T, TOP
     align kernel ran); from routed_blocks on, the shared expert's slot: block routed_blocks + s takes the tokens
     [s*BM, (s+1)*BM), token t as pair T*k + t."""
     ms = tl.arange(0, BLOCK_M)
-    if b < routed_blocks:
-        if ONE_TOKEN:
-            m_ok = ms < 1
-            pairs = b + ms * 0
-        else:
-            m_ok = ms < tl.load(block_rows + b)
-            pairs = tl.load(sorted_pairs + tl.load(block_first + b) + ms, mask=m_ok, other=0)
+    if ONE_TOKEN:  # pair b of token 0, the shared slot's block k its pair k too
+        m_ok = ms < 1
+        pairs = b + ms * 0
+        tokens = ms * 0
+    elif b < routed_blocks:
+        m_ok = ms < tl.load(block_rows + b)
+        pairs = tl.load(sorted_pairs + tl.load(block_first + b) + ms, mask=m_ok, other=0)
         tokens = pairs // TOP_K
     else:
         tokens = (b - routed_blocks) * BLOCK_M + ms
@@ -237,9 +236,11 @@ def _gate_up_kernel(
     wait_for_previous_kernel(PDL)
     b = tl.program_id(0)
     if ROUTE:
-        ids = _route_rows(logits, block_expert, topk_weights, 0, 1, E, stride_logits, 1, TOP_K, BLOCK_E, BLOCK_TOP_K,
-                          RENORMALIZE, (b == 0) & (tl.program_id(1) == 0))  # [1, BK]
-        expert = tl.sum(tl.where(tl.arange(0, BLOCK_TOP_K)[None, :] == b, ids, 0)).to(tl.int64)  # 0 if shared
+        expert = (b * 0).to(tl.int64)
+        if b < routed_blocks:  # the shared slot's programs start on their weights at once
+            ids = _route_rows(logits, block_expert, topk_weights, 0, 1, E, stride_logits, 1, TOP_K, BLOCK_E,
+                              BLOCK_TOP_K, RENORMALIZE, (b == 0) & (tl.program_id(1) == 0))  # [1, BK]
+            expert = tl.sum(tl.where(tl.arange(0, BLOCK_TOP_K)[None, :] == b, ids, 0)).to(tl.int64)
     else:
         expert = tl.load(block_expert + b, mask=b < routed_blocks, other=0).to(tl.int64)
     if _block_used(block_rows, b, routed_blocks, ONE_TOKEN):
