@@ -6,14 +6,17 @@ beside the bytes-over-bandwidth limit.
 For the MoE shape of the model in CONFIG_DIR (default Qwen3.5-35B-A3B), at each token count, inside CUDA graphs as
 decode runs them, each call on other random inputs so that its experts are not the previous call's (one call
 touches k of E experts; L2 holds about one call's): times the old path (the router, torch softmax + topk +
-renormalise, sort + grouped_mm, the shared expert and its gate), the fused path (one GEMM for the router, the
-shared gate and the shared gate/up; the routing kernel; the fused experts with the shared sum), the fused experts
-alone (and their align kernel alone), the routing kernel alone, and the limit: the bytes a layer must read
-(router, shared expert, and the distinct selected experts' weights, counted from the calls' routing) over 4.8 TB/s
-(the H200's nominal HBM bandwidth).
-`--sweep` then tunes the fused kernels' tiles per token bucket (kernel A's over its candidates with kernel B's
-default, then kernel B's with A's best, then BLOCK_M), starting no bucket after --budget-s seconds, and merges the
-winners into --out (copy to deltaserve/ops/moe/configs.json to ship them).
+renormalise, sort + grouped_mm, the shared expert and its gate), the fused path with the shared expert apart (one
+GEMM for the router, the shared gate and the shared gate/up; the shared SiLU + down; the routing kernel; the fused
+experts with the shared sum), the fused experts alone (and their align kernel alone), the routing kernel alone,
+and the limit: the bytes a layer must read (router, shared expert, and the distinct selected experts' weights,
+counted from the calls' routing) over 4.8 TB/s (the H200's nominal HBM bandwidth). Where the shared expert has
+the experts' intermediate size, a second line times the layer as SparseMoE runs it now, the shared expert a slot
+of the fused kernels and the routing inside them (ops.moe.sparse_block: the router + shared gate GEMM, then
+cuda.fused_moe), and fused_moe alone. Each path's CUDA kernels per layer call are counted (torch.profiler, eager).
+`--sweep` then tunes the fused kernels' tiles per token bucket, on fused_moe where the shared slot serves (kernel A's
+over its candidates with kernel B's default, then kernel B's with A's best, then BLOCK_M), starting no bucket after
+--budget-s seconds, and merges the winners into --out (copy to deltaserve/ops/moe/configs.json to ship them).
 """
 
 from __future__ import annotations
@@ -25,12 +28,15 @@ import time
 
 import torch
 
+from torch.profiler import ProfilerActivity, profile
+
 from benchmarks.gemv_probe import write_table
 from benchmarks.timing import graph_time_us
 from deltaserve.config import ModelConfig
 from deltaserve.layers.mlp import SparseMoE
 from deltaserve.model_configs import CONFIGS_DIR
 from deltaserve.ops import moe
+from deltaserve.ops.linear import linear
 from deltaserve.ops.moe import configs, reference
 from deltaserve.ops.moe import cuda as moe_cuda
 
@@ -66,6 +72,39 @@ def torch_path(block: SparseMoE, x: torch.Tensor) -> torch.Tensor:
     return reference.add_shared_expert(out, block.shared_expert(x), block.shared_expert_gate(x))
 
 
+def shared_apart_path(block: SparseMoE, x: torch.Tensor) -> torch.Tensor:
+    """The fused path with the shared expert apart (SparseMoE's before the shared slot, and still its path where
+    the sizes differ): the joined router + shared gate + shared gate/up GEMM, the shared SiLU + down, the routing
+    kernel, the fused experts summing the gated shared output."""
+    E = block.gate.out_features
+    projected = linear(x, block.in_weight)  # [T, E + 1 + 2I_shared]
+    shared = (block.shared_expert.down(projected[:, E + 1:]), projected[:, E:E + 1])
+    ids, weights = moe.route(projected[:, :E], block.top_k, block.norm_topk_prob)
+    return moe.experts(x, ids, weights, block.experts.gate_up_proj, block.experts.down_proj, shared)
+
+
+def slot_operands(block: SparseMoE) -> tuple | None:
+    """(gate_up, down, shared gate_up, shared down) where the block runs the shared expert as a slot, else None."""
+    experts = block.experts
+    if block.shared_expert is None or block.in_weight is None:
+        return None
+    operands = (experts.gate_up_proj, experts.down_proj, block.shared_expert.gate_up_weight,
+                block.shared_expert.down_proj.weight)
+    probe = torch.zeros(1, block.gate.in_features, dtype=experts.gate_up_proj.dtype, device=experts.gate_up_proj.device)
+    return operands if moe.shared_slot_serves(probe, *operands) else None
+
+
+def kernel_launches(call) -> int:
+    """CUDA kernels one eager call launches (after a warm-up call)."""
+    call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    return sum(1 for event in prof.events() if event.device_type.name == "CUDA"
+               and not event.name.startswith(("Memcpy", "Memset")))
+
+
 def layer_bytes(block: SparseMoE, routings: list[torch.Tensor]) -> tuple[float, float]:
     """(bytes a layer call must read, of them the routed experts'), averaged over the calls' routing [T, k]."""
     experts = block.experts
@@ -87,30 +126,54 @@ def time_layer(block: SparseMoE, tokens: int) -> dict:
         tiles = configs.tiles_for(experts.gate_up_proj.shape[0], block.top_k, experts.gate_up_proj.shape[2],
                                   experts.down_proj.shape[2], tokens)
         old = graph_time_us([functools.partial(torch_path, block, x) for x in xs])
-        fused = graph_time_us([functools.partial(block, x) for x in xs])
+        apart = (functools.partial(shared_apart_path, block) if block.in_weight is not None
+                 else functools.partial(SparseMoE.forward, block))
+        fused = graph_time_us([functools.partial(apart, x) for x in xs])
         alone = graph_time_us([functools.partial(moe_cuda.fused_experts, x, ids, w, experts.gate_up_proj,
                                                  experts.down_proj, tiles) for x, (ids, w) in zip(xs, routed)])
         align = graph_time_us([functools.partial(moe_cuda.align, ids, experts.gate_up_proj.shape[0], tiles.block_m)
                                for ids, _ in routed])
         route = graph_time_us([functools.partial(moe_cuda.route, block.gate(x), block.top_k, block.norm_topk_prob)
                                for x in xs])
-    return {"old": old, "fused": fused, "experts": alone, "align": align, "route": route,
-            "limit": 1e6 * total / HBM_BYTES_PER_S,
-            "experts_limit": 1e6 * routed_bytes / HBM_BYTES_PER_S, "mb": total / 1e6}
+        result = {"old": old, "fused": fused, "experts": alone, "align": align, "route": route,
+                  "limit": 1e6 * total / HBM_BYTES_PER_S, "experts_limit": 1e6 * routed_bytes / HBM_BYTES_PER_S,
+                  "mb": total / 1e6, "old_launches": kernel_launches(functools.partial(torch_path, block, xs[0])),
+                  "fused_launches": kernel_launches(functools.partial(apart, xs[0]))}
+        operands = slot_operands(block)
+        if operands is not None:
+            E = block.gate.out_features
+            projections = [linear(x, block.in_weight[:E + 1]) for x in xs]  # [T, E + 1] each
+            result["slot"] = graph_time_us([functools.partial(block, x) for x in xs])
+            result["slot_launches"] = kernel_launches(functools.partial(block, xs[0]))
+            result["slot_kernels"] = graph_time_us([functools.partial(
+                moe_cuda.fused_moe, x, p[:, :E], block.top_k, block.norm_topk_prob, *operands, p[:, E:], tiles)
+                for x, p in zip(xs, projections)])
+    return result
 
 
 def sweep_bucket(block: SparseMoE, tokens: int) -> tuple[configs.MoeTiles, float, float]:
-    """(the best tiles, their time, the default's time) of the fused experts at `tokens` tokens."""
+    """(the best tiles, their time, the default's time) of the fused experts at `tokens` tokens (with the shared
+    slot and the routing where the block runs them so)."""
     experts = block.experts
     xs = [torch.randn(tokens, block.gate.in_features, device="cuda", dtype=torch.bfloat16) for _ in range(CALLS)]
+    operands = slot_operands(block)
+    E = block.gate.out_features
     with torch.no_grad():
         routed = [moe.route(block.gate(x), block.top_k, block.norm_topk_prob) for x in xs]
+        projections = [linear(x, block.in_weight[:E + 1]) for x in xs] if operands is not None else []
+
+    def calls(tiles: configs.MoeTiles) -> list:
+        """The calls of the path SparseMoE takes: fused_moe with the shared slot, else the fused experts."""
+        if operands is not None:
+            return [functools.partial(moe_cuda.fused_moe, x, p[:, :E], block.top_k, block.norm_topk_prob, *operands,
+                                      p[:, E:], tiles) for x, p in zip(xs, projections)]
+        return [functools.partial(moe_cuda.fused_experts, x, ids, w, experts.gate_up_proj, experts.down_proj, tiles)
+                for x, (ids, w) in zip(xs, routed)]
 
     def timed(tiles: configs.MoeTiles) -> float:
         try:
             with torch.no_grad():
-                return graph_time_us([functools.partial(moe_cuda.fused_experts, x, ids, w, experts.gate_up_proj,
-                                                        experts.down_proj, tiles) for x, (ids, w) in zip(xs, routed)])
+                return graph_time_us(calls(tiles))
         except Exception as exc:  # a tile Triton cannot build (registers, shared memory): skip it
             print(f"    {tiles}: failed ({type(exc).__name__})", flush=True)
             return float("inf")
@@ -159,16 +222,23 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         parser.error("no CUDA device here: the probe times GPU kernels")
     block = build_block(cfg)
+    if block.shared_expert is not None and slot_operands(block) is None:
+        print("the shared expert's intermediate size differs from the experts': no shared-slot path", flush=True)
     E, k, H, inter = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
     print(f"MoE layer of {args.model}: E={E} top-{k} H={H} I={inter} shared={cfg.shared_expert_intermediate_size}; "
           f"limit at {HBM_BYTES_PER_S / 1e12:.1f} TB/s", flush=True)
     for tokens in token_counts:
         r = time_layer(block, tokens)
-        print(f"T={tokens:>3} ({r['mb']:.0f} MB): torch path {r['old']:7.1f} us | fused {r['fused']:7.1f} us "
+        print(f"T={tokens:>3} ({r['mb']:.0f} MB): torch path {r['old']:7.1f} us | fused, shared apart {r['fused']:7.1f} us "
               f"({r['old'] / r['fused']:.2f}x) | limit {r['limit']:6.1f} us (fused at {r['limit'] / r['fused']:.0%}) "
               f"| experts alone {r['experts']:6.1f} us, limit {r['experts_limit']:6.1f} us "
               f"({r['experts_limit'] / r['experts']:.0%}; of it align {r['align']:.1f} us) | routing kernel "
-              f"{r['route']:.1f} us", flush=True)
+              f"{r['route']:.1f} us | kernels: torch path {r['old_launches']}, fused {r['fused_launches']}",
+              flush=True)
+        if "slot" in r:
+            print(f"      shared slot: layer {r['slot']:7.1f} us ({r['fused'] / r['slot']:.2f}x the fused path above, "
+                  f"limit at {r['limit'] / r['slot']:.0%}) | fused_moe alone {r['slot_kernels']:6.1f} us | kernels "
+                  f"{r['slot_launches']}", flush=True)
     if not args.sweep:
         return 0
     start, table = time.monotonic(), {}

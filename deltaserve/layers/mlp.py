@@ -3,7 +3,9 @@
 MoE routing (architecture reference, section 4.1): softmax over experts in float32, top-k, renormalise the
 k weights (always for Qwen3.5-MoE, if norm_topk_prob for Qwen3-Next), weighted sum of the chosen experts,
 plus sigmoid(shared_expert_gate(x)) * shared_expert(x). The routing and the experts with that sum are
-`ops.moe` ops: Triton kernels on the GPU (fused experts at decode sizes), torch's grouped matmul elsewhere.
+`ops.moe` ops: Triton kernels on the GPU (fused experts at decode sizes; where the shared expert has the experts'
+intermediate size, `ops.moe.sparse_block` runs it as a slot of theirs, with the routing), torch's grouped matmul
+elsewhere.
 
 Quantized checkpoints: projections are QuantLinears (layers/linear.py), routed experts a QuantExperts, which
 dequantizes every expert's weights for the same grouped matmul at each forward (correct, not fast); the routers
@@ -139,7 +141,8 @@ class SparseMoE(nn.Module):
     def fuse(self) -> None:
         """After loading (before the shared expert's own fuse): the router, the shared expert's gate and its
         gate/up projections, which all read x, become one [E + 1 + 2I_shared, H] weight, the parameters views of
-        its rows. Steps on the fused experts multiply it once (one launch instead of three a layer)."""
+        its rows. Steps on the fused experts multiply it once (one launch instead of three a layer), or, where the
+        shared expert runs as a slot of the fused experts (ops.moe.sparse_block), only its first E + 1 rows."""
         if self.shared_expert is None:
             return
         linears = (self.gate, self.shared_expert_gate, self.shared_expert.gate_proj, self.shared_expert.up_proj)
@@ -152,6 +155,12 @@ class SparseMoE(nn.Module):
         shared = None  # (the shared expert's output [T, H], its gate logits [T, 1]), summed in by the experts' op
         if self.in_weight is not None and self.experts.fused_serves(x):
             E = self.gate.out_features
+            experts, shared_gate_up = self.experts, self.shared_expert.gate_up_weight
+            shared_down = self.shared_expert.down_proj.weight
+            if moe.shared_slot_serves(x, experts.gate_up_proj, experts.down_proj, shared_gate_up, shared_down):
+                projected = linear(x, self.in_weight[:E + 1])  # [T, E + 1]: router logits | shared gate logit
+                return moe.sparse_block(x, projected[:, :E], self.top_k, self.norm_topk_prob, experts.gate_up_proj,
+                                        experts.down_proj, shared_gate_up, shared_down, projected[:, E:])
             projected = linear(x, self.in_weight)  # [T, E + 1 + 2I_shared]
             logits, shared = projected[:, :E], (self.shared_expert.down(projected[:, E + 1:]), projected[:, E:E + 1])
         else:

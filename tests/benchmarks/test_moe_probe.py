@@ -25,6 +25,22 @@ def test_torch_path_is_the_blocks_and_bytes_count_the_selected_experts():
     assert moe_probe.layer_bytes(block, [ids]) == (fixed + 3 * per_expert, 3 * per_expert)
 
 
+def test_shared_apart_path_is_the_blocks_fused_path_before_the_slot():
+    """On a dyadic grid (every product and sum exact in float32) the probe's shared-apart path, the joined
+    projection and the shared expert's down, equals the block's output bitwise; the slot is for the GPU only."""
+    gen = torch.Generator().manual_seed(1)
+    block = SparseMoE(24, 5, 2, 16, 16, norm_topk_prob=True)
+    with torch.no_grad():
+        for param in block.parameters():
+            param.copy_(torch.randint(-4, 5, param.shape, generator=gen) / 8)
+    block.fuse()
+    block.shared_expert.fuse()
+    x = torch.randint(-2, 3, (3, 24), generator=gen) / 2
+    with torch.no_grad():
+        assert torch.equal(moe_probe.shared_apart_path(block, x), block(x))
+    assert moe_probe.slot_operands(block) is None  # the CPU: no fused kernels
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--tokens", "1,x"], "--tokens takes comma-separated positive integers, got '1,x'"),
     (["--tokens", "0"], "--tokens takes comma-separated positive integers, got '0'"),

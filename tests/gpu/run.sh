@@ -63,7 +63,7 @@ if [ "$MODE" = quant ]; then
   exit $status
 fi
 if [ "$MODE" = moe ]; then
-  python3 -m pytest tests/gpu/test_moe_gpu.py tests/ops/test_moe_routing.py tests/ops/test_moe_experts.py -q -rs \
+  python3 -m pytest tests/gpu/test_moe_gpu.py tests/ops/test_moe_routing.py tests/ops/test_moe_experts.py tests/ops/test_moe_shared_slot.py -q -rs \
     --timeout=300 -p no:cacheprovider 2>&1 | tee "$OUT/moe_tests.log"
   status=${PIPESTATUS[0]}
   cp deltaserve/ops/moe/configs.json "$OUT/moe_configs.json"

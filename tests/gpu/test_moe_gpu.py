@@ -1,6 +1,8 @@
-"""The fused MoE path (ops/moe) on the GPU: against the grouped-matmul reference at Qwen3.5-35B-A3B's shapes
-(bf16, tiles from the shipped table), CUDA-graph replay against eager, a pair against the batch it sits in, and
-through the engine on a tiny MoE checkpoint. Run by tests/gpu/run.sh (TESTS=tests/gpu/test_moe_gpu.py ... tests)."""
+"""The fused MoE path (ops/moe) on the GPU: the fused experts and the sparse block with its shared-expert slot
+(ops.moe.sparse_block) against the torch reference at Qwen3.5-35B-A3B's shapes (bf16, tiles from the shipped
+table), the routing folded into kernel A / the align kernel against the routing kernel bitwise, CUDA-graph replay
+against eager, a token against the batch it sits in, and through the engine on tiny MoE checkpoints (the shared
+expert apart and in the slot). Run by tests/gpu/run.sh (TESTS=tests/gpu/test_moe_gpu.py ... tests)."""
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ from deltaserve.ops import moe
 from deltaserve.ops.moe import configs, reference
 from deltaserve.ops.moe import cuda as moe_cuda
 from tests.gpu.logits import prompt
-from tests.ops.moe_oracle import experts_bound, shared_bound
+from tests.ops.moe_oracle import experts_bound, shared_bound, sparse_block_bound
 from tests.tolerance import assert_within
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -59,6 +61,52 @@ def test_fused_matches_grouped_matmul_at_35b_shapes(block_35b, tokens):
                       f"fused experts + shared, {tokens} tokens")  # + the reference's bf16 sum and ours, once each
 
 
+def distinct_logits(tokens: int, seed: int) -> torch.Tensor:
+    """[T, E + 1] bf16: router logits without ties (each row a permutation of E values 0.0925 apart, more than
+    bf16's spacing below 16, plus an offset) | the shared gate's logit."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.stack([torch.randperm(EXPERTS, generator=gen) for _ in range(tokens)]).double()
+    logits = (rows - EXPERTS / 2) * 0.0925 + torch.randn(tokens, 1, generator=gen, dtype=torch.float64)
+    return torch.cat([logits, torch.randn(tokens, 1, generator=gen, dtype=torch.float64)], 1).to("cuda", torch.bfloat16)
+
+
+def shared_weights(block):
+    return block.shared_expert.gate_up_weight, block.shared_expert.down_proj.weight
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 8, 16, 64])
+def test_sparse_block_matches_reference_at_35b_shapes(block_35b, tokens):
+    """The shared expert as the fused kernels' slot, the routing inside them, against reference.sparse_block."""
+    x, projected = inputs(tokens, 200 + tokens), distinct_logits(tokens, tokens)
+    logits, gate = projected[:, :EXPERTS], projected[:, EXPERTS:]  # views of one [T, E + 1] projection
+    experts = block_35b.experts
+    operands = (experts.gate_up_proj, experts.down_proj, *shared_weights(block_35b))
+    with torch.no_grad():
+        assert moe.shared_slot_serves(x, *operands)
+        tiles = configs.tiles_for(EXPERTS, TOP_K, HIDDEN, INTER, tokens)
+        got, ids, _ = moe_cuda.fused_moe(x, logits, TOP_K, True, *operands, gate, tiles)
+        assert torch.equal(ids.long(), reference.route(logits, TOP_K, True)[0])
+        want = reference.sparse_block(x, logits, TOP_K, True, *operands, gate)
+        bound = sparse_block_bound(x, logits, TOP_K, True, *operands, gate, fused_bf16=True, reference_bf16=True)
+    assert_within(got, want, bound, f"sparse block, {tokens} tokens")
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 64])
+def test_folded_routing_is_the_routing_kernels_bitwise(block_35b, tokens):
+    """Kernel A's routing (one token) and the align kernel's (more), on other tiles and warps than the routing
+    kernel's, give its ids and weights bit for bit."""
+    x, projected = inputs(tokens, 300 + tokens), distinct_logits(tokens, 300 + tokens)
+    projected[:, :EXPERTS] += torch.randn(tokens, EXPERTS, device="cuda").to(torch.bfloat16)  # near-ties too
+    logits, gate = projected[:, :EXPERTS], projected[:, EXPERTS:]
+    experts = block_35b.experts
+    operands = (experts.gate_up_proj, experts.down_proj, *shared_weights(block_35b))
+    with torch.no_grad():
+        tiles = configs.tiles_for(EXPERTS, TOP_K, HIDDEN, INTER, tokens)
+        _, ids, weights = moe_cuda.fused_moe(x, logits, TOP_K, True, *operands, gate, tiles)
+        want_ids, want_weights = moe_cuda.route(logits, TOP_K, True)
+    assert torch.equal(ids, want_ids) and torch.equal(weights, want_weights)
+
+
 @pytest.mark.parametrize("tokens", [1, 8, 64])
 def test_graph_replay_equals_eager_bitwise(block_35b, tokens):
     x = inputs(tokens, 100 + tokens)
@@ -87,26 +135,49 @@ def test_a_pair_does_not_depend_on_the_batch(block_35b):
     assert torch.equal(batch[:1], alone)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_next"])
-def test_engine_greedy_tokens_fused_equal_torch_path(arch, tmp_path, monkeypatch):
+def test_a_token_does_not_depend_on_the_batch_in_the_sparse_block(block_35b):
+    """fused_moe: token 0 alone (kernel A routes it) and among 64 tokens (the align kernel routes them; its experts
+    and its shared-slot block shared with others), the 64-token bucket's tiles: bitwise the same output."""
+    x, projected = inputs(64, 8), distinct_logits(64, 8)
+    projected[1:9] = projected[0]
+    logits, gate = projected[:, :EXPERTS], projected[:, EXPERTS:]
+    experts = block_35b.experts
+    operands = (experts.gate_up_proj, experts.down_proj, *shared_weights(block_35b))
+    tiles = configs.tiles_for(EXPERTS, TOP_K, HIDDEN, INTER, 64)
+    with torch.no_grad():
+        batch = moe_cuda.fused_moe(x, logits, TOP_K, True, *operands, gate, tiles)[0]
+        alone = moe_cuda.fused_moe(x[:1], logits[:1], TOP_K, True, *operands, gate[:1], tiles)[0]
+    assert torch.equal(batch[:1], alone)
+
+
+@pytest.mark.parametrize("arch,shared_size", [("qwen3_5_moe", None), ("qwen3_next", None), ("qwen3_5_moe", 24),
+                                              ("qwen3_next", 24)])
+def test_engine_greedy_tokens_fused_equal_torch_path(arch, shared_size, tmp_path, monkeypatch):
     """Through the engine, float32 on a tame checkpoint (matrix_gain 0.5, as test_engine_gpu's parity test): the
-    fused path (its kernels taking float32 here, with IEEE dots) and the torch path give the same greedy tokens.
+    fused path (its kernels taking float32 here, with IEEE dots) and the torch path give the same greedy tokens;
+    the demo's shared expert (32) apart from the experts (24), or of their size (the shared slot, fused_moe).
     (bf16 graphs == eager on the fused path: test_engine_gpu.py::test_cuda_graphs_equal_eager_token_for_token.)"""
-    path = str(build_checkpoint(tmp_path, arch, matrix_gain=0.5))
+    overrides = None if shared_size is None else {"shared_expert_intermediate_size": shared_size}
+    path = str(build_checkpoint(tmp_path, arch, matrix_gain=0.5, config_overrides=overrides))
     prompts = [prompt(n, 20 + n) for n in (5, 40, 1, 17)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    launched = []
-    fused_experts = moe_cuda.fused_experts
+    launched = {"fused_experts": [], "fused_moe": []}
 
-    def recording(*args, **kwargs):
-        launched.append(args[0].shape[0])
-        return fused_experts(*args, **kwargs)
+    def recording(name):
+        kernel = getattr(moe_cuda, name)
+
+        def record(*args, **kwargs):
+            launched[name].append(args[0].shape[0])
+            return kernel(*args, **kwargs)
+        return record
 
     monkeypatch.setattr(moe, "FUSED_DTYPES", (torch.float32,))
-    monkeypatch.setattr(moe_cuda, "fused_experts", recording)
+    for name in launched:
+        monkeypatch.setattr(moe_cuda, name, recording(name))
     fused = [o.outputs[0].token_ids for o in LLM(path, dtype="float32", max_num_seqs=8).generate(
         prompts, params, use_tqdm=False)]
-    assert launched and max(launched) <= moe.FUSED_MAX_TOKENS
+    taken, untaken = ("fused_experts", "fused_moe") if shared_size is None else ("fused_moe", "fused_experts")
+    assert launched[taken] and max(launched[taken]) <= moe.FUSED_MAX_TOKENS and not launched[untaken]
     monkeypatch.setattr(moe, "fused_serves", lambda *args: False)
     monkeypatch.setattr(moe, "_route_on_gpu", lambda logits: False)
     torch_path = [o.outputs[0].token_ids for o in LLM(path, dtype="float32", max_num_seqs=8).generate(

@@ -17,6 +17,7 @@ import math
 
 import torch
 
+from deltaserve.ops.moe import reference
 from tests.tolerance import SOFTMAX_ROUNDINGS, gamma, silu_chain, unit_roundoff
 
 # Roundings to bf16 per side beyond the float32 model, relative to M. The reference: its gate/up outputs (two, each
@@ -76,3 +77,36 @@ def shared_bound(shared: torch.Tensor, shared_gate: torch.Tensor, dtype: torch.d
     roundings = silu_chain(shared_gate) + 2
     one_side = gamma(roundings, torch.float32) + (3 * unit_roundoff(torch.bfloat16) if dtype == torch.bfloat16 else 0)
     return 2 * one_side * term
+
+
+def with_shared_slot(topk_ids, topk_weights, gate_up, down, shared_gate_up, shared_down, shared_gate):
+    """The routed experts and the shared expert as one computation of k + 1 experts (the fused kernels' shared
+    slot): ids [T, k + 1] (the shared expert as expert E), weights [T, k + 1] (its weight sigmoid(gate)), gate_up
+    [E + 1, 2I, H], down [E + 1, H, I], for `experts_bound` and `experts_magnitude`."""
+    T, E = topk_ids.shape[0], gate_up.shape[0]
+    ids = torch.cat([topk_ids.long(), torch.full((T, 1), E, dtype=torch.long, device=topk_ids.device)], 1)
+    weights = torch.cat([topk_weights.double(), torch.sigmoid(shared_gate.double())], 1)
+    return ids, weights, torch.cat([gate_up, shared_gate_up[None]]), torch.cat([down, shared_down[None]])
+
+
+def sparse_block_bound(x, logits, top_k, renormalize, gate_up, down, shared_gate_up, shared_down, shared_gate,
+                       fused_bf16: bool = False, reference_bf16: bool = False) -> torch.Tensor:
+    """Bound [T, H] of the fused sparse block (ops/moe/cuda.fused_moe) against reference.sparse_block on the same
+    operands (the same experts chosen): the k + 1 experts' bound (`with_shared_slot`: each side's products, SiLU,
+    the (k + 1)-term sum); the routing weights' difference (route_bound, relative) carried through the routed
+    experts' magnitude; the gate's sigmoid and its product on each side (`shared_bound`), relative to
+    |sigmoid(gate)| times the shared expert's magnitude; in bf16 the reference's final sum."""
+    ids, weights = reference.route(logits, top_k, renormalize)
+    slot_ids, slot_weights, slot_gate_up, slot_down = with_shared_slot(ids, weights, gate_up, down, shared_gate_up,
+                                                                       shared_down, shared_gate)
+    bound = experts_bound(x, slot_ids, slot_weights, slot_gate_up, slot_down, fused_bf16, reference_bf16)
+    routed_magnitude, _ = experts_magnitude(x, ids, weights, gate_up, down)
+    relative_w = (route_bound(logits, weights, top_k, renormalize) / weights.double()).max().item()
+    ones = torch.ones_like(shared_gate, dtype=torch.float64)
+    shared_magnitude, _ = experts_magnitude(x, ids[:, :1] * 0, ones, shared_gate_up[None], shared_down[None])
+    bound = bound + relative_w * routed_magnitude
+    if reference_bf16:  # its bf16 sum of the routed experts and the gated shared expert, relative to the whole
+        bound = bound + unit_roundoff(torch.bfloat16) * experts_magnitude(x, slot_ids, slot_weights, slot_gate_up,
+                                                                          slot_down)[0]
+    dtype = torch.bfloat16 if reference_bf16 else torch.float32
+    return bound + shared_bound(shared_magnitude, shared_gate, dtype)

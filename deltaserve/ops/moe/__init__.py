@@ -2,12 +2,20 @@
 
     route(logits, k, renormalize)                -> topk_ids [T, k], topk_weights [T, k] float32
     experts(x, ids, weights, gate_up, down, shared) -> sum_j w_j expert_j(x) (+ sigmoid(g) * shared): [T, H]
+    sparse_block(x, logits, k, renormalize, gate_up, down, shared_gate_up, shared_down, shared_gate)
+                                                 -> route, then the routed experts + sigmoid(g) * shared(x): [T, H]
 
 On CUDA, routing is one Triton kernel (any T), and for 16-bit batches of up to FUSED_MAX_TOKENS tokens with plain
 stacked weights the experts run the fused kernels of `cuda.py` (tiles from `configs.py`). Elsewhere (the CPU,
 float32, prefill-sized batches) the plain-torch `reference.py`: sort by expert + torch's grouped matmul. Weights
 that are not plain tensors (a quantized checkpoint's, layers/mlp.QuantExperts) take the reference too: a fused
 kernel of another weight format goes beside `cuda.fused_experts` and is chosen by `fused_serves`.
+
+`sparse_block` is the block after its router in the fewest launches: where the shared expert has the routed experts'
+intermediate size (Qwen3.5-35B-A3B, 122B-A10B, Qwen3-Next: `shared_slot_serves`), it runs as one more expert slot
+of the fused kernels, and the routing runs inside them (kernel A at one token, the align kernel above), so a layer
+is the router's projection, then kernel A, B and the combine (plus the align kernel above one token). Elsewhere
+it is `reference.sparse_block`.
 """
 
 import torch
@@ -16,7 +24,8 @@ from deltaserve.ops.moe import reference
 from deltaserve.ops.moe.configs import FUSED_MAX_TOKENS, ROW_BUCKETS, tiles_for
 from deltaserve.ops.moe.reference import grouped_experts
 
-__all__ = ["FUSED_MAX_TOKENS", "ROW_BUCKETS", "experts", "fused_serves", "grouped_experts", "route"]
+__all__ = ["FUSED_MAX_TOKENS", "ROW_BUCKETS", "experts", "fused_serves", "grouped_experts", "route", "sparse_block",
+           "shared_slot_serves"]
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16)
 MAX_EXPERTS = 1024  # the routing and align kernels hold one row of every expert in registers
@@ -56,3 +65,27 @@ def experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
         return cuda.fused_experts(x, topk_ids, topk_weights, gate_up, down, tiles, shared)
     out = grouped_experts(x, topk_ids, topk_weights, gate_up, down)
     return out if shared is None else reference.add_shared_expert(out, *shared)
+
+
+def shared_slot_serves(x: torch.Tensor, gate_up, down, shared_gate_up, shared_down) -> bool:
+    """Whether `sparse_block` takes the fused kernels: `fused_serves`, and the shared expert's gate_up [2I, H] and down
+    [H, I] plain tensors of the routed experts' intermediate size, dtype and row strides."""
+    return (fused_serves(x, gate_up, down) and isinstance(shared_gate_up, torch.Tensor)
+            and isinstance(shared_down, torch.Tensor) and shared_gate_up.shape == gate_up.shape[1:]
+            and shared_down.shape == down.shape[1:] and shared_gate_up.dtype == shared_down.dtype == x.dtype
+            and shared_gate_up.stride() == gate_up.stride()[1:] and shared_down.stride() == down.stride()[1:])
+
+
+def sparse_block(x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool, gate_up, down, shared_gate_up,
+              shared_down, shared_gate: torch.Tensor) -> torch.Tensor:
+    """x: [T, H]; logits [T, E] router outputs; gate_up [E, 2I, H], down [E, H, I] the routed experts;
+    shared_gate_up [2I, H], shared_down [H, I] the shared expert, shared_gate [T, 1] its gate logits.
+    Returns sum_j w_j expert_{id_j}(x) + sigmoid(shared_gate) * shared(x): [T, H], the routing as `route`."""
+    if shared_slot_serves(x, gate_up, down, shared_gate_up, shared_down) and _route_on_gpu(logits):
+        from deltaserve.ops.moe import cuda
+        E, two_i, H = gate_up.shape
+        tiles = tiles_for(E, top_k, H, two_i // 2, x.shape[0])
+        return cuda.fused_moe(x, logits, top_k, renormalize, gate_up, down, shared_gate_up, shared_down,
+                              shared_gate, tiles)[0]
+    return reference.sparse_block(x, logits, top_k, renormalize, gate_up, down, shared_gate_up, shared_down,
+                               shared_gate)

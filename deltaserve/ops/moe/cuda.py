@@ -1,9 +1,11 @@
 """Triton MoE for decode batches: routing, then the routed experts in two weight-streaming kernels.
 
-    route(logits, k, renormalize)   one program per token: softmax (float32) over its E logits, the k largest
-                                    probabilities by k rounds of max (ties: the lower expert index first, then
-                                    the next round takes the other), divided by their sum where renormalize
+    route(logits, k, renormalize)   one program per token: softmax (float32) over its E (finite) logits, the k
+                                    largest by k rounds of max over the logits (ties: the lower expert index
+                                    first, then the next round takes the other), divided by their sum where
+                                    renormalize
     fused_experts(...)              _align_kernel -> _gate_up_kernel (A) -> _down_kernel (B) -> _combine_kernel
+    fused_moe(...)                  the same launches less the routing kernel, with the shared expert as a slot
 
 Why this shape (bandwidth). A decode step of 35B-A3B at one token reads per MoE layer 8 experts x 3 x 512 x 2048
 bf16 = 50 MB of expert weights and next to nothing else: the limit is bytes / bandwidth, ~10.5 us at 4.8 TB/s.
@@ -28,6 +30,15 @@ down [E, H, I], float32 [T*k, H] (= [T, k, H]). The combine kernel sums each tok
 and adds the gated shared expert, sigmoid(g_t) * shared_t, in float32, rounding once: no atomics, so graphs equal
 eager bitwise, and a pair's numbers depend only on its token, its expert and the tiles (not on which other tokens
 share the batch or the expert).
+
+fused_moe: the shared expert as one more slot. Where it has the routed experts' intermediate size, its T rows are
+pairs T*k .. T*k + T - 1 of act and y, taken by cdiv(T, BLOCK_M) blocks after the routed ones (its own weight
+pointers, the routed experts' row strides), kernel B weighting them by sigmoid(gate) and the combine adding row
+T*k + t after the k routed ones. Its routing runs in kernel A at one token (every program routes the token, its
+block b taking the b-th expert; program (0, 0) writes the ids and weights kernel B reads) and in the align kernel
+above (ROUTE_ROWS tokens a step, then a barrier before the grouping reads the ids). The routing's sums do not
+depend on the tile's shape or warps (the softmax's in fixed point, the k weights' in order), so kernel A, the align
+kernel and the routing kernel give the same bits, and a token alone (kernel A) equals itself in a batch (align).
 """
 
 from __future__ import annotations
@@ -42,6 +53,53 @@ from deltaserve.ops.pdl import wait_for_previous_kernel
 
 ALIGN_CHUNK = 32  # pairs (and blocks) the align kernel compares at once: [ALIGN_CHUNK, BLOCK_E] one-hot tiles
 COMBINE_BLOCK = 1024
+FIXED_ONE = tl.constexpr(2.0**52)  # the routing softmax sums exp(x - max) <= 1 in this fixed point: exactly, in any order
+
+
+@triton.jit
+def _top_k(x, lane_ok, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+           RENORMALIZE: tl.constexpr):
+    """Routing of R tokens: x [R, BE] float32 finite logits (-inf on the padding lanes, lane_ok [1, BE] False there)
+    -> (ids [R, BK] int32, weights [R, BK] float32; lanes >= k hold 0). Each round is one reduction (the largest
+    remaining logit and, among equal ones, the lowest index); every step is elementwise, exact (max, the softmax
+    sum in 2^-52 fixed point) or in a fixed order (the k-term sum), so the result does not depend on R, on the warps
+    or on the kernel it is inlined in: the routing kernel, kernel A and the align kernel agree bitwise."""
+    es = tl.arange(0, BLOCK_E)[None, :]
+    js = tl.arange(0, BLOCK_K)[None, :]
+    top = tl.max(x, axis=1)  # [R]
+    shifted = tl.exp(x - top[:, None])  # [R, BE] in (0, 1]; 0 on the padding lanes
+    total = tl.sum((shifted * FIXED_ONE).to(tl.int64), axis=1).to(tl.float32) * (1.0 / FIXED_ONE)  # [R]
+    remaining = tl.where(lane_ok, x, float("-inf"))  # [R, BE]
+    chosen_w = tl.zeros([x.shape[0], BLOCK_K], dtype=tl.float32)
+    chosen_id = tl.zeros([x.shape[0], BLOCK_K], dtype=tl.int32)
+    kept = tl.zeros([x.shape[0]], dtype=tl.float32)  # the sum of the chosen probabilities, j = 0..k-1 in order
+    for j in tl.static_range(TOP_K):
+        best, expert = tl.max(remaining, axis=1, return_indices=True, return_indices_tie_break_left=True)  # [R]
+        w = tl.exp(best - top) / total  # its probability, as the softmax's lane would compute it
+        chosen_w = tl.where(js == j, w[:, None], chosen_w)
+        chosen_id = tl.where(js == j, expert[:, None], chosen_id)
+        kept += w
+        remaining = tl.where(es == expert[:, None], float("-inf"), remaining)
+    if RENORMALIZE:
+        chosen_w = chosen_w / kept[:, None]
+    return chosen_id, chosen_w
+
+
+@triton.jit
+def _route_rows(logits, topk_ids, topk_weights, t0, T, E, stride_t, ROWS: tl.constexpr, TOP_K: tl.constexpr,
+                BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr, store):
+    """Route tokens [t0, t0 + ROWS) (those < T) from logits [t, :E]; where `store`, write topk_ids / topk_weights
+    [t, :k]. Returns their ids [ROWS, BK]."""
+    ts = t0 + tl.arange(0, ROWS)[:, None]  # [R, 1]
+    es = tl.arange(0, BLOCK_E)[None, :]
+    lane_ok = es < E
+    x = tl.load(logits + ts.to(tl.int64) * stride_t + es, mask=lane_ok & (ts < T), other=0.0).to(tl.float32)
+    ids, weights = _top_k(tl.where(lane_ok, x, float("-inf")), lane_ok, TOP_K, BLOCK_E, BLOCK_K, RENORMALIZE)
+    js = tl.arange(0, BLOCK_K)[None, :]
+    ok = (js < TOP_K) & (ts < T) & store
+    tl.store(topk_ids + ts * TOP_K + js, ids, mask=ok)
+    tl.store(topk_weights + ts * TOP_K + js, weights, mask=ok)
+    return ids
 
 
 @triton.jit
@@ -49,35 +107,16 @@ def _route_kernel(logits, topk_ids, topk_weights, E, stride_t, TOP_K: tl.constex
                   BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr, PDL: tl.constexpr = False):
     """Grid (T,): program t reads logits [t, :E] and writes topk_ids [t, :k] (int32), topk_weights [t, :k]."""
     wait_for_previous_kernel(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    es = tl.arange(0, BLOCK_E)
-    ok = es < E
-    x = tl.load(logits + t * stride_t + es, mask=ok, other=float("-inf")).to(tl.float32)  # [BE]
-    p = tl.exp(x - tl.max(x, axis=0))
-    probs = p / tl.sum(p, axis=0)
-    remaining = tl.where(ok, probs, -1.0)  # padding lanes below every probability
-    js = tl.arange(0, BLOCK_K)
-    chosen_w = tl.zeros([BLOCK_K], dtype=tl.float32)
-    chosen_id = tl.zeros([BLOCK_K], dtype=tl.int32)
-    for j in tl.static_range(TOP_K):
-        best = tl.max(remaining, axis=0)
-        expert = tl.min(tl.where(remaining == best, es, BLOCK_E), axis=0)  # the lowest index among ties
-        chosen_w = tl.where(js == j, best, chosen_w)
-        chosen_id = tl.where(js == j, expert, chosen_id)
-        remaining = tl.where(es == expert, -1.0, remaining)
-    if RENORMALIZE:
-        chosen_w = chosen_w / tl.sum(chosen_w, axis=0)  # lanes >= k hold 0
-    tl.store(topk_ids + t * TOP_K + js, chosen_id, mask=js < TOP_K)
-    tl.store(topk_weights + t * TOP_K + js, chosen_w, mask=js < TOP_K)
+    t = tl.program_id(0)
+    _route_rows(logits, topk_ids, topk_weights, t, t + 1, E, stride_t, 1, TOP_K, BLOCK_E, BLOCK_K, RENORMALIZE,
+                True)
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """logits: [T, E] (unit last stride) -> (topk_ids [T, k] int32, topk_weights [T, k] float32), as
     reference.route."""
     T, E = logits.shape
-    if logits.stride(1) != 1 or not 1 <= top_k <= E:
-        raise ValueError(f"logits {tuple(logits.shape)} stride {logits.stride()}: need a unit last stride and "
-                         f"1 <= top_k ({top_k}) <= E")
+    _check_routing(logits, top_k)
     ids = torch.empty(T, top_k, dtype=torch.int32, device=logits.device)
     weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
     if T:
@@ -87,13 +126,28 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     return ids, weights
 
 
-@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
+def _check_routing(logits: torch.Tensor, top_k: int) -> None:
+    if logits.stride(1) != 1 or not 1 <= top_k <= logits.shape[1]:
+        raise ValueError(f"logits {tuple(logits.shape)} stride {logits.stride()}: need a unit last stride and "
+                         f"1 <= top_k ({top_k}) <= E")
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks", "T"])
 def _align_kernel(topk_ids, sorted_pairs, block_expert, block_first, block_rows, num_pairs, num_blocks,
+                  logits, topk_weights, T, E, stride_logits, ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr,
+                  ROUTE_ROWS: tl.constexpr, TOP_K: tl.constexpr, BLOCK_TOP_K: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
-    """Grid (1,). topk_ids [P] (pair p = t*k + j) -> sorted_pairs [P]: the pairs sorted by (expert, p); and per
-    block b < num_blocks: block_expert [b], block_first [b] (its first position in sorted_pairs) and block_rows [b]
-    (its pairs, <= BLOCK_M; 0 past the last block). Every output element is written exactly once."""
+    """Grid (1,). ROUTE: first the routing of the T tokens from logits [T, :E] into topk_ids, topk_weights [T*k]
+    (as the routing kernel), ROUTE_ROWS tokens at a time. Then topk_ids [P] (pair p = t*k + j) -> sorted_pairs
+    [P]: the pairs sorted by (expert, p); and per block b < num_blocks: block_expert [b], block_first [b] (its first
+    position in sorted_pairs) and block_rows [b] (its pairs, <= BLOCK_M; 0 past the last block). Every output
+    element is written exactly once."""
     wait_for_previous_kernel(PDL)
+    if ROUTE:
+        for t0 in range(0, T, ROUTE_ROWS):
+            _route_rows(logits, topk_ids, topk_weights, t0, T, E, stride_logits, ROUTE_ROWS, TOP_K, BLOCK_E,
+                        BLOCK_TOP_K, RENORMALIZE, True)
+        tl.debug_barrier()  # the ids this program's threads wrote, visible to all of them
     es = tl.arange(0, BLOCK_E)
     cs = tl.arange(0, CHUNK)
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)  # pairs per expert
@@ -132,50 +186,75 @@ def _align_kernel(topk_ids, sorted_pairs, block_expert, block_first, block_rows,
 
 
 @triton.jit
-def _block_pairs(sorted_pairs, block_expert, block_first, block_rows, b, BLOCK_M: tl.constexpr,
-                 ONE_TOKEN: tl.constexpr):
-    """Block b's expert (int64), pairs [BLOCK_M] (0 past its rows) and their mask. ONE_TOKEN: the k pairs of a
-    single token are k distinct experts, so pair b is block b, its expert block_expert [b] (topk_ids itself) and no
-    align kernel ran."""
+def _block_pairs(sorted_pairs, block_first, block_rows, b, routed_blocks, T, TOP_K: tl.constexpr,
+                 BLOCK_M: tl.constexpr, ONE_TOKEN: tl.constexpr):
+    """Block b's pairs [BM] (0 past its rows), their tokens [BM] and their mask. Blocks b < routed_blocks are the
+    routed experts' (ONE_TOKEN: the k pairs of a single token are k distinct experts, so pair b is block b and no
+    align kernel ran); from routed_blocks on, the shared expert's slot: block routed_blocks + s takes the tokens
+    [s*BM, (s+1)*BM), token t as pair T*k + t."""
     ms = tl.arange(0, BLOCK_M)
-    if ONE_TOKEN:
+    if ONE_TOKEN:  # pair b of token 0, the shared slot's block k its pair k too
         m_ok = ms < 1
         pairs = b + ms * 0
-    else:
+        tokens = ms * 0
+    elif b < routed_blocks:
         m_ok = ms < tl.load(block_rows + b)
         pairs = tl.load(sorted_pairs + tl.load(block_first + b) + ms, mask=m_ok, other=0)
-    return tl.load(block_expert + b).to(tl.int64), pairs, m_ok
+        tokens = pairs // TOP_K
+    else:
+        tokens = (b - routed_blocks) * BLOCK_M + ms
+        m_ok = tokens < T
+        pairs = T * TOP_K + tokens
+    return pairs, tokens, m_ok
 
 
 @triton.jit
-def _block_used(block_rows, b, ONE_TOKEN: tl.constexpr):
-    """Whether block b holds pairs (past the last block the align kernel wrote 0 rows)."""
+def _block_used(block_rows, b, routed_blocks, ONE_TOKEN: tl.constexpr):
+    """Whether block b holds pairs (past the last routed block the align kernel wrote 0 rows; a shared block
+    always holds its first token)."""
     if ONE_TOKEN:
         used = b >= 0  # always (a tensor, as the other branch's)
     else:
-        used = tl.load(block_rows + b) > 0
+        used = (b >= routed_blocks) | (tl.load(block_rows + b, mask=b < routed_blocks, other=0) > 0)
     return used
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["routed_blocks", "T"])
 def _gate_up_kernel(
-    x, gate_up, act, sorted_pairs, block_expert, block_first, block_rows, H, I, stride_x, stride_we, stride_wn,
+    x, gate_up, shared_gate_up, act, sorted_pairs, block_expert, block_first, block_rows, routed_blocks, T, H, I,
+    stride_x, stride_we, stride_wn, logits, topk_weights, E, stride_logits,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, ONE_TOKEN: tl.constexpr,
+    ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOP_K: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
     """Kernel A. Grid (blocks, cdiv(I, BLOCK_N)): program (b, n) writes act [pair, n block] = silu(x_t Wg^T) *
-    (x_t Wu^T) for block b's pairs, Wg / Wu the n block's gate / up rows of its expert's gate_up [2I, H]."""
+    (x_t Wu^T) for block b's pairs, Wg / Wu the n block's gate / up rows of its expert's gate_up [2I, H] (the
+    shared slot's: shared_gate_up [2I, H], of the routed experts' row stride). ROUTE (one token): every program
+    routes the token from logits [0, :E] itself, program (0, 0) writing topk_ids (block_expert) and topk_weights
+    for kernel B; no routing kernel ran."""
     wait_for_previous_kernel(PDL)
     b = tl.program_id(0)
-    if _block_used(block_rows, b, ONE_TOKEN):
-        expert, pairs, m_ok = _block_pairs(sorted_pairs, block_expert, block_first, block_rows, b, BLOCK_M,
-                                           ONE_TOKEN)  # pairs, m_ok: [BM]
+    if ROUTE:
+        expert = (b * 0).to(tl.int64)
+        if b < routed_blocks:  # the shared slot's programs start on their weights at once
+            ids = _route_rows(logits, block_expert, topk_weights, 0, 1, E, stride_logits, 1, TOP_K, BLOCK_E,
+                              BLOCK_TOP_K, RENORMALIZE, (b == 0) & (tl.program_id(1) == 0))  # [1, BK]
+            expert = tl.sum(tl.where(tl.arange(0, BLOCK_TOP_K)[None, :] == b, ids, 0)).to(tl.int64)
+    else:
+        expert = tl.load(block_expert + b, mask=b < routed_blocks, other=0).to(tl.int64)
+    if _block_used(block_rows, b, routed_blocks, ONE_TOKEN):
+        pairs, tokens, m_ok = _block_pairs(sorted_pairs, block_first, block_rows, b, routed_blocks, T, TOP_K,
+                                           BLOCK_M, ONE_TOKEN)  # [BM] each
+        if b < routed_blocks:
+            weights = gate_up + expert * stride_we
+        else:
+            weights = shared_gate_up
         ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] intermediate columns
         n_ok = ns < I
-        gate_rows = gate_up + expert * stride_we + ns[:, None].to(tl.int64) * stride_wn  # [BN, 1]
+        gate_rows = weights + ns[:, None].to(tl.int64) * stride_wn  # [BN, 1]
         up_rows = gate_rows + I * stride_wn
-        x_cols = x + (pairs // TOP_K)[None, :].to(tl.int64) * stride_x  # [1, BM] each pair's token row
+        x_cols = x + tokens[None, :].to(tl.int64) * stride_x  # [1, BM] each pair's token row
         acc_gate = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
@@ -196,22 +275,31 @@ def _gate_up_kernel(
                  mask=n_ok[:, None] & m_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["routed_blocks", "T"])
 def _down_kernel(
-    act, down, topk_weights, y, sorted_pairs, block_expert, block_first, block_rows, H, I, stride_we, stride_wn,
+    act, down, shared_down, topk_weights, shared_gate, y, sorted_pairs, block_expert, block_first, block_rows,
+    routed_blocks, T, H, I, stride_we, stride_wn, stride_gate, TOP_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, ONE_TOKEN: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Kernel B. Grid (blocks, cdiv(H, BLOCK_N)): program (b, n) writes y [pair, n block] (float32) =
-    w_pair * act[pair] Wd^T for block b's pairs, Wd the n block's rows of its expert's down [H, I]."""
+    w_pair * act[pair] Wd^T for block b's pairs, Wd the n block's rows of its expert's down [H, I]; in the shared
+    slot Wd from shared_down [H, I] (the routed experts' row stride) and w = sigmoid(shared_gate [t])."""
     wait_for_previous_kernel(PDL)
     b = tl.program_id(0)
-    if _block_used(block_rows, b, ONE_TOKEN):
-        expert, pairs, m_ok = _block_pairs(sorted_pairs, block_expert, block_first, block_rows, b, BLOCK_M,
-                                           ONE_TOKEN)  # pairs, m_ok: [BM]
+    if _block_used(block_rows, b, routed_blocks, ONE_TOKEN):
+        pairs, tokens, m_ok = _block_pairs(sorted_pairs, block_first, block_rows, b, routed_blocks, T, TOP_K,
+                                           BLOCK_M, ONE_TOKEN)  # [BM] each
+        if b < routed_blocks:
+            weights = down + tl.load(block_expert + b).to(tl.int64) * stride_we
+            pair_weight = tl.load(topk_weights + pairs, mask=m_ok, other=0.0)  # [BM] float32
+        else:
+            weights = shared_down
+            gate = tl.load(shared_gate + tokens.to(tl.int64) * stride_gate, mask=m_ok, other=0.0).to(tl.float32)
+            pair_weight = 1.0 / (1.0 + tl.exp(-gate))
         ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] hidden columns
         n_ok = ns < H
-        w_rows = down + expert * stride_we + ns[:, None].to(tl.int64) * stride_wn  # [BN, 1]
+        w_rows = weights + ns[:, None].to(tl.int64) * stride_wn  # [BN, 1]
         a_cols = act + pairs[None, :].to(tl.int64) * I  # [1, BM]
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for k0 in range(0, I, BLOCK_K):
@@ -223,16 +311,17 @@ def _down_kernel(
                 w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             at = tl.load(a_cols + ks[:, None], mask=k_ok[:, None] & m_ok[None, :], other=0.0)  # [BK, BM]
             acc = tl.dot(w, at, acc, input_precision=PRECISION)
-        weight = tl.load(topk_weights + pairs, mask=m_ok, other=0.0)  # [BM] float32
-        tl.store(y + pairs[None, :].to(tl.int64) * H + ns[:, None], acc * weight[None, :],
+        tl.store(y + pairs[None, :].to(tl.int64) * H + ns[:, None], acc * pair_weight[None, :],
                  mask=n_ok[:, None] & m_ok[None, :])
 
 
 @triton.jit
 def _combine_kernel(y, out, shared, shared_gate, H, stride_out, stride_shared, stride_gate, TOP_K: tl.constexpr,
-                    HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    """Grid (T, cdiv(H, BLOCK)): out [t] = sum_{j=0..k-1} y [t, j] (in that order) + sigmoid(shared_gate [t]) *
-    shared [t], in float32, rounded once to out's dtype."""
+                    HAS_SHARED: tl.constexpr, SHARED_SLOT: tl.constexpr, BLOCK: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    """Grid (T, cdiv(H, BLOCK)): out [t] = sum_{j=0..k-1} y [t, j] (in that order) + the shared expert: HAS_SHARED
+    sigmoid(shared_gate [t]) * shared [t], SHARED_SLOT the shared slot's row y [T*k + t] (gated in kernel B); in
+    float32, rounded once to out's dtype."""
     wait_for_previous_kernel(PDL)
     t = tl.program_id(0).to(tl.int64)
     hs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -243,6 +332,8 @@ def _combine_kernel(y, out, shared, shared_gate, H, stride_out, stride_shared, s
     if HAS_SHARED:
         gate = tl.load(shared_gate + t * stride_gate).to(tl.float32)
         acc += tl.load(shared + t * stride_shared + hs, mask=ok, other=0.0).to(tl.float32) / (1.0 + tl.exp(-gate))
+    if SHARED_SLOT:
+        acc += tl.load(y + (tl.num_programs(0) * TOP_K + t) * H + hs, mask=ok, other=0.0)
     tl.store(out + t * stride_out + hs, acc.to(out.dtype.element_ty), mask=ok)
 
 
@@ -253,18 +344,41 @@ def num_blocks(num_experts: int, tokens: int, top_k: int, block_m: int) -> int:
     return min(num_experts, pairs) + (0 if block_m >= tokens else pairs // block_m)
 
 
-def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _route_rows_per_step(num_experts: int) -> int:
+    """Tokens the align kernel routes at once: [rows, BLOCK_E] tiles of about 4096 logits."""
+    return max(1, min(16, 4096 // triton.next_power_of_2(num_experts)))
+
+
+def align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+          routing: tuple[torch.Tensor, torch.Tensor, bool] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """topk_ids [T, k] -> (sorted_pairs [T*k] int32: the pairs t*k + j sorted by (expert, pair); block_table
     [3, num_blocks] int32: per block its expert, its first position in sorted_pairs and its rows, 0 past the last
-    block). One launch of _align_kernel, no host sync."""
+    block). One launch of _align_kernel, no host sync. routing: (logits [T, E], topk_weights [T, k] float32,
+    renormalize): the same launch first routes the tokens into topk_ids (int32) and topk_weights."""
     T, top_k = topk_ids.shape
     pairs, blocks = T * top_k, num_blocks(num_experts, T, top_k, block_m)
     sorted_pairs = torch.empty(pairs, dtype=torch.int32, device=topk_ids.device)
     block_table = torch.empty(3, blocks, dtype=torch.int32, device=topk_ids.device)
-    _align_kernel[(1,)](topk_ids.reshape(-1).to(torch.int32), sorted_pairs, block_table[0], block_table[1],
-                        block_table[2], pairs, blocks, BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts),
-                        CHUNK=ALIGN_CHUNK, **pdl.launch_args(topk_ids.device))
+    logits, topk_weights, renormalize = routing if routing is not None else (topk_ids, topk_ids, False)
+    ids = topk_ids if routing is not None else topk_ids.reshape(-1).to(torch.int32)
+    _align_kernel[(1,)](ids, sorted_pairs, block_table[0], block_table[1], block_table[2], pairs, blocks, logits,
+                        topk_weights, T, num_experts, logits.stride(0), ROUTE=routing is not None,
+                        RENORMALIZE=renormalize, ROUTE_ROWS=_route_rows_per_step(num_experts), TOP_K=top_k,
+                        BLOCK_TOP_K=triton.next_power_of_2(top_k), BLOCK_M=block_m,
+                        BLOCK_E=triton.next_power_of_2(num_experts), CHUNK=ALIGN_CHUNK,
+                        **pdl.launch_args(topk_ids.device))
     return sorted_pairs, block_table
+
+
+def _check_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int, routing_shape) -> None:
+    T, H = x.shape
+    E, two_i, _ = gate_up.shape
+    if gate_up.shape[2] != H or down.shape != (E, H, two_i // 2) or tuple(routing_shape) != (T, top_k):
+        raise ValueError(f"x {tuple(x.shape)}, routing {tuple(routing_shape)}, gate_up {tuple(gate_up.shape)}, down "
+                         f"{tuple(down.shape)} do not fit [T, H], [T, k], [E, 2I, H], [E, H, I]")
+    if not (x.dtype == gate_up.dtype == down.dtype) or min(x.stride(1), gate_up.stride(2), down.stride(2)) != 1:
+        raise ValueError(f"x, gate_up and down need one dtype ({x.dtype}, {gate_up.dtype}, {down.dtype}) and unit "
+                         "last strides")
 
 
 def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up: torch.Tensor,
@@ -274,17 +388,49 @@ def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     first); down [E, H, I]; shared: (shared expert output [T, H], its gate logits [T, 1]) or None.
     Returns sum_j w_j expert_{id_j}(x) (+ sigmoid(gate) * shared): [T, H] in x.dtype. Any T; weights and x with
     unit last strides, of one dtype."""
+    if topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} differ")
+    _check_experts(x, gate_up, down, topk_ids.shape[1], topk_ids.shape)
+    ids = topk_ids.reshape(-1).to(torch.int32)  # [P]
+    weights = topk_weights.reshape(-1).to(torch.float32)  # [P]
+    return _run_experts(x, gate_up, down, tiles, ids, weights, topk_ids.shape[1], shared_output=shared)
+
+
+def fused_moe(x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool, gate_up: torch.Tensor,
+              down: torch.Tensor, shared_gate_up: torch.Tensor, shared_down: torch.Tensor, shared_gate: torch.Tensor,
+              tiles: MoeTiles) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The MoE block after its router: routing, the routed experts and the gated shared expert as one more slot
+    of kernels A and B. x: [T, H]; logits [T, E] (unit last stride); gate_up [E, 2I, H]; down [E, H, I];
+    shared_gate_up [2I, H], shared_down [H, I] (the shared expert, of the routed experts' intermediate size and row
+    strides); shared_gate [T, 1] logits. Returns (out [T, H] = sum_j w_j expert_{id_j}(x) + sigmoid(gate) *
+    shared(x) in x.dtype, topk_ids [T, k] int32, topk_weights [T, k] float32, as `route`). Launches: one token,
+    kernel A (which routes) -> kernel B -> combine; more, the align kernel (which routes) first."""
     T, H = x.shape
     E, two_i, _ = gate_up.shape
-    inter, top_k = two_i // 2, topk_ids.shape[1]
-    if (gate_up.shape[2] != H or down.shape != (E, H, inter) or topk_weights.shape != topk_ids.shape
-            or topk_ids.shape[0] != T):
-        raise ValueError(f"x {tuple(x.shape)}, topk_ids {tuple(topk_ids.shape)}, topk_weights "
-                         f"{tuple(topk_weights.shape)}, gate_up {tuple(gate_up.shape)}, down {tuple(down.shape)} "
-                         "do not fit [T, H], [T, k], [T, k], [E, 2I, H], [E, H, I]")
-    if not (x.dtype == gate_up.dtype == down.dtype) or min(x.stride(1), gate_up.stride(2), down.stride(2)) != 1:
-        raise ValueError(f"x, gate_up and down need one dtype ({x.dtype}, {gate_up.dtype}, {down.dtype}) and unit "
-                         "last strides")
+    _check_routing(logits, top_k)
+    _check_experts(x, gate_up, down, top_k, (logits.shape[0], top_k))
+    if (logits.shape[1] != E or shared_gate_up.shape != (two_i, H) or shared_down.shape != (H, two_i // 2)
+            or shared_gate.shape != (T, 1) or shared_gate_up.dtype != x.dtype or shared_down.dtype != x.dtype
+            or shared_gate_up.stride() != gate_up.stride()[1:] or shared_down.stride() != down.stride()[1:]):
+        raise ValueError(f"logits {tuple(logits.shape)}, shared gate_up {tuple(shared_gate_up.shape)} stride "
+                         f"{shared_gate_up.stride()}, shared down {tuple(shared_down.shape)} stride "
+                         f"{shared_down.stride()}, shared gate {tuple(shared_gate.shape)} do not fit [T, E], [2I, H], "
+                         "[H, I], [T, 1] of x's dtype and the routed experts' strides")
+    ids = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
+    out = _run_experts(x, gate_up, down, tiles, ids.view(-1), weights.view(-1), top_k,
+                       routing=(logits, renormalize), shared_slot=(shared_gate_up, shared_down, shared_gate))
+    return out, ids, weights
+
+
+def _run_experts(x, gate_up, down, tiles: MoeTiles, ids, weights, top_k: int, routing=None, shared_output=None,
+                 shared_slot=None) -> torch.Tensor:
+    """The launches of fused_experts / fused_moe. ids [P] int32, weights [P] float32: the routing, or (routing:
+    (logits, renormalize)) the buffers the kernels route into; shared_output: (output [T, H], gate [T, 1]) summed
+    by the combine; shared_slot: (gate_up [2I, H], down [H, I], gate [T, 1]) run as blocks of kernels A and B."""
+    T, H = x.shape
+    E, two_i, _ = gate_up.shape
+    inter = two_i // 2
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     if T == 0:
         return out
@@ -293,30 +439,38 @@ def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     # the tiles are sized for 16-bit operands: float32 ones (tests) take twice the shared memory a stage
     stage_divisor = x.element_size() // 2
     pairs = T * top_k
-    weights = topk_weights.reshape(-1).to(torch.float32)  # [P]
     one_token = T == 1
-    if one_token:  # block j = pair j = expert topk_ids [0, j]: nothing to group, no align launch
-        ids = topk_ids.reshape(-1).to(torch.int32)
-        sorted_pairs, block_table, blocks = ids, ids.expand(3, top_k), top_k  # of the table only row 0 is read
+    logits, renormalize = routing if routing is not None else (x, False)
+    route_in_a = routing is not None and one_token  # kernel A routes the token; else the align kernel does
+    if one_token:  # block j = pair j = expert ids [j]: nothing to group, no align launch
+        sorted_pairs, block_table, routed_blocks = ids, ids.expand(3, top_k), top_k  # of the table only row 0 is read
     else:
-        sorted_pairs, block_table = align(topk_ids, E, tiles.block_m)
-        blocks = block_table.shape[1]
-    act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+        sorted_pairs, block_table = align(ids.view(T, top_k), E, tiles.block_m,
+                                          None if routing is None else (logits, weights, renormalize))
+        routed_blocks = block_table.shape[1]
+    shared_gate_up, shared_down, shared_gate = shared_slot if shared_slot is not None else (gate_up, down, x)
+    slots = pairs + (T if shared_slot is not None else 0)  # rows of act and y: the pairs, then the shared slot's
+    blocks = routed_blocks + (triton.cdiv(T, tiles.block_m) if shared_slot is not None else 0)
+    act = torch.empty(slots, inter, dtype=x.dtype, device=x.device)
     tile = tiles.gate_up
     _gate_up_kernel[(blocks, triton.cdiv(inter, tile.block_n))](
-        x, gate_up, act, sorted_pairs, block_table[0], block_table[1], block_table[2], H, inter, x.stride(0),
-        gate_up.stride(0), gate_up.stride(1), TOP_K=top_k, BLOCK_M=tiles.block_m, BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k, EVEN_N=inter % tile.block_n == 0, EVEN_K=H % tile.block_k == 0, PRECISION=precision,
-        ONE_TOKEN=one_token, num_warps=tile.warps, num_stages=max(1, tile.stages // stage_divisor), **launch)
-    y = torch.empty(pairs, H, dtype=torch.float32, device=x.device)  # [T, k, H]
+        x, gate_up, shared_gate_up, act, sorted_pairs, block_table[0], block_table[1], block_table[2], routed_blocks,
+        T, H, inter, x.stride(0), gate_up.stride(0), gate_up.stride(1), logits, weights, E, logits.stride(0),
+        TOP_K=top_k, BLOCK_M=tiles.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        EVEN_N=inter % tile.block_n == 0, EVEN_K=H % tile.block_k == 0, PRECISION=precision, ONE_TOKEN=one_token,
+        ROUTE=route_in_a, RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(E),
+        BLOCK_TOP_K=triton.next_power_of_2(top_k), num_warps=tile.warps,
+        num_stages=max(1, tile.stages // stage_divisor), **launch)
+    y = torch.empty(slots, H, dtype=torch.float32, device=x.device)  # [T, k, H], then the shared slot's [T, H]
     tile = tiles.down
     _down_kernel[(blocks, triton.cdiv(H, tile.block_n))](
-        act, down, weights, y, sorted_pairs, block_table[0], block_table[1], block_table[2], H, inter,
-        down.stride(0), down.stride(1), BLOCK_M=tiles.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        EVEN_N=H % tile.block_n == 0, EVEN_K=inter % tile.block_k == 0, PRECISION=precision,
-        ONE_TOKEN=one_token, num_warps=tile.warps, num_stages=max(1, tile.stages // stage_divisor), **launch)
-    shared_out, shared_gate = shared if shared is not None else (out, out)  # unread without HAS_SHARED
+        act, down, shared_down, weights, shared_gate, y, sorted_pairs, block_table[0], block_table[1], block_table[2],
+        routed_blocks, T, H, inter, down.stride(0), down.stride(1), shared_gate.stride(0), TOP_K=top_k,
+        BLOCK_M=tiles.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_N=H % tile.block_n == 0,
+        EVEN_K=inter % tile.block_k == 0, PRECISION=precision, ONE_TOKEN=one_token, num_warps=tile.warps,
+        num_stages=max(1, tile.stages // stage_divisor), **launch)
+    shared_out, gate_out = shared_output if shared_output is not None else (out, out)  # unread without HAS_SHARED
     _combine_kernel[(T, triton.cdiv(H, COMBINE_BLOCK))](
-        y, out, shared_out, shared_gate, H, out.stride(0), shared_out.stride(0), shared_gate.stride(0),
-        TOP_K=top_k, HAS_SHARED=shared is not None, BLOCK=COMBINE_BLOCK, **launch)
+        y, out, shared_out, gate_out, H, out.stride(0), shared_out.stride(0), gate_out.stride(0), TOP_K=top_k,
+        HAS_SHARED=shared_output is not None, SHARED_SLOT=shared_slot is not None, BLOCK=COMBINE_BLOCK, **launch)
     return out

@@ -48,3 +48,14 @@ def grouped_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
 def add_shared_expert(routed: torch.Tensor, shared: torch.Tensor, shared_gate: torch.Tensor) -> torch.Tensor:
     """routed, shared: [T, H]; shared_gate: [T, 1] logits -> routed + sigmoid(shared_gate) * shared: [T, H]."""
     return routed + torch.sigmoid(shared_gate) * shared
+
+
+def sparse_block(x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool, gate_up: torch.Tensor,
+              down: torch.Tensor, shared_gate_up: torch.Tensor, shared_down: torch.Tensor,
+              shared_gate: torch.Tensor) -> torch.Tensor:
+    """The block after its router (ops.moe.sparse_block): route, the routed experts, and the shared expert
+    down(silu(x Wg^T) * (x Wu^T)) gated by sigmoid(shared_gate): [T, H]."""
+    ids, weights = route(logits, top_k, renormalize)
+    routed = grouped_experts(x, ids, weights, gate_up, down)
+    shared = silu_and_mul(x @ shared_gate_up.T) @ shared_down.T  # [T, H]
+    return add_shared_expert(routed, shared, shared_gate)
