@@ -236,8 +236,7 @@ class LLMEngine:
             self._process(*previous, touched)
             previous = None
         scheduled = self.last_scheduled = self.scheduler.schedule()
-        constrained = any(row.grammar is not None and row.sample for row in scheduled.sequences)
-        launched = None if scheduled.is_empty else (scheduled, self.runner.launch(scheduled, constrained))
+        launched = None if scheduled.is_empty else self._launch(scheduled)
         if self.config.async_scheduling:
             self._in_flight = launched
         if previous is not None:
@@ -261,12 +260,16 @@ class LLMEngine:
             if self._micro_batches:
                 self._process_oldest(touched)
         else:
-            constrained = any(row.grammar is not None and row.sample for row in scheduled.sequences)
-            launched = (scheduled, self.runner.launch(scheduled, constrained))
+            launched = self._launch(scheduled)
             self._micro_batches.append(launched)
             if launched[1].deferred is not None:  # its rows' earlier tokens are all read back and accepted
                 self._sample_with_grammar(*launched, touched)
         return self._outputs(touched)
+
+    def _launch(self, scheduled: SchedulerOutput) -> tuple[SchedulerOutput, LaunchedStep]:
+        """Launch a non-empty step on the runner; constrained: some row samples under a grammar this step."""
+        constrained = any(row.grammar is not None and row.sample for row in scheduled.sequences)
+        return scheduled, self.runner.launch(scheduled, constrained)
 
     def _process_oldest(self, touched: dict[str, _Parent]) -> None:
         """Read back the oldest micro-batch, taken out first (as in step()). If that raises (a rank failed), its

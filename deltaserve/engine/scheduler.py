@@ -25,8 +25,8 @@ skips the sequences of steps still in flight (`_in_flight`, until their output i
 two in-flight steps, so no row waits for a pending sample) and takes at most an even share of the live sequences
 (`_micro_batch_rows`), leaving the rest to the next step. max_num_batched_tokens bounds each step (what one stage
 computes at a time); max_num_seqs, KV blocks and state slots are shared by all steps in flight, allocated when a
-step is scheduled. Preemption takes the newest running sequence that is not in flight; an abort or a stop string
-may end one that is (its rows are then ignored when its step's output comes back; every stage runs the steps in
+step is scheduled. Preemption passes over the sequences in flight; an abort or a stop string may end one
+that is (its rows are then ignored when its step's output comes back; every stage runs the steps in
 order, so a later step that reuses its blocks or slot runs after it on each stage).
 """
 
