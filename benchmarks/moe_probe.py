@@ -11,10 +11,10 @@ GEMM for the router, the shared gate and the shared gate/up; the shared SiLU + d
 experts with the shared sum), the fused experts alone (and their align kernel alone), the routing kernel alone,
 and the limit: the bytes a layer must read (router, shared expert, and the distinct selected experts' weights,
 counted from the calls' routing) over 4.8 TB/s (the H200's nominal HBM bandwidth). Where the shared expert has
-the experts' intermediate size, a second line times the layer as SparseMoE runs it now, the shared expert a slot
-of the fused kernels and the routing inside them (ops.moe.sparse_block: the router + shared gate GEMM, then
-cuda.fused_moe), and fused_moe alone. Each path's CUDA kernels per layer call are counted (torch.profiler, eager).
-`--sweep` then tunes the fused kernels' tiles per token bucket, on fused_moe where the shared slot serves (kernel A's
+the experts' intermediate size, a second line times the layer with the shared expert a slot of the fused kernels
+and the routing inside them (the router + shared gate GEMM, then cuda.fused_moe: SparseMoE's path up to
+moe.SHARED_SLOT_MAX_TOKENS tokens), and fused_moe alone. Each path's CUDA kernels per layer call are counted (torch.profiler, eager).
+`--sweep` then tunes the fused kernels' tiles per token bucket, on the path SparseMoE takes at it (kernel A's
 over its candidates with kernel B's default, then kernel B's with A's best, then BLOCK_M), starting no bucket after
 --budget-s seconds, and merges the winners into --out (copy to deltaserve/ops/moe/configs.json to ship them).
 """
@@ -83,6 +83,15 @@ def shared_apart_path(block: SparseMoE, x: torch.Tensor) -> torch.Tensor:
     return moe.experts(x, ids, weights, block.experts.gate_up_proj, block.experts.down_proj, shared)
 
 
+def slot_path(block: SparseMoE, operands: tuple, tiles: configs.MoeTiles, x: torch.Tensor) -> torch.Tensor:
+    """The shared slot at any token count (SparseMoE takes it up to moe.SHARED_SLOT_MAX_TOKENS): the router + shared
+    gate GEMM, then cuda.fused_moe."""
+    E = block.gate.out_features
+    projected = linear(x, block.in_weight[:E + 1])  # [T, E + 1]
+    return moe_cuda.fused_moe(x, projected[:, :E], block.top_k, block.norm_topk_prob, *operands, projected[:, E:],
+                              tiles)[0]
+
+
 def slot_operands(block: SparseMoE) -> tuple | None:
     """(gate_up, down, shared gate_up, shared down) where the block runs the shared expert as a slot, else None."""
     experts = block.experts
@@ -143,8 +152,8 @@ def time_layer(block: SparseMoE, tokens: int) -> dict:
         if operands is not None:
             E = block.gate.out_features
             projections = [linear(x, block.in_weight[:E + 1]) for x in xs]  # [T, E + 1] each
-            result["slot"] = graph_time_us([functools.partial(block, x) for x in xs])
-            result["slot_launches"] = kernel_launches(functools.partial(block, xs[0]))
+            result["slot"] = graph_time_us([functools.partial(slot_path, block, operands, tiles, x) for x in xs])
+            result["slot_launches"] = kernel_launches(functools.partial(slot_path, block, operands, tiles, xs[0]))
             result["slot_kernels"] = graph_time_us([functools.partial(
                 moe_cuda.fused_moe, x, p[:, :E], block.top_k, block.norm_topk_prob, *operands, p[:, E:], tiles)
                 for x, p in zip(xs, projections)])
@@ -156,7 +165,7 @@ def sweep_bucket(block: SparseMoE, tokens: int) -> tuple[configs.MoeTiles, float
     slot and the routing where the block runs them so)."""
     experts = block.experts
     xs = [torch.randn(tokens, block.gate.in_features, device="cuda", dtype=torch.bfloat16) for _ in range(CALLS)]
-    operands = slot_operands(block)
+    operands = slot_operands(block) if tokens <= moe.SHARED_SLOT_MAX_TOKENS else None
     E = block.gate.out_features
     with torch.no_grad():
         routed = [moe.route(block.gate(x), block.top_k, block.norm_topk_prob) for x in xs]

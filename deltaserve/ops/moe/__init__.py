@@ -14,8 +14,9 @@ kernel of another weight format goes beside `cuda.fused_experts` and is chosen b
 `sparse_block` is the block after its router in the fewest launches: where the shared expert has the routed experts'
 intermediate size (Qwen3.5-35B-A3B, 122B-A10B, Qwen3-Next: `shared_slot_serves`), it runs as one more expert slot
 of the fused kernels, and the routing runs inside them (kernel A at one token, the align kernel above), so a layer
-is the router's projection, then kernel A, B and the combine (plus the align kernel above one token). Elsewhere
-it is `reference.sparse_block`.
+is the router's projection, then kernel A, B and the combine (plus the align kernel above one token). It serves
+up to SHARED_SLOT_MAX_TOKENS tokens: above one token it measured slower than the shared expert apart
+(docs/performance.md, MoE). Elsewhere it is `reference.sparse_block`.
 """
 
 import torch
@@ -25,10 +26,11 @@ from deltaserve.ops.moe.configs import FUSED_MAX_TOKENS, ROW_BUCKETS, tiles_for
 from deltaserve.ops.moe.reference import grouped_experts
 
 __all__ = ["FUSED_MAX_TOKENS", "ROW_BUCKETS", "experts", "fused_serves", "grouped_experts", "route", "sparse_block",
-           "shared_slot_serves"]
+           "SHARED_SLOT_MAX_TOKENS", "shared_slot_serves"]
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16)
 MAX_EXPERTS = 1024  # the routing and align kernels hold one row of every expert in registers
+SHARED_SLOT_MAX_TOKENS = 1  # the batches sparse_block's shared slot takes (above, the shared expert runs apart)
 
 
 def _route_on_gpu(logits: torch.Tensor) -> bool:
@@ -68,9 +70,11 @@ def experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
 
 
 def shared_slot_serves(x: torch.Tensor, gate_up, down, shared_gate_up, shared_down) -> bool:
-    """Whether `sparse_block` takes the fused kernels: `fused_serves`, and the shared expert's gate_up [2I, H] and down
-    [H, I] plain tensors of the routed experts' intermediate size, dtype and row strides."""
-    return (fused_serves(x, gate_up, down) and isinstance(shared_gate_up, torch.Tensor)
+    """Whether `sparse_block` takes the fused kernels: `fused_serves` at up to SHARED_SLOT_MAX_TOKENS tokens, and the
+    shared expert's gate_up [2I, H] and down [H, I] plain tensors of the routed experts' intermediate size, dtype and
+    row strides."""
+    return (x.shape[0] <= SHARED_SLOT_MAX_TOKENS and fused_serves(x, gate_up, down)
+            and isinstance(shared_gate_up, torch.Tensor)
             and isinstance(shared_down, torch.Tensor) and shared_gate_up.shape == gate_up.shape[1:]
             and shared_down.shape == down.shape[1:] and shared_gate_up.dtype == shared_down.dtype == x.dtype
             and shared_gate_up.stride() == gate_up.stride()[1:] and shared_down.stride() == down.stride()[1:])
