@@ -10,7 +10,8 @@
 #   serve  a workload through the HTTP server: `deltaserve serve` on a published config with dummy weights and a
 #          synthetic tokenizer (bench/vocab_tokenizer.py), driven by `deltaserve bench serve`; MODEL (default
 #          qwen3.5-27b), IN/OUT_LEN (1024/512), PROMPTS (256), CONCURRENCY (64), MAX_MODEL_LEN (4096) choose it;
-#          RUNS="1024:512:5:1 8192:1:5:1" runs several (IN:OUT_LEN:PROMPTS:CONCURRENCY) against one server start
+#          RUNS="1024:512:5:1 8192:1024:64:16:0.8" runs several (IN:OUT_LEN:PROMPTS:CONCURRENCY[:RANGE_RATIO])
+#          against one server start
 #   quant  the quantized GEMMs: their GPU tests, then benchmarks/quant_gemm_probe.py at Qwen3.5-27B's shapes (every
 #          kernel and tile, TB/s and TFLOP/s beside the limits) writing OUTDIR/quant_gemm_configs.json (for
 #          deltaserve/ops/quant_gemm/configs.json); ~6-7 min on an H200: the probe starts no shape after
@@ -99,12 +100,13 @@ while time.monotonic() < deadline:
     time.sleep(1)
 sys.exit("no /health answer within 900 s")
 WAIT
-  # RUNS: several workloads against the one server, "IN:OUT_LEN:PROMPTS:CONCURRENCY" each, space-separated
+  # RUNS: several workloads against the one server, "IN:OUT_LEN:PROMPTS:CONCURRENCY[:RANGE_RATIO]" each
   for run in ${RUNS:-${IN:-1024}:${OUT_LEN:-512}:${PROMPTS:-256}:${CONCURRENCY:-64}}; do
-    IFS=: read -r in_len out_len prompts concurrency <<< "$run"
+    IFS=: read -r in_len out_len prompts concurrency range_ratio <<< "$run"
     python3 -m deltaserve bench serve --base-url http://127.0.0.1:8000 --tokenizer /tmp/vocab_tokenizer \
       --dataset-name random --random-input-len "$in_len" --random-output-len "$out_len" \
-      --num-prompts "$prompts" --max-concurrency "$concurrency" --ignore-eos --temperature 0 2>&1 \
+      --num-prompts "$prompts" --max-concurrency "$concurrency" --random-range-ratio "${range_ratio:-0}" \
+      --ignore-eos --temperature 0 2>&1 \
       | tee -a "$OUT/serve_bench.log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
   done
