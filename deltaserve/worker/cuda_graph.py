@@ -16,6 +16,18 @@ a checkpoint inside it stays eager; from PADDED_CHUNK_MIN_ROWS rows they follow 
 every launch of a fixed shape (`_PaddedPlans` sets its buffers before each replay). A short step with a checkpoint
 inside takes the smallest such graph.
 
+Pipeline parallelism: each stage captures its own decode graphs, one per batch size, over its own layers. A stage
+after the first reads the previous stage's (h, residual) from static input buffers `stage_input` ([n, H] each,
+filled by `run` from what the runner received); a stage before the last writes its (h, residual) to static output
+buffers `stage_output` instead of logits. The send/recv stays outside the graph (ModelRunner._stage_decode); a TP
+all-reduce inside a stage is captured with it (NCCL collectives are capturable; gloo's are not, so graphs stay off
+there). Single-chunk graphs stay single-stage: under PP such a step runs eagerly.
+
+One set of static buffers per rank serves every in-flight micro-batch: a rank runs its steps one after another on
+one stream (the worker takes the next step only once this one's outputs are sent), so a step's replay is queued
+after the previous step's send (NCCL: stream-ordered) or sampling has read the buffers, and its own input copy is
+queued after that; no two steps' use of the buffers overlap, whatever the number of micro-batches.
+
 With --enforce-eager the same padded batches run eagerly, so both modes compute exactly the same numbers (the
 shapes decide which GEMM and attention-split kernels run, and so the rounding).
 """
@@ -118,10 +130,14 @@ class StepGraphs:
         """sizes: the decode batch sizes (graph_sizes.graph_capture_sizes); chunk_sizes: the single-chunk token
         counts (graph_sizes.chunk_graph_sizes), both as ResolvedConfig holds them."""
         self.model = model
+        self.parallel = model.parallel
         self.use_graphs = use_graphs
         self.sizes = list(sizes)
-        # single-chunk graphs: their token counts (a padded graph's last block re-runs: one must fit in it)
+        # single-chunk graphs: their token counts (a padded graph's last block re-runs: one must fit in it); one
+        # stage only
         self.chunk_sizes = [s for s in chunk_sizes if s < PADDED_CHUNK_MIN_ROWS or s >= block_size]
+        if self.parallel.pp_size > 1:
+            self.chunk_sizes = []
         n = self.sizes[-1]
         longest_chunk = max(self.chunk_sizes, default=0)
         block_table_width = max(block_table_width, -(-longest_chunk // block_size))  # a padding sequence reads it
@@ -137,11 +153,20 @@ class StepGraphs:
                                            block_size, device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.chunk_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # pipeline stages: the previous stage's (h, residual) in, this stage's out, [n, H] each (module docstring)
+        hidden = dict(size=(n, model.config.hidden_size), dtype=model.dtype, device=device)
+        self.stage_input = None if self.parallel.is_first_stage else (torch.zeros(**hidden), torch.zeros(**hidden))
+        self.stage_output = None if self.parallel.is_last_stage else (torch.zeros(**hidden), torch.zeros(**hidden))
         # one static output shared by every graph (a per-graph output would hold [size, V] float32 each)
-        self.logits = torch.empty(n, model.config.vocab_size, dtype=torch.float32, device=device)
+        self.logits = None
+        if self.parallel.is_last_stage:
+            self.logits = torch.empty(n, model.config.vocab_size, dtype=torch.float32, device=device)
 
-    def _forward_decode(self, size: int) -> torch.Tensor:
-        return self.model.compute_logits(self.model(self.decode.input_ids[:size], _decode_part(self.decode, size)))
+    def _forward_decode(self, size: int) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits [size, V] on the last stage; (h, residual) [size, H] each on a stage before it."""
+        intermediate = None if self.stage_input is None else tuple(b[:size] for b in self.stage_input)
+        out = self.model(self.decode.input_ids[:size], _decode_part(self.decode, size), None, intermediate)
+        return self.model.compute_logits(out) if self.parallel.is_last_stage else out
 
     def _forward_single(self, size: int) -> torch.Tensor:
         batch = _chunk_part(self.single, self.single_cu_seqlens, size)
@@ -171,8 +196,12 @@ class StepGraphs:
                 self.padded.renew_offsets(size)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = forward(size)
-                self.logits[: logits.shape[0]].copy_(logits)
+                out = forward(size)
+                if isinstance(out, tuple):  # a stage before the last: its (h, residual)
+                    for static, tensor in zip(self.stage_output, out):
+                        static[:size].copy_(tensor)
+                else:
+                    self.logits[: out.shape[0]].copy_(out)
             graphs[size] = graph
         torch.cuda.synchronize()
         logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
@@ -209,15 +238,24 @@ class StepGraphs:
         self.chunk_graphs[size].replay()
         return self.logits[:1]
 
-    def run(self, batch: ForwardBatch, input_ids: torch.Tensor) -> torch.Tensor:
-        """Replay the graph for this decode batch; returns logits [n, V] (a view of the static output)."""
+    def run(self, batch: ForwardBatch, input_ids: torch.Tensor,
+            intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """Replay the graph for this decode batch; returns logits [n, V] on the last stage, (h, residual) [n, H]
+        each on a stage before it (views of the static outputs). A stage after the first takes the previous
+        stage's (h, residual), [n, H] each, as `intermediate` (the padding rows keep what they held: their
+        outputs are never read, and they write no cache)."""
         n = batch.num_seqs
         size = self.padded_size(n)
         _fill_decode_rows(self.decode, batch, input_ids, n, size)
+        if self.stage_input is not None:
+            for static, tensor in zip(self.stage_input, intermediate):
+                static[:n].copy_(tensor)
         if not self.use_graphs:
-            return self._forward_decode(size)[:n]
-        self.graphs[size].replay()
-        return self.logits[:n]
+            out = self._forward_decode(size)
+        else:
+            self.graphs[size].replay()
+            out = self.logits if self.stage_output is None else self.stage_output
+        return tuple(t[:n] for t in out) if isinstance(out, tuple) else out[:n]
 
 
 def _fill_decode_rows(buffers: _StaticBatch, batch: ForwardBatch, input_ids: torch.Tensor, n: int, size: int):

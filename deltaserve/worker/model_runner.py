@@ -8,7 +8,9 @@ sampling once the engine has filled the grammar bitmask on the host (while the d
 
 On CUDA, decode-only steps and steps of one sequence's chunk of up to 1,024 tokens (single-chunk steps) run on
 static padded buffers (see cuda_graph.py), replayed as CUDA graphs unless enforce_eager; every other step, and
-every step on the CPU, runs the model eagerly on its own tensors.
+every step on the CPU, runs the model eagerly on its own tensors. Under pipeline parallelism each stage replays its
+own decode graphs (the hidden states between stages sent and received outside them, cuda_graph.py); single-chunk
+steps run eagerly there.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from deltaserve.graph_sizes import PADDED_CHUNK_MIN_ROWS, PADDED_GRAPH_MAX_PAIRS
 from deltaserve.device import to_device
@@ -70,9 +73,7 @@ class ModelRunner:
         self._last_samples: tuple[dict[str, int], torch.Tensor] = ({}, torch.empty(0, dtype=torch.int64))
         self.graphs: StepGraphs | None = None
         self.parallel = model.parallel
-        if device.type == "cuda" and self.parallel.pp_size > 1:
-            logger.warning("CUDA graphs are off with pipeline parallelism: each stage's step runs eagerly")
-        elif device.type == "cuda":
+        if device.type == "cuda":
             from deltaserve.ops import pdl  # GPU only (Triton)
 
             logger.info("programmatic dependent launch of our kernels: %s", "on" if pdl.verify(device) else
@@ -81,6 +82,9 @@ class ModelRunner:
             if use_graphs and not graphs_supported(model):
                 logger.warning("CUDA graphs are off: torch's grouped matmul for non-bfloat16 MoE experts loops "
                                "on the host")
+                use_graphs = False
+            if use_graphs and self.parallel.world_size > 1 and dist.get_backend() != "nccl":
+                logger.warning("CUDA graphs are off: %s collectives cannot be captured", dist.get_backend())
                 use_graphs = False
             # the graphs' block table is wide enough for the longest sequence; eager steps use their own width
             self.graphs = StepGraphs(model, resolved.decode_graph_sizes, resolved.chunk_graph_sizes,
@@ -148,7 +152,10 @@ class ModelRunner:
         sampling_rows = [i for i, r in enumerate(rows) if r.sample]
         restore_checkpoints(self.model, scheduled)  # prefix hits: checkpoint -> working slot
         if self.graphs is not None and batch.is_decode and self.graphs.padded_size(len(rows)) is not None:
-            logits = self.graphs.run(batch, input_ids)  # [N, V]; in a decode batch every row samples
+            logits = self._stage_decode(batch, input_ids)  # [N, V]; in a decode batch every row samples
+            if logits is None:  # a pipeline stage before the last: its outputs went on to the next stage
+                save_checkpoints(self.model, scheduled)
+                return LaunchedStep([], None)
         elif single:  # one prompt chunk alone
             logits = self.graphs.run_single(batch, input_ids, rows[0].mid_save)  # [1, V], read if it samples
         else:
@@ -179,6 +186,20 @@ class ModelRunner:
             shape = (input_ids.shape[0], self.model.config.hidden_size)
             intermediate = recv_from_previous_stage(parallel, [shape, shape], self.model.dtype, self.device)
         out = self.model(input_ids, batch, sample_seqs if parallel.is_last_stage else None, intermediate)
+        if parallel.is_last_stage:
+            return out
+        send_to_next_stage(parallel, out)
+        return None
+
+    def _stage_decode(self, batch: ForwardBatch, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """A decode step on this stage's graphs: logits [N, V] on the last stage; a stage before it sends its
+        (h, residual) [N, H] each on and returns None. Send and receive stay outside the graphs."""
+        parallel = self.parallel
+        intermediate = None
+        if not parallel.is_first_stage:
+            shape = (input_ids.shape[0], self.model.config.hidden_size)
+            intermediate = recv_from_previous_stage(parallel, [shape, shape], self.model.dtype, self.device)
+        out = self.graphs.run(batch, input_ids, intermediate)
         if parallel.is_last_stage:
             return out
         send_to_next_stage(parallel, out)
