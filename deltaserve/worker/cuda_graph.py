@@ -19,7 +19,7 @@ inside takes the smallest such graph.
 Pipeline parallelism: each stage captures its own decode graphs, one per batch size, over its own layers. A stage
 after the first reads the previous stage's (h, residual) from static input buffers `stage_input` ([n, H] each,
 filled by `run` from what the runner received); a stage before the last writes its (h, residual) to static output
-buffers `stage_output` instead of logits. The send/recv stays outside the graph (ModelRunner._stage_decode); a TP
+buffers `stage_output` instead of logits. The send/recv stays outside the graph (ModelRunner._through_stage); a TP
 all-reduce inside a stage is captured with it (NCCL collectives are capturable; gloo's are not, so graphs stay off
 there). Single-chunk graphs stay single-stage: under PP such a step runs eagerly.
 

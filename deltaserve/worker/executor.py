@@ -3,7 +3,7 @@
 The engine process loads no weights: it spawns `tp * pp` workers (torch.multiprocessing, spawn), each of which
 joins a torch.distributed group (NCCL on its own GPU, gloo on the CPU), loads its stage's layers and runs a
 ModelRunner. Every step the engine sends the same SchedulerOutput to every rank; stages pass hidden states
-between them (ModelRunner._stage_forward) and the last stage's TP rank 0 sends the samples back.
+between them (ModelRunner._through_stage) and the last stage's TP rank 0 sends the samples back.
 
 Transport engine <-> workers: one multiprocessing Pipe per rank, the step pickled once and its bytes written to
 each. A pipe, unlike a collective, lets the engine wait on every rank's pipe and process sentinel at once with a

@@ -15,6 +15,7 @@ steps run eagerly there.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -152,7 +153,8 @@ class ModelRunner:
         sampling_rows = [i for i, r in enumerate(rows) if r.sample]
         restore_checkpoints(self.model, scheduled)  # prefix hits: checkpoint -> working slot
         if self.graphs is not None and batch.is_decode and self.graphs.padded_size(len(rows)) is not None:
-            logits = self._stage_decode(batch, input_ids)  # [N, V]; in a decode batch every row samples
+            # [N, V]; in a decode batch every row samples
+            logits = self._through_stage(input_ids, functools.partial(self.graphs.run, batch, input_ids))
             if logits is None:  # a pipeline stage before the last: its outputs went on to the next stage
                 save_checkpoints(self.model, scheduled)
                 return LaunchedStep([], None)
@@ -160,7 +162,8 @@ class ModelRunner:
             logits = self.graphs.run_single(batch, input_ids, rows[0].mid_save)  # [1, V], read if it samples
         else:
             # only the sampled sequences' last rows leave the last layer (its attention and MLP skip the rest)
-            hidden = self._stage_forward(input_ids, batch, to_device(sampling_rows, self.device, torch.int64))
+            sample_seqs = to_device(sampling_rows, self.device, torch.int64) if self.parallel.is_last_stage else None
+            hidden = self._through_stage(input_ids, functools.partial(self.model, input_ids, batch, sample_seqs))
             if hidden is None:  # a pipeline stage before the last: its outputs went on to the next stage
                 save_checkpoints(self.model, scheduled)
                 return LaunchedStep([], None)
@@ -175,31 +178,17 @@ class ModelRunner:
             self.sample(step)
         return step
 
-    def _stage_forward(self, input_ids: torch.Tensor, batch: ForwardBatch,
-                       sample_seqs: torch.Tensor) -> torch.Tensor | None:
-        """The forward of this rank's pipeline stage: final hidden states [S, H] on the last stage; a stage before
-        it sends its (h, residual), [T, H] each, to the next and returns None. A later stage starts from the
-        previous stage's (h, residual) instead of input_ids."""
+    def _through_stage(self, input_ids: torch.Tensor, forward) -> torch.Tensor | None:
+        """This rank's pipeline stage: forward(intermediate), intermediate the previous stage's (h, residual)
+        [T, H] each (None on the first stage); the last stage returns its result (hidden states or logits), a
+        stage before it sends its (h, residual) to the next and returns None. Send and receive stay outside any
+        graph forward replays."""
         parallel = self.parallel
         intermediate = None
         if not parallel.is_first_stage:
             shape = (input_ids.shape[0], self.model.config.hidden_size)
             intermediate = recv_from_previous_stage(parallel, [shape, shape], self.model.dtype, self.device)
-        out = self.model(input_ids, batch, sample_seqs if parallel.is_last_stage else None, intermediate)
-        if parallel.is_last_stage:
-            return out
-        send_to_next_stage(parallel, out)
-        return None
-
-    def _stage_decode(self, batch: ForwardBatch, input_ids: torch.Tensor) -> torch.Tensor | None:
-        """A decode step on this stage's graphs: logits [N, V] on the last stage; a stage before it sends its
-        (h, residual) [N, H] each on and returns None. Send and receive stay outside the graphs."""
-        parallel = self.parallel
-        intermediate = None
-        if not parallel.is_first_stage:
-            shape = (input_ids.shape[0], self.model.config.hidden_size)
-            intermediate = recv_from_previous_stage(parallel, [shape, shape], self.model.dtype, self.device)
-        out = self.graphs.run(batch, input_ids, intermediate)
+        out = forward(intermediate)
         if parallel.is_last_stage:
             return out
         send_to_next_stage(parallel, out)
