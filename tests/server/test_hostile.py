@@ -107,12 +107,16 @@ def test_malformed_requests_get_4xx_and_leave_nothing_behind(server):
             statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
     assert statuses.get(400, 0) > len(cases) / 2 and statuses.get(200, 0) > 0, statuses  # both kinds were met
     assert_idle(server)
-    assert client_completion(server)
+    assert_still_serving(server)
 
 
-def client_completion(server) -> bool:
-    response = server.post("/v1/completions", json={"prompt": "still serving", "max_tokens": 2})
-    return response.status_code == 200 and response.json()["choices"][0]["finish_reason"] == "length"
+def assert_still_serving(server) -> None:
+    """A plain request after the campaign is answered in full (greedy and past EOS, so "length" is the only
+    finish a serving engine can give)."""
+    body = {"prompt": "still serving", "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    response = server.post("/v1/completions", json=body)
+    assert response.status_code == 200, (response.status_code, response.text)
+    assert response.json()["choices"][0]["finish_reason"] == "length", response.text
 
 
 def _soak_requests(rng: random.Random, num: int, vocab: int) -> list[dict]:
@@ -222,7 +226,7 @@ def test_soak_with_disconnects_and_preemption_is_exact_and_ends_idle(server):
             assert gaps[i] < tie, (f"greedy under load diverged at token {i}, top-2 gap {gaps[i]:.3g} (a near tie is "
                                    f"under {tie:.3g}): {request}")
     assert_idle(server)
-    assert client_completion(server)
+    assert_still_serving(server)
 
 
 _ROOT = str(Path(__file__).resolve().parents[2])  # the checkout whose deltaserve the server runs
