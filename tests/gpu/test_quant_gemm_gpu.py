@@ -29,7 +29,8 @@ SKINNY_TILES = [dict(block_n=64, block_k=128, split_k=1, warps=4, stages=6, quan
                 dict(block_n=128, block_k=128, split_k=4, warps=4, stages=4, quant_x=0)]
 # the GEMV's first tiles in the probe's sweep: (format class, rows bucket) -> tile
 GEMV_TILES = {("fp8", 1): dict(block_n=8, block_k=1024, warps=4, stages=1),
-              ("weight_only", 1): dict(block_n=16, block_k=1024, warps=4, stages=1),
+              ("int4", 1): dict(block_n=256, block_k=128, split_k=8, warps=4, stages=1),
+              ("nvfp4", 1): dict(block_n=256, block_k=64, split_k=8, warps=4, stages=1),
               ("weight_only", 8): dict(block_n=8, block_k=512, warps=4, stages=1)}
 GEMM_TILES = [dict(block_m=128, block_n=128, block_k=128, group_m=8, warps=8, stages=3),
               dict(block_m=64, block_n=128, block_k=64, group_m=8, warps=4, stages=4)]
@@ -126,7 +127,8 @@ def test_gemv_tiles(fmt, weights):
     for n, k in projections()[:2]:
         w = weights[(fmt, n, k)]
         for m in (1,) if fmt == "fp8" else (1, 3, 8):
-            tile = GEMV_TILES[("fp8" if fmt == "fp8" else "weight_only", configs.row_bucket(m))]
+            bucket = configs.row_bucket(m)
+            tile = GEMV_TILES.get((fmt, bucket), GEMV_TILES.get(("weight_only", bucket)))
             assert cuda_gemv.supports(w, tile, m)
             x = activations(m, k)
             u_w, _ = weight_rounding(fmt, "gemv")

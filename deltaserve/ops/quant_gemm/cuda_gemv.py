@@ -6,13 +6,19 @@ the MMA's register layout; here each weight element is decoded from its packed w
 into a float32 number, multiplied by x in float32 and accumulated elementwise in a [BLOCK_N, columns] tile that
 is reduced once at the end (as ops/linear/cuda.py's bf16 GEMV: a reduction per K block makes the loop
 compute-bound). Grid (cdiv(N, BLOCK_N),): every program streams BLOCK_N whole weight rows; each decoded weight
-serves all M rows of x (M FMAs a weight: the tensor-core skinny kernels take over as M grows).
+serves all M rows of x (M FMAs a weight: the tensor-core skinny kernels take over as M grows). One row of int4 /
+NVFP4 takes kernels of its own (_int4_row_kernel, _nvfp4_row_kernel): [BLOCK_N, groups, words] tiles in which a
+thread holds words of several rows, so that each x column it loads serves them all (x reloaded per word made the
+loop instruction-bound), and K split over a second grid axis, the float32 partials summed in order after.
 
   int4   a word holds columns 8j .. 8j+7 (nibble i: bits 4i..4i+3); the nibbles of its low half, masked in place
          and ORed into the bits of 2048.0, are the floats 2048 + q * 16^(i-3) exactly (2048's ulp is 2^-12);
          subtracting 2048 + z * 16^(i-3) gives (q - z) * 16^(i-3) exactly, and x is taken times 16^(3-i)
          instead (a power of two: exact). The high half is shifted down once. So a nibble costs one mask-or,
          one subtraction and one FMA; the word's 8-term sum is multiplied by its group's scale.
+         At one row the nibble at bits p..p+3 of a word (p <= 16; nibbles 5-7 first shifted down by 12) ORed into 2048.0 is
+         2048 + q * 2^(p-12); one FMA by 2^(12-p) less 2048 * 2^(12-p) + z gives q - z exactly, and a second
+         FMA adds it times x: one mask-or and two FMAs a weight.
   NVFP4  two codes at once: e2m1's magnitude bits moved to fp16's exponent/mantissa (bits 9-11 of each half)
          and its sign to bit 15 make two fp16 numbers 2^-14 * e2m1 exactly; the 2^14 joins the group scale
          (e4m3 scale * scale_2), applied to each word's sum (a group of 16 is two words).
@@ -50,19 +56,6 @@ def _fp16_halves(h):
 
 
 @triton.jit
-def _split8(x3):
-    """[..., 8] -> its 8 columns, each [...] (in registers: the 8 are one thread's)."""
-    e, o = tl.split(tl.reshape(x3, x3.shape[:-1] + [4, 2]))  # columns 0 2 4 6 / 1 3 5 7
-    e0, e1 = tl.split(tl.reshape(e, e.shape[:-1] + [2, 2]))  # 0 4 / 2 6
-    o0, o1 = tl.split(tl.reshape(o, o.shape[:-1] + [2, 2]))  # 1 5 / 3 7
-    c0, c4 = tl.split(e0)
-    c2, c6 = tl.split(e1)
-    c1, c5 = tl.split(o0)
-    c3, c7 = tl.split(o1)
-    return c0, c1, c2, c3, c4, c5, c6, c7
-
-
-@triton.jit
 def _word_sum(t, word, z, xs, FORMAT: tl.constexpr):
     """t + per packed word sum_i decode(nibble i) * xs[i], float32 in t's shape (broadcast of word, z and the
     xs): xs the 8 float32 x columns 8j + i of each word j. int4: decode = q - z (z float32, the zero point);
@@ -92,17 +85,113 @@ def _word_sum(t, word, z, xs, FORMAT: tl.constexpr):
 
 
 @triton.jit
+def _int4_minus_zero(src, pos: tl.constexpr, magic, z):
+    """q - z exactly in float32, q the nibble at bits pos..pos+3 of src (pos <= 16), z float32."""
+    inv_step: tl.constexpr = 2.0 ** (12 - pos)  # 2048.0's mantissa weighs bit pos at 2^(pos - 12)
+    return ((src & (0xF << pos)) | magic).to(tl.float32, bitcast=True) * inv_step - (2048.0 * inv_step + z)
+
+
+@triton.jit
+def _int4_row_kernel(
+    x, words, scale, zero, out, partial, N, GROUPS_PER_SPLIT, stride_wn, stride_sn, magic, shift,
+    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS_PER_STEP: tl.constexpr, HAS_ZERO: tl.constexpr,
+    SPLIT: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr = False,
+):
+    """Grid (cdiv(N, BLOCK_N), splits): out [N] (or partial [splits, N] float32 when SPLIT) = x [K] @ dequant(W)^T
+    over the program's GROUPS_PER_SPLIT groups of K. words [N, K/8] int32, scale [N, K/GROUP], zero [N, K/GROUP]
+    uint8. Tiles [BLOCK_N, groups, words of a group]: a thread holds a few words of several rows, so that each x
+    column it loads serves all of them; the scale and zero point load once per row and group. magic (2048.0's
+    bits) and shift (12) come at run time: as immediates the compiler splits each mask-or into two instructions."""
+    wait_for_previous_kernel(PDL)
+    WPG: tl.constexpr = GROUP // 8  # words a group
+    ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    n_ok = ns < N
+    gs = tl.arange(0, GROUPS_PER_STEP)  # [GPS]
+    ws = tl.arange(0, WPG)  # [WPG]
+    w_rows = words + ns[:, None, None].to(tl.int64) * stride_wn  # [BN, 1, 1]
+    s_rows = ns[:, None].to(tl.int64) * stride_sn  # [BN, 1]
+    acc = tl.zeros([BLOCK_N, GROUPS_PER_STEP, WPG], dtype=tl.float32)
+    g_first = tl.program_id(1) * GROUPS_PER_SPLIT
+    for g0 in range(g_first, g_first + GROUPS_PER_SPLIT, GROUPS_PER_STEP):
+        grp = (g0 + gs)[None, :]  # [1, GPS]
+        word_ids = (g0 + gs)[:, None] * WPG + ws[None, :]  # [GPS, WPG]
+        if EVEN_N:
+            word = tl.load(w_rows + word_ids[None, :, :])  # [BN, GPS, WPG]
+            s = tl.load(scale + s_rows + grp).to(tl.float32)[:, :, None]  # [BN, GPS, 1]
+        else:
+            word = tl.load(w_rows + word_ids[None, :, :], mask=n_ok[:, None, None], other=0)
+            s = tl.load(scale + s_rows + grp, mask=n_ok[:, None], other=0.0).to(tl.float32)[:, :, None]
+        if HAS_ZERO:
+            z = tl.load(zero + s_rows + grp, mask=n_ok[:, None], other=0).to(tl.float32)[:, :, None]
+        else:
+            z = tl.full([BLOCK_N, GROUPS_PER_STEP, 1], 8.0, tl.float32)
+        word_hi = (word.to(tl.uint32, bitcast=True) >> shift).to(tl.int32, bitcast=True)  # nibbles 5..7 at bits 8..19
+        x_cols = x + word_ids[None, :, :] * 8  # [1, GPS, WPG]: column 8j of each word j
+        t = tl.zeros([BLOCK_N, GROUPS_PER_STEP, WPG], dtype=tl.float32)
+        for i in tl.static_range(8):
+            if i < 5:
+                q_minus_z = _int4_minus_zero(word, 4 * i, magic, z)
+            else:
+                q_minus_z = _int4_minus_zero(word_hi, 4 * i - 12, magic, z)
+            t += q_minus_z * tl.load(x_cols + i).to(tl.float32)
+        acc += t * s
+    y = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BN]
+    if SPLIT:
+        tl.store(partial + tl.program_id(1) * N + ns, y, mask=n_ok)
+    else:
+        tl.store(out + ns, y.to(out.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _nvfp4_row_kernel(
+    x, words, scale, scale_2, out, partial, N, GROUPS_PER_SPLIT, stride_wn, stride_sn, BLOCK_N: tl.constexpr,
+    GROUPS_PER_STEP: tl.constexpr, SPLIT: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr = False,
+):
+    """Grid (cdiv(N, BLOCK_N), splits): out [N] (or partial [splits, N] float32 when SPLIT) = x [K] @ dequant(W)^T
+    over the program's GROUPS_PER_SPLIT groups of 16. words [N, K/8] (the packed bytes read as int32), scale
+    [N, K/16] e4m3, scale_2 [N] float32. As _int4_row_kernel: [BLOCK_N, groups, 2 words] tiles, each x column a
+    thread loads serving all the rows it holds, the group scale loaded once per row and group."""
+    wait_for_previous_kernel(PDL)
+    ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    n_ok = ns < N
+    gs = tl.arange(0, GROUPS_PER_STEP)  # [GPS]
+    w_rows = words + ns[:, None, None].to(tl.int64) * stride_wn  # [BN, 1, 1]
+    s_rows = ns[:, None].to(tl.int64) * stride_sn  # [BN, 1]
+    acc = tl.zeros([BLOCK_N, GROUPS_PER_STEP, 2], dtype=tl.float32)
+    g_first = tl.program_id(1) * GROUPS_PER_SPLIT
+    for g0 in range(g_first, g_first + GROUPS_PER_SPLIT, GROUPS_PER_STEP):
+        grp = (g0 + gs)[None, :]  # [1, GPS]
+        word_ids = (g0 + gs)[:, None] * 2 + tl.arange(0, 2)[None, :]  # [GPS, 2]
+        if EVEN_N:
+            word = tl.load(w_rows + word_ids[None, :, :])  # [BN, GPS, 2]
+            s = tl.load(scale + s_rows + grp).to(tl.float32)[:, :, None]  # [BN, GPS, 1]
+        else:
+            word = tl.load(w_rows + word_ids[None, :, :], mask=n_ok[:, None, None], other=0)
+            s = tl.load(scale + s_rows + grp, mask=n_ok[:, None], other=0.0).to(tl.float32)[:, :, None]
+        x_cols = x + word_ids[None, :, :] * 8  # [1, GPS, 2]: column 8j of each word j
+        xs = (tl.load(x_cols).to(tl.float32), tl.load(x_cols + 1).to(tl.float32),
+              tl.load(x_cols + 2).to(tl.float32), tl.load(x_cols + 3).to(tl.float32),
+              tl.load(x_cols + 4).to(tl.float32), tl.load(x_cols + 5).to(tl.float32),
+              tl.load(x_cols + 6).to(tl.float32), tl.load(x_cols + 7).to(tl.float32))
+        t = _word_sum(tl.zeros([BLOCK_N, GROUPS_PER_STEP, 2], dtype=tl.float32), word, None, xs, NVFP4)
+        acc += t * s
+    y = tl.sum(tl.sum(acc, axis=2), axis=1) * (tl.load(scale_2 + ns, mask=n_ok, other=0.0) * E2M1_FP16_SCALE)
+    if SPLIT:
+        tl.store(partial + tl.program_id(1) * N + ns, y, mask=n_ok)
+    else:
+        tl.store(out + ns, y.to(out.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
 def _weight_only_gemv_kernel(
     x, words, scale, zero, scale_2, out, M, N, K, stride_xm, stride_om, stride_wn, stride_sn,
     FORMAT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    """Grid (cdiv(N, BLOCK_N),): out [M, N] = x [M, K] @ dequant(W)^T (M <= BLOCK_M). words [N, K/8] int32 (int4
-    packed, or NVFP4's bytes read as words: the same nibble order), scale [N, K/GROUP], zero [N, K/GROUP] uint8
-    (int4), scale_2 [N] float32 (NVFP4). K is a multiple of BLOCK_K, BLOCK_K of GROUP. One row runs in
-    [BN, groups, words] tiles, the scales loaded once per group and broadcast along the words and x's columns
-    loaded contiguously and split per nibble in registers, so that the decoded weights never change register
-    layout (converting them through shared memory every step would cost more than the arithmetic)."""
+    """Grid (cdiv(N, BLOCK_N),): out [M, N] = x [M, K] @ dequant(W)^T (2 <= M <= BLOCK_M: one row takes
+    _int4_row_kernel / _nvfp4_row_kernel). words [N, K/8] int32 (int4 packed, or NVFP4's bytes read as words: the
+    same nibble order), scale [N, K/GROUP], zero [N, K/GROUP] uint8 (int4), scale_2 [N] float32 (NVFP4). K is a
+    multiple of BLOCK_K, BLOCK_K of GROUP."""
     wait_for_previous_kernel(PDL)
     W: tl.constexpr = BLOCK_K // 8  # words per row and K block
     WORDS_PER_GROUP: tl.constexpr = GROUP // 8
@@ -112,63 +201,34 @@ def _weight_only_gemv_kernel(
     js = tl.arange(0, W)  # [W]
     w_rows = words + ns[:, None].to(tl.int64) * stride_wn  # [BN, 1]
     s_rows = ns[:, None].to(tl.int64) * stride_sn  # [BN, 1]
-    if BLOCK_M == 1:
-        # [BN, groups, words of a group]: the scales load once per group and broadcast along the words
-        GPI: tl.constexpr = W // WORDS_PER_GROUP
-        gs = tl.arange(0, GPI)  # [GPI]
-        ws = tl.arange(0, WORDS_PER_GROUP)  # [WPG]
-        acc1 = tl.zeros([BLOCK_N, GPI, WORDS_PER_GROUP], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            g0 = k0 // GROUP
-            word_ids = (g0 + gs)[:, None] * WORDS_PER_GROUP + ws[None, :]  # [GPI, WPG]
-            s_ptrs = scale + s_rows + (g0 + gs)[None, :]  # [BN, GPI]
-            if EVEN_N:
-                word = tl.load(w_rows[:, :, None] + word_ids[None, :, :])  # [BN, GPI, WPG]
-                s1 = tl.load(s_ptrs).to(tl.float32)[:, :, None]  # [BN, GPI, 1]
-            else:
-                word = tl.load(w_rows[:, :, None] + word_ids[None, :, :], mask=n_ok[:, None, None], other=0)
-                s1 = tl.load(s_ptrs, mask=n_ok[:, None], other=0.0).to(tl.float32)[:, :, None]
-            if FORMAT == INT4 and HAS_ZERO:
-                z1 = tl.load(zero + s_rows + (g0 + gs)[None, :], mask=n_ok[:, None], other=0).to(tl.float32)
-                z1 = z1[:, :, None]
-            else:
-                z1 = tl.full([BLOCK_N, GPI, 1], 8.0, tl.float32)
-            # x's BLOCK_K columns in one contiguous load, split into the 8 nibble positions [GPI, WPG] each
-            x3 = tl.reshape(tl.load(x + k0 + tl.arange(0, BLOCK_K)).to(tl.float32), [GPI, WORDS_PER_GROUP, 8])
-            c0, c1, c2, c3, c4, c5, c6, c7 = _split8(x3)
-            xs = (c0[None], c1[None], c2[None], c3[None], c4[None], c5[None], c6[None], c7[None])
-            t = _word_sum(tl.zeros([BLOCK_N, GPI, WORDS_PER_GROUP], dtype=tl.float32), word, z1, xs, FORMAT)
-            acc1 += t * s1
-        y = tl.sum(tl.sum(acc1, axis=2), axis=1)[None, :]  # [1, BN]
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N, W], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            word_ids = k0 // 8 + js  # [W]
-            groups = (word_ids // WORDS_PER_GROUP)[None, :]  # [1, W]
-            if EVEN_N:
-                word = tl.load(w_rows + word_ids[None, :])  # [BN, W]
-                s2 = tl.load(scale + s_rows + groups).to(tl.float32)
-            else:
-                word = tl.load(w_rows + word_ids[None, :], mask=n_ok[:, None], other=0)
-                s2 = tl.load(scale + s_rows + groups, mask=n_ok[:, None], other=0.0).to(tl.float32)
-            if FORMAT == INT4 and HAS_ZERO:
-                z2 = tl.load(zero + s_rows + groups, mask=n_ok[:, None], other=0).to(tl.float32)
-            else:
-                z2 = tl.full(word.shape, 8.0, tl.float32)
-            x_ptrs = x + ms[:, None, None] * stride_xm + word_ids[None, None, :] * 8  # [BM, 1, W]
-            m_ok = (ms < M)[:, None, None]
-            xs = (tl.load(x_ptrs, mask=m_ok, other=0.0).to(tl.float32),
-                  tl.load(x_ptrs + 1, mask=m_ok, other=0.0).to(tl.float32),
-                  tl.load(x_ptrs + 2, mask=m_ok, other=0.0).to(tl.float32),
-                  tl.load(x_ptrs + 3, mask=m_ok, other=0.0).to(tl.float32),
-                  tl.load(x_ptrs + 4, mask=m_ok, other=0.0).to(tl.float32),
-                  tl.load(x_ptrs + 5, mask=m_ok, other=0.0).to(tl.float32),
-                  tl.load(x_ptrs + 6, mask=m_ok, other=0.0).to(tl.float32),
-                  tl.load(x_ptrs + 7, mask=m_ok, other=0.0).to(tl.float32))
-            t = _word_sum(tl.zeros([BLOCK_M, BLOCK_N, W], dtype=tl.float32), word[None, :, :], z2[None, :, :], xs,
-                          FORMAT)
-            acc += t * s2[None, :, :]
-        y = tl.sum(acc, axis=2)  # [BM, BN]
+    acc = tl.zeros([BLOCK_M, BLOCK_N, W], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        word_ids = k0 // 8 + js  # [W]
+        groups = (word_ids // WORDS_PER_GROUP)[None, :]  # [1, W]
+        if EVEN_N:
+            word = tl.load(w_rows + word_ids[None, :])  # [BN, W]
+            s2 = tl.load(scale + s_rows + groups).to(tl.float32)
+        else:
+            word = tl.load(w_rows + word_ids[None, :], mask=n_ok[:, None], other=0)
+            s2 = tl.load(scale + s_rows + groups, mask=n_ok[:, None], other=0.0).to(tl.float32)
+        if FORMAT == INT4 and HAS_ZERO:
+            z2 = tl.load(zero + s_rows + groups, mask=n_ok[:, None], other=0).to(tl.float32)
+        else:
+            z2 = tl.full(word.shape, 8.0, tl.float32)
+        x_ptrs = x + ms[:, None, None] * stride_xm + word_ids[None, None, :] * 8  # [BM, 1, W]
+        m_ok = (ms < M)[:, None, None]
+        xs = (tl.load(x_ptrs, mask=m_ok, other=0.0).to(tl.float32),
+              tl.load(x_ptrs + 1, mask=m_ok, other=0.0).to(tl.float32),
+              tl.load(x_ptrs + 2, mask=m_ok, other=0.0).to(tl.float32),
+              tl.load(x_ptrs + 3, mask=m_ok, other=0.0).to(tl.float32),
+              tl.load(x_ptrs + 4, mask=m_ok, other=0.0).to(tl.float32),
+              tl.load(x_ptrs + 5, mask=m_ok, other=0.0).to(tl.float32),
+              tl.load(x_ptrs + 6, mask=m_ok, other=0.0).to(tl.float32),
+              tl.load(x_ptrs + 7, mask=m_ok, other=0.0).to(tl.float32))
+        t = _word_sum(tl.zeros([BLOCK_M, BLOCK_N, W], dtype=tl.float32), word[None, :, :], z2[None, :, :], xs,
+                      FORMAT)
+        acc += t * s2[None, :, :]
+    y = tl.sum(acc, axis=2)  # [BM, BN]
     if FORMAT == NVFP4:
         y = y * (tl.load(scale_2 + ns, mask=n_ok, other=0.0) * E2M1_FP16_SCALE)[None, :]
     tl.store(out + ms[:, None] * stride_om + ns[None, :], y.to(out.dtype.element_ty),
@@ -220,7 +280,25 @@ def supports(w, config: dict, rows: int = 1) -> bool:
         bn, bk = w.block_size
         return rows == 1 and bn % config["block_n"] == 0 and config["block_k"] % bk == 0
     group = w.group_size if isinstance(w, Int4Weight) else 16
+    if rows == 1:
+        return _row_steps(k, group, config) is not None
     return 1 <= rows <= MAX_ROWS and _block_k(k, config["block_k"], group) is not None
+
+
+def _row_steps(k: int, group: int, config: dict) -> tuple[int, int] | None:
+    """(groups a K step, K splits) of the one-row int4 / NVFP4 kernels: block_k // group groups a step (a power of
+    two, at least 1) and up to config's split_k splits (default 1), both dividing K's groups; None if the group is
+    not a power of two of at least 8 columns or no step divides K."""
+    if group < 8 or group & (group - 1) or k % group:
+        return None
+    groups = k // group
+    per_step = triton.next_power_of_2(max(1, config["block_k"] // group))
+    while per_step > 1 and groups % per_step:
+        per_step //= 2
+    split = max(1, min(config.get("split_k", 1), groups // per_step))
+    while groups % (split * per_step):
+        split -= 1
+    return per_step, split
 
 
 def gemv(x: torch.Tensor, w, config: dict) -> torch.Tensor:
@@ -250,10 +328,40 @@ def gemv(x: torch.Tensor, w, config: dict) -> torch.Tensor:
             x = x.index_select(1, w.perm)
     else:
         fmt, words, group, zero, scale_2 = NVFP4, w.packed.view(torch.int32), 16, None, w.scale_2
+    if m == 1:
+        return _one_row(x, w, words, group, config, out, launch)
     block_k = _block_k(k, config["block_k"], group)
     _weight_only_gemv_kernel[grid](
         x, words, w.scale, zero if zero is not None else w.scale, scale_2, out, m, n, k, x.stride(0), out.stride(0),
         words.stride(0), w.scale.stride(0), FORMAT=fmt, GROUP=group, HAS_ZERO=zero is not None,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=n % block_n == 0,
         num_warps=config["warps"], num_stages=config["stages"], **launch)
+    return out
+
+
+def _one_row(x: torch.Tensor, w, words: torch.Tensor, group: int, config: dict, out: torch.Tensor,
+             launch: dict) -> torch.Tensor:
+    """out [1, N] = x [1, K] (columns in the packed order) @ dequant(w)^T by _int4_row_kernel / _nvfp4_row_kernel
+    (words: w's packed codes as int32 [N, K/8]); split K sums its float32 partials in order by a second kernel."""
+    from deltaserve.ops.linear.cuda_skinny import _sum_splits_kernel
+
+    n, k = w.shape
+    per_step, split = _row_steps(k, group, config)
+    block_n = config["block_n"]
+    partial = torch.empty(split, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    grid = (triton.cdiv(n, block_n), split)
+    shape = dict(BLOCK_N=block_n, GROUPS_PER_STEP=per_step, SPLIT=split > 1, EVEN_N=n % block_n == 0,
+                 num_warps=config["warps"], num_stages=config["stages"], **launch)
+    if isinstance(w, Int4Weight):
+        _int4_row_kernel[grid](
+            x, words, w.scale, w.zero if w.zero is not None else w.scale, out, partial, n, k // group // split,
+            words.stride(0), w.scale.stride(0), MAGIC_2048.value, 12, GROUP=group, HAS_ZERO=w.zero is not None,
+            **shape)
+    else:
+        _nvfp4_row_kernel[grid](
+            x, words, w.scale, w.scale_2, out, partial, n, k // group // split, words.stride(0), w.scale.stride(0),
+            **shape)
+    if split > 1:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(n, block),)](partial, out, n, SPLIT_K=split, BLOCK=block, **launch)
     return out
