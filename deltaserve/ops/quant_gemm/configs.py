@@ -81,7 +81,7 @@ def default_config(fmt: str, n: int, k: int, rows: int) -> dict:
     dequantized weight through cuBLAS for int4 / NVFP4."""
     if rows == 1 and fmt != "fp8":  # several rows a thread; K split so that ~2 programs run per SM
         group = 128 if fmt == "int4" else 16
-        return {"kind": "gemv", "block_n": 256, "block_k": 128 if fmt == "int4" else 64,
+        return {"kind": "gemv", "block_n": 256, "block_k": 128,
                 "split_k": gemv_split_k(n, k, 256, group), "warps": 4, "stages": 1}
     if rows == 1 and n <= 8192:  # fp8: [8, 1024] float32 products a program, as the bf16 GEMV
         return {"kind": "gemv", "block_n": 8, "block_k": 1024, "warps": 4, "stages": 1}

@@ -149,33 +149,32 @@ def _nvfp4_row_kernel(
 ):
     """Grid (cdiv(N, BLOCK_N), splits): out [N] (or partial [splits, N] float32 when SPLIT) = x [K] @ dequant(W)^T
     over the program's GROUPS_PER_SPLIT groups of 16. words [N, K/8] (the packed bytes read as int32), scale
-    [N, K/16] e4m3, scale_2 [N] float32. As _int4_row_kernel: [BLOCK_N, groups, 2 words] tiles, each x column a
-    thread loads serving all the rows it holds, the group scale loaded once per row and group."""
+    [N, K/16] e4m3, scale_2 [N] float32. [BLOCK_N, words] tiles, a thread's words contiguous in a row (one
+    16-byte load) so that each x column it loads serves all the rows it holds; each word loads its group's scale
+    (as [rows, groups, 2 words] tiles the compiler spread the threads over rows only: 2 rows a thread)."""
     wait_for_previous_kernel(PDL)
+    W: tl.constexpr = 2 * GROUPS_PER_STEP  # words a K step (a group of 16 is two)
     ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     n_ok = ns < N
-    gs = tl.arange(0, GROUPS_PER_STEP)  # [GPS]
-    w_rows = words + ns[:, None, None].to(tl.int64) * stride_wn  # [BN, 1, 1]
-    s_rows = ns[:, None].to(tl.int64) * stride_sn  # [BN, 1]
-    acc = tl.zeros([BLOCK_N, GROUPS_PER_STEP, 2], dtype=tl.float32)
-    g_first = tl.program_id(1) * GROUPS_PER_SPLIT
-    for g0 in range(g_first, g_first + GROUPS_PER_SPLIT, GROUPS_PER_STEP):
-        grp = (g0 + gs)[None, :]  # [1, GPS]
-        word_ids = (g0 + gs)[:, None] * 2 + tl.arange(0, 2)[None, :]  # [GPS, 2]
+    w_rows = words + ns[:, None].to(tl.int64) * stride_wn  # [BN, 1]
+    s_rows = scale + ns[:, None].to(tl.int64) * stride_sn  # [BN, 1]
+    acc = tl.zeros([BLOCK_N, W], dtype=tl.float32)
+    w_first = tl.program_id(1) * GROUPS_PER_SPLIT * 2
+    for w0 in range(w_first, w_first + GROUPS_PER_SPLIT * 2, W):
+        word_ids = w0 + tl.arange(0, W)  # [W]
         if EVEN_N:
-            word = tl.load(w_rows + word_ids[None, :, :])  # [BN, GPS, 2]
-            s = tl.load(scale + s_rows + grp).to(tl.float32)[:, :, None]  # [BN, GPS, 1]
+            word = tl.load(w_rows + word_ids[None, :])  # [BN, W]
+            s = tl.load(s_rows + word_ids[None, :] // 2).to(tl.float32)  # [BN, W]: each word's group scale
         else:
-            word = tl.load(w_rows + word_ids[None, :, :], mask=n_ok[:, None, None], other=0)
-            s = tl.load(scale + s_rows + grp, mask=n_ok[:, None], other=0.0).to(tl.float32)[:, :, None]
-        x_cols = x + word_ids[None, :, :] * 8  # [1, GPS, 2]: column 8j of each word j
+            word = tl.load(w_rows + word_ids[None, :], mask=n_ok[:, None], other=0)
+            s = tl.load(s_rows + word_ids[None, :] // 2, mask=n_ok[:, None], other=0.0).to(tl.float32)
+        x_cols = x + word_ids[None, :] * 8  # [1, W]: column 8j of each word j
         xs = (tl.load(x_cols).to(tl.float32), tl.load(x_cols + 1).to(tl.float32),
               tl.load(x_cols + 2).to(tl.float32), tl.load(x_cols + 3).to(tl.float32),
               tl.load(x_cols + 4).to(tl.float32), tl.load(x_cols + 5).to(tl.float32),
               tl.load(x_cols + 6).to(tl.float32), tl.load(x_cols + 7).to(tl.float32))
-        t = _word_sum(tl.zeros([BLOCK_N, GROUPS_PER_STEP, 2], dtype=tl.float32), word, None, xs, NVFP4)
-        acc += t * s
-    y = tl.sum(tl.sum(acc, axis=2), axis=1) * (tl.load(scale_2 + ns, mask=n_ok, other=0.0) * E2M1_FP16_SCALE)
+        acc += _word_sum(tl.zeros([BLOCK_N, W], dtype=tl.float32), word, None, xs, NVFP4) * s
+    y = tl.sum(acc, axis=1) * (tl.load(scale_2 + ns, mask=n_ok, other=0.0) * E2M1_FP16_SCALE)
     if SPLIT:
         tl.store(partial + tl.program_id(1) * N + ns, y, mask=n_ok)
     else:
