@@ -40,21 +40,17 @@ COPIES_BYTES = 400e6
 ROWS = (1, 8, 16, 32, 64, 512, 8192)
 # GEMV tiles (cuda_gemv): rows, columns per K step, warps, stages. FP8 (one row) holds a block_n x block_k float32
 # product tile (~64 registers a thread at 8 x 1024 and 4 warps), the 4-bit formats one float per word and row of x;
-# int4's and NVFP4's one-row kernels several rows a thread (each x column it loads serves them all), K split
-# ("auto": ~2 programs per SM, configs.gemv_split_k).
+# int4's one-row kernel block_n * block_k / (8 * 32 * warps) words a thread (its registers, so the programs an SM
+# holds, follow), K split ("auto": ~2 programs per SM, configs.gemv_split_k).
 GEMV_SWEEP = {("fp8", 1): [dict(block_n=8, block_k=1024, warps=4, stages=1),
                            dict(block_n=16, block_k=512, warps=4, stages=1),
                            dict(block_n=16, block_k=1024, warps=8, stages=1)],
-              ("int4", 1): [dict(block_n=256, block_k=128, split_k="auto", warps=4, stages=1),
-                            dict(block_n=256, block_k=128, split_k="auto", warps=8, stages=1),
-                            dict(block_n=128, block_k=128, split_k="auto", warps=4, stages=1),
-                            dict(block_n=256, block_k=256, split_k="auto", warps=4, stages=2),
-                            dict(block_n=512, block_k=128, split_k="auto", warps=8, stages=1)],
-              ("nvfp4", 1): [dict(block_n=256, block_k=128, split_k="auto", warps=4, stages=1),
-                             dict(block_n=512, block_k=128, split_k="auto", warps=4, stages=1),
-                             dict(block_n=256, block_k=256, split_k="auto", warps=4, stages=1),
-                             dict(block_n=256, block_k=128, split_k="auto", warps=8, stages=1),
-                             dict(block_n=128, block_k=128, split_k="auto", warps=4, stages=1)],
+              ("int4", 1): [dict(block_n=bn, block_k=128, split_k="auto", warps=w, stages=1)
+                            for bn, w in ((256, 4), (128, 4), (64, 4), (128, 8), (32, 4), (64, 8), (32, 2))],
+              ("nvfp4", 1): [dict(block_n=16, block_k=1024, warps=4, stages=1),
+                             dict(block_n=32, block_k=1024, warps=4, stages=1),
+                             dict(block_n=16, block_k=2048, warps=4, stages=1),
+                             dict(block_n=8, block_k=4096, warps=4, stages=1)],
               ("weight_only", 8): [dict(block_n=8, block_k=512, warps=4, stages=1),
                                    dict(block_n=16, block_k=256, warps=4, stages=1),
                                    dict(block_n=4, block_k=1024, warps=4, stages=1)]}
@@ -145,7 +141,7 @@ def candidates(fmt: str, n: int, k: int, rows: int, w) -> list[tuple[dict, objec
     bucket = configs.row_bucket(rows)
     for tile in GEMV_SWEEP.get((fmt, bucket), GEMV_SWEEP.get((weight_only, bucket), [])):
         if tile.get("split_k") == "auto":
-            tile = dict(tile, split_k=configs.gemv_split_k(n, k, tile["block_n"], 128 if fmt == "int4" else 16))
+            tile = dict(tile, split_k=configs.gemv_split_k(n, k, tile["block_n"]))
         entry = dict(kind="gemv", **tile)
         if cuda_gemv.supports(w, entry, rows):
             out.append((entry, lambda x, w, e=entry: cuda_gemv.gemv(x, w, e)))

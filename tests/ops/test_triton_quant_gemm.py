@@ -195,24 +195,9 @@ def test_int4_one_row_split_k(dtype, symmetric, act_order, block_k, split_k, ste
     gen = torch.Generator().manual_seed(block_k + split_k)
     w, x = int4_weight(40, 768, 32, symmetric, act_order, gen), activations(1, 768, dtype, gen)
     config = dict(GEMV, block_k=block_k, split_k=split_k)
-    assert cuda_gemv._row_steps(768, 32, config) == steps
+    assert cuda_gemv._int4_row_steps(768, 32, config) == steps
     y64, terms = oracle.weight_only_exact(x, w)
     oracle.assert_within(cuda_gemv.gemv(x, w, config), y64, gemv_bound(x, w, y64, terms), "int4 one-row gemv")
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("per_row", [False, True])
-@pytest.mark.parametrize("block_k,split_k,steps", [(64, 3, (4, 3)), (64, 5, (4, 4)), (16, 1, (1, 1)), (512, 8, (16, 3))])
-def test_nvfp4_one_row_split_k(dtype, per_row, block_k, split_k, steps):
-    """The one-row kernel over 48 groups of 16: several groups a K step, K split in 3 or 4 (5 asked: the largest
-    split dividing the steps), the partials summed in order; N = 40 leaves a partial row block."""
-    gen = torch.Generator().manual_seed(block_k + split_k + per_row)
-    w, x = nvfp4_weight(40, 768, per_row, gen), activations(1, 768, dtype, gen)
-    config = dict(GEMV, block_k=block_k, split_k=split_k)
-    assert cuda_gemv._row_steps(768, 16, config) == steps
-    y64, terms = oracle.weight_only_exact(x, w)
-    got = cuda_gemv.gemv(x, w, config)
-    oracle.assert_within(got, y64, gemv_bound(x, w, y64, terms, extra_roundings=3), "nvfp4 one-row gemv")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

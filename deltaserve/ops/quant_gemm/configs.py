@@ -4,7 +4,7 @@
 Keys are "format:N:K:rows", format one of fp8, int4, nvfp4 and rows the bucket of the batch's row count: 1, 8, 16,
 32 or 64 (decode) or 512 / 8192 (prefill: up to 512 rows, more). Values are dicts:
   {"kind": "gemv", "block_n", "block_k", "warps", "stages"[, "split_k"]}   cuda_gemv: fp8 1 row, int4 / nvfp4
-                                                                1..8 rows (split_k: int4 / nvfp4 at one row)
+                                                                1..8 rows (split_k: int4 at one row only)
   {"kind": "skinny", "block_n", "block_k", "split_k", "warps", "stages"[, "quant_x"]}   1..64 rows only
   {"kind": "gemm", "block_m", "block_n", "block_k", "group_m", "warps", "stages"}       tiled, any rows
   {"kind": "torch"}    fp8 only: torch's block-scaled FP8 matmul (F.scaled_mm, 1x128 x 128x128 scales)
@@ -60,7 +60,7 @@ def check_entry(where: str, key: str, entry) -> None:
     if (bucket not in DECODE_BUCKETS + PREFILL_BUCKETS or (kind == "skinny" and bucket not in DECODE_BUCKETS)
             or (kind == "gemv" and bucket > (1 if parts[0] == "fp8" else 8))):
         raise ValueError(f"{where}: entry {key!r}: kind {kind!r} does not serve the {bucket}-row bucket")
-    optional = ("split_k",) if kind == "gemv" and parts[0] != "fp8" and bucket == 1 else ()
+    optional = ("split_k",) if kind == "gemv" and parts[0] == "int4" and bucket == 1 else ()
     for field in _FIELDS[kind] + tuple(f for f in optional if f in entry):
         value = entry.get(field)
         if not (isinstance(value, int) and value > 0):
@@ -79,12 +79,11 @@ def default_config(fmt: str, n: int, k: int, rows: int) -> dict:
     well); up to 64 rows the skinny kernels, K split on narrow weights so that ~2 programs run per SM, FP8's
     activation quantized by its own kernel first; above, torch's block-scaled F.scaled_mm for FP8 and the
     dequantized weight through cuBLAS for int4 / NVFP4."""
-    if rows == 1 and fmt != "fp8":  # several rows a thread; K split so that ~2 programs run per SM
-        group = 128 if fmt == "int4" else 16
-        return {"kind": "gemv", "block_n": 256, "block_k": 128,
-                "split_k": gemv_split_k(n, k, 256, group), "warps": 4, "stages": 1}
-    if rows == 1 and n <= 8192:  # fp8: [8, 1024] float32 products a program, as the bf16 GEMV
-        return {"kind": "gemv", "block_n": 8, "block_k": 1024, "warps": 4, "stages": 1}
+    if rows == 1 and fmt == "int4":  # 8 rows a thread; K split so that ~2 programs run per SM
+        return {"kind": "gemv", "block_n": 256, "block_k": 128, "split_k": gemv_split_k(n, k, 256), "warps": 4,
+                "stages": 1}
+    if rows == 1 and (fmt != "fp8" or n <= 8192):  # fp8: [8, 1024] float32 products a program, as the bf16 GEMV
+        return {"kind": "gemv", "block_n": 8 if fmt == "fp8" else 16, "block_k": 1024, "warps": 4, "stages": 1}
     if rows <= 8 and fmt != "fp8":  # [rows, 8, 64] float32 sums a program
         return {"kind": "gemv", "block_n": 8, "block_k": 512, "warps": 4, "stages": 1}
     if rows <= SKINNY_MAX_ROWS:
@@ -99,7 +98,7 @@ def auto_split_k(n: int, k: int, block_n: int, block_k: int = 128) -> int:
 
 
 def gemv_split_k(n: int, k: int, block_n: int, group: int = 128) -> int:
-    """K splits of the one-row int4 / NVFP4 GEMV that put ~2 programs on each of an H200's 132 SMs (at most 8, each split
+    """K splits of the one-row int4 GEMV that put ~2 programs on each of an H200's 132 SMs (at most 8, each split
     at least 8 groups long)."""
     return max(1, min(8, 264 // -(-n // block_n), k // (8 * group)))
 

@@ -6,19 +6,19 @@ the MMA's register layout; here each weight element is decoded from its packed w
 into a float32 number, multiplied by x in float32 and accumulated elementwise in a [BLOCK_N, columns] tile that
 is reduced once at the end (as ops/linear/cuda.py's bf16 GEMV: a reduction per K block makes the loop
 compute-bound). Grid (cdiv(N, BLOCK_N),): every program streams BLOCK_N whole weight rows; each decoded weight
-serves all M rows of x (M FMAs a weight: the tensor-core skinny kernels take over as M grows). One row of int4 /
-NVFP4 takes kernels of its own (_int4_row_kernel, _nvfp4_row_kernel): [BLOCK_N, groups, words] tiles in which a
-thread holds words of several rows, so that each x column it loads serves them all (x reloaded per word made the
-loop instruction-bound), and K split over a second grid axis, the float32 partials summed in order after.
+serves all M rows of x (M FMAs a weight: the tensor-core skinny kernels take over as M grows). One row of int4
+takes a kernel of its own (_int4_row_kernel): [BLOCK_N, groups, words] tiles in which a thread holds words of
+several rows, so that each x column it loads serves them all, and K split over a second grid axis, the float32
+partials summed in order after.
 
   int4   a word holds columns 8j .. 8j+7 (nibble i: bits 4i..4i+3); the nibbles of its low half, masked in place
          and ORed into the bits of 2048.0, are the floats 2048 + q * 16^(i-3) exactly (2048's ulp is 2^-12);
          subtracting 2048 + z * 16^(i-3) gives (q - z) * 16^(i-3) exactly, and x is taken times 16^(3-i)
          instead (a power of two: exact). The high half is shifted down once. So a nibble costs one mask-or,
          one subtraction and one FMA; the word's 8-term sum is multiplied by its group's scale.
-         At one row the nibble at bits p..p+3 of a word (p <= 16; nibbles 5-7 first shifted down by 12) ORed into 2048.0 is
-         2048 + q * 2^(p-12); one FMA by 2^(12-p) less 2048 * 2^(12-p) + z gives q - z exactly, and a second
-         FMA adds it times x: one mask-or and two FMAs a weight.
+         At one row the nibble at bits p..p+3 of a word (p <= 16; nibbles 5-7 first shifted down by 12) ORed
+         into 2048.0 is 2048 + q * 2^(p-12); one FMA by 2^(12-p) less 2048 * 2^(12-p) + z gives q - z exactly,
+         and a second FMA adds it times x: one mask-or and two FMAs a weight.
   NVFP4  two codes at once: e2m1's magnitude bits moved to fp16's exponent/mantissa (bits 9-11 of each half)
          and its sign to bit 15 make two fp16 numbers 2^-14 * e2m1 exactly; the 2^14 joins the group scale
          (e4m3 scale * scale_2), applied to each word's sum (a group of 16 is two words).
@@ -53,6 +53,19 @@ def _fp16_halves(h):
     lo = (h & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
     hi = (h >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
     return lo, hi
+
+
+@triton.jit
+def _split8(x3):
+    """[..., 8] -> its 8 columns, each [...] (in registers: the 8 are one thread's)."""
+    e, o = tl.split(tl.reshape(x3, x3.shape[:-1] + [4, 2]))  # columns 0 2 4 6 / 1 3 5 7
+    e0, e1 = tl.split(tl.reshape(e, e.shape[:-1] + [2, 2]))  # 0 4 / 2 6
+    o0, o1 = tl.split(tl.reshape(o, o.shape[:-1] + [2, 2]))  # 1 5 / 3 7
+    c0, c4 = tl.split(e0)
+    c2, c6 = tl.split(e1)
+    c1, c5 = tl.split(o0)
+    c3, c7 = tl.split(o1)
+    return c0, c1, c2, c3, c4, c5, c6, c7
 
 
 @triton.jit
@@ -143,54 +156,18 @@ def _int4_row_kernel(
 
 
 @triton.jit
-def _nvfp4_row_kernel(
-    x, words, scale, scale_2, out, partial, N, GROUPS_PER_SPLIT, stride_wn, stride_sn, BLOCK_N: tl.constexpr,
-    GROUPS_PER_STEP: tl.constexpr, SPLIT: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr = False,
-):
-    """Grid (cdiv(N, BLOCK_N), splits): out [N] (or partial [splits, N] float32 when SPLIT) = x [K] @ dequant(W)^T
-    over the program's GROUPS_PER_SPLIT groups of 16. words [N, K/8] (the packed bytes read as int32), scale
-    [N, K/16] e4m3, scale_2 [N] float32. [BLOCK_N, words] tiles, a thread's words contiguous in a row (one
-    16-byte load) so that each x column it loads serves all the rows it holds; each word loads its group's scale
-    (as [rows, groups, 2 words] tiles the compiler spread the threads over rows only: 2 rows a thread)."""
-    wait_for_previous_kernel(PDL)
-    W: tl.constexpr = 2 * GROUPS_PER_STEP  # words a K step (a group of 16 is two)
-    ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-    n_ok = ns < N
-    w_rows = words + ns[:, None].to(tl.int64) * stride_wn  # [BN, 1]
-    s_rows = scale + ns[:, None].to(tl.int64) * stride_sn  # [BN, 1]
-    acc = tl.zeros([BLOCK_N, W], dtype=tl.float32)
-    w_first = tl.program_id(1) * GROUPS_PER_SPLIT * 2
-    for w0 in range(w_first, w_first + GROUPS_PER_SPLIT * 2, W):
-        word_ids = w0 + tl.arange(0, W)  # [W]
-        if EVEN_N:
-            word = tl.load(w_rows + word_ids[None, :])  # [BN, W]
-            s = tl.load(s_rows + word_ids[None, :] // 2).to(tl.float32)  # [BN, W]: each word's group scale
-        else:
-            word = tl.load(w_rows + word_ids[None, :], mask=n_ok[:, None], other=0)
-            s = tl.load(s_rows + word_ids[None, :] // 2, mask=n_ok[:, None], other=0.0).to(tl.float32)
-        x_cols = x + word_ids[None, :] * 8  # [1, W]: column 8j of each word j
-        xs = (tl.load(x_cols).to(tl.float32), tl.load(x_cols + 1).to(tl.float32),
-              tl.load(x_cols + 2).to(tl.float32), tl.load(x_cols + 3).to(tl.float32),
-              tl.load(x_cols + 4).to(tl.float32), tl.load(x_cols + 5).to(tl.float32),
-              tl.load(x_cols + 6).to(tl.float32), tl.load(x_cols + 7).to(tl.float32))
-        acc += _word_sum(tl.zeros([BLOCK_N, W], dtype=tl.float32), word, None, xs, NVFP4) * s
-    y = tl.sum(acc, axis=1) * (tl.load(scale_2 + ns, mask=n_ok, other=0.0) * E2M1_FP16_SCALE)
-    if SPLIT:
-        tl.store(partial + tl.program_id(1) * N + ns, y, mask=n_ok)
-    else:
-        tl.store(out + ns, y.to(out.dtype.element_ty), mask=n_ok)
-
-
-@triton.jit
 def _weight_only_gemv_kernel(
     x, words, scale, zero, scale_2, out, M, N, K, stride_xm, stride_om, stride_wn, stride_sn,
     FORMAT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    """Grid (cdiv(N, BLOCK_N),): out [M, N] = x [M, K] @ dequant(W)^T (2 <= M <= BLOCK_M: one row takes
-    _int4_row_kernel / _nvfp4_row_kernel). words [N, K/8] int32 (int4 packed, or NVFP4's bytes read as words: the
-    same nibble order), scale [N, K/GROUP], zero [N, K/GROUP] uint8 (int4), scale_2 [N] float32 (NVFP4). K is a
-    multiple of BLOCK_K, BLOCK_K of GROUP."""
+    """Grid (cdiv(N, BLOCK_N),): out [M, N] = x [M, K] @ dequant(W)^T (M <= BLOCK_M). words [N, K/8] int32 (int4
+    packed, or NVFP4's bytes read as words: the same nibble order), scale [N, K/GROUP], zero [N, K/GROUP] uint8
+    (int4), scale_2 [N] float32 (NVFP4). K is a multiple of BLOCK_K, BLOCK_K of GROUP. One row (NVFP4's: int4's
+    takes _int4_row_kernel) runs in
+    [BN, groups, words] tiles, the scales loaded once per group and broadcast along the words and x's columns
+    loaded contiguously and split per nibble in registers, so that the decoded weights never change register
+    layout (converting them through shared memory every step would cost more than the arithmetic)."""
     wait_for_previous_kernel(PDL)
     W: tl.constexpr = BLOCK_K // 8  # words per row and K block
     WORDS_PER_GROUP: tl.constexpr = GROUP // 8
@@ -200,34 +177,63 @@ def _weight_only_gemv_kernel(
     js = tl.arange(0, W)  # [W]
     w_rows = words + ns[:, None].to(tl.int64) * stride_wn  # [BN, 1]
     s_rows = ns[:, None].to(tl.int64) * stride_sn  # [BN, 1]
-    acc = tl.zeros([BLOCK_M, BLOCK_N, W], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        word_ids = k0 // 8 + js  # [W]
-        groups = (word_ids // WORDS_PER_GROUP)[None, :]  # [1, W]
-        if EVEN_N:
-            word = tl.load(w_rows + word_ids[None, :])  # [BN, W]
-            s2 = tl.load(scale + s_rows + groups).to(tl.float32)
-        else:
-            word = tl.load(w_rows + word_ids[None, :], mask=n_ok[:, None], other=0)
-            s2 = tl.load(scale + s_rows + groups, mask=n_ok[:, None], other=0.0).to(tl.float32)
-        if FORMAT == INT4 and HAS_ZERO:
-            z2 = tl.load(zero + s_rows + groups, mask=n_ok[:, None], other=0).to(tl.float32)
-        else:
-            z2 = tl.full(word.shape, 8.0, tl.float32)
-        x_ptrs = x + ms[:, None, None] * stride_xm + word_ids[None, None, :] * 8  # [BM, 1, W]
-        m_ok = (ms < M)[:, None, None]
-        xs = (tl.load(x_ptrs, mask=m_ok, other=0.0).to(tl.float32),
-              tl.load(x_ptrs + 1, mask=m_ok, other=0.0).to(tl.float32),
-              tl.load(x_ptrs + 2, mask=m_ok, other=0.0).to(tl.float32),
-              tl.load(x_ptrs + 3, mask=m_ok, other=0.0).to(tl.float32),
-              tl.load(x_ptrs + 4, mask=m_ok, other=0.0).to(tl.float32),
-              tl.load(x_ptrs + 5, mask=m_ok, other=0.0).to(tl.float32),
-              tl.load(x_ptrs + 6, mask=m_ok, other=0.0).to(tl.float32),
-              tl.load(x_ptrs + 7, mask=m_ok, other=0.0).to(tl.float32))
-        t = _word_sum(tl.zeros([BLOCK_M, BLOCK_N, W], dtype=tl.float32), word[None, :, :], z2[None, :, :], xs,
-                      FORMAT)
-        acc += t * s2[None, :, :]
-    y = tl.sum(acc, axis=2)  # [BM, BN]
+    if BLOCK_M == 1:
+        # [BN, groups, words of a group]: the scales load once per group and broadcast along the words
+        GPI: tl.constexpr = W // WORDS_PER_GROUP
+        gs = tl.arange(0, GPI)  # [GPI]
+        ws = tl.arange(0, WORDS_PER_GROUP)  # [WPG]
+        acc1 = tl.zeros([BLOCK_N, GPI, WORDS_PER_GROUP], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            g0 = k0 // GROUP
+            word_ids = (g0 + gs)[:, None] * WORDS_PER_GROUP + ws[None, :]  # [GPI, WPG]
+            s_ptrs = scale + s_rows + (g0 + gs)[None, :]  # [BN, GPI]
+            if EVEN_N:
+                word = tl.load(w_rows[:, :, None] + word_ids[None, :, :])  # [BN, GPI, WPG]
+                s1 = tl.load(s_ptrs).to(tl.float32)[:, :, None]  # [BN, GPI, 1]
+            else:
+                word = tl.load(w_rows[:, :, None] + word_ids[None, :, :], mask=n_ok[:, None, None], other=0)
+                s1 = tl.load(s_ptrs, mask=n_ok[:, None], other=0.0).to(tl.float32)[:, :, None]
+            if FORMAT == INT4 and HAS_ZERO:
+                z1 = tl.load(zero + s_rows + (g0 + gs)[None, :], mask=n_ok[:, None], other=0).to(tl.float32)
+                z1 = z1[:, :, None]
+            else:
+                z1 = tl.full([BLOCK_N, GPI, 1], 8.0, tl.float32)
+            # x's BLOCK_K columns in one contiguous load, split into the 8 nibble positions [GPI, WPG] each
+            x3 = tl.reshape(tl.load(x + k0 + tl.arange(0, BLOCK_K)).to(tl.float32), [GPI, WORDS_PER_GROUP, 8])
+            c0, c1, c2, c3, c4, c5, c6, c7 = _split8(x3)
+            xs = (c0[None], c1[None], c2[None], c3[None], c4[None], c5[None], c6[None], c7[None])
+            t = _word_sum(tl.zeros([BLOCK_N, GPI, WORDS_PER_GROUP], dtype=tl.float32), word, z1, xs, FORMAT)
+            acc1 += t * s1
+        y = tl.sum(tl.sum(acc1, axis=2), axis=1)[None, :]  # [1, BN]
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N, W], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            word_ids = k0 // 8 + js  # [W]
+            groups = (word_ids // WORDS_PER_GROUP)[None, :]  # [1, W]
+            if EVEN_N:
+                word = tl.load(w_rows + word_ids[None, :])  # [BN, W]
+                s2 = tl.load(scale + s_rows + groups).to(tl.float32)
+            else:
+                word = tl.load(w_rows + word_ids[None, :], mask=n_ok[:, None], other=0)
+                s2 = tl.load(scale + s_rows + groups, mask=n_ok[:, None], other=0.0).to(tl.float32)
+            if FORMAT == INT4 and HAS_ZERO:
+                z2 = tl.load(zero + s_rows + groups, mask=n_ok[:, None], other=0).to(tl.float32)
+            else:
+                z2 = tl.full(word.shape, 8.0, tl.float32)
+            x_ptrs = x + ms[:, None, None] * stride_xm + word_ids[None, None, :] * 8  # [BM, 1, W]
+            m_ok = (ms < M)[:, None, None]
+            xs = (tl.load(x_ptrs, mask=m_ok, other=0.0).to(tl.float32),
+                  tl.load(x_ptrs + 1, mask=m_ok, other=0.0).to(tl.float32),
+                  tl.load(x_ptrs + 2, mask=m_ok, other=0.0).to(tl.float32),
+                  tl.load(x_ptrs + 3, mask=m_ok, other=0.0).to(tl.float32),
+                  tl.load(x_ptrs + 4, mask=m_ok, other=0.0).to(tl.float32),
+                  tl.load(x_ptrs + 5, mask=m_ok, other=0.0).to(tl.float32),
+                  tl.load(x_ptrs + 6, mask=m_ok, other=0.0).to(tl.float32),
+                  tl.load(x_ptrs + 7, mask=m_ok, other=0.0).to(tl.float32))
+            t = _word_sum(tl.zeros([BLOCK_M, BLOCK_N, W], dtype=tl.float32), word[None, :, :], z2[None, :, :], xs,
+                          FORMAT)
+            acc += t * s2[None, :, :]
+        y = tl.sum(acc, axis=2)  # [BM, BN]
     if FORMAT == NVFP4:
         y = y * (tl.load(scale_2 + ns, mask=n_ok, other=0.0) * E2M1_FP16_SCALE)[None, :]
     tl.store(out + ms[:, None] * stride_om + ns[None, :], y.to(out.dtype.element_ty),
@@ -278,16 +284,16 @@ def supports(w, config: dict, rows: int = 1) -> bool:
     if isinstance(w, Fp8BlockWeight):
         bn, bk = w.block_size
         return rows == 1 and bn % config["block_n"] == 0 and config["block_k"] % bk == 0
+    if isinstance(w, Int4Weight) and rows == 1:
+        return _int4_row_steps(k, w.group_size, config) is not None
     group = w.group_size if isinstance(w, Int4Weight) else 16
-    if rows == 1:
-        return _row_steps(k, group, config) is not None
     return 1 <= rows <= MAX_ROWS and _block_k(k, config["block_k"], group) is not None
 
 
-def _row_steps(k: int, group: int, config: dict) -> tuple[int, int] | None:
-    """(groups a K step, K splits) of the one-row int4 / NVFP4 kernels: block_k // group groups a step (a power of
-    two, at least 1) and up to config's split_k splits (default 1), both dividing K's groups; None if the group is
-    not a power of two of at least 8 columns or no step divides K."""
+def _int4_row_steps(k: int, group: int, config: dict) -> tuple[int, int] | None:
+    """(groups a K step, K splits) of the one-row int4 kernel: block_k // group groups a step (a power of two, at
+    least 1) and up to config's split_k splits (default 1), both dividing K's groups; None if the group is not a
+    power of two of at least 8 columns or no step divides K."""
     if group < 8 or group & (group - 1) or k % group:
         return None
     groups = k // group
@@ -325,10 +331,10 @@ def gemv(x: torch.Tensor, w, config: dict) -> torch.Tensor:
         fmt, words, group, zero, scale_2 = INT4, w.packed, w.group_size, w.zero, w.scale
         if w.perm is not None:
             x = x.index_select(1, w.perm)
+        if m == 1:
+            return _int4_row(x, w, config, out, launch)
     else:
         fmt, words, group, zero, scale_2 = NVFP4, w.packed.view(torch.int32), 16, None, w.scale_2
-    if m == 1:
-        return _one_row(x, w, words, group, config, out, launch)
     block_k = _block_k(k, config["block_k"], group)
     _weight_only_gemv_kernel[grid](
         x, words, w.scale, zero if zero is not None else w.scale, scale_2, out, m, n, k, x.stride(0), out.stride(0),
@@ -338,28 +344,20 @@ def gemv(x: torch.Tensor, w, config: dict) -> torch.Tensor:
     return out
 
 
-def _one_row(x: torch.Tensor, w, words: torch.Tensor, group: int, config: dict, out: torch.Tensor,
-             launch: dict) -> torch.Tensor:
-    """out [1, N] = x [1, K] (columns in the packed order) @ dequant(w)^T by _int4_row_kernel / _nvfp4_row_kernel
-    (words: w's packed codes as int32 [N, K/8]); split K sums its float32 partials in order by a second kernel."""
+def _int4_row(x: torch.Tensor, w: Int4Weight, config: dict, out: torch.Tensor, launch: dict) -> torch.Tensor:
+    """out [1, N] = x [1, K] (columns in the packed order) @ dequant(w)^T by _int4_row_kernel; split K sums its
+    float32 partials in order by a second kernel."""
     from deltaserve.ops.linear.cuda_skinny import _sum_splits_kernel
 
     n, k = w.shape
-    per_step, split = _row_steps(k, group, config)
+    per_step, split = _int4_row_steps(k, w.group_size, config)
     block_n = config["block_n"]
     partial = torch.empty(split, n, dtype=torch.float32, device=x.device) if split > 1 else out
-    grid = (triton.cdiv(n, block_n), split)
-    shape = dict(BLOCK_N=block_n, GROUPS_PER_STEP=per_step, SPLIT=split > 1, EVEN_N=n % block_n == 0,
-                 num_warps=config["warps"], num_stages=config["stages"], **launch)
-    if isinstance(w, Int4Weight):
-        _int4_row_kernel[grid](
-            x, words, w.scale, w.zero if w.zero is not None else w.scale, out, partial, n, k // group // split,
-            words.stride(0), w.scale.stride(0), MAGIC_2048.value, 12, GROUP=group, HAS_ZERO=w.zero is not None,
-            **shape)
-    else:
-        _nvfp4_row_kernel[grid](
-            x, words, w.scale, w.scale_2, out, partial, n, k // group // split, words.stride(0), w.scale.stride(0),
-            **shape)
+    _int4_row_kernel[(triton.cdiv(n, block_n), split)](
+        x, w.packed, w.scale, w.zero if w.zero is not None else w.scale, out, partial, n, k // w.group_size // split,
+        w.packed.stride(0), w.scale.stride(0), MAGIC_2048.value, 12, GROUP=w.group_size, BLOCK_N=block_n,
+        GROUPS_PER_STEP=per_step, HAS_ZERO=w.zero is not None, SPLIT=split > 1, EVEN_N=n % block_n == 0,
+        num_warps=config["warps"], num_stages=config["stages"], **launch)
     if split > 1:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(n, block),)](partial, out, n, SPLIT_K=split, BLOCK=block, **launch)
