@@ -6,7 +6,8 @@ KV loop's SASS, to see what a kernel change does to the machine code before spen
 
 Compiles `_decode_split_kernel` or `_prefill_kernel` with 27B's attention heads (24 query / 4 KV heads, head_dim
 256, block 16) and the tile the engine would use unless told otherwise, disassembles the cubin with the
-`nvdisasm` that Triton ships, and prints the largest loop's instruction count and its commonest opcodes. The
+`nvdisasm` that Triton ships, and prints the registers a thread takes (Triton's `ptxas -v`), the largest loop's
+instruction count and its commonest opcodes. The
 eleventh session found fp8 decode reading its V tiles one byte at a time this way (128 `LDS.U8` in a loop of
 1,234 instructions; docs/performance.md).
 """
@@ -96,6 +97,20 @@ def nvdisasm() -> str:
     return os.path.join(os.path.dirname(nvidia.__file__), "bin", "nvdisasm")
 
 
+def registers(compiled, arch: int = 90) -> int:
+    """Registers a thread of the compiled kernel takes (Triton's ptxas on its PTX): with the warps they fix how
+    many programs an SM holds, so how many loads are in flight."""
+    import triton.backends.nvidia as nvidia
+
+    ptxas = os.path.join(os.path.dirname(nvidia.__file__), "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
+        ptx.write(compiled.asm["ptx"])
+        ptx.flush()
+        log = subprocess.run([ptxas, f"-arch=sm_{arch}a", "-v", ptx.name, "-o", os.devnull], check=True,
+                             capture_output=True, text=True).stderr
+    return int(re.search(r"Used (\d+) registers", log).group(1))
+
+
 def loop_report(compiled) -> LoopReport:
     """The largest loop of a compiled kernel's SASS: instruction count and opcodes."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
@@ -129,9 +144,11 @@ def main(argv: list[str] | None = None) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-    report = loop_report(compile_attention(args.kernel, args.cache, args.arch, args.block_n, args.warps, args.stages))
-    print(f"{args.kernel} over a {args.cache} cache, sm_{args.arch}: {report.shared_bytes:,} B of shared memory; "
-          f"its largest loop has {report.instructions} SASS instructions")
+    compiled = compile_attention(args.kernel, args.cache, args.arch, args.block_n, args.warps, args.stages)
+    report = loop_report(compiled)
+    print(f"{args.kernel} over a {args.cache} cache, sm_{args.arch}: {report.shared_bytes:,} B of shared memory, "
+          f"{registers(compiled, args.arch)} registers a thread; its largest loop has {report.instructions} SASS "
+          f"instructions")
     for opcode, count in report.opcodes.most_common(args.top):
         print(f"  {count:5d}  {opcode}")
     return 0

@@ -31,6 +31,7 @@ def test_fp8_decode_loop_has_no_byte_loads_from_shared_memory():
     bf16 = run_probe("--top", "200")
     fp8_loop, bf16_loop = (int(re.search(r"largest loop has (\d+) SASS", out).group(1)) for out in (fp8, bf16))
     assert fp8_loop < 1.2 * bf16_loop, (fp8_loop, bf16_loop)  # 934 against 861 (1,234 with the byte loads)
+    assert 0 < int(re.search(r"(\d+) registers a thread", fp8).group(1)) <= 255, fp8  # sm_90's most a thread
 
 
 def test_bad_arguments_are_named(capsys):
