@@ -7,9 +7,8 @@ KV loop's SASS, to see what a kernel change does to the machine code before spen
 Compiles `_decode_split_kernel` or `_prefill_kernel` with 27B's attention heads (24 query / 4 KV heads, head_dim
 256, block 16) and the tile the engine would use unless told otherwise, disassembles the cubin with the
 `nvdisasm` that Triton ships, and prints the registers a thread takes (Triton's `ptxas -v`), the largest loop's
-instruction count and its commonest opcodes. The
-eleventh session found fp8 decode reading its V tiles one byte at a time this way (128 `LDS.U8` in a loop of
-1,234 instructions; docs/performance.md).
+instruction count and its commonest opcodes. The eleventh session found fp8 decode reading its V tiles one byte
+at a time this way (128 `LDS.U8` in a loop of 1,234 instructions; docs/performance.md).
 """
 
 from __future__ import annotations

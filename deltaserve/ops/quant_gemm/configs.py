@@ -97,10 +97,10 @@ def auto_split_k(n: int, k: int, block_n: int, block_k: int = 128) -> int:
     return max(1, min(8, 264 // -(-n // block_n), k // (4 * block_k)))
 
 
-def gemv_split_k(n: int, k: int, block_n: int, group: int = 128) -> int:
+def gemv_split_k(n: int, k: int, block_n: int) -> int:
     """K splits of the one-row int4 GEMV that put ~2 programs on each of an H200's 132 SMs (at most 8, each split
-    at least 8 groups long)."""
-    return max(1, min(8, 264 // -(-n // block_n), k // (8 * group)))
+    at least 1,024 columns long)."""
+    return max(1, min(8, 264 // -(-n // block_n), k // 1024))
 
 
 def skinny_config(n: int, k: int) -> dict:

@@ -163,11 +163,11 @@ def _weight_only_gemv_kernel(
 ):
     """Grid (cdiv(N, BLOCK_N),): out [M, N] = x [M, K] @ dequant(W)^T (M <= BLOCK_M). words [N, K/8] int32 (int4
     packed, or NVFP4's bytes read as words: the same nibble order), scale [N, K/GROUP], zero [N, K/GROUP] uint8
-    (int4), scale_2 [N] float32 (NVFP4). K is a multiple of BLOCK_K, BLOCK_K of GROUP. One row (NVFP4's: int4's
-    takes _int4_row_kernel) runs in
-    [BN, groups, words] tiles, the scales loaded once per group and broadcast along the words and x's columns
-    loaded contiguously and split per nibble in registers, so that the decoded weights never change register
-    layout (converting them through shared memory every step would cost more than the arithmetic)."""
+    (int4), scale_2 [N] float32 (NVFP4). K is a multiple of BLOCK_K, BLOCK_K of GROUP. One row (NVFP4's; int4's
+    takes _int4_row_kernel) runs in [BN, groups, words] tiles, the scales loaded once per group and broadcast
+    along the words and x's columns loaded contiguously and split per nibble in registers, so that the decoded
+    weights never change register layout (converting them through shared memory every step would cost more than
+    the arithmetic)."""
     wait_for_previous_kernel(PDL)
     W: tl.constexpr = BLOCK_K // 8  # words per row and K block
     WORDS_PER_GROUP: tl.constexpr = GROUP // 8
