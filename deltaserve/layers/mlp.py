@@ -7,9 +7,10 @@ plus sigmoid(shared_expert_gate(x)) * shared_expert(x). The routing and the expe
 intermediate size, `ops.moe.sparse_block` runs it as a slot of theirs, with the routing), torch's grouped matmul
 elsewhere.
 
-Quantized checkpoints: projections are QuantLinears (layers/linear.py), routed experts a QuantExperts, which
-dequantizes every expert's weights for the same grouped matmul at each forward (correct, not fast); the routers
-(`gate`, `shared_expert_gate`) always stay in the model dtype.
+Quantized checkpoints: projections are QuantLinears (layers/linear.py), routed experts a QuantExperts, whose
+stacked FP8 / int4 weights the same fused kernels read with the format as a parameter (elsewhere it dequantizes
+every expert for the grouped matmul: correct, not fast); the routers (`gate`, `shared_expert_gate`) always stay in
+the model dtype.
 
 Tensor parallelism shards every expert (and the shared expert, and a dense MLP) by its intermediate size: gate
 and up are column-parallel, down row-parallel; the router is replicated, and the decoder layer all-reduces the
@@ -20,7 +21,7 @@ import torch
 from torch import nn
 
 from deltaserve.layers.linear import fuse_linears, project
-from deltaserve.layers.quant.weight import fuse_quantized
+from deltaserve.layers.quant.weight import QuantWeight, fuse_quantized
 from deltaserve.ops import moe
 from deltaserve.ops.linear import linear, silu_mul_linear
 from deltaserve.ops.moe.reference import add_shared_expert, grouped_experts
@@ -78,9 +79,11 @@ class QuantExperts(nn.Module):
     """Routed experts stored quantized: per expert its [gate | up] weight ([2I, H]) and its down weight ([H, I]),
     each of its scheme (`schemes`: projection -> Scheme). `raw` holds the loaded tensors until `fuse`: per
     (expert, projection) for per-expert checkpoints, or per fused name ("gate_up_proj", "down_proj") with a
-    leading expert dimension. Every forward dequantizes all experts into the grouped matmul: E dequantizations
-    a projection, correct first (fused quantized MoE kernels are a later step); a W8A8 scheme's activations are
-    rounded as its op would (`Scheme.round_activation`)."""
+    leading expert dimension. Where the formats allow (ops.moe.quantized.stack: FP8 block-scaled, int4 without act
+    order), `fuse` stacks every expert's weights into one tensor per part, which the fused MoE kernels read on the
+    GPU at any batch size; the per-expert weights become views into the stacks. Elsewhere (the CPU, float32,
+    formats the kernels do not take) every forward dequantizes all experts into the grouped matmul, a W8A8
+    scheme's activations rounded as its op would (`Scheme.round_activation`)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, schemes: dict, device):
         super().__init__()
@@ -89,6 +92,7 @@ class QuantExperts(nn.Module):
         self.raw: dict = {}
         self.gate_up: list = []  # [E] weights of [2I, H]
         self.down: list = []  # [E] weights of [H, I]
+        self.gate_up_stack = self.down_stack = None  # ops.moe.quantized stacks of [E, 2I, H] and [E, H, I]
 
     def projection_shape(self, proj: str) -> tuple[int, int]:
         """[N, K] of one expert's projection ("gate_proj", "up_proj", "down_proj", or the fused "gate_up_proj")."""
@@ -97,7 +101,8 @@ class QuantExperts(nn.Module):
                 "down_proj": (H, inter)}[proj]
 
     def fuse(self) -> None:
-        """After loading: every expert's weights prepared (gate and up joined where their blocks line up)."""
+        """After loading: every expert's weights prepared (gate and up joined where their blocks line up), then
+        stacked where the fused kernels take them."""
         raw, self.raw = self.raw, {}
         H, inter = self.hidden_size, self.intermediate_size
         for e in range(self.num_experts):
@@ -109,19 +114,33 @@ class QuantExperts(nn.Module):
                 down = raw.pop((e, "down_proj"))
             self.gate_up.append(fuse_quantized(parts, H, self.device))
             self.down.append(fuse_quantized([(self.schemes["down_proj"], down, H)], inter, self.device))
+        self._stack()
+
+    def _stack(self) -> None:
+        """Both projections stacked (one format, a layout the kernels take), each expert's weight then a view."""
+        if not all(isinstance(w, QuantWeight) for w in self.gate_up + self.down):
+            return
+        gate_up = moe.quantized.stack([w.prepared for w in self.gate_up])
+        down = moe.quantized.stack([w.prepared for w in self.down])
+        if gate_up is None or type(gate_up) is not type(down) or not moe.quantized.fused_layout(gate_up, down):
+            return
+        self.gate_up_stack, self.down_stack = gate_up, down
+        self.gate_up = [QuantWeight(gate_up.expert(e), w.op) for e, w in enumerate(self.gate_up)]
+        self.down = [QuantWeight(down.expert(e), w.op) for e, w in enumerate(self.down)]
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """As Experts.forward. The seam for fused quantized experts (issue 32 item 4): a kernel of this weight
-        format in ops.moe, chosen there as `ops.moe.experts` chooses the bf16 one."""
+        """As Experts.forward: the fused kernels on the stacks where they serve, else the dequantized reference."""
+        if self.fused_serves(x):
+            return moe.experts(x, topk_ids, topk_weights, self.gate_up_stack, self.down_stack, shared)
         gate_up = torch.stack([w.dequantize(x.dtype) for w in self.gate_up])  # [E, 2I, H]
         down = torch.stack([w.dequantize(x.dtype) for w in self.down])  # [E, H, I]
         out = grouped_experts(x, topk_ids, topk_weights, gate_up, down, self.schemes["down_proj"].round_activation)
         return out if shared is None else add_shared_expert(out, *shared)
 
     def fused_serves(self, x: torch.Tensor) -> bool:
-        """Quantized experts run the dequantized grouped matmul (no fused kernel of their formats yet)."""
-        return False
+        """Whether a forward over x takes the fused kernels (stacked experts, ops.moe.fused_serves)."""
+        return self.gate_up_stack is not None and moe.fused_serves(x, self.gate_up_stack, self.down_stack)
 
 
 class SparseMoE(nn.Module):
@@ -173,9 +192,10 @@ class SparseMoE(nn.Module):
     @torch.no_grad()
     def warm_up_fused(self) -> None:
         """GPU start-up: a forward at every token bucket of the fused experts' tile table (each bucket's tiles
-        are a kernel variant; nothing else the kernels take varies with the batch), so that no eager step
-        compiles one while serving."""
-        for rows in moe.ROW_BUCKETS:
+        are a kernel variant; nothing else the kernels take varies with the batch), and one past the table (the
+        default tiles of larger batches, which quantized experts run fused too), so that no eager step compiles
+        one while serving."""
+        for rows in (*moe.ROW_BUCKETS, moe.FUSED_MAX_TOKENS + 1):
             x = torch.zeros(rows, self.gate.in_features, dtype=self.gate.weight.dtype, device=self.gate.weight.device)
             if not self.experts.fused_serves(x):
                 return

@@ -110,3 +110,104 @@ def sparse_block_bound(x, logits, top_k, renormalize, gate_up, down, shared_gate
                                                                           slot_down)[0]
     dtype = torch.bfloat16 if reference_bf16 else torch.float32
     return bound + shared_bound(shared_magnitude, shared_gate, dtype)
+
+
+# ------------------------------------------------------------------------------------------ quantized experts
+# The fused kernels' semantics for stacked quantized experts (ops/moe/quantized.py), in float64, and the bound of
+# a float32 implementation. Per pair, stage 1: g, u = xr W^T with xr the activation as the format takes it (FP8:
+# quantized per 128 columns, exactly as both sides do; int4: x itself) and W dequantized exactly. The kernels sum
+# per K block and scale in float32: (K + groups + 3) roundings a term, of the terms' magnitude: |xr| |W| for FP8;
+# for int4's exact codes, (OFFSET + q) x and (OFFSET + z) sum(x) are summed apart, (2 OFFSET + q + z) s |x| a term.
+# act = silu(g) u carries that on (module docstring) plus SiLU's and (16-bit x) its own rounding. Stage 2 takes act
+# as rounded: int4 passes its error on through |Wd|; FP8 requantizes it per 128 columns, and where the interval of
+# act's possible values straddles an e4m3 rounding boundary the code may differ by the gap (`_requantized_spread`).
+
+
+def _dequantized(stack, e):
+    return stack.expert(e).dequantize(torch.float32).double()  # [N, K] exact (int4, fp8 e4m3 * float32 scale)
+
+
+def _term_magnitude(stack, e, offset: float):
+    """[N, K] float64: what one weight contributes to a float32 sum's magnitude in the kernels."""
+    w = stack.expert(e)
+    if hasattr(w, "packed"):
+        q = ref_unpack(w)
+        z = 8.0 if w.zero is None else w.zero.double().repeat_interleave(w.group_size, dim=1)
+        return (2 * offset + q + z) * w.scale.double().repeat_interleave(w.group_size, dim=1)
+    return _dequantized(stack, e).abs()
+
+
+def ref_unpack(w):
+    from deltaserve.ops.quant_gemm.reference import unpack_int4
+    return unpack_int4(w.packed, w.shape[1]).double()
+
+
+def _fp8_rows(a: torch.Tensor):
+    """a [R, K] float64 -> (value [R, K] = q s as quantize_activation computes it, s [R, G])."""
+    from deltaserve.ops.quant_gemm.reference import quantize_activation
+    q, s = quantize_activation(a.float(), 128)
+    return q.double() * s.double().repeat_interleave(128, dim=1)[:, : a.shape[1]], s.double()
+
+
+def _requantized_spread(a: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """[R, K]: how far the per-128-column e4m3 requantization of any a' with |a' - a| <= delta can land from that
+    of a: the codes at the ends of the quotient's interval (the group's scale moving with its amax, both divisions
+    rounded in float32), each times either end of the scale's interval."""
+    from deltaserve.ops.quant_gemm.reference import ACT_AMAX_FLOOR, E4M3_MAX
+    R, K = a.shape
+    G = -(-K // 128)
+    pad = G * 128 - K
+    mag = torch.nn.functional.pad(a.abs(), (0, pad)).view(R, G, 128)
+    dg = torch.nn.functional.pad(delta, (0, pad)).view(R, G, 128)
+    amax = mag.amax(dim=2, keepdim=True)
+    slack = 1 + 2.0**-22  # two float32 roundings (the scale's division and the quotient's), and the cast's
+    s = amax.clamp(min=ACT_AMAX_FLOOR) / E4M3_MAX
+    s_lo = (amax - dg.amax(dim=2, keepdim=True)).clamp(min=ACT_AMAX_FLOOR) / E4M3_MAX / slack
+    s_hi = (amax + dg.amax(dim=2, keepdim=True)).clamp(min=ACT_AMAX_FLOOR) / E4M3_MAX * slack
+
+    def code(r):
+        return r.clamp(0, E4M3_MAX).float().to(torch.float8_e4m3fn).double()
+
+    v = code(mag / s) * s
+    lo = code((mag - dg).clamp(min=0) / s_hi / slack) * s_lo
+    hi = code((mag + dg) / s_lo * slack) * s_hi
+    spread = torch.maximum((v - lo).abs(), (hi - v).abs())
+    return spread.view(R, G * 128)[:, :K]
+
+
+def quantized_experts_exact(x, topk_ids, topk_weights, gate_up, down, dtype, u_dot: float = 2.0**-24):
+    """(y64 [T, H], bound [T, H]) of the fused kernels on stacked quantized experts (the section above), x in dtype
+    (float32: int4 codes by conversion; bf16: OFFSET 128), the dot products accumulated at u_dot."""
+    fp8 = not hasattr(gate_up.expert(0), "packed")
+    offset = 128.0 if (dtype == torch.bfloat16 and not fp8) else 0.0
+    u = max(u_dot, 2.0**-24)
+    u16 = unit_roundoff(dtype) if dtype != torch.float32 else 0.0
+    T, H = x.shape
+    inter = gate_up.shape[1] // 2
+    y = torch.zeros(T, H, dtype=torch.float64)
+    bound = torch.zeros(T, H, dtype=torch.float64)
+    terms = torch.zeros(T, H, dtype=torch.float64)  # sum_j |w_j| |Wd_j| |act_j|: the k-term sum's magnitude
+    xr = _fp8_rows(x.double())[0] if fp8 else x.double()
+    for t in range(T):
+        for j in range(topk_ids.shape[1]):
+            e, w = int(topk_ids[t, j]), float(topk_weights[t, j])
+            W, Wm = _dequantized(gate_up, e), _term_magnitude(gate_up, e, offset)
+            h, hm = W @ xr[t], Wm @ xr[t].abs()  # [2I]
+            c1 = (H + H // 16 + 3) * u  # K terms and per-block scalings (groups >= 16 columns)
+            g, up, eg, eu = h[:inter], h[inter:], c1 * hm[:inter], c1 * hm[inter:]
+            act = g / (1 + torch.exp(-g)) * up
+            silu_roundings = silu_chain(torch.tensor([g.abs().max().item()])) + 1
+            d_act = 1.1 * up.abs() * eg + g.abs() * eu + (gamma(silu_roundings, torch.float32) + u16) * act.abs()
+            D, Dm = _dequantized(down, e), _term_magnitude(down, e, offset)
+            if fp8:
+                a_in, _ = _fp8_rows(act[None])
+                a_in, spread = a_in[0], _requantized_spread(act[None], d_act[None])[0]
+            else:
+                a_in, spread = act, d_act
+            y[t] += w * (D @ a_in)
+            terms[t] += abs(w) * (D.abs() @ (a_in.abs() + spread))
+            c2 = (inter + inter // 16 + 3) * u
+            bound[t] += abs(w) * (c2 * (Dm @ (a_in.abs() + spread)) + D.abs() @ spread)
+    k = topk_ids.shape[1]
+    bound = bound * (1 + gamma(k + 2, torch.float32)) + gamma(k + 2, torch.float32) * terms + u16 * y.abs()
+    return y, bound + torch.finfo(dtype).tiny

@@ -216,4 +216,4 @@ def test_warm_up_runs_every_bucket_where_the_fused_path_serves(monkeypatch):
     assert rows == []  # the CPU: the fused path does not serve, nothing runs
     monkeypatch.setattr(moe, "fused_serves", lambda x, gate_up, down: True)
     block.warm_up_fused()
-    assert rows == list(configs.ROW_BUCKETS)
+    assert rows == [*configs.ROW_BUCKETS, configs.FUSED_MAX_TOKENS + 1]  # and the default tiles past the table

@@ -7,9 +7,10 @@
 
 On CUDA, routing is one Triton kernel (any T), and for 16-bit batches of up to FUSED_MAX_TOKENS tokens with plain
 stacked weights the experts run the fused kernels of `cuda.py` (tiles from `configs.py`). Elsewhere (the CPU,
-float32, prefill-sized batches) the plain-torch `reference.py`: sort by expert + torch's grouped matmul. Weights
-that are not plain tensors (a quantized checkpoint's, layers/mlp.QuantExperts) take the reference too: a fused
-kernel of another weight format goes beside `cuda.fused_experts` and is chosen by `fused_serves`.
+float32, prefill-sized batches) the plain-torch `reference.py`: sort by expert + torch's grouped matmul. Quantized
+experts stacked by `quantized.stack` (FP8 block-scaled W8A8, int4 W4A16) run the same fused kernels with the
+weight format as a parameter, at every batch size; layers/mlp.QuantExperts dequantizes them for the reference
+where the kernels do not serve (the CPU, float32).
 
 `sparse_block` is the block after its router in the fewest launches: where the shared expert has the routed experts'
 intermediate size (Qwen3.5-35B-A3B, 122B-A10B, Qwen3-Next: `shared_slot_serves`), it runs as one more expert slot
@@ -21,8 +22,9 @@ up to SHARED_SLOT_MAX_TOKENS tokens: above one token it measured slower than the
 
 import torch
 
-from deltaserve.ops.moe import reference
+from deltaserve.ops.moe import quantized, reference
 from deltaserve.ops.moe.configs import FUSED_MAX_TOKENS, ROW_BUCKETS, tiles_for
+from deltaserve.ops.moe.quantized import QUANTIZED_EXPERTS
 from deltaserve.ops.moe.reference import grouped_experts
 
 __all__ = ["FUSED_MAX_TOKENS", "ROW_BUCKETS", "experts", "fused_serves", "grouped_experts", "route", "sparse_block",
@@ -47,12 +49,17 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
 
 
 def fused_serves(x: torch.Tensor, gate_up, down) -> bool:
-    """Whether the fused kernels take this call: a CUDA batch of 1 to FUSED_MAX_TOKENS tokens of a 16-bit dtype,
-    plain weight tensors of that dtype with unit last strides, at most MAX_EXPERTS experts."""
-    return (x.is_cuda and x.dtype in FUSED_DTYPES and 1 <= x.shape[0] <= FUSED_MAX_TOKENS
-            and isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)
-            and gate_up.dtype == down.dtype == x.dtype and gate_up.shape[0] <= MAX_EXPERTS
-            and x.stride(1) == gate_up.stride(2) == down.stride(2) == 1)
+    """Whether the fused kernels take this call: a CUDA batch of a 16-bit dtype with unit last stride, at most
+    MAX_EXPERTS experts, and either plain weight tensors of x's dtype with unit last strides at 1 to
+    FUSED_MAX_TOKENS tokens, or stacked quantized experts (quantized.py) of one format at any token count (their
+    only other path dequantizes every expert)."""
+    if not (x.is_cuda and x.dtype in FUSED_DTYPES and x.shape[0] >= 1 and x.stride(1) == 1
+            and gate_up.shape[0] <= MAX_EXPERTS):
+        return False
+    if isinstance(gate_up, QUANTIZED_EXPERTS):
+        return type(gate_up) is type(down) and quantized.fused_layout(gate_up, down)
+    return (x.shape[0] <= FUSED_MAX_TOKENS and isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)
+            and gate_up.dtype == down.dtype == x.dtype and gate_up.stride(2) == down.stride(2) == 1)
 
 
 def experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up, down,
@@ -63,8 +70,11 @@ def experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     if fused_serves(x, gate_up, down):
         from deltaserve.ops.moe import cuda
         E, two_i, H = gate_up.shape
-        tiles = tiles_for(E, topk_ids.shape[1], H, two_i // 2, x.shape[0])
+        tiles = tiles_for(E, topk_ids.shape[1], H, two_i // 2, x.shape[0], quantized.format_name(gate_up))
         return cuda.fused_experts(x, topk_ids, topk_weights, gate_up, down, tiles, shared)
+    if isinstance(gate_up, QUANTIZED_EXPERTS):
+        raise ValueError(f"stacked {quantized.format_name(gate_up)} experts run on the fused kernels only (a CUDA "
+                         f"batch of bf16 / fp16); got x {x.dtype} on {x.device}")
     out = grouped_experts(x, topk_ids, topk_weights, gate_up, down)
     return out if shared is None else reference.add_shared_expert(out, *shared)
 

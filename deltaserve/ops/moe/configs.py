@@ -2,10 +2,12 @@
 benchmarks.moe_probe`) and the default for shapes and buckets it does not name.
 
 Keys are "E:k:H:I:rows": experts, top-k, hidden size, (this rank's) expert intermediate size, and the bucket of the
-batch's token count (ROW_BUCKETS). Values are dicts:
+batch's token count (ROW_BUCKETS); quantized experts' keys lead with their format ("fp8:E:k:H:I:rows", "int4:...").
+Values are dicts:
   {"block_m": pairs of one expert a program takes (a power of two >= 16),
    "gate_up": [BLOCK_N, BLOCK_K, warps, stages],   kernel A over an expert's [2I, H] gate/up rows
    "down": [BLOCK_N, BLOCK_K, warps, stages]}      kernel B over its [H, I] down rows
+(quantized formats take their own BLOCK_K, the FP8 scale block or the int4 group, whatever the entry says)
 DELTASERVE_MOE_CONFIGS names another file.
 """
 
@@ -45,15 +47,21 @@ def row_bucket(rows: int) -> int:
     return next(bucket for bucket in ROW_BUCKETS if rows <= bucket)
 
 
-def table_key(num_experts: int, top_k: int, hidden: int, intermediate: int, rows: int) -> str:
-    return f"{num_experts}:{top_k}:{hidden}:{intermediate}:{row_bucket(rows)}"
+WEIGHT_FORMATS = ("bf16", "fp8", "int4")  # bf16: plain 16-bit weights, keys without a prefix
+
+
+def table_key(num_experts: int, top_k: int, hidden: int, intermediate: int, rows: int, fmt: str = "bf16") -> str:
+    prefix = "" if fmt == "bf16" else f"{fmt}:"
+    return f"{prefix}{num_experts}:{top_k}:{hidden}:{intermediate}:{row_bucket(rows)}"
 
 
 def check_entry(where: str, key: str, entry) -> None:
     """Raise ValueError naming the entry unless it is a valid tile set under a valid key."""
     parts = key.split(":")
+    if parts and parts[0] in WEIGHT_FORMATS[1:]:
+        parts = parts[1:]
     if len(parts) != 5 or not all(p.isdigit() for p in parts) or int(parts[4]) not in ROW_BUCKETS:
-        raise ValueError(f"{where}: key {key!r} is not \"E:k:H:I:rows\" with rows one of {ROW_BUCKETS}")
+        raise ValueError(f"{where}: key {key!r} is not \"[fp8:|int4:]E:k:H:I:rows\" with rows one of {ROW_BUCKETS}")
     block_m = entry.get("block_m") if isinstance(entry, dict) else None
     if not (isinstance(block_m, int) and block_m >= 16 and block_m & (block_m - 1) == 0):
         raise ValueError(f"{where}: entry {key!r}: block_m must be a power of two >= 16, got {block_m!r}")
@@ -82,11 +90,12 @@ def default_tiles(rows: int) -> MoeTiles:
     return MoeTiles(block_m, Tile(32, 128, 4, 4), Tile(64, 128, 4, 4))
 
 
-def tiles_for(num_experts: int, top_k: int, hidden: int, intermediate: int, rows: int) -> MoeTiles:
-    """The tuned tiles of this shape at `rows` tokens, else the default."""
+def tiles_for(num_experts: int, top_k: int, hidden: int, intermediate: int, rows: int,
+              fmt: str = "bf16") -> MoeTiles:
+    """The tuned tiles of this shape and weight format (WEIGHT_FORMATS) at `rows` tokens, else the default."""
     if rows > FUSED_MAX_TOKENS:
         return default_tiles(rows)
-    entry = tuned_table().get(table_key(num_experts, top_k, hidden, intermediate, rows))
+    entry = tuned_table().get(table_key(num_experts, top_k, hidden, intermediate, rows, fmt))
     if entry is None:
         return default_tiles(rows)
     return MoeTiles(entry["block_m"], Tile(*entry["gate_up"]), Tile(*entry["down"]))

@@ -43,13 +43,18 @@ kernel and the routing kernel give the same bits, and a token alone (kernel A) e
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from deltaserve.ops import pdl
 from deltaserve.ops.moe.configs import MoeTiles
+from deltaserve.ops.moe.quantized import FP8_BLOCK, Fp8Experts, Int4Experts
 from deltaserve.ops.pdl import wait_for_previous_kernel
+from deltaserve.ops.quant_gemm.cuda_dequant import int4_codes
+from deltaserve.ops.quant_gemm.reference import ACT_AMAX_FLOOR, E4M3_MAX
 
 ALIGN_CHUNK = 32  # pairs (and blocks) the align kernel compares at once: [ALIGN_CHUNK, BLOCK_E] one-hot tiles
 COMBINE_BLOCK = 1024
@@ -219,20 +224,82 @@ def _block_used(block_rows, b, routed_blocks, ONE_TOKEN: tl.constexpr):
     return used
 
 
+PLAIN: tl.constexpr = tl.constexpr(0)  # weight formats of kernels A and B (WFORMAT)
+FP8: tl.constexpr = tl.constexpr(1)
+INT4: tl.constexpr = tl.constexpr(2)
+
+
+@triton.jit
+def _activation_tile(cols, ks, k_ok, m_ok, WFORMAT: tl.constexpr, FLOOR: tl.constexpr, QMAX: tl.constexpr):
+    """The activations' [BK, BM] tile (cols [1, BM]: each pair's row; ks [BK] columns) for the weight format, and its
+    per-pair factor [BM]: PLAIN (the tile, unused), FP8 (the tile quantized per pair as fp8_block_linear quantizes
+    a 128-column group: e4m3, and its scale), INT4 (the tile and its column sums, float32, for the zero point)."""
+    xt = tl.load(cols + ks[:, None], mask=k_ok[:, None] & m_ok[None, :], other=0.0)  # [BK, BM]
+    if WFORMAT == FP8:
+        xf = xt.to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(xf), axis=0), FLOOR)  # [BM]
+        factor = tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32))
+        q = tl.math.div_rn(xf, tl.broadcast_to(factor[None, :], xf.shape))
+        xt = tl.clamp(q, -QMAX, QMAX).to(tl.float8e4nv)
+    elif WFORMAT == INT4:
+        factor = tl.sum(xt.to(tl.float32), axis=0)
+    else:
+        factor = tl.zeros([xt.shape[1]], dtype=tl.float32)
+    return xt, factor
+
+
+@triton.jit
+def _weight_product(acc, weights, scales, zeros, rows, n_ok, k0, ks, k_ok, xt, factor, stride_wn, stride_sn,
+                    WFORMAT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, CODE_BASE: tl.constexpr,
+                    CODE_OFFSET: tl.constexpr, EVEN: tl.constexpr, PRECISION: tl.constexpr):
+    """acc [BN, BM] + W[rows, ks] @ xt for one expert's weight in its format (weights, scales, zeros: that expert's
+    tensors; rows [BN] its weight rows, valid where n_ok). PLAIN: the 16-bit (or float32) tile on tl.dot. FP8: an e4m3
+    tile of one 128 x 128 scale block (ks one K block) on the FP8 tensor cores, scaled by the block's and the pairs'
+    scales. INT4: one scale group (ks the group), the exact codes OFFSET + q on tl.dot, zero and scale applied to the
+    float32 product as ops.quant_gemm's skinny kernel does."""
+    BLOCK_K: tl.constexpr = xt.shape[0]
+    if WFORMAT == INT4:
+        codes = int4_codes(weights, rows, n_ok, k0, stride_wn, BLOCK_K, CODE_BASE, xt.dtype, not EVEN)  # [BN, BK]
+        part = tl.dot(codes, xt, input_precision=PRECISION)  # [BN, BM] = sum (OFFSET + q) x
+        s_offs = rows.to(tl.int64) * stride_sn + k0 // GROUP  # [BN]
+        s = tl.load(scales + s_offs, mask=n_ok, other=0.0).to(tl.float32)
+        if HAS_ZERO:
+            z = tl.load(zeros + s_offs, mask=n_ok, other=0).to(tl.float32) + CODE_OFFSET
+        else:
+            z = tl.full(s.shape, 8.0 + CODE_OFFSET, tl.float32)
+        acc += (part - z[:, None] * factor[None, :]) * s[:, None]
+    else:
+        w_ptrs = weights + rows[:, None].to(tl.int64) * stride_wn + ks[None, :]  # [BN, BK]
+        if EVEN:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if WFORMAT == FP8:
+            s_w = tl.load(scales + (rows // GROUP).to(tl.int64) * stride_sn + k0 // BLOCK_K, mask=n_ok, other=0.0)
+            acc += tl.dot(w, xt) * (s_w[:, None] * factor[None, :])  # one K block from zero
+        else:
+            acc = tl.dot(w, xt, acc, input_precision=PRECISION)
+    return acc
+
+
 @triton.jit(do_not_specialize=["routed_blocks", "T"])
 def _gate_up_kernel(
     x, gate_up, shared_gate_up, act, sorted_pairs, block_expert, block_first, block_rows, routed_blocks, T, H, I,
-    stride_x, stride_we, stride_wn, logits, topk_weights, E, stride_logits,
+    stride_x, stride_we, stride_wn, logits, topk_weights, E, stride_logits, scales, zeros, stride_se, stride_sn,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, ONE_TOKEN: tl.constexpr,
     ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOP_K: tl.constexpr,
-    PDL: tl.constexpr = False,
+    WFORMAT: tl.constexpr = PLAIN, GROUP: tl.constexpr = 1, HAS_ZERO: tl.constexpr = False,
+    CODE_BASE: tl.constexpr = 0, CODE_OFFSET: tl.constexpr = 0.0, FLOOR: tl.constexpr = 0.0,
+    QMAX: tl.constexpr = 1.0, PDL: tl.constexpr = False,
 ):
     """Kernel A. Grid (blocks, cdiv(I, BLOCK_N)): program (b, n) writes act [pair, n block] = silu(x_t Wg^T) *
     (x_t Wu^T) for block b's pairs, Wg / Wu the n block's gate / up rows of its expert's gate_up [2I, H] (the
     shared slot's: shared_gate_up [2I, H], of the routed experts' row stride). ROUTE (one token): every program
     routes the token from logits [0, :E] itself, program (0, 0) writing topk_ids (block_expert) and topk_weights
-    for kernel B; no routing kernel ran."""
+    for kernel B; no routing kernel ran. WFORMAT FP8 / INT4: gate_up is the stacked experts' e4m3 weight / packed
+    int4 words (quantized.py), scales and zeros theirs (expert strides stride_we, stride_se; row strides stride_wn,
+    stride_sn); BLOCK_K the FP8 K block or the int4 group; no shared slot."""
     wait_for_previous_kernel(PDL)
     b = tl.program_id(0)
     if ROUTE:
@@ -250,26 +317,23 @@ def _gate_up_kernel(
             weights = gate_up + expert * stride_we
         else:
             weights = shared_gate_up
-        ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] intermediate columns
+        expert_scales = scales + expert * stride_se
+        expert_zeros = zeros + expert * stride_se
+        ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] intermediate columns = gate rows
         n_ok = ns < I
-        gate_rows = weights + ns[:, None].to(tl.int64) * stride_wn  # [BN, 1]
-        up_rows = gate_rows + I * stride_wn
         x_cols = x + tokens[None, :].to(tl.int64) * stride_x  # [1, BM] each pair's token row
         acc_gate = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)  # [BK]
             k_ok = ks < H
-            if EVEN_N and EVEN_K:
-                w_gate = tl.load(gate_rows + ks[None, :])  # [BN, BK]
-                w_up = tl.load(up_rows + ks[None, :])
-            else:
-                w_ok = n_ok[:, None] & k_ok[None, :]
-                w_gate = tl.load(gate_rows + ks[None, :], mask=w_ok, other=0.0)
-                w_up = tl.load(up_rows + ks[None, :], mask=w_ok, other=0.0)
-            xt = tl.load(x_cols + ks[:, None], mask=k_ok[:, None] & m_ok[None, :], other=0.0)  # [BK, BM]
-            acc_gate = tl.dot(w_gate, xt, acc_gate, input_precision=PRECISION)
-            acc_up = tl.dot(w_up, xt, acc_up, input_precision=PRECISION)
+            xt, factor = _activation_tile(x_cols, ks, k_ok, m_ok, WFORMAT, FLOOR, QMAX)  # [BK, BM], [BM]
+            acc_gate = _weight_product(acc_gate, weights, expert_scales, expert_zeros, ns, n_ok, k0, ks, k_ok, xt,
+                                       factor, stride_wn, stride_sn, WFORMAT, GROUP, HAS_ZERO, CODE_BASE,
+                                       CODE_OFFSET, EVEN_N and EVEN_K, PRECISION)
+            acc_up = _weight_product(acc_up, weights, expert_scales, expert_zeros, ns + I, n_ok, k0, ks, k_ok, xt,
+                                     factor, stride_wn, stride_sn, WFORMAT, GROUP, HAS_ZERO, CODE_BASE, CODE_OFFSET,
+                                     EVEN_N and EVEN_K, PRECISION)
         out = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up  # [BN, BM]
         tl.store(act + pairs[None, :].to(tl.int64) * I + ns[:, None], out.to(act.dtype.element_ty),
                  mask=n_ok[:, None] & m_ok[None, :])
@@ -278,39 +342,42 @@ def _gate_up_kernel(
 @triton.jit(do_not_specialize=["routed_blocks", "T"])
 def _down_kernel(
     act, down, shared_down, topk_weights, shared_gate, y, sorted_pairs, block_expert, block_first, block_rows,
-    routed_blocks, T, H, I, stride_we, stride_wn, stride_gate, TOP_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
-    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, ONE_TOKEN: tl.constexpr, PDL: tl.constexpr = False,
+    routed_blocks, T, H, I, stride_we, stride_wn, stride_gate, scales, zeros, stride_se, stride_sn,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, ONE_TOKEN: tl.constexpr, WFORMAT: tl.constexpr = PLAIN,
+    GROUP: tl.constexpr = 1, HAS_ZERO: tl.constexpr = False, CODE_BASE: tl.constexpr = 0,
+    CODE_OFFSET: tl.constexpr = 0.0, FLOOR: tl.constexpr = 0.0, QMAX: tl.constexpr = 1.0, PDL: tl.constexpr = False,
 ):
     """Kernel B. Grid (blocks, cdiv(H, BLOCK_N)): program (b, n) writes y [pair, n block] (float32) =
     w_pair * act[pair] Wd^T for block b's pairs, Wd the n block's rows of its expert's down [H, I]; in the shared
-    slot Wd from shared_down [H, I] (the routed experts' row stride) and w = sigmoid(shared_gate [t])."""
+    slot Wd from shared_down [H, I] (the routed experts' row stride) and w = sigmoid(shared_gate [t]). WFORMAT: as
+    kernel A's, the activation quantized per 128 columns for FP8."""
     wait_for_previous_kernel(PDL)
     b = tl.program_id(0)
     if _block_used(block_rows, b, routed_blocks, ONE_TOKEN):
         pairs, tokens, m_ok = _block_pairs(sorted_pairs, block_first, block_rows, b, routed_blocks, T, TOP_K,
                                            BLOCK_M, ONE_TOKEN)  # [BM] each
+        expert = tl.load(block_expert + b, mask=b < routed_blocks, other=0).to(tl.int64)
         if b < routed_blocks:
-            weights = down + tl.load(block_expert + b).to(tl.int64) * stride_we
+            weights = down + expert * stride_we
             pair_weight = tl.load(topk_weights + pairs, mask=m_ok, other=0.0)  # [BM] float32
         else:
             weights = shared_down
             gate = tl.load(shared_gate + tokens.to(tl.int64) * stride_gate, mask=m_ok, other=0.0).to(tl.float32)
             pair_weight = 1.0 / (1.0 + tl.exp(-gate))
-        ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] hidden columns
+        expert_scales = scales + expert * stride_se
+        expert_zeros = zeros + expert * stride_se
+        ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] hidden columns = down rows
         n_ok = ns < H
-        w_rows = weights + ns[:, None].to(tl.int64) * stride_wn  # [BN, 1]
         a_cols = act + pairs[None, :].to(tl.int64) * I  # [1, BM]
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for k0 in range(0, I, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)  # [BK]
             k_ok = ks < I
-            if EVEN_N and EVEN_K:
-                w = tl.load(w_rows + ks[None, :])  # [BN, BK]
-            else:
-                w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            at = tl.load(a_cols + ks[:, None], mask=k_ok[:, None] & m_ok[None, :], other=0.0)  # [BK, BM]
-            acc = tl.dot(w, at, acc, input_precision=PRECISION)
+            at, factor = _activation_tile(a_cols, ks, k_ok, m_ok, WFORMAT, FLOOR, QMAX)  # [BK, BM], [BM]
+            acc = _weight_product(acc, weights, expert_scales, expert_zeros, ns, n_ok, k0, ks, k_ok, at, factor,
+                                  stride_wn, stride_sn, WFORMAT, GROUP, HAS_ZERO, CODE_BASE, CODE_OFFSET,
+                                  EVEN_N and EVEN_K, PRECISION)
         tl.store(y + pairs[None, :].to(tl.int64) * H + ns[:, None], acc * pair_weight[None, :],
                  mask=n_ok[:, None] & m_ok[None, :])
 
@@ -370,24 +437,65 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     return sorted_pairs, block_table
 
 
-def _check_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int, routing_shape) -> None:
+class _Operands(NamedTuple):
+    """One projection's stacked experts as kernels A and B take them: the weight tensor (plain [E, N, K], e4m3
+    [E, N, K] or int4 words [E, N, K/8]), its scales and zeros (placeholders where the format has none), their
+    expert and row strides, the format's constexprs and the K step it needs (None: the tile's)."""
+
+    weight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    stride_se: int
+    stride_sn: int
+    constexprs: dict
+    block_k: int | None
+
+
+_INT4_CODES = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0), torch.float32: (0, 0.0)}
+
+
+def _operands(w, dtype: torch.dtype) -> _Operands:
+    """The kernels' view of w (a plain tensor, Fp8Experts or Int4Experts) for activations of dtype."""
+    if isinstance(w, Fp8Experts):
+        scales = w.scale_inv
+        return _Operands(w.weight, scales, scales, scales.stride(0), scales.stride(1),
+                         dict(WFORMAT=FP8, GROUP=FP8_BLOCK[0], FLOOR=ACT_AMAX_FLOOR, QMAX=E4M3_MAX), FP8_BLOCK[1])
+    if isinstance(w, Int4Experts):
+        base, offset = _INT4_CODES[dtype]
+        zeros = w.zero if w.zero is not None else w.scale
+        return _Operands(w.packed, w.scale, zeros, w.scale.stride(0), w.scale.stride(1),
+                         dict(WFORMAT=INT4, GROUP=w.group_size, HAS_ZERO=w.zero is not None, CODE_BASE=base,
+                              CODE_OFFSET=offset), w.group_size)
+    return _Operands(w, w, w, 0, 0, {}, None)
+
+
+def _check_experts(x: torch.Tensor, gate_up, down, top_k: int, routing_shape) -> None:
     T, H = x.shape
     E, two_i, _ = gate_up.shape
     if gate_up.shape[2] != H or down.shape != (E, H, two_i // 2) or tuple(routing_shape) != (T, top_k):
         raise ValueError(f"x {tuple(x.shape)}, routing {tuple(routing_shape)}, gate_up {tuple(gate_up.shape)}, down "
                          f"{tuple(down.shape)} do not fit [T, H], [T, k], [E, 2I, H], [E, H, I]")
-    if not (x.dtype == gate_up.dtype == down.dtype) or min(x.stride(1), gate_up.stride(2), down.stride(2)) != 1:
+    if type(gate_up) is not type(down):
+        raise ValueError(f"gate_up ({type(gate_up).__name__}) and down ({type(down).__name__}) differ in format")
+    if isinstance(gate_up, torch.Tensor) and (not (x.dtype == gate_up.dtype == down.dtype)
+                                              or min(x.stride(1), gate_up.stride(2), down.stride(2)) != 1):
         raise ValueError(f"x, gate_up and down need one dtype ({x.dtype}, {gate_up.dtype}, {down.dtype}) and unit "
                          "last strides")
+    if isinstance(gate_up, Int4Experts) and (H % gate_up.group_size or (two_i // 2) % down.group_size):
+        raise ValueError(f"int4 experts: H ({H}) and I ({two_i // 2}) must be multiples of the groups "
+                         f"({gate_up.group_size}, {down.group_size})")
+    if isinstance(gate_up, Fp8Experts) and (two_i // 2) % FP8_BLOCK[0]:
+        raise ValueError(f"fp8 experts: I ({two_i // 2}) must be a multiple of the {FP8_BLOCK[0]}-row scale block "
+                         "(gate and up rows in separate blocks)")
 
 
-def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up: torch.Tensor,
-                  down: torch.Tensor, tiles: MoeTiles, shared: tuple[torch.Tensor, torch.Tensor] | None = None
+def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up, down,
+                  tiles: MoeTiles, shared: tuple[torch.Tensor, torch.Tensor] | None = None
                   ) -> torch.Tensor:
     """x: [T, H]; topk_ids [T, k] (distinct experts per token); topk_weights [T, k]; gate_up [E, 2I, H] (gate rows
     first); down [E, H, I]; shared: (shared expert output [T, H], its gate logits [T, 1]) or None.
     Returns sum_j w_j expert_{id_j}(x) (+ sigmoid(gate) * shared): [T, H] in x.dtype. Any T; weights and x with
-    unit last strides, of one dtype."""
+    unit last strides, of one dtype; or gate_up and down stacked quantized experts of one format (quantized.py)."""
     if topk_weights.shape != topk_ids.shape:
         raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} differ")
     _check_experts(x, gate_up, down, topk_ids.shape[1], topk_ids.shape)
@@ -448,27 +556,35 @@ def _run_experts(x, gate_up, down, tiles: MoeTiles, ids, weights, top_k: int, ro
         sorted_pairs, block_table = align(ids.view(T, top_k), E, tiles.block_m,
                                           None if routing is None else (logits, weights, renormalize))
         routed_blocks = block_table.shape[1]
+    gate_up_ops, down_ops = _operands(gate_up, x.dtype), _operands(down, x.dtype)
+    if shared_slot is not None and gate_up_ops.constexprs:
+        raise ValueError("the shared slot takes plain weights only")
+    gate_up, down = gate_up_ops.weight, down_ops.weight
     shared_gate_up, shared_down, shared_gate = shared_slot if shared_slot is not None else (gate_up, down, x)
     slots = pairs + (T if shared_slot is not None else 0)  # rows of act and y: the pairs, then the shared slot's
     blocks = routed_blocks + (triton.cdiv(T, tiles.block_m) if shared_slot is not None else 0)
     act = torch.empty(slots, inter, dtype=x.dtype, device=x.device)
     tile = tiles.gate_up
+    block_k = gate_up_ops.block_k or tile.block_k
     _gate_up_kernel[(blocks, triton.cdiv(inter, tile.block_n))](
         x, gate_up, shared_gate_up, act, sorted_pairs, block_table[0], block_table[1], block_table[2], routed_blocks,
         T, H, inter, x.stride(0), gate_up.stride(0), gate_up.stride(1), logits, weights, E, logits.stride(0),
-        TOP_K=top_k, BLOCK_M=tiles.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        EVEN_N=inter % tile.block_n == 0, EVEN_K=H % tile.block_k == 0, PRECISION=precision, ONE_TOKEN=one_token,
+        gate_up_ops.scales, gate_up_ops.zeros, gate_up_ops.stride_se, gate_up_ops.stride_sn,
+        TOP_K=top_k, BLOCK_M=tiles.block_m, BLOCK_N=tile.block_n, BLOCK_K=block_k,
+        EVEN_N=inter % tile.block_n == 0, EVEN_K=H % block_k == 0, PRECISION=precision, ONE_TOKEN=one_token,
         ROUTE=route_in_a, RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(E),
         BLOCK_TOP_K=triton.next_power_of_2(top_k), num_warps=tile.warps,
-        num_stages=max(1, tile.stages // stage_divisor), **launch)
+        num_stages=max(1, tile.stages // stage_divisor), **gate_up_ops.constexprs, **launch)
     y = torch.empty(slots, H, dtype=torch.float32, device=x.device)  # [T, k, H], then the shared slot's [T, H]
     tile = tiles.down
+    block_k = down_ops.block_k or tile.block_k
     _down_kernel[(blocks, triton.cdiv(H, tile.block_n))](
         act, down, shared_down, weights, shared_gate, y, sorted_pairs, block_table[0], block_table[1], block_table[2],
-        routed_blocks, T, H, inter, down.stride(0), down.stride(1), shared_gate.stride(0), TOP_K=top_k,
-        BLOCK_M=tiles.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, EVEN_N=H % tile.block_n == 0,
-        EVEN_K=inter % tile.block_k == 0, PRECISION=precision, ONE_TOKEN=one_token, num_warps=tile.warps,
-        num_stages=max(1, tile.stages // stage_divisor), **launch)
+        routed_blocks, T, H, inter, down.stride(0), down.stride(1), shared_gate.stride(0), down_ops.scales,
+        down_ops.zeros, down_ops.stride_se, down_ops.stride_sn, TOP_K=top_k, BLOCK_M=tiles.block_m,
+        BLOCK_N=tile.block_n, BLOCK_K=block_k, EVEN_N=H % tile.block_n == 0, EVEN_K=inter % block_k == 0,
+        PRECISION=precision, ONE_TOKEN=one_token, num_warps=tile.warps,
+        num_stages=max(1, tile.stages // stage_divisor), **down_ops.constexprs, **launch)
     shared_out, gate_out = shared_output if shared_output is not None else (out, out)  # unread without HAS_SHARED
     _combine_kernel[(T, triton.cdiv(H, COMBINE_BLOCK))](
         y, out, shared_out, gate_out, H, out.stride(0), shared_out.stride(0), gate_out.stride(0), TOP_K=top_k,

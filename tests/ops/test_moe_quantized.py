@@ -1,0 +1,86 @@
+"""The fused MoE kernels on stacked quantized experts (ops/moe/quantized.py: FP8 block-scaled W8A8, int4 W4A16
+with and without zero points) against the float64 value of their semantics (tests/ops/moe_oracle.py), in Triton's
+CPU interpreter: float32 and bf16 activations, one token, several, and more than a block holds; a partial FP8 K
+block; the stacking and its fallbacks; QuantExperts on the CPU (the dequantized reference). The compiled kernels:
+tests/gpu/test_moe_gpu.py."""
+
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    pytest.skip("compiled kernels are tested by tests/gpu/test_moe_gpu.py", allow_module_level=True)
+pytest.importorskip("triton")
+
+from deltaserve.ops.moe import cuda as moe_cuda  # noqa: E402
+from deltaserve.ops.moe import quantized  # noqa: E402
+from deltaserve.ops.moe.configs import MoeTiles, Tile  # noqa: E402
+from deltaserve.ops.quant_gemm import reference as ref  # noqa: E402
+from tests.ops.interpreter import (patch_interpreter_bf16_dot, patch_interpreter_float_rounding,  # noqa: E402
+                                   patch_interpreter_index)
+from tests.ops.moe_oracle import quantized_experts_exact  # noqa: E402
+from tests.ops.test_triton_quant_gemm import int4_weight  # noqa: E402
+
+patch_interpreter_index()
+patch_interpreter_float_rounding()
+patch_interpreter_bf16_dot()
+
+SMALL = MoeTiles(16, Tile(16, 16, 4, 1), Tile(16, 16, 4, 1))
+
+
+def fp8_weight(n, k, gen):
+    w = torch.randn(n, k, generator=gen) * torch.logspace(-1, 0, n)[:, None] / k**0.5
+    return ref.prepare_fp8_block(*ref.fp8_block_quantize(w, (128, 128)), (128, 128))
+
+
+def experts(fmt, E, H, inter, gen):
+    if fmt == "fp8":
+        return [fp8_weight(2 * inter, H, gen) for _ in range(E)], [fp8_weight(H, inter, gen) for _ in range(E)]
+    symmetric = fmt == "int4-sym"
+    return ([int4_weight(2 * inter, H, 64, symmetric, False, gen) for _ in range(E)],
+            [int4_weight(H, inter, 32, symmetric, False, gen) for _ in range(E)])
+
+
+@pytest.mark.parametrize("fmt,H,inter", [("fp8", 200, 128), ("int4", 128, 64), ("int4-sym", 128, 96)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,top_k", [(1, 3), (5, 1), (20, 2)])
+def test_fused_quantized_experts_match_their_semantics(fmt, H, inter, dtype, tokens, top_k):
+    """FP8: H = 200 is one full and one partial 128-column block; 20 tokens put a popular expert in two blocks."""
+    gen = torch.Generator().manual_seed(tokens * 31 + top_k + H)
+    E = 5
+    gate_up, down = experts(fmt, E, H, inter, gen)
+    gate_up, down = quantized.stack(gate_up), quantized.stack(down)
+    x = (torch.randn(tokens, H, generator=gen) * torch.logspace(-1, 0.5, H)).to(dtype)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=gen) + 0.1
+    got = moe_cuda.fused_experts(x, ids, weights, gate_up, down, SMALL)
+    want, bound = quantized_experts_exact(x, ids, weights, gate_up, down, dtype)
+    err = (got.double() - want).abs()
+    assert (err <= bound).all(), f"{fmt}: error {(err / bound).max():.3g} x its bound"
+    # a bound below most values: a wrong scale, zero point or expert (an error of the value's size) breaks it
+    assert (bound < 0.5 * want.abs()).double().mean() > 0.5
+
+
+def test_stack_takes_one_layout_and_gives_views():
+    gen = torch.Generator().manual_seed(0)
+    fp8 = [fp8_weight(256, 128, gen) for _ in range(3)]
+    stacked = quantized.stack(fp8)
+    assert isinstance(stacked, quantized.Fp8Experts) and stacked.shape == (3, 256, 128)
+    assert stacked.expert(1).weight.data_ptr() == stacked.weight[1].data_ptr()
+    assert torch.equal(stacked.expert(2).dequantize(torch.float32), fp8[2].dequantize(torch.float32))
+    int4 = [int4_weight(32, 128, 64, False, False, gen) for _ in range(3)]
+    assert torch.equal(quantized.stack(int4).expert(0).dequantize(torch.float32), int4[0].dequantize(torch.float32))
+    # what the kernels cannot take stays per expert: act order, mixed formats, another FP8 block
+    assert quantized.stack([int4_weight(32, 128, 64, False, True, gen)]) is None
+    assert quantized.stack([fp8[0], int4[0]]) is None
+    other = ref.prepare_fp8_block(*ref.fp8_block_quantize(torch.randn(32, 64, generator=gen), (16, 32)), (16, 32))
+    assert quantized.stack([other]) is None
+
+
+def test_fp8_gate_and_up_must_not_share_a_scale_block():
+    gen = torch.Generator().manual_seed(1)
+    gate_up = quantized.stack([fp8_weight(2 * 64, 128, gen)])
+    down = quantized.stack([fp8_weight(128, 64, gen)])
+    assert not quantized.fused_layout(gate_up, down)
+    with pytest.raises(ValueError, match="128-row scale block"):
+        moe_cuda.fused_experts(torch.zeros(1, 128), torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1), gate_up,
+                               down, SMALL)
