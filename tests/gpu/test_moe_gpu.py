@@ -176,8 +176,12 @@ def test_engine_greedy_tokens_fused_equal_torch_path(arch, shared_size, tmp_path
         monkeypatch.setattr(moe_cuda, name, recording(name))
     fused = [o.outputs[0].token_ids for o in LLM(path, dtype="float32", max_num_seqs=8).generate(
         prompts, params, use_tqdm=False)]
-    taken, untaken = ("fused_experts", "fused_moe") if shared_size is None else ("fused_moe", "fused_experts")
-    assert launched[taken] and max(launched[taken]) <= moe.FUSED_MAX_TOKENS and not launched[untaken]
+    if shared_size is None:  # the experts alone, at every decode batch
+        assert launched["fused_experts"] and max(launched["fused_experts"]) <= moe.FUSED_MAX_TOKENS
+        assert not launched["fused_moe"]
+    else:  # the shared slot up to SHARED_SLOT_MAX_TOKENS tokens, the experts beside the shared expert above
+        assert launched["fused_moe"] and max(launched["fused_moe"]) <= moe.SHARED_SLOT_MAX_TOKENS
+        assert min(launched["fused_experts"]) > moe.SHARED_SLOT_MAX_TOKENS
     monkeypatch.setattr(moe, "fused_serves", lambda *args: False)
     monkeypatch.setattr(moe, "_route_on_gpu", lambda logits: False)
     torch_path = [o.outputs[0].token_ids for o in LLM(path, dtype="float32", max_num_seqs=8).generate(
