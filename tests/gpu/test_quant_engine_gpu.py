@@ -99,8 +99,9 @@ def published(name: str) -> Path:
 @pytest.mark.parametrize("name", ["qwen3.5-27b-fp8", "qwen3.5-27b-awq", "qwen3.5-27b-nvfp4", "qwen3.5-35b-a3b-fp8",
                                   "qwen3.5-35b-a3b-awq", "qwen3.5-35b-a3b-nvfp4"])
 def test_published_quantized_configs_start_with_dummy_weights(name, capsys):
-    """The benchmarks' configs: each starts (eagerly: the MoE fallback dequantizes every expert each step, which
-    graph capture of every batch size would take minutes over) and decodes; the weights it holds are the plan's."""
+    """The benchmarks' configs: each starts (eagerly: NVFP4 experts still take the fallback that dequantizes every
+    expert each step, which graph capture of every batch size would take minutes over) and decodes; the weights it
+    holds are the plan's."""
     from deltaserve import LLM, SamplingParams
 
     started = time.perf_counter()
