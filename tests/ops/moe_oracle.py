@@ -18,6 +18,7 @@ import math
 import torch
 
 from deltaserve.ops.moe import reference
+from deltaserve.ops.quant_gemm.reference import ACT_AMAX_FLOOR, E4M3_MAX, quantize_activation, unpack_int4
 from tests.tolerance import SOFTMAX_ROUNDINGS, gamma, silu_chain, unit_roundoff
 
 # Roundings to bf16 per side beyond the float32 model, relative to M. The reference: its gate/up outputs (two, each
@@ -131,20 +132,14 @@ def _term_magnitude(stack, e, offset: float):
     """[N, K] float64: what one weight contributes to a float32 sum's magnitude in the kernels."""
     w = stack.expert(e)
     if hasattr(w, "packed"):
-        q = ref_unpack(w)
+        q = unpack_int4(w.packed, w.shape[1]).double()
         z = 8.0 if w.zero is None else w.zero.double().repeat_interleave(w.group_size, dim=1)
         return (2 * offset + q + z) * w.scale.double().repeat_interleave(w.group_size, dim=1)
     return _dequantized(stack, e).abs()
 
 
-def ref_unpack(w):
-    from deltaserve.ops.quant_gemm.reference import unpack_int4
-    return unpack_int4(w.packed, w.shape[1]).double()
-
-
 def _fp8_rows(a: torch.Tensor):
     """a [R, K] float64 -> (value [R, K] = q s as quantize_activation computes it, s [R, G])."""
-    from deltaserve.ops.quant_gemm.reference import quantize_activation
     q, s = quantize_activation(a.float(), 128)
     return q.double() * s.double().repeat_interleave(128, dim=1)[:, : a.shape[1]], s.double()
 
@@ -153,7 +148,6 @@ def _requantized_spread(a: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     """[R, K]: how far the per-128-column e4m3 requantization of any a' with |a' - a| <= delta can land from that
     of a: the codes at the ends of the quotient's interval (the group's scale moving with its amax, both divisions
     rounded in float32), each times either end of the scale's interval."""
-    from deltaserve.ops.quant_gemm.reference import ACT_AMAX_FLOOR, E4M3_MAX
     R, K = a.shape
     G = -(-K // 128)
     pad = G * 128 - K

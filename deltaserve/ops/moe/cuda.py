@@ -54,6 +54,8 @@ from deltaserve.ops.moe.configs import MoeTiles
 from deltaserve.ops.moe.quantized import FP8_BLOCK, Fp8Experts, Int4Experts
 from deltaserve.ops.pdl import wait_for_previous_kernel
 from deltaserve.ops.quant_gemm.cuda_dequant import int4_codes
+from deltaserve.ops.quant_gemm.cuda_fp8 import _quantize_block
+from deltaserve.ops.quant_gemm.cuda_weight_only import _CODES
 from deltaserve.ops.quant_gemm.reference import ACT_AMAX_FLOOR, E4M3_MAX
 
 ALIGN_CHUNK = 32  # pairs (and blocks) the align kernel compares at once: [ALIGN_CHUNK, BLOCK_E] one-hot tiles
@@ -236,11 +238,8 @@ def _activation_tile(cols, ks, k_ok, m_ok, WFORMAT: tl.constexpr, FLOOR: tl.cons
     a 128-column group: e4m3, and its scale), INT4 (the tile and its column sums, float32, for the zero point)."""
     xt = tl.load(cols + ks[:, None], mask=k_ok[:, None] & m_ok[None, :], other=0.0)  # [BK, BM]
     if WFORMAT == FP8:
-        xf = xt.to(tl.float32)
-        amax = tl.maximum(tl.max(tl.abs(xf), axis=0), FLOOR)  # [BM]
-        factor = tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32))
-        q = tl.math.div_rn(xf, tl.broadcast_to(factor[None, :], xf.shape))
-        xt = tl.clamp(q, -QMAX, QMAX).to(tl.float8e4nv)
+        q, factor = _quantize_block(tl.trans(xt).to(tl.float32), FLOOR, QMAX)  # [BM, BK] e4m3, [BM]
+        xt = tl.trans(q)
     elif WFORMAT == INT4:
         factor = tl.sum(xt.to(tl.float32), axis=0)
     else:
@@ -451,9 +450,6 @@ class _Operands(NamedTuple):
     block_k: int | None
 
 
-_INT4_CODES = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0), torch.float32: (0, 0.0)}
-
-
 def _operands(w, dtype: torch.dtype) -> _Operands:
     """The kernels' view of w (a plain tensor, Fp8Experts or Int4Experts) for activations of dtype."""
     if isinstance(w, Fp8Experts):
@@ -461,7 +457,7 @@ def _operands(w, dtype: torch.dtype) -> _Operands:
         return _Operands(w.weight, scales, scales, scales.stride(0), scales.stride(1),
                          dict(WFORMAT=FP8, GROUP=FP8_BLOCK[0], FLOOR=ACT_AMAX_FLOOR, QMAX=E4M3_MAX), FP8_BLOCK[1])
     if isinstance(w, Int4Experts):
-        base, offset = _INT4_CODES[dtype]
+        base, offset = _CODES[dtype]
         zeros = w.zero if w.zero is not None else w.scale
         return _Operands(w.packed, w.scale, zeros, w.scale.stride(0), w.scale.stride(1),
                          dict(WFORMAT=INT4, GROUP=w.group_size, HAS_ZERO=w.zero is not None, CODE_BASE=base,
