@@ -1,7 +1,7 @@
 """One MoE layer (router + routed experts + gated shared expert) on the torch path and on the fused path (ops/moe),
 beside the bytes-over-bandwidth limit.
 
-    python -m benchmarks.moe_probe [CONFIG_DIR] [--tokens 1,2,4,8,16,32,64] [--sweep] [--out moe_configs.json]
+    python -m benchmarks.moe_probe [CONFIG_DIR] [--format bf16|fp8|int4] [--tokens 1,2,4,...] [--sweep] [--out FILE]
 
 For the MoE shape of the model in CONFIG_DIR (default Qwen3.5-35B-A3B), at each token count, inside CUDA graphs as
 decode runs them, each call on other random inputs so that its experts are not the previous call's (one call
@@ -17,6 +17,10 @@ moe.SHARED_SLOT_MAX_TOKENS tokens), and fused_moe alone. Each path's CUDA kernel
 `--sweep` then tunes the fused kernels' tiles per token bucket, on the path SparseMoE takes at it (kernel A's
 over its candidates with kernel B's default, then kernel B's with A's best, then BLOCK_M), starting no bucket after
 --budget-s seconds, and merges the winners into --out (copy to deltaserve/ops/moe/configs.json to ship them).
+`--format fp8` / `int4` times and sweeps the fused experts alone on stacked quantized experts of the same shapes
+(FP8 128 x 128 blocks, W8A8; int4 group 128 asymmetric, W4A16) beside their bytes' limit, under the table's
+"fp8:" / "int4:" keys; their kernels take BLOCK_K from the format, so the sweep varies BLOCK_N, warps, stages and
+BLOCK_M.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.gemv_probe import write_table
+from benchmarks.quant_gemm_probe import make_weight
 from benchmarks.timing import graph_time_us
 from deltaserve.config import ModelConfig
 from deltaserve.layers.mlp import SparseMoE
@@ -39,6 +44,7 @@ from deltaserve.ops import moe
 from deltaserve.ops.linear import linear
 from deltaserve.ops.moe import configs, reference
 from deltaserve.ops.moe import cuda as moe_cuda
+from deltaserve.ops.moe import quantized
 
 HBM_BYTES_PER_S = 4.8e12  # H200 nominal
 CALLS = 16  # calls per graph, each on its own inputs
@@ -46,6 +52,26 @@ CALLS = 16  # calls per graph, each on its own inputs
 TILE_SWEEP = [configs.Tile(bn, bk, warps, stages)
               for bn, bk, (warps, stages) in itertools.product((16, 32, 64, 128), (64, 128, 256), ((4, 3), (4, 4), (8, 4)))
               if bn * bk <= 16384]
+QUANT_BLOCK_K = 128  # the FP8 scale block and the int4 group the quantized stacks are made with
+
+
+def sweep_tiles(fmt: str) -> list[configs.Tile]:
+    """The tiles --sweep tries for a weight format: quantized kernels take BLOCK_K from the format."""
+    return TILE_SWEEP if fmt == "bf16" else [t for t in TILE_SWEEP if t.block_k == QUANT_BLOCK_K]
+
+
+def quantized_stacks(block: SparseMoE, fmt: str) -> tuple:
+    """(gate_up, down) of the block's expert shapes as stacked random `fmt` experts (ops.moe.quantized)."""
+    E, two_i, H = block.experts.gate_up_proj.shape
+    gate_up = quantized.stack([make_weight(fmt, two_i, H) for _ in range(E)])
+    down = quantized.stack([make_weight(fmt, H, two_i // 2) for _ in range(E)])
+    return gate_up, down
+
+
+def stack_bytes(w) -> int:
+    """Bytes of one expert's weights in a stack (every tensor field over the expert count)."""
+    tensors = [getattr(w, f) for f in w.__dataclass_fields__ if isinstance(getattr(w, f), torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors) // tensors[0].shape[0]
 
 
 def build_block(cfg: ModelConfig) -> SparseMoE:
@@ -160,12 +186,33 @@ def time_layer(block: SparseMoE, tokens: int) -> dict:
     return result
 
 
-def sweep_bucket(block: SparseMoE, tokens: int) -> tuple[configs.MoeTiles, float, float]:
-    """(the best tiles, their time, the default's time) of the fused experts at `tokens` tokens (with the shared
-    slot and the routing where the block runs them so)."""
-    experts = block.experts
+def time_quantized(block: SparseMoE, stacks: tuple, tokens: int) -> dict:
+    """The fused experts alone on quantized stacks at `tokens` tokens (default tiles and the table's), and the
+    limit: the distinct selected experts' bytes over the bandwidth."""
+    gate_up, down = stacks
     xs = [torch.randn(tokens, block.gate.in_features, device="cuda", dtype=torch.bfloat16) for _ in range(CALLS)]
-    operands = slot_operands(block) if tokens <= moe.SHARED_SLOT_MAX_TOKENS else None
+    with torch.no_grad():
+        routed = [moe.route(block.gate(x), block.top_k, block.norm_topk_prob) for x in xs]
+        E, two_i, H = gate_up.shape
+        per_expert = stack_bytes(gate_up) + stack_bytes(down)
+        distinct = sum(ids.unique().numel() for ids, _ in routed) / len(routed)
+        result = {"limit": 1e6 * distinct * per_expert / HBM_BYTES_PER_S}
+        for name, tiles in (("default", configs.default_tiles(tokens)),
+                            ("table", configs.tiles_for(E, block.top_k, H, two_i // 2, tokens,
+                                                        quantized.format_name(gate_up)))):
+            result[name] = graph_time_us([functools.partial(moe_cuda.fused_experts, x, ids, w, gate_up, down, tiles)
+                                          for x, (ids, w) in zip(xs, routed)])
+    return result
+
+
+def sweep_bucket(block: SparseMoE, tokens: int, stacks: tuple | None = None
+                 ) -> tuple[configs.MoeTiles, float, float]:
+    """(the best tiles, their time, the default's time) of the fused experts at `tokens` tokens (with the shared
+    slot and the routing where the block runs them so), on the block's bf16 experts or the quantized `stacks`."""
+    experts = block.experts
+    gate_up, down = stacks or (experts.gate_up_proj, experts.down_proj)
+    xs = [torch.randn(tokens, block.gate.in_features, device="cuda", dtype=torch.bfloat16) for _ in range(CALLS)]
+    operands = slot_operands(block) if tokens <= moe.SHARED_SLOT_MAX_TOKENS and stacks is None else None
     E = block.gate.out_features
     with torch.no_grad():
         routed = [moe.route(block.gate(x), block.top_k, block.norm_topk_prob) for x in xs]
@@ -176,7 +223,7 @@ def sweep_bucket(block: SparseMoE, tokens: int) -> tuple[configs.MoeTiles, float
         if operands is not None:
             return [functools.partial(moe_cuda.fused_moe, x, p[:, :E], block.top_k, block.norm_topk_prob, *operands,
                                       p[:, E:], tiles) for x, p in zip(xs, projections)]
-        return [functools.partial(moe_cuda.fused_experts, x, ids, w, experts.gate_up_proj, experts.down_proj, tiles)
+        return [functools.partial(moe_cuda.fused_experts, x, ids, w, gate_up, down, tiles)
                 for x, (ids, w) in zip(xs, routed)]
 
     def timed(tiles: configs.MoeTiles) -> float:
@@ -190,12 +237,13 @@ def sweep_bucket(block: SparseMoE, tokens: int) -> tuple[configs.MoeTiles, float
     default = configs.default_tiles(tokens)
     default_time = timed(default)
     best_time, best = default_time, default
-    for tile in TILE_SWEEP:
+    tiles = sweep_tiles(quantized.format_name(gate_up))
+    for tile in tiles:
         candidate = best._replace(gate_up=tile)
         t = timed(candidate)
         if t < best_time:
             best_time, best = t, candidate
-    for tile in TILE_SWEEP:
+    for tile in tiles:
         candidate = best._replace(down=tile)
         t = timed(candidate)
         if t < best_time:
@@ -214,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", nargs="?", default=str(CONFIGS_DIR / "qwen3.5-35b-a3b"),
                         help="config.json directory of an MoE model (default: the shipped Qwen3.5-35B-A3B config)")
+    parser.add_argument("--format", default="bf16", choices=configs.WEIGHT_FORMATS,
+                        help="the routed experts' weight format (fp8, int4: the fused experts alone, stacked)")
     parser.add_argument("--tokens", default="1,2,4,8,16,32,64", help="token counts to time")
     parser.add_argument("--sweep", action="store_true", help="tune the fused kernels' tiles per bucket")
     parser.add_argument("--budget-s", type=float, default=90.0, help="start no sweep bucket after this many s")
@@ -231,9 +281,11 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         parser.error("no CUDA device here: the probe times GPU kernels")
     block = build_block(cfg)
+    E, k, H, inter = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
+    if args.format != "bf16":
+        return quantized_main(args, block, token_counts)
     if block.shared_expert is not None and slot_operands(block) is None:
         print("the shared expert's intermediate size differs from the experts': no shared-slot path", flush=True)
-    E, k, H, inter = cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size
     print(f"MoE layer of {args.model}: E={E} top-{k} H={H} I={inter} shared={cfg.shared_expert_intermediate_size}; "
           f"limit at {HBM_BYTES_PER_S / 1e12:.1f} TB/s", flush=True)
     for tokens in token_counts:
@@ -248,15 +300,33 @@ def main(argv: list[str] | None = None) -> int:
             print(f"      shared slot: layer {r['slot']:7.1f} us ({r['fused'] / r['slot']:.2f}x the fused path above, "
                   f"limit at {r['limit'] / r['slot']:.0%}) | fused_moe alone {r['slot_kernels']:6.1f} us | kernels "
                   f"{r['slot_launches']}", flush=True)
-    if not args.sweep:
-        return 0
+    return sweep(args, block) if args.sweep else 0
+
+
+def quantized_main(args, block: SparseMoE, token_counts: list[int]) -> int:
+    """--format fp8 / int4: the fused experts alone on random stacked experts, then the sweep."""
+    stacks = quantized_stacks(block, args.format)
+    E, two_i, H = stacks[0].shape
+    print(f"{args.format} experts of {args.model}: E={E} top-{block.top_k} H={H} I={two_i // 2}, "
+          f"{(stack_bytes(stacks[0]) + stack_bytes(stacks[1])) / 1e6:.2f} MB an expert; limit at "
+          f"{HBM_BYTES_PER_S / 1e12:.1f} TB/s", flush=True)
+    for tokens in token_counts:
+        r = time_quantized(block, stacks, tokens)
+        print(f"T={tokens:>3}: fused experts, default tiles {r['default']:6.1f} us, table's {r['table']:6.1f} us | "
+              f"limit {r['limit']:6.1f} us (table's at {r['limit'] / r['table']:.0%})", flush=True)
+    return sweep(args, block, stacks) if args.sweep else 0
+
+
+def sweep(args, block: SparseMoE, stacks: tuple | None = None) -> int:
+    """Tune each bucket's tiles (sweep_bucket) and merge the winners into args.out after every bucket."""
+    E, two_i, H = (stacks[0] if stacks else block.experts.gate_up_proj).shape
     start, table = time.monotonic(), {}
     for bucket in configs.ROW_BUCKETS:
         if time.monotonic() - start > args.budget_s:
             print(f"budget of {args.budget_s:.0f} s spent: buckets from {bucket} not swept", flush=True)
             break
-        best, best_time, default_time = sweep_bucket(block, bucket)
-        table[configs.table_key(E, k, H, inter, bucket)] = configs.tiles_entry(best)
+        best, best_time, default_time = sweep_bucket(block, bucket, stacks)
+        table[configs.table_key(E, block.top_k, H, two_i // 2, bucket, args.format)] = configs.tiles_entry(best)
         write_table(args.out, table)  # after every bucket: a run killed later keeps what it measured
         print(f"bucket {bucket:>2}: best {best_time:6.1f} us {configs.tiles_entry(best)} (default {default_time:6.1f} "
               f"us) after {time.monotonic() - start:.0f} s", flush=True)

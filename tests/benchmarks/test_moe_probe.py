@@ -7,6 +7,8 @@ import torch
 from benchmarks import moe_probe
 from deltaserve.layers.mlp import SparseMoE
 from deltaserve.model_configs import CONFIGS_DIR
+from deltaserve.ops.moe import quantized
+from deltaserve.ops.quant_gemm.reference import fp8_block_quantize, prepare_fp8_block
 
 
 def test_torch_path_is_the_blocks_and_bytes_count_the_selected_experts():
@@ -41,10 +43,19 @@ def test_shared_apart_path_is_the_blocks_fused_path_before_the_slot():
     assert moe_probe.slot_operands(block) is None  # the CPU: no fused kernels
 
 
+def test_quantized_sweep_keeps_the_formats_block_k_and_bytes_count_every_part():
+    assert moe_probe.sweep_tiles("bf16") == moe_probe.TILE_SWEEP
+    fp8_tiles = moe_probe.sweep_tiles("fp8")
+    assert fp8_tiles and {t.block_k for t in fp8_tiles} == {moe_probe.QUANT_BLOCK_K}
+    experts = quantized.stack([prepare_fp8_block(*fp8_block_quantize(torch.randn(256, 384))) for _ in range(3)])
+    assert moe_probe.stack_bytes(experts) == 256 * 384 + 4 * 2 * 3  # fp8 weight, float32 [2, 3] block scales
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--tokens", "1,x"], "--tokens takes comma-separated positive integers, got '1,x'"),
     (["--tokens", "0"], "--tokens takes comma-separated positive integers, got '0'"),
     ([str(CONFIGS_DIR / "qwen3.5-27b")], "is not an MoE model"),
+    (["--format", "nvfp4"], "invalid choice: 'nvfp4'"),
 ])
 def test_bad_arguments_are_named(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -18,7 +18,9 @@
 #          PROBE_BUDGET (240) s and is killed at PROBE_TIMEOUT (300) s, keeping what it measured
 #   moe    the fused MoE path: its GPU tests and the tests/ops MoE tests, then benchmarks/moe_probe.py on MODEL (default
 #          qwen3.5-35b-a3b): torch path vs fused vs the bandwidth limit at 1-64 tokens and the tile sweep, writing
-#          OUTDIR/moe_configs.json (for deltaserve/ops/moe/configs.json); killed at PROBE_TIMEOUT (300) s
+#          OUTDIR/moe_configs.json (for deltaserve/ops/moe/configs.json); FORMATS="bf16 fp8 int4" probes and sweeps
+#          each weight format in turn (default bf16), each starting no bucket after PROBE_BUDGET (90) s and killed at
+#          PROBE_TIMEOUT (300) s; TESTS=0 leaves out the tests
 #   structured  what structured output costs a served model: TPOT of json_schema requests against the same free
 #          run at batch 1 and 64 (benchmarks/structured_overhead.py); MODEL (default qwen3.5-27b) chooses it (~6 min)
 #   tune   the tables this GPU should ship: fla-core's pinned kernel configurations as OUTDIR/fla_configs.tgz
@@ -64,13 +66,16 @@ if [ "$MODE" = quant ]; then
   exit $status
 fi
 if [ "$MODE" = moe ]; then
-  python3 -m pytest tests/gpu/test_moe_gpu.py tests/ops/test_moe_routing.py tests/ops/test_moe_experts.py tests/ops/test_moe_shared_slot.py -q -rs \
+  [ "${TESTS:-1}" = 0 ] || python3 -m pytest tests/gpu/test_moe_gpu.py tests/ops/test_moe_routing.py tests/ops/test_moe_experts.py tests/ops/test_moe_shared_slot.py -q -rs \
     --timeout=300 -p no:cacheprovider 2>&1 | tee "$OUT/moe_tests.log"
   status=${PIPESTATUS[0]}
   cp deltaserve/ops/moe/configs.json "$OUT/moe_configs.json"
-  timeout "${PROBE_TIMEOUT:-300}" python3 -m benchmarks.moe_probe "$CONFIGS/${MODEL:-qwen3.5-35b-a3b}" --sweep \
-    --out "$OUT/moe_configs.json" 2>&1 | tee "$OUT/moe_probe.log"
-  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  for format in ${FORMATS:-bf16}; do
+    timeout "${PROBE_TIMEOUT:-300}" python3 -m benchmarks.moe_probe "$CONFIGS/${MODEL:-qwen3.5-35b-a3b}" --sweep \
+      --format "$format" --budget-s "${PROBE_BUDGET:-90}" --out "$OUT/moe_configs.json" 2>&1 \
+      | tee -a "$OUT/moe_probe.log"
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  done
   exit $status
 fi
 if [ "$MODE" = structured ]; then
