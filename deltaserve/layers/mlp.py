@@ -156,18 +156,26 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_intermediate_size else None
         # [router | shared gate | shared gate/up] rows, set by fuse() where all are plain linears
         self.in_weight: torch.Tensor | None = None
+        # [router | shared gate] rows, set by fuse() where the two are plain linears (in_weight's first rows if set)
+        self.router_weight: torch.Tensor | None = None
 
     def fuse(self) -> None:
         """After loading (before the shared expert's own fuse): the router, the shared expert's gate and its
         gate/up projections, which all read x, become one [E + 1 + 2I_shared, H] weight, the parameters views of
         its rows. Steps on the fused experts multiply it once (one launch instead of three a layer), or, where the
-        shared expert runs as a slot of the fused experts (ops.moe.sparse_block), only its first E + 1 rows."""
+        shared expert runs as a slot of the fused experts (ops.moe.sparse_block), only its first E + 1 rows. With a
+        quantized shared expert (the plain router and shared gate of Qwen's FP8 / AWQ checkpoints) the router and
+        the shared gate alone become one [E + 1, H] weight."""
         if self.shared_expert is None:
             return
+        E = self.gate.out_features
         linears = (self.gate, self.shared_expert_gate, self.shared_expert.gate_proj, self.shared_expert.up_proj)
         if all(type(linear) is nn.Linear for linear in linears):
             self.in_weight = fuse_linears(*linears)
-            self.shared_expert.gate_up_weight = self.in_weight[self.gate.out_features + 1:]
+            self.shared_expert.gate_up_weight = self.in_weight[E + 1:]
+            self.router_weight = self.in_weight[:E + 1]
+        elif type(self.gate) is nn.Linear and type(self.shared_expert_gate) is nn.Linear:
+            self.router_weight = fuse_linears(self.gate, self.shared_expert_gate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] -> [T, H]."""
@@ -182,6 +190,10 @@ class SparseMoE(nn.Module):
                                         experts.down_proj, shared_gate_up, shared_down, projected[:, E:])
             projected = linear(x, self.in_weight)  # [T, E + 1 + 2I_shared]
             logits, shared = projected[:, :E], (self.shared_expert.down(projected[:, E + 1:]), projected[:, E:E + 1])
+        elif self.router_weight is not None and self.experts.fused_serves(x):  # a quantized shared expert
+            E = self.gate.out_features
+            projected = linear(x, self.router_weight)  # [T, E + 1]: router logits | shared gate logit
+            logits, shared = projected[:, :E], (self.shared_expert(x), projected[:, E:])
         else:
             logits = self.gate(x)  # [T, E]
             if self.shared_expert is not None:

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from torch import nn
 
 triton = pytest.importorskip("triton")
 
@@ -204,6 +205,36 @@ def test_fused_in_projection_equals_separate_projections(monkeypatch):
     with torch.no_grad():
         joined = block(x)
         block.in_weight = None
+        separate = block(x)
+    assert torch.equal(joined, separate)
+
+
+def test_router_and_shared_gate_join_beside_a_quantized_shared_expert(monkeypatch):
+    """With a shared expert whose gate/up are not plain linears (a quantized checkpoint's; here a stand-in
+    subclass), fuse joins only the router and the shared gate, into one [E + 1, H] weight of which both are views;
+    on the dyadic grid above the block's output equals, bitwise, its output with the two apart."""
+    class StandIn(nn.Linear):
+        """Not a plain nn.Linear to SparseMoE.fuse, as QuantLinear is not."""
+
+    block = sparse_moe(20, True, seed=12)
+    gen = torch.Generator().manual_seed(13)
+    with torch.no_grad():
+        for param in block.parameters():
+            param.copy_(torch.randint(-8, 9, param.shape, generator=gen) / 8)
+    block.shared_expert.gate_proj.__class__ = StandIn
+    block.shared_expert.gate_up_weight = None
+    block.fuse()
+    block.shared_expert.fuse()
+    assert block.in_weight is None and block.router_weight.shape == (8, 40)
+    assert block.gate.weight.data_ptr() == block.router_weight.data_ptr()  # views, no copy
+    assert block.shared_expert_gate.weight.data_ptr() == block.router_weight[7:].data_ptr()
+    x = (torch.randint(-2, 3, (6, 40), generator=gen) / 2).to(DEVICE)
+    monkeypatch.setattr(moe, "_route_on_gpu", lambda logits: True)
+    monkeypatch.setattr(moe, "fused_serves", lambda x, gate_up, down: True)
+    monkeypatch.setattr(moe, "tiles_for", lambda *shape: SMALL)
+    with torch.no_grad():
+        joined = block(x)
+        block.router_weight = None
         separate = block(x)
     assert torch.equal(joined, separate)
 

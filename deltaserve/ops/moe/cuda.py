@@ -54,9 +54,8 @@ from deltaserve.ops.moe.configs import MoeTiles
 from deltaserve.ops.moe.quantized import FP8_BLOCK, Fp8Experts, Int4Experts
 from deltaserve.ops.pdl import wait_for_previous_kernel
 from deltaserve.ops.quant_gemm.cuda_dequant import int4_codes
-from deltaserve.ops.quant_gemm.cuda_fp8 import _quantize_block
+from deltaserve.ops.quant_gemm import cuda_fp8
 from deltaserve.ops.quant_gemm.cuda_weight_only import _CODES
-from deltaserve.ops.quant_gemm.reference import ACT_AMAX_FLOOR, E4M3_MAX
 
 ALIGN_CHUNK = 32  # pairs (and blocks) the align kernel compares at once: [ALIGN_CHUNK, BLOCK_E] one-hot tiles
 COMBINE_BLOCK = 1024
@@ -232,14 +231,14 @@ INT4: tl.constexpr = tl.constexpr(2)
 
 
 @triton.jit
-def _activation_tile(cols, ks, k_ok, m_ok, WFORMAT: tl.constexpr, FLOOR: tl.constexpr, QMAX: tl.constexpr):
-    """The activations' [BK, BM] tile (cols [1, BM]: each pair's row; ks [BK] columns) for the weight format, and its
-    per-pair factor [BM]: PLAIN (the tile, unused), FP8 (the tile quantized per pair as fp8_block_linear quantizes
-    a 128-column group: e4m3, and its scale), INT4 (the tile and its column sums, float32, for the zero point)."""
+def _activation_tile(cols, scale_cols, k0, ks, k_ok, m_ok, stride_xg, WFORMAT: tl.constexpr):
+    """The activations' [BK, BM] tile (cols [1, BM]: each pair's row; ks [BK] columns, from k0) for the weight format,
+    and its per-pair factor [BM]: PLAIN (the tile, unused), FP8 (the e4m3 tile the quantize kernel wrote, and its
+    scales: scale_cols [BM] each row's first group, stride_xg between groups), INT4 (the tile and its column sums,
+    float32, for the zero point)."""
     xt = tl.load(cols + ks[:, None], mask=k_ok[:, None] & m_ok[None, :], other=0.0)  # [BK, BM]
     if WFORMAT == FP8:
-        q, factor = _quantize_block(tl.trans(xt).to(tl.float32), FLOOR, QMAX)  # [BM, BK] e4m3, [BM]
-        xt = tl.trans(q)
+        factor = tl.load(scale_cols + (k0 // xt.shape[0]) * stride_xg, mask=m_ok, other=0.0)
     elif WFORMAT == INT4:
         factor = tl.sum(xt.to(tl.float32), axis=0)
     else:
@@ -285,12 +284,11 @@ def _weight_product(acc, weights, scales, zeros, rows, n_ok, k0, ks, k_ok, xt, f
 def _gate_up_kernel(
     x, gate_up, shared_gate_up, act, sorted_pairs, block_expert, block_first, block_rows, routed_blocks, T, H, I,
     stride_x, stride_we, stride_wn, logits, topk_weights, E, stride_logits, scales, zeros, stride_se, stride_sn,
-    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_scales, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, ONE_TOKEN: tl.constexpr,
     ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOP_K: tl.constexpr,
     WFORMAT: tl.constexpr = PLAIN, GROUP: tl.constexpr = 1, HAS_ZERO: tl.constexpr = False,
-    CODE_BASE: tl.constexpr = 0, CODE_OFFSET: tl.constexpr = 0.0, FLOOR: tl.constexpr = 0.0,
-    QMAX: tl.constexpr = 1.0, PDL: tl.constexpr = False,
+    CODE_BASE: tl.constexpr = 0, CODE_OFFSET: tl.constexpr = 0.0, PDL: tl.constexpr = False,
 ):
     """Kernel A. Grid (blocks, cdiv(I, BLOCK_N)): program (b, n) writes act [pair, n block] = silu(x_t Wg^T) *
     (x_t Wu^T) for block b's pairs, Wg / Wu the n block's gate / up rows of its expert's gate_up [2I, H] (the
@@ -298,7 +296,8 @@ def _gate_up_kernel(
     routes the token from logits [0, :E] itself, program (0, 0) writing topk_ids (block_expert) and topk_weights
     for kernel B; no routing kernel ran. WFORMAT FP8 / INT4: gate_up is the stacked experts' e4m3 weight / packed
     int4 words (quantized.py), scales and zeros theirs (expert strides stride_we, stride_se; row strides stride_wn,
-    stride_sn); BLOCK_K the FP8 K block or the int4 group; no shared slot."""
+    stride_sn); BLOCK_K the FP8 K block or the int4 group; no shared slot. FP8: x is e4m3 [T, H] and x_scales
+    [H / BLOCK_K, T] its scales (cuda_fp8.quantize: each token once, not once a program)."""
     wait_for_previous_kernel(PDL)
     b = tl.program_id(0)
     if ROUTE:
@@ -321,12 +320,13 @@ def _gate_up_kernel(
         ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] intermediate columns = gate rows
         n_ok = ns < I
         x_cols = x + tokens[None, :].to(tl.int64) * stride_x  # [1, BM] each pair's token row
+        scale_cols = x_scales + tokens  # [BM] FP8: each pair's token's first K group's scale
         acc_gate = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)  # [BK]
             k_ok = ks < H
-            xt, factor = _activation_tile(x_cols, ks, k_ok, m_ok, WFORMAT, FLOOR, QMAX)  # [BK, BM], [BM]
+            xt, factor = _activation_tile(x_cols, scale_cols, k0, ks, k_ok, m_ok, T, WFORMAT)  # [BK, BM], [BM]
             acc_gate = _weight_product(acc_gate, weights, expert_scales, expert_zeros, ns, n_ok, k0, ks, k_ok, xt,
                                        factor, stride_wn, stride_sn, WFORMAT, GROUP, HAS_ZERO, CODE_BASE,
                                        CODE_OFFSET, EVEN_N and EVEN_K, PRECISION)
@@ -341,16 +341,16 @@ def _gate_up_kernel(
 @triton.jit(do_not_specialize=["routed_blocks", "T"])
 def _down_kernel(
     act, down, shared_down, topk_weights, shared_gate, y, sorted_pairs, block_expert, block_first, block_rows,
-    routed_blocks, T, H, I, stride_we, stride_wn, stride_gate, scales, zeros, stride_se, stride_sn,
-    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr,
-    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, ONE_TOKEN: tl.constexpr, WFORMAT: tl.constexpr = PLAIN,
-    GROUP: tl.constexpr = 1, HAS_ZERO: tl.constexpr = False, CODE_BASE: tl.constexpr = 0,
-    CODE_OFFSET: tl.constexpr = 0.0, FLOOR: tl.constexpr = 0.0, QMAX: tl.constexpr = 1.0, PDL: tl.constexpr = False,
+    routed_blocks, T, H, I, stride_we, stride_wn, stride_gate, scales, zeros, stride_se, stride_sn, act_scales,
+    num_slots, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, ONE_TOKEN: tl.constexpr,
+    WFORMAT: tl.constexpr = PLAIN, GROUP: tl.constexpr = 1, HAS_ZERO: tl.constexpr = False,
+    CODE_BASE: tl.constexpr = 0, CODE_OFFSET: tl.constexpr = 0.0, PDL: tl.constexpr = False,
 ):
     """Kernel B. Grid (blocks, cdiv(H, BLOCK_N)): program (b, n) writes y [pair, n block] (float32) =
     w_pair * act[pair] Wd^T for block b's pairs, Wd the n block's rows of its expert's down [H, I]; in the shared
     slot Wd from shared_down [H, I] (the routed experts' row stride) and w = sigmoid(shared_gate [t]). WFORMAT: as
-    kernel A's, the activation quantized per 128 columns for FP8."""
+    kernel A's; FP8: act is e4m3 [num_slots, I] and act_scales [I / BLOCK_K, num_slots] its scales."""
     wait_for_previous_kernel(PDL)
     b = tl.program_id(0)
     if _block_used(block_rows, b, routed_blocks, ONE_TOKEN):
@@ -369,11 +369,12 @@ def _down_kernel(
         ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] hidden columns = down rows
         n_ok = ns < H
         a_cols = act + pairs[None, :].to(tl.int64) * I  # [1, BM]
+        scale_cols = act_scales + pairs  # [BM] FP8: each pair's first K group's scale
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for k0 in range(0, I, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)  # [BK]
             k_ok = ks < I
-            at, factor = _activation_tile(a_cols, ks, k_ok, m_ok, WFORMAT, FLOOR, QMAX)  # [BK, BM], [BM]
+            at, factor = _activation_tile(a_cols, scale_cols, k0, ks, k_ok, m_ok, num_slots, WFORMAT)
             acc = _weight_product(acc, weights, expert_scales, expert_zeros, ns, n_ok, k0, ks, k_ok, at, factor,
                                   stride_wn, stride_sn, WFORMAT, GROUP, HAS_ZERO, CODE_BASE, CODE_OFFSET,
                                   EVEN_N and EVEN_K, PRECISION)
@@ -455,7 +456,7 @@ def _operands(w, dtype: torch.dtype) -> _Operands:
     if isinstance(w, Fp8Experts):
         scales = w.scale_inv
         return _Operands(w.weight, scales, scales, scales.stride(0), scales.stride(1),
-                         dict(WFORMAT=FP8, GROUP=FP8_BLOCK[0], FLOOR=ACT_AMAX_FLOOR, QMAX=E4M3_MAX), FP8_BLOCK[1])
+                         dict(WFORMAT=FP8, GROUP=FP8_BLOCK[0]), FP8_BLOCK[1])
     if isinstance(w, Int4Experts):
         base, offset = _CODES[dtype]
         zeros = w.zero if w.zero is not None else w.scale
@@ -552,6 +553,7 @@ def _run_experts(x, gate_up, down, tiles: MoeTiles, ids, weights, top_k: int, ro
         sorted_pairs, block_table = align(ids.view(T, top_k), E, tiles.block_m,
                                           None if routing is None else (logits, weights, renormalize))
         routed_blocks = block_table.shape[1]
+    fp8 = isinstance(gate_up, Fp8Experts)  # W8A8: the activations quantized once by cuda_fp8.quantize
     gate_up_ops, down_ops = _operands(gate_up, x.dtype), _operands(down, x.dtype)
     if shared_slot is not None and gate_up_ops.constexprs:
         raise ValueError("the shared slot takes plain weights only")
@@ -562,10 +564,11 @@ def _run_experts(x, gate_up, down, tiles: MoeTiles, ids, weights, top_k: int, ro
     act = torch.empty(slots, inter, dtype=x.dtype, device=x.device)
     tile = tiles.gate_up
     block_k = gate_up_ops.block_k or tile.block_k
+    x_in, x_scales = cuda_fp8.quantize(x, block_k) if fp8 else (x, x)  # FP8: e4m3 [T, H], [H / 128, T]
     _gate_up_kernel[(blocks, triton.cdiv(inter, tile.block_n))](
-        x, gate_up, shared_gate_up, act, sorted_pairs, block_table[0], block_table[1], block_table[2], routed_blocks,
-        T, H, inter, x.stride(0), gate_up.stride(0), gate_up.stride(1), logits, weights, E, logits.stride(0),
-        gate_up_ops.scales, gate_up_ops.zeros, gate_up_ops.stride_se, gate_up_ops.stride_sn,
+        x_in, gate_up, shared_gate_up, act, sorted_pairs, block_table[0], block_table[1], block_table[2], routed_blocks,
+        T, H, inter, x_in.stride(0), gate_up.stride(0), gate_up.stride(1), logits, weights, E, logits.stride(0),
+        gate_up_ops.scales, gate_up_ops.zeros, gate_up_ops.stride_se, gate_up_ops.stride_sn, x_scales,
         TOP_K=top_k, BLOCK_M=tiles.block_m, BLOCK_N=tile.block_n, BLOCK_K=block_k,
         EVEN_N=inter % tile.block_n == 0, EVEN_K=H % block_k == 0, PRECISION=precision, ONE_TOKEN=one_token,
         ROUTE=route_in_a, RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(E),
@@ -574,10 +577,11 @@ def _run_experts(x, gate_up, down, tiles: MoeTiles, ids, weights, top_k: int, ro
     y = torch.empty(slots, H, dtype=torch.float32, device=x.device)  # [T, k, H], then the shared slot's [T, H]
     tile = tiles.down
     block_k = down_ops.block_k or tile.block_k
+    act, act_scales = cuda_fp8.quantize(act, block_k) if fp8 else (act, act)  # FP8: e4m3 [slots, I], [I / 128, slots]
     _down_kernel[(blocks, triton.cdiv(H, tile.block_n))](
         act, down, shared_down, weights, shared_gate, y, sorted_pairs, block_table[0], block_table[1], block_table[2],
         routed_blocks, T, H, inter, down.stride(0), down.stride(1), shared_gate.stride(0), down_ops.scales,
-        down_ops.zeros, down_ops.stride_se, down_ops.stride_sn, TOP_K=top_k, BLOCK_M=tiles.block_m,
+        down_ops.zeros, down_ops.stride_se, down_ops.stride_sn, act_scales, slots, TOP_K=top_k, BLOCK_M=tiles.block_m,
         BLOCK_N=tile.block_n, BLOCK_K=block_k, EVEN_N=H % tile.block_n == 0, EVEN_K=inter % block_k == 0,
         PRECISION=precision, ONE_TOKEN=one_token, num_warps=tile.warps,
         num_stages=max(1, tile.stages // stage_divisor), **down_ops.constexprs, **launch)
