@@ -54,6 +54,12 @@ class SwiGLU(nn.Module):
         """gate_up: [T, 2I], the fused gate/up projection's output -> down(silu(gate) * up): [T, H]."""
         return silu_mul_linear(gate_up, self.down_proj.weight)
 
+    def slot_weights(self) -> tuple:
+        """(gate_up [2I, H], down [H, I]) as an MoE block's shared slot takes them: plain tensors, or quantized
+        ones' prepared weights (ops.quant_gemm's); a split weight as it is (no slot takes it)."""
+        weights = (self.gate_up_weight, self.down_proj.weight)
+        return tuple(w.prepared if isinstance(w, QuantWeight) else w for w in weights)
+
 
 class Experts(nn.Module):
     """All routed experts as stacked weights: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]."""
@@ -73,6 +79,10 @@ class Experts(nn.Module):
     def fused_serves(self, x: torch.Tensor) -> bool:
         """Whether a forward over x takes the fused kernels."""
         return moe.fused_serves(x, self.gate_up_proj, self.down_proj)
+
+    def stacks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [E, 2I, H], down [E, H, I]) as the fused kernels take them."""
+        return self.gate_up_proj, self.down_proj
 
 
 class QuantExperts(nn.Module):
@@ -142,6 +152,10 @@ class QuantExperts(nn.Module):
         """Whether a forward over x takes the fused kernels (stacked experts, ops.moe.fused_serves)."""
         return self.gate_up_stack is not None and moe.fused_serves(x, self.gate_up_stack, self.down_stack)
 
+    def stacks(self) -> tuple:
+        """(gate_up, down) as the fused kernels take them: ops.moe.quantized stacks (None where not stacked)."""
+        return self.gate_up_stack, self.down_stack
+
 
 class SparseMoE(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
@@ -180,20 +194,21 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] -> [T, H]."""
         shared = None  # (the shared expert's output [T, H], its gate logits [T, 1]), summed in by the experts' op
-        if self.in_weight is not None and self.experts.fused_serves(x):
+        if self.router_weight is not None and self.experts.fused_serves(x):
             E = self.gate.out_features
-            experts, shared_gate_up = self.experts, self.shared_expert.gate_up_weight
-            shared_down = self.shared_expert.down_proj.weight
-            if moe.shared_slot_serves(x, experts.gate_up_proj, experts.down_proj, shared_gate_up, shared_down):
-                projected = linear(x, self.in_weight[:E + 1])  # [T, E + 1]: router logits | shared gate logit
-                return moe.sparse_block(x, projected[:, :E], self.top_k, self.norm_topk_prob, experts.gate_up_proj,
-                                        experts.down_proj, shared_gate_up, shared_down, projected[:, E:])
-            projected = linear(x, self.in_weight)  # [T, E + 1 + 2I_shared]
-            logits, shared = projected[:, :E], (self.shared_expert.down(projected[:, E + 1:]), projected[:, E:E + 1])
-        elif self.router_weight is not None and self.experts.fused_serves(x):  # a quantized shared expert
-            E = self.gate.out_features
-            projected = linear(x, self.router_weight)  # [T, E + 1]: router logits | shared gate logit
-            logits, shared = projected[:, :E], (self.shared_expert(x), projected[:, E:])
+            gate_up, down = self.experts.stacks()
+            shared_gate_up, shared_down = self.shared_expert.slot_weights()
+            if moe.shared_slot_serves(x, gate_up, down, shared_gate_up, shared_down):
+                projected = linear(x, self.router_weight)  # [T, E + 1]: router logits | shared gate logit
+                return moe.sparse_block(x, projected[:, :E], self.top_k, self.norm_topk_prob, gate_up, down,
+                                        shared_gate_up, shared_down, projected[:, E:])
+            if self.in_weight is not None:
+                projected = linear(x, self.in_weight)  # [T, E + 1 + 2I_shared]
+                shared_out = self.shared_expert.down(projected[:, E + 1:])
+            else:  # a quantized shared expert
+                projected = linear(x, self.router_weight)  # [T, E + 1]
+                shared_out = self.shared_expert(x)
+            logits, shared = projected[:, :E], (shared_out, projected[:, E:E + 1])
         else:
             logits = self.gate(x)  # [T, E]
             if self.shared_expert is not None:

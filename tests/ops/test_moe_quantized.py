@@ -17,7 +17,7 @@ from deltaserve.ops.moe.configs import MoeTiles, Tile  # noqa: E402
 from deltaserve.ops.quant_gemm import reference as ref  # noqa: E402
 from tests.ops.interpreter import (patch_interpreter_bf16_dot, patch_interpreter_float_rounding,  # noqa: E402
                                    patch_interpreter_index)
-from tests.ops.moe_oracle import quantized_experts_exact  # noqa: E402
+from tests.ops.moe_oracle import quantized_experts_exact, shared_bound  # noqa: E402
 from tests.ops.test_triton_quant_gemm import int4_weight  # noqa: E402
 
 patch_interpreter_index()
@@ -58,6 +58,50 @@ def test_fused_quantized_experts_match_their_semantics(fmt, H, inter, dtype, tok
     assert (err <= bound).all(), f"{fmt}: error {(err / bound).max():.3g} x its bound"
     # a bound below most values: a wrong scale, zero point or expert (an error of the value's size) breaks it
     assert (bound < 0.5 * want.abs()).double().mean() > 0.5
+
+
+@pytest.mark.parametrize("fmt,H,inter", [("fp8", 200, 128), ("int4", 128, 64), ("int4-sym", 128, 96)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_quantized_shared_slot_matches_its_semantics(fmt, H, inter, dtype, tokens):
+    """fused_moe with stacked quantized experts and the shared expert's prepared weights as its slot: the k routed
+    experts the kernels chose plus the shared one as expert E of k + 1, weighted sigmoid(gate), within the experts'
+    bound and the float32 sigmoid's (one side of shared_bound)."""
+    gen = torch.Generator().manual_seed(tokens * 7 + H)
+    E, top_k = 5, 2
+    gate_up, down = experts(fmt, E + 1, H, inter, gen)  # the last one is the shared expert
+    x = (torch.randn(tokens, H, generator=gen) * torch.logspace(-1, 0.5, H)).to(dtype)
+    logits = torch.randn(tokens, E, generator=gen).to(dtype)
+    shared_gate = torch.randn(tokens, 1, generator=gen).to(dtype)
+    got, ids, weights = moe_cuda.fused_moe(x, logits, top_k, True, quantized.stack(gate_up[:E]),
+                                           quantized.stack(down[:E]), gate_up[E], down[E], shared_gate, SMALL)
+    slot_ids = torch.cat([ids.long(), torch.full((tokens, 1), E)], 1)
+    slot_weights = torch.cat([weights.double(), torch.sigmoid(shared_gate.double())], 1)
+    every_gate_up, every_down = quantized.stack(gate_up), quantized.stack(down)
+    want, bound = quantized_experts_exact(x, slot_ids, slot_weights, every_gate_up, every_down, dtype)
+    shared, _ = quantized_experts_exact(x, slot_ids[:, -1:], torch.ones(tokens, 1), every_gate_up, every_down, dtype)
+    bound = bound + shared_bound(shared, shared_gate, torch.float32) / 2
+    err = (got.double() - want).abs()
+    assert (err <= bound).all(), f"{fmt}: error {(err / bound).max():.3g} x its bound"
+    assert (bound < 0.5 * want.abs()).double().mean() > 0.5
+
+
+def test_shared_slot_takes_only_a_weight_of_the_experts_layout():
+    gen = torch.Generator().manual_seed(2)
+    fp8 = quantized.stack([fp8_weight(256, 128, gen) for _ in range(2)])
+    assert quantized.slot_fits(fp8, fp8_weight(256, 128, gen))
+    assert not quantized.slot_fits(fp8, fp8_weight(384, 128, gen))  # another shape
+    assert not quantized.slot_fits(fp8, torch.zeros(256, 128))  # a plain tensor
+    int4 = quantized.stack([int4_weight(32, 128, 64, False, False, gen) for _ in range(2)])
+    assert quantized.slot_fits(int4, int4_weight(32, 128, 64, False, False, gen))
+    assert not quantized.slot_fits(int4, int4_weight(32, 128, 32, False, False, gen))  # another group
+    assert not quantized.slot_fits(int4, int4_weight(32, 128, 64, True, False, gen))  # no zero point
+    assert not quantized.slot_fits(int4, int4_weight(32, 128, 64, False, True, gen))  # act order
+    assert not quantized.slot_fits(fp8, int4_weight(256, 128, 64, False, False, gen))  # another format
+    x, logits, gate = torch.zeros(1, 128), torch.zeros(1, 2), torch.zeros(1, 1)
+    with pytest.raises(ValueError, match="shared gate_up Fp8BlockWeight"):
+        moe_cuda.fused_moe(x, logits, 1, True, fp8, quantized.stack([fp8_weight(128, 128, gen)] * 2),
+                           fp8_weight(384, 128, gen), fp8_weight(128, 128, gen), gate, SMALL)
 
 
 def test_stack_takes_one_layout_and_gives_views():

@@ -13,8 +13,8 @@ weight format as a parameter, at every batch size; layers/mlp.QuantExperts dequa
 where the kernels do not serve (the CPU, float32).
 
 `sparse_block` is the block after its router in the fewest launches: where the shared expert has the routed experts'
-intermediate size (Qwen3.5-35B-A3B, 122B-A10B, Qwen3-Next: `shared_slot_serves`), it runs as one more expert slot
-of the fused kernels, and the routing runs inside them (kernel A at one token, the align kernel above), so a layer
+intermediate size (Qwen3.5-35B-A3B, 122B-A10B, Qwen3-Next: `shared_slot_serves`) and their format (plain, or the
+quantized stacks' with the same layout), it runs as one more expert slot of the fused kernels, and the routing runs inside them (kernel A at one token, the align kernel above), so a layer
 is the router's projection, then kernel A, B and the combine (plus the align kernel above one token). It serves
 up to SHARED_SLOT_MAX_TOKENS tokens: above one token it measured slower than the shared expert apart
 (docs/performance.md, MoE). Elsewhere it is `reference.sparse_block`.
@@ -82,9 +82,12 @@ def experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
 def shared_slot_serves(x: torch.Tensor, gate_up, down, shared_gate_up, shared_down) -> bool:
     """Whether `sparse_block` takes the fused kernels: `fused_serves` at up to SHARED_SLOT_MAX_TOKENS tokens, and the
     shared expert's gate_up [2I, H] and down [H, I] plain tensors of the routed experts' intermediate size, dtype and
-    row strides."""
-    return (x.shape[0] <= SHARED_SLOT_MAX_TOKENS and fused_serves(x, gate_up, down)
-            and isinstance(shared_gate_up, torch.Tensor)
+    row strides, or, beside stacked quantized experts, prepared weights that fit them (quantized.slot_fits)."""
+    if not (x.shape[0] <= SHARED_SLOT_MAX_TOKENS and fused_serves(x, gate_up, down)):
+        return False
+    if isinstance(gate_up, QUANTIZED_EXPERTS):
+        return quantized.slot_fits(gate_up, shared_gate_up) and quantized.slot_fits(down, shared_down)
+    return (isinstance(shared_gate_up, torch.Tensor)
             and isinstance(shared_down, torch.Tensor) and shared_gate_up.shape == gate_up.shape[1:]
             and shared_down.shape == down.shape[1:] and shared_gate_up.dtype == shared_down.dtype == x.dtype
             and shared_gate_up.stride() == gate_up.stride()[1:] and shared_down.stride() == down.stride()[1:])
@@ -92,14 +95,18 @@ def shared_slot_serves(x: torch.Tensor, gate_up, down, shared_gate_up, shared_do
 
 def sparse_block(x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool, gate_up, down, shared_gate_up,
               shared_down, shared_gate: torch.Tensor) -> torch.Tensor:
-    """x: [T, H]; logits [T, E] router outputs; gate_up [E, 2I, H], down [E, H, I] the routed experts;
+    """x: [T, H]; logits [T, E] router outputs; gate_up [E, 2I, H], down [E, H, I] the routed experts (plain, or
+    stacked quantized experts with the shared expert's prepared weights of their format);
     shared_gate_up [2I, H], shared_down [H, I] the shared expert, shared_gate [T, 1] its gate logits.
     Returns sum_j w_j expert_{id_j}(x) + sigmoid(shared_gate) * shared(x): [T, H], the routing as `route`."""
     if shared_slot_serves(x, gate_up, down, shared_gate_up, shared_down) and _route_on_gpu(logits):
         from deltaserve.ops.moe import cuda
         E, two_i, H = gate_up.shape
-        tiles = tiles_for(E, top_k, H, two_i // 2, x.shape[0])
+        tiles = tiles_for(E, top_k, H, two_i // 2, x.shape[0], quantized.format_name(gate_up))
         return cuda.fused_moe(x, logits, top_k, renormalize, gate_up, down, shared_gate_up, shared_down,
                               shared_gate, tiles)[0]
+    if isinstance(gate_up, QUANTIZED_EXPERTS):
+        raise ValueError(f"stacked {quantized.format_name(gate_up)} experts with a shared slot run on the fused "
+                         f"kernels only (shared_slot_serves); got x {tuple(x.shape)} {x.dtype} on {x.device}")
     return reference.sparse_block(x, logits, top_k, renormalize, gate_up, down, shared_gate_up, shared_down,
                                shared_gate)

@@ -51,7 +51,7 @@ import triton.language as tl
 
 from deltaserve.ops import pdl
 from deltaserve.ops.moe.configs import MoeTiles
-from deltaserve.ops.moe.quantized import FP8_BLOCK, Fp8Experts, Int4Experts
+from deltaserve.ops.moe.quantized import FP8_BLOCK, Fp8Experts, Int4Experts, as_stack, slot_fits
 from deltaserve.ops.pdl import wait_for_previous_kernel
 from deltaserve.ops.quant_gemm.cuda_dequant import int4_codes
 from deltaserve.ops.quant_gemm import cuda_fp8
@@ -284,7 +284,7 @@ def _weight_product(acc, weights, scales, zeros, rows, n_ok, k0, ks, k_ok, xt, f
 def _gate_up_kernel(
     x, gate_up, shared_gate_up, act, sorted_pairs, block_expert, block_first, block_rows, routed_blocks, T, H, I,
     stride_x, stride_we, stride_wn, logits, topk_weights, E, stride_logits, scales, zeros, stride_se, stride_sn,
-    x_scales, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    shared_scales, shared_zeros, x_scales, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, ONE_TOKEN: tl.constexpr,
     ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOP_K: tl.constexpr,
     WFORMAT: tl.constexpr = PLAIN, GROUP: tl.constexpr = 1, HAS_ZERO: tl.constexpr = False,
@@ -296,8 +296,9 @@ def _gate_up_kernel(
     routes the token from logits [0, :E] itself, program (0, 0) writing topk_ids (block_expert) and topk_weights
     for kernel B; no routing kernel ran. WFORMAT FP8 / INT4: gate_up is the stacked experts' e4m3 weight / packed
     int4 words (quantized.py), scales and zeros theirs (expert strides stride_we, stride_se; row strides stride_wn,
-    stride_sn); BLOCK_K the FP8 K block or the int4 group; no shared slot. FP8: x is e4m3 [T, H] and x_scales
-    [H / BLOCK_K, T] its scales (cuda_fp8.quantize: each token once, not once a program)."""
+    stride_sn), the shared slot's weight of that format with shared_scales / shared_zeros (an expert's strides);
+    BLOCK_K the FP8 K block or the int4 group. FP8: x is e4m3 [T, H] and x_scales [H / BLOCK_K, T] its scales
+    (cuda_fp8.quantize: each token once, not once a program)."""
     wait_for_previous_kernel(PDL)
     b = tl.program_id(0)
     if ROUTE:
@@ -311,12 +312,11 @@ def _gate_up_kernel(
     if _block_used(block_rows, b, routed_blocks, ONE_TOKEN):
         pairs, tokens, m_ok = _block_pairs(sorted_pairs, block_first, block_rows, b, routed_blocks, T, TOP_K,
                                            BLOCK_M, ONE_TOKEN)  # [BM] each
-        if b < routed_blocks:
-            weights = gate_up + expert * stride_we
-        else:
-            weights = shared_gate_up
+        weights = gate_up + expert * stride_we
         expert_scales = scales + expert * stride_se
         expert_zeros = zeros + expert * stride_se
+        if b >= routed_blocks:  # the shared slot
+            weights, expert_scales, expert_zeros = shared_gate_up, shared_scales, shared_zeros
         ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] intermediate columns = gate rows
         n_ok = ns < I
         x_cols = x + tokens[None, :].to(tl.int64) * stride_x  # [1, BM] each pair's token row
@@ -341,8 +341,8 @@ def _gate_up_kernel(
 @triton.jit(do_not_specialize=["routed_blocks", "T"])
 def _down_kernel(
     act, down, shared_down, topk_weights, shared_gate, y, sorted_pairs, block_expert, block_first, block_rows,
-    routed_blocks, T, H, I, stride_we, stride_wn, stride_gate, scales, zeros, stride_se, stride_sn, act_scales,
-    num_slots, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    routed_blocks, T, H, I, stride_we, stride_wn, stride_gate, scales, zeros, stride_se, stride_sn, shared_scales,
+    shared_zeros, act_scales, num_slots, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, ONE_TOKEN: tl.constexpr,
     WFORMAT: tl.constexpr = PLAIN, GROUP: tl.constexpr = 1, HAS_ZERO: tl.constexpr = False,
     CODE_BASE: tl.constexpr = 0, CODE_OFFSET: tl.constexpr = 0.0, PDL: tl.constexpr = False,
@@ -357,15 +357,15 @@ def _down_kernel(
         pairs, tokens, m_ok = _block_pairs(sorted_pairs, block_first, block_rows, b, routed_blocks, T, TOP_K,
                                            BLOCK_M, ONE_TOKEN)  # [BM] each
         expert = tl.load(block_expert + b, mask=b < routed_blocks, other=0).to(tl.int64)
-        if b < routed_blocks:
-            weights = down + expert * stride_we
-            pair_weight = tl.load(topk_weights + pairs, mask=m_ok, other=0.0)  # [BM] float32
-        else:
-            weights = shared_down
-            gate = tl.load(shared_gate + tokens.to(tl.int64) * stride_gate, mask=m_ok, other=0.0).to(tl.float32)
-            pair_weight = 1.0 / (1.0 + tl.exp(-gate))
+        weights = down + expert * stride_we
         expert_scales = scales + expert * stride_se
         expert_zeros = zeros + expert * stride_se
+        if b < routed_blocks:
+            pair_weight = tl.load(topk_weights + pairs, mask=m_ok, other=0.0)  # [BM] float32
+        else:  # the shared slot
+            weights, expert_scales, expert_zeros = shared_down, shared_scales, shared_zeros
+            gate = tl.load(shared_gate + tokens.to(tl.int64) * stride_gate, mask=m_ok, other=0.0).to(tl.float32)
+            pair_weight = 1.0 / (1.0 + tl.exp(-gate))
         ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] hidden columns = down rows
         n_ok = ns < H
         a_cols = act + pairs[None, :].to(tl.int64) * I  # [1, BM]
@@ -486,6 +486,13 @@ def _check_experts(x: torch.Tensor, gate_up, down, top_k: int, routing_shape) ->
                          "(gate and up rows in separate blocks)")
 
 
+def _describe(w) -> str:
+    """A weight for an error message: a tensor's shape, dtype and strides, else its type and shape."""
+    if isinstance(w, torch.Tensor):
+        return f"{tuple(w.shape)} {w.dtype} stride {w.stride()}"
+    return f"{type(w).__name__} {tuple(getattr(w, 'shape', ()))}"
+
+
 def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up, down,
                   tiles: MoeTiles, shared: tuple[torch.Tensor, torch.Tensor] | None = None
                   ) -> torch.Tensor:
@@ -501,26 +508,29 @@ def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     return _run_experts(x, gate_up, down, tiles, ids, weights, topk_ids.shape[1], shared_output=shared)
 
 
-def fused_moe(x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool, gate_up: torch.Tensor,
-              down: torch.Tensor, shared_gate_up: torch.Tensor, shared_down: torch.Tensor, shared_gate: torch.Tensor,
-              tiles: MoeTiles) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def fused_moe(x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool, gate_up, down, shared_gate_up,
+              shared_down, shared_gate: torch.Tensor, tiles: MoeTiles) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The MoE block after its router: routing, the routed experts and the gated shared expert as one more slot
     of kernels A and B. x: [T, H]; logits [T, E] (unit last stride); gate_up [E, 2I, H]; down [E, H, I];
     shared_gate_up [2I, H], shared_down [H, I] (the shared expert, of the routed experts' intermediate size and row
-    strides); shared_gate [T, 1] logits. Returns (out [T, H] = sum_j w_j expert_{id_j}(x) + sigmoid(gate) *
+    strides: plain tensors, or with stacked quantized experts prepared weights that quantized.slot_fits);
+    shared_gate [T, 1] logits. Returns (out [T, H] = sum_j w_j expert_{id_j}(x) + sigmoid(gate) *
     shared(x) in x.dtype, topk_ids [T, k] int32, topk_weights [T, k] float32, as `route`). Launches: one token,
     kernel A (which routes) -> kernel B -> combine; more, the align kernel (which routes) first."""
     T, H = x.shape
     E, two_i, _ = gate_up.shape
     _check_routing(logits, top_k)
     _check_experts(x, gate_up, down, top_k, (logits.shape[0], top_k))
-    if (logits.shape[1] != E or shared_gate_up.shape != (two_i, H) or shared_down.shape != (H, two_i // 2)
-            or shared_gate.shape != (T, 1) or shared_gate_up.dtype != x.dtype or shared_down.dtype != x.dtype
-            or shared_gate_up.stride() != gate_up.stride()[1:] or shared_down.stride() != down.stride()[1:]):
-        raise ValueError(f"logits {tuple(logits.shape)}, shared gate_up {tuple(shared_gate_up.shape)} stride "
-                         f"{shared_gate_up.stride()}, shared down {tuple(shared_down.shape)} stride "
-                         f"{shared_down.stride()}, shared gate {tuple(shared_gate.shape)} do not fit [T, E], [2I, H], "
-                         "[H, I], [T, 1] of x's dtype and the routed experts' strides")
+    if isinstance(gate_up, torch.Tensor):
+        fits = all(isinstance(w, torch.Tensor) and w.shape == stack.shape[1:] and w.dtype == x.dtype
+                   and w.stride() == stack.stride()[1:] for w, stack in ((shared_gate_up, gate_up), (shared_down, down)))
+    else:
+        fits = slot_fits(gate_up, shared_gate_up) and slot_fits(down, shared_down)
+    if logits.shape[1] != E or shared_gate.shape != (T, 1) or not fits:
+        raise ValueError(f"logits {tuple(logits.shape)}, shared gate {tuple(shared_gate.shape)}, shared gate_up "
+                         f"{_describe(shared_gate_up)}, shared down {_describe(shared_down)} do not fit [T, E], "
+                         f"[T, 1], and an expert of the routed experts ({type(gate_up).__name__}: format, shapes, "
+                         "dtypes, strides)")
     ids = torch.empty(T, top_k, dtype=torch.int32, device=x.device)
     weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
     out = _run_experts(x, gate_up, down, tiles, ids.view(-1), weights.view(-1), top_k,
@@ -532,7 +542,8 @@ def _run_experts(x, gate_up, down, tiles: MoeTiles, ids, weights, top_k: int, ro
                  shared_slot=None) -> torch.Tensor:
     """The launches of fused_experts / fused_moe. ids [P] int32, weights [P] float32: the routing, or (routing:
     (logits, renormalize)) the buffers the kernels route into; shared_output: (output [T, H], gate [T, 1]) summed
-    by the combine; shared_slot: (gate_up [2I, H], down [H, I], gate [T, 1]) run as blocks of kernels A and B."""
+    by the combine; shared_slot: (gate_up [2I, H], down [H, I], gate [T, 1]) run as blocks of kernels A and B
+    (the weights plain, or prepared weights of the routed stacks' format)."""
     T, H = x.shape
     E, two_i, _ = gate_up.shape
     inter = two_i // 2
@@ -555,10 +566,14 @@ def _run_experts(x, gate_up, down, tiles: MoeTiles, ids, weights, top_k: int, ro
         routed_blocks = block_table.shape[1]
     fp8 = isinstance(gate_up, Fp8Experts)  # W8A8: the activations quantized once by cuda_fp8.quantize
     gate_up_ops, down_ops = _operands(gate_up, x.dtype), _operands(down, x.dtype)
-    if shared_slot is not None and gate_up_ops.constexprs:
-        raise ValueError("the shared slot takes plain weights only")
+    if shared_slot is not None:  # its weights as one-expert stacks: pointers of the routed experts' kinds
+        shared_gate_up_ops, shared_down_ops = (_operands(w if isinstance(w, torch.Tensor) else as_stack(w), x.dtype)
+                                               for w in shared_slot[:2])
+        shared_gate = shared_slot[2]
+    else:  # placeholders, unread
+        shared_gate_up_ops, shared_down_ops, shared_gate = gate_up_ops, down_ops, x
     gate_up, down = gate_up_ops.weight, down_ops.weight
-    shared_gate_up, shared_down, shared_gate = shared_slot if shared_slot is not None else (gate_up, down, x)
+    shared_gate_up, shared_down = shared_gate_up_ops.weight, shared_down_ops.weight
     slots = pairs + (T if shared_slot is not None else 0)  # rows of act and y: the pairs, then the shared slot's
     blocks = routed_blocks + (triton.cdiv(T, tiles.block_m) if shared_slot is not None else 0)
     act = torch.empty(slots, inter, dtype=x.dtype, device=x.device)
@@ -568,7 +583,8 @@ def _run_experts(x, gate_up, down, tiles: MoeTiles, ids, weights, top_k: int, ro
     _gate_up_kernel[(blocks, triton.cdiv(inter, tile.block_n))](
         x_in, gate_up, shared_gate_up, act, sorted_pairs, block_table[0], block_table[1], block_table[2], routed_blocks,
         T, H, inter, x_in.stride(0), gate_up.stride(0), gate_up.stride(1), logits, weights, E, logits.stride(0),
-        gate_up_ops.scales, gate_up_ops.zeros, gate_up_ops.stride_se, gate_up_ops.stride_sn, x_scales,
+        gate_up_ops.scales, gate_up_ops.zeros, gate_up_ops.stride_se, gate_up_ops.stride_sn, shared_gate_up_ops.scales,
+        shared_gate_up_ops.zeros, x_scales,
         TOP_K=top_k, BLOCK_M=tiles.block_m, BLOCK_N=tile.block_n, BLOCK_K=block_k,
         EVEN_N=inter % tile.block_n == 0, EVEN_K=H % block_k == 0, PRECISION=precision, ONE_TOKEN=one_token,
         ROUTE=route_in_a, RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(E),
@@ -581,7 +597,8 @@ def _run_experts(x, gate_up, down, tiles: MoeTiles, ids, weights, top_k: int, ro
     _down_kernel[(blocks, triton.cdiv(H, tile.block_n))](
         act, down, shared_down, weights, shared_gate, y, sorted_pairs, block_table[0], block_table[1], block_table[2],
         routed_blocks, T, H, inter, down.stride(0), down.stride(1), shared_gate.stride(0), down_ops.scales,
-        down_ops.zeros, down_ops.stride_se, down_ops.stride_sn, act_scales, slots, TOP_K=top_k, BLOCK_M=tiles.block_m,
+        down_ops.zeros, down_ops.stride_se, down_ops.stride_sn, shared_down_ops.scales, shared_down_ops.zeros,
+        act_scales, slots, TOP_K=top_k, BLOCK_M=tiles.block_m,
         BLOCK_N=tile.block_n, BLOCK_K=block_k, EVEN_N=H % tile.block_n == 0, EVEN_K=inter % block_k == 0,
         PRECISION=precision, ONE_TOKEN=one_token, num_warps=tile.warps,
         num_stages=max(1, tile.stages // stage_divisor), **down_ops.constexprs, **launch)

@@ -8,12 +8,13 @@ part, the layouts of ops.quant_gemm's prepared weights with a leading expert dim
 
 `stack` builds one from the experts' prepared weights (None where they cannot share a layout: another format, an
 FP8 block other than the kernels' K block, act order); `expert(e)` is expert e's prepared weight as views into the
-stack, so the stack is the only copy held.
+stack, so the stack is the only copy held. `slot_fits` says whether a weight held apart (the shared expert's) runs
+as one more slot of a stack's kernels, `as_stack` viewing it as a one-expert stack.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -69,6 +70,32 @@ def stack(weights: list) -> Fp8Experts | Int4Experts | None:
 
 
 QUANTIZED_EXPERTS = (Fp8Experts, Int4Experts)
+
+
+def as_stack(w) -> Fp8Experts | Int4Experts | None:
+    """One expert's prepared weight as a one-expert stack of views (no copy), None where `stack` would refuse it."""
+    if isinstance(w, Fp8BlockWeight) and tuple(w.block_size) == FP8_BLOCK:
+        return Fp8Experts(w.weight[None], w.scale_inv[None])
+    if isinstance(w, Int4Weight) and w.perm is None:
+        return Int4Experts(w.packed[None], w.scale[None], None if w.zero is None else w.zero[None], w.group_size)
+    return None
+
+
+def slot_fits(experts: Fp8Experts | Int4Experts, w) -> bool:
+    """Whether the prepared weight w runs as a slot of these stacked experts' kernels: their format, and per tensor
+    an expert's shape, dtype and strides (the kernels index the slot with the experts' strides)."""
+    one = as_stack(w)
+    if type(one) is not type(experts):
+        return False
+    for field in fields(experts):
+        mine, its = getattr(experts, field.name), getattr(one, field.name)
+        tensors = isinstance(mine, torch.Tensor) + isinstance(its, torch.Tensor)
+        if tensors == 1 or (tensors == 0 and mine != its):  # a zero point on one side only, another group size
+            return False
+        if tensors == 2 and ((mine.shape[1:], mine.stride()[1:], mine.dtype)
+                             != (its.shape[1:], its.stride()[1:], its.dtype)):
+            return False
+    return True
 
 
 def format_name(w) -> str:
