@@ -38,6 +38,7 @@ from deltaserve.layers.linear import QuantLinear
 from deltaserve.layers.mlp import QuantExperts
 from deltaserve.layers.quant import SplitWeight, detect_weight_format
 from deltaserve.model.loader import load_model
+from deltaserve.ops.moe import quantized
 from tests.model.helpers import SequenceRunner, model_bound
 from tests.model.quant_checkpoints import KV_SCALES, quantize_checkpoint
 from tests.tolerance import assert_within
@@ -252,6 +253,20 @@ def _is_projection(name: str) -> bool:
 
 
 # ------------------------------------------------------------------------------------ module layout
+
+
+@pytest.mark.parametrize("family, options", [("fp8", {}), ("awq", dict(group_size=128))])
+def test_quantized_shared_expert_fits_the_experts_slot(family, options, sources, tmp_path):
+    """As Qwen's FP8 and AWQ 35B-A3B load: the routed experts stacked, the shared expert's prepared weights in their
+    layout (the fused kernels take it as a slot at one token on the GPU), the plain router and shared gate joined."""
+    pair = quantize_checkpoint(sources["qwen3_5_moe"], tmp_path, family, **options)
+    config = ModelConfig.from_pretrained(pair.path)
+    model = load_model(pair.path, config, torch.bfloat16, "cpu", weight_format=detect_weight_format(pair.path))
+    block = model.model.layers[0].mlp
+    gate_up, down = block.experts.stacks()
+    shared_gate_up, shared_down = block.shared_expert.slot_weights()
+    assert quantized.slot_fits(gate_up, shared_gate_up) and quantized.slot_fits(down, shared_down)
+    assert block.in_weight is None and block.router_weight.shape == (config.num_experts + 1, config.hidden_size)
 
 
 def test_quantized_modules_fuse_only_what_lines_up(sources, tmp_path):

@@ -18,6 +18,7 @@ import math
 import torch
 
 from deltaserve.ops.moe import reference
+from deltaserve.ops.moe.quantized import FP8_BLOCK
 from deltaserve.ops.quant_gemm.reference import ACT_AMAX_FLOOR, E4M3_MAX, quantize_activation, unpack_int4
 from tests.tolerance import SOFTMAX_ROUNDINGS, gamma, silu_chain, unit_roundoff
 
@@ -26,6 +27,7 @@ from tests.tolerance import SOFTMAX_ROUNDINGS, gamma, silu_chain, unit_roundoff
 # product (2), the k-term index_add_ in bf16 (k), and cuBLAS's reduced-precision split-K partial sums (2): 10 + k.
 # The fused kernels: act (1) and the output (1).
 REFERENCE_BF16_ROUNDINGS, FUSED_BF16_ROUNDINGS = 10, 2
+U32 = 2.0**-24  # float32's unit roundoff
 
 
 def route_bound(logits: torch.Tensor, weights: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
@@ -117,7 +119,9 @@ def sparse_block_bound(x, logits, top_k, renormalize, gate_up, down, shared_gate
 # The fused kernels' semantics for stacked quantized experts (ops/moe/quantized.py), in float64, and the bound of
 # a float32 implementation. Per pair, stage 1: g, u = xr W^T with xr the activation as the format takes it (FP8:
 # quantized per 128 columns, exactly as both sides do; int4: x itself) and W dequantized exactly. The kernels sum
-# per K block and scale in float32: (K + groups + 3) roundings a term, of the terms' magnitude: |xr| |W| for FP8;
+# per K block and scale in float32: each block's dot of BK terms at u_dot (the CPU's float32; a GPU's tensor cores,
+# tests/gpu), then its scaling and sum in float32, (BK + 3) u_dot + (blocks + groups + 3) u32 a term, of the terms'
+# magnitude: |xr| |W| for FP8;
 # for int4's exact codes, (OFFSET + q) x and (OFFSET + z) sum(x) are summed apart, (2 OFFSET + q + z) s |x| a term.
 # act = silu(g) u carries that on (module docstring) plus SiLU's and (16-bit x) its own rounding. Stage 2 takes act
 # as rounded: int4 passes its error on through |Wd|; FP8 requantizes it per 128 columns, and where the interval of
@@ -169,15 +173,16 @@ def _requantized_spread(a: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     return spread.view(R, G * 128)[:, :K]
 
 
-def quantized_experts_exact(x, topk_ids, topk_weights, gate_up, down, dtype, u_dot: float = 2.0**-24):
+def quantized_experts_exact(x, topk_ids, topk_weights, gate_up, down, dtype, u_dot: float = U32):
     """(y64 [T, H], bound [T, H]) of the fused kernels on stacked quantized experts (the section above), x in dtype
-    (float32: int4 codes by conversion; bf16: OFFSET 128), the dot products accumulated at u_dot."""
+    (float32: int4 codes by conversion; bf16: OFFSET 128), each K block's dot product accumulated at u_dot."""
     fp8 = not hasattr(gate_up.expert(0), "packed")
     offset = 128.0 if (dtype == torch.bfloat16 and not fp8) else 0.0
-    u = max(u_dot, 2.0**-24)
+    u = max(u_dot, U32)
     u16 = unit_roundoff(dtype) if dtype != torch.float32 else 0.0
     T, H = x.shape
     inter = gate_up.shape[1] // 2
+    kb_gate_up, kb_down = (getattr(stack, "group_size", FP8_BLOCK[1]) for stack in (gate_up, down))  # K per dot
     y = torch.zeros(T, H, dtype=torch.float64)
     bound = torch.zeros(T, H, dtype=torch.float64)
     terms = torch.zeros(T, H, dtype=torch.float64)  # sum_j |w_j| |Wd_j| |act_j|: the k-term sum's magnitude
@@ -187,7 +192,7 @@ def quantized_experts_exact(x, topk_ids, topk_weights, gate_up, down, dtype, u_d
             e, w = int(topk_ids[t, j]), float(topk_weights[t, j])
             W, Wm = _dequantized(gate_up, e), _term_magnitude(gate_up, e, offset)
             h, hm = W @ xr[t], Wm @ xr[t].abs()  # [2I]
-            c1 = (H + H // 16 + 3) * u  # K terms and per-block scalings (groups >= 16 columns)
+            c1 = (kb_gate_up + 3) * u + (-(-H // kb_gate_up) + H // 16 + 3) * U32  # groups >= 16 columns
             g, up, eg, eu = h[:inter], h[inter:], c1 * hm[:inter], c1 * hm[inter:]
             act = g / (1 + torch.exp(-g)) * up
             silu_roundings = silu_chain(torch.tensor([g.abs().max().item()])) + 1
@@ -200,7 +205,7 @@ def quantized_experts_exact(x, topk_ids, topk_weights, gate_up, down, dtype, u_d
                 a_in, spread = act, d_act
             y[t] += w * (D @ a_in)
             terms[t] += abs(w) * (D.abs() @ (a_in.abs() + spread))
-            c2 = (inter + inter // 16 + 3) * u
+            c2 = (kb_down + 3) * u + (-(-inter // kb_down) + inter // 16 + 3) * U32
             bound[t] += abs(w) * (c2 * (Dm @ (a_in.abs() + spread)) + D.abs() @ spread)
     k = topk_ids.shape[1]
     bound = bound * (1 + gamma(k + 2, torch.float32)) + gamma(k + 2, torch.float32) * terms + u16 * y.abs()

@@ -92,10 +92,15 @@ def slot_fits(experts: Fp8Experts | Int4Experts, w) -> bool:
         tensors = isinstance(mine, torch.Tensor) + isinstance(its, torch.Tensor)
         if tensors == 1 or (tensors == 0 and mine != its):  # a zero point on one side only, another group size
             return False
-        if tensors == 2 and ((mine.shape[1:], mine.stride()[1:], mine.dtype)
-                             != (its.shape[1:], its.stride()[1:], its.dtype)):
+        if tensors == 2 and _expert_layout(mine) != _expert_layout(its):
             return False
     return True
+
+
+def _expert_layout(t: torch.Tensor) -> tuple:
+    """An expert's shape, strides (of dimensions longer than 1: the others are never stepped) and dtype in t [E, ...]."""
+    strides = tuple(stride for stride, size in zip(t.stride()[1:], t.shape[1:]) if size > 1)
+    return tuple(t.shape[1:]), strides, t.dtype
 
 
 def format_name(w) -> str:

@@ -212,7 +212,7 @@ def prepare_int4(weight_packed, weight_scale, weight_zero_point, group_size: int
         want = (math.ceil(n / 8), groups)
         _require(tuple(weight_zero_point.shape) == want and weight_zero_point.dtype == torch.int32,
                  f"weight_zero_point must be {want} int32 (packed along N), got {_describe(weight_zero_point)}")
-        zero = unpack_int4(weight_zero_point, n, dim=0)  # [N, G]
+        zero = unpack_int4(weight_zero_point, n, dim=0).contiguous()  # [N, G], the scale's layout
     packed, perm = weight_packed.contiguous(), None
     if g_idx is not None:
         _require(tuple(g_idx.shape) == (k,), f"g_idx must be [{k}], got {tuple(g_idx.shape)}")
