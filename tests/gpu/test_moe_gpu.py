@@ -155,17 +155,18 @@ def test_a_token_does_not_depend_on_the_batch_in_the_sparse_block(block_35b):
     assert torch.equal(batch[:1], alone)
 
 
-# each K block's dot on the tensor cores: FP8 keeps ~14 bits (2^-12), 16-bit operands a truncating float32 (2^-23),
-# as tests/gpu/test_quant_gemm_gpu.py
-U_TENSOR_CORES = {"fp8": 2.0**-12, "int4": 2.0**-23}
+# each K block's dot on the tensor cores: 16-bit operands accumulate in a truncating float32 (2^-23), as
+# tests/gpu/test_quant_gemm_gpu.py. FP8 ones keep ~14 bits (2^-12): through both kernels at 35B-A3B's H and I the
+# float64 worst-case bound then came out ~10^3 x the values (H200, 2026-12-03), unable to tell one expert from
+# another, so FP8 experts are checked on the GPU through the engine (test_quant_engine_gpu) and here in the CPU
+# interpreter (tests/ops/test_moe_quantized.py).
+U_TENSOR_CORES = {"int4": 2.0**-23}
 
 
 def quantized_weight(fmt: str, n: int, k: int, gen) -> object:
-    """A random prepared [n, k] weight on the CPU: FP8 in 128 x 128 blocks, or int4 in groups of 128 with zero
-    points (bf16 scales), as Qwen's FP8 and AWQ checkpoints."""
-    if fmt == "fp8":
-        w = torch.randn(n, k, generator=gen) * torch.logspace(-1, 0, n)[:, None] / k**0.5
-        return ref.prepare_fp8_block(*ref.fp8_block_quantize(w, (128, 128)), (128, 128))
+    """A random prepared [n, k] weight of `fmt` on the CPU: int4 in groups of 128 with zero points (bf16 scales),
+    as Qwen's AWQ checkpoints."""
+    assert fmt == "int4", fmt
     nibbles = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
     scale = (torch.rand(n, k // 128, generator=gen) * 0.02 + 0.001).to(torch.bfloat16)
     zero = ref.pack_int4(torch.randint(0, 16, (k // 128, n), generator=gen, dtype=torch.uint8)).t().contiguous()
@@ -178,11 +179,11 @@ def on_gpu(weight):
                                           if isinstance(getattr(weight, f.name), torch.Tensor)})
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+@pytest.mark.parametrize("fmt", sorted(U_TENSOR_CORES))
 @pytest.mark.parametrize("tokens", [1, 8])
 def test_quantized_experts_and_shared_slot_match_their_semantics(fmt, tokens):
-    """35B-A3B's H and I with 16 experts (the float64 oracle loops over the pairs), bf16 activations, the shipped
-    tiles of 35B-A3B: the fused experts, and at one token the shared expert as a slot (expert E of k + 1, weighted
+    """Stacked int4 experts at 35B-A3B's H and I, 16 of them (the float64 oracle loops over the pairs), bf16
+    activations, the shipped tiles of 35B-A3B: the fused experts, and at one token the shared expert as a slot (expert E of k + 1, weighted
     sigmoid(gate), plus one side of the float32 sigmoid's bound), against the float64 semantics with each K block's
     dot at the tensor cores' unit roundoff. Routing every pair to the next expert must land outside the bound."""
     gen = torch.Generator().manual_seed(tokens * 3 + len(fmt))
