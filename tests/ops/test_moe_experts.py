@@ -183,60 +183,59 @@ def test_sparse_moe_fused_path_matches_torch_path(monkeypatch, shared_size, reno
     assert_within(got, want, bound, "SparseMoE fused vs torch")
 
 
-def test_fused_in_projection_equals_separate_projections(monkeypatch):
-    """SparseMoE.fuse joins the router, the shared gate and the shared gate/up into one weight, which steps on the
-    fused experts multiply once. With operands on a coarse dyadic grid (x in halves, weights in eighths, H = 40)
-    every product and sum is exact in float32, so any blocking gives the same projections, and the block's output
-    with the joined weight must equal, bitwise, its output with the three separate ones."""
-    block = sparse_moe(20, True, seed=9)
-    gen = torch.Generator().manual_seed(10)
+def dyadic_block(seed: int, stand_in_shared: bool = False) -> SparseMoE:
+    """sparse_moe's block with weights on a coarse dyadic grid (eighths), fused as the loader fuses it; with
+    stand_in_shared, its shared gate_proj a subclass of nn.Linear, not plain to SparseMoE.fuse (as QuantLinear)."""
+    class StandIn(nn.Linear):
+        """Not a plain nn.Linear to SparseMoE.fuse."""
+
+    block = sparse_moe(20, True, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for param in block.parameters():
             param.copy_(torch.randint(-8, 9, param.shape, generator=gen) / 8)
+    if stand_in_shared:
+        block.shared_expert.gate_proj.__class__ = StandIn
     block.shared_expert.gate_up_weight = None
     block.fuse()
     block.shared_expert.fuse()
-    assert block.shared_expert.gate_up_weight.data_ptr() == block.in_weight[8:].data_ptr()  # a view, no copy
-    assert block.gate.weight.data_ptr() == block.in_weight.data_ptr()
-    x = (torch.randint(-2, 3, (6, 40), generator=gen) / 2).to(DEVICE)
+    return block
+
+
+def joined_and_apart(block: SparseMoE, monkeypatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block's output on the fused path over x in halves (every product and sum exact in float32, so any
+    blocking gives the same projections) with its joined weights, then with them unset (each linear apart)."""
+    x = (torch.randint(-2, 3, (6, 40), generator=torch.Generator().manual_seed(0)) / 2).to(DEVICE)
     monkeypatch.setattr(moe, "_route_on_gpu", lambda logits: True)
     monkeypatch.setattr(moe, "fused_serves", lambda x, gate_up, down: True)
     monkeypatch.setattr(moe, "tiles_for", lambda *shape: SMALL)
     with torch.no_grad():
         joined = block(x)
-        block.in_weight = None
-        separate = block(x)
-    assert torch.equal(joined, separate)
+        block.in_weight = block.router_weight = None
+        return joined, block(x)
+
+
+def test_fused_in_projection_equals_separate_projections(monkeypatch):
+    """SparseMoE.fuse joins the router, the shared gate and the shared gate/up into one weight (the parameters its
+    views), which steps on the fused experts multiply once: on the dyadic grid the block's output with it equals,
+    bitwise, its output with the three separate ones."""
+    block = dyadic_block(9)
+    assert block.shared_expert.gate_up_weight.data_ptr() == block.in_weight[8:].data_ptr()  # a view, no copy
+    assert block.gate.weight.data_ptr() == block.in_weight.data_ptr()
+    joined, apart = joined_and_apart(block, monkeypatch)
+    assert torch.equal(joined, apart)
 
 
 def test_router_and_shared_gate_join_beside_a_quantized_shared_expert(monkeypatch):
-    """With a shared expert whose gate/up are not plain linears (a quantized checkpoint's; here a stand-in
-    subclass), fuse joins only the router and the shared gate, into one [E + 1, H] weight of which both are views;
-    on the dyadic grid above the block's output equals, bitwise, its output with the two apart."""
-    class StandIn(nn.Linear):
-        """Not a plain nn.Linear to SparseMoE.fuse, as QuantLinear is not."""
-
-    block = sparse_moe(20, True, seed=12)
-    gen = torch.Generator().manual_seed(13)
-    with torch.no_grad():
-        for param in block.parameters():
-            param.copy_(torch.randint(-8, 9, param.shape, generator=gen) / 8)
-    block.shared_expert.gate_proj.__class__ = StandIn
-    block.shared_expert.gate_up_weight = None
-    block.fuse()
-    block.shared_expert.fuse()
+    """With a shared expert whose gate/up are not plain linears (a quantized checkpoint's), fuse joins only the
+    router and the shared gate, into one [E + 1, H] weight of which both are views; the output equals, bitwise,
+    the output with the two apart."""
+    block = dyadic_block(12, stand_in_shared=True)
     assert block.in_weight is None and block.router_weight.shape == (8, 40)
     assert block.gate.weight.data_ptr() == block.router_weight.data_ptr()  # views, no copy
     assert block.shared_expert_gate.weight.data_ptr() == block.router_weight[7:].data_ptr()
-    x = (torch.randint(-2, 3, (6, 40), generator=gen) / 2).to(DEVICE)
-    monkeypatch.setattr(moe, "_route_on_gpu", lambda logits: True)
-    monkeypatch.setattr(moe, "fused_serves", lambda x, gate_up, down: True)
-    monkeypatch.setattr(moe, "tiles_for", lambda *shape: SMALL)
-    with torch.no_grad():
-        joined = block(x)
-        block.router_weight = None
-        separate = block(x)
-    assert torch.equal(joined, separate)
+    joined, apart = joined_and_apart(block, monkeypatch)
+    assert torch.equal(joined, apart)
 
 
 def test_warm_up_runs_every_bucket_where_the_fused_path_serves(monkeypatch):
