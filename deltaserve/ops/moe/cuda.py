@@ -284,7 +284,8 @@ def _weight_product(acc, weights, scales, zeros, rows, n_ok, k0, ks, k_ok, xt, f
 def _gate_up_kernel(
     x, gate_up, shared_gate_up, act, sorted_pairs, block_expert, block_first, block_rows, routed_blocks, T, H, I,
     stride_x, stride_we, stride_wn, logits, topk_weights, E, stride_logits, scales, zeros, stride_se, stride_sn,
-    shared_scales, shared_zeros, x_scales, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    shared_scales, shared_zeros, x_scales, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, ONE_TOKEN: tl.constexpr,
     ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOP_K: tl.constexpr,
     WFORMAT: tl.constexpr = PLAIN, GROUP: tl.constexpr = 1, HAS_ZERO: tl.constexpr = False,
@@ -342,7 +343,8 @@ def _gate_up_kernel(
 def _down_kernel(
     act, down, shared_down, topk_weights, shared_gate, y, sorted_pairs, block_expert, block_first, block_rows,
     routed_blocks, T, H, I, stride_we, stride_wn, stride_gate, scales, zeros, stride_se, stride_sn, shared_scales,
-    shared_zeros, act_scales, num_slots, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    shared_zeros, act_scales, num_slots, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, ONE_TOKEN: tl.constexpr,
     WFORMAT: tl.constexpr = PLAIN, GROUP: tl.constexpr = 1, HAS_ZERO: tl.constexpr = False,
     CODE_BASE: tl.constexpr = 0, CODE_OFFSET: tl.constexpr = 0.0, PDL: tl.constexpr = False,
@@ -509,7 +511,8 @@ def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
 
 
 def fused_moe(x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool, gate_up, down, shared_gate_up,
-              shared_down, shared_gate: torch.Tensor, tiles: MoeTiles) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              shared_down, shared_gate: torch.Tensor, tiles: MoeTiles
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The MoE block after its router: routing, the routed experts and the gated shared expert as one more slot
     of kernels A and B. x: [T, H]; logits [T, E] (unit last stride); gate_up [E, 2I, H]; down [E, H, I];
     shared_gate_up [2I, H], shared_down [H, I] (the shared expert, of the routed experts' intermediate size and row
@@ -523,7 +526,8 @@ def fused_moe(x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bo
     _check_experts(x, gate_up, down, top_k, (logits.shape[0], top_k))
     if isinstance(gate_up, torch.Tensor):
         fits = all(isinstance(w, torch.Tensor) and w.shape == stack.shape[1:] and w.dtype == x.dtype
-                   and w.stride() == stack.stride()[1:] for w, stack in ((shared_gate_up, gate_up), (shared_down, down)))
+                   and w.stride() == stack.stride()[1:]
+                   for w, stack in ((shared_gate_up, gate_up), (shared_down, down)))
     else:
         fits = slot_fits(gate_up, shared_gate_up) and slot_fits(down, shared_down)
     if logits.shape[1] != E or shared_gate.shape != (T, 1) or not fits:

@@ -98,7 +98,8 @@ def slot_fits(experts: Fp8Experts | Int4Experts, w) -> bool:
 
 
 def _expert_layout(t: torch.Tensor) -> tuple:
-    """An expert's shape, strides (of dimensions longer than 1: the others are never stepped) and dtype in t [E, ...]."""
+    """An expert's shape, strides (of dimensions longer than 1: the others are never stepped) and dtype in
+    t [E, ...]."""
     strides = tuple(stride for stride, size in zip(t.stride()[1:], t.shape[1:]) if size > 1)
     return tuple(t.shape[1:]), strides, t.dtype
 
