@@ -98,6 +98,10 @@ def test_shared_slot_takes_only_a_weight_of_the_experts_layout():
     assert not quantized.slot_fits(int4, int4_weight(32, 128, 64, True, False, gen))  # no zero point
     assert not quantized.slot_fits(int4, int4_weight(32, 128, 64, False, True, gen))  # act order
     assert not quantized.slot_fits(fp8, int4_weight(256, 128, 64, False, False, gen))  # another format
+    plain = torch.zeros(2, 8, 4)
+    assert quantized.slot_fits(plain, torch.zeros(8, 4))
+    assert not quantized.slot_fits(plain, torch.zeros(4, 8).t())  # the experts' strides, not its own
+    assert not quantized.slot_fits(plain, torch.zeros(8, 4, dtype=torch.bfloat16))
     x, logits, gate = torch.zeros(1, 128), torch.zeros(1, 2), torch.zeros(1, 1)
     with pytest.raises(ValueError, match="shared gate_up Fp8BlockWeight"):
         moe_cuda.fused_moe(x, logits, 1, True, fp8, quantized.stack([fp8_weight(128, 128, gen)] * 2),

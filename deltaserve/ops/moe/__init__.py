@@ -84,14 +84,8 @@ def shared_slot_serves(x: torch.Tensor, gate_up, down, shared_gate_up, shared_do
     """Whether `sparse_block` takes the fused kernels: `fused_serves` at up to SHARED_SLOT_MAX_TOKENS tokens, and the
     shared expert's gate_up [2I, H] and down [H, I] plain tensors of the routed experts' intermediate size, dtype and
     row strides, or, beside stacked quantized experts, prepared weights that fit them (quantized.slot_fits)."""
-    if not (x.shape[0] <= SHARED_SLOT_MAX_TOKENS and fused_serves(x, gate_up, down)):
-        return False
-    if isinstance(gate_up, QUANTIZED_EXPERTS):
-        return quantized.slot_fits(gate_up, shared_gate_up) and quantized.slot_fits(down, shared_down)
-    return (isinstance(shared_gate_up, torch.Tensor)
-            and isinstance(shared_down, torch.Tensor) and shared_gate_up.shape == gate_up.shape[1:]
-            and shared_down.shape == down.shape[1:] and shared_gate_up.dtype == shared_down.dtype == x.dtype
-            and shared_gate_up.stride() == gate_up.stride()[1:] and shared_down.stride() == down.stride()[1:])
+    return (x.shape[0] <= SHARED_SLOT_MAX_TOKENS and fused_serves(x, gate_up, down)
+            and quantized.slot_fits(gate_up, shared_gate_up) and quantized.slot_fits(down, shared_down))
 
 
 def sparse_block(x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool, gate_up, down, shared_gate_up,

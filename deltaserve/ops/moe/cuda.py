@@ -524,12 +524,7 @@ def fused_moe(x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bo
     E, two_i, _ = gate_up.shape
     _check_routing(logits, top_k)
     _check_experts(x, gate_up, down, top_k, (logits.shape[0], top_k))
-    if isinstance(gate_up, torch.Tensor):
-        fits = all(isinstance(w, torch.Tensor) and w.shape == stack.shape[1:] and w.dtype == x.dtype
-                   and w.stride() == stack.stride()[1:]
-                   for w, stack in ((shared_gate_up, gate_up), (shared_down, down)))
-    else:
-        fits = slot_fits(gate_up, shared_gate_up) and slot_fits(down, shared_down)
+    fits = slot_fits(gate_up, shared_gate_up) and slot_fits(down, shared_down)
     if logits.shape[1] != E or shared_gate.shape != (T, 1) or not fits:
         raise ValueError(f"logits {tuple(logits.shape)}, shared gate {tuple(shared_gate.shape)}, shared gate_up "
                          f"{_describe(shared_gate_up)}, shared down {_describe(shared_down)} do not fit [T, E], "

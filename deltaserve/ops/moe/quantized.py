@@ -81,9 +81,12 @@ def as_stack(w) -> Fp8Experts | Int4Experts | None:
     return None
 
 
-def slot_fits(experts: Fp8Experts | Int4Experts, w) -> bool:
-    """Whether the prepared weight w runs as a slot of these stacked experts' kernels: their format, and per tensor
-    an expert's shape, dtype and strides (the kernels index the slot with the experts' strides)."""
+def slot_fits(experts, w) -> bool:
+    """Whether w runs as a slot of these stacked experts' kernels: a plain [N, K] tensor beside plain experts
+    [E, N, K], or a prepared weight of the quantized stacks' format; per tensor an expert's shape, dtype and strides
+    (the kernels index the slot with the experts' strides)."""
+    if isinstance(experts, torch.Tensor):
+        return isinstance(w, torch.Tensor) and _expert_layout(experts) == _expert_layout(w[None])
     one = as_stack(w)
     if type(one) is not type(experts):
         return False
