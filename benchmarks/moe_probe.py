@@ -69,9 +69,8 @@ def quantized_stacks(block: SparseMoE, fmt: str) -> tuple:
 
 
 def stack_bytes(w) -> int:
-    """Bytes of one expert's weights in a stack (every tensor field over the expert count)."""
-    tensors = [getattr(w, f) for f in w.__dataclass_fields__ if isinstance(getattr(w, f), torch.Tensor)]
-    return sum(t.numel() * t.element_size() for t in tensors) // tensors[0].shape[0]
+    """Bytes of one expert's weights in a stack (its prepared weight's, scales and zero points included)."""
+    return w.expert(0).nbytes
 
 
 def build_block(cfg: ModelConfig) -> SparseMoE:
