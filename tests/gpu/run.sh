@@ -15,7 +15,8 @@
 #   quant  the quantized GEMMs: their GPU tests, then benchmarks/quant_gemm_probe.py at Qwen3.5-27B's shapes (every
 #          kernel and tile, TB/s and TFLOP/s beside the limits) writing OUTDIR/quant_gemm_configs.json (for
 #          deltaserve/ops/quant_gemm/configs.json); ~6-7 min on an H200: the probe starts no shape after
-#          PROBE_BUDGET (240) s and is killed at PROBE_TIMEOUT (300) s, keeping what it measured
+#          PROBE_BUDGET (240) s and is killed at PROBE_TIMEOUT (300) s, keeping what it measured (merged into
+#          the shipped table); FORMATS="int4,nvfp4" and ROWS="1" narrow it, TESTS=0 leaves out the tests
 #   moe    the fused MoE path: its GPU tests and the tests/ops MoE tests, then benchmarks/moe_probe.py on MODEL (default
 #          qwen3.5-35b-a3b): torch path vs fused vs the bandwidth limit at 1-64 tokens and the tile sweep, writing
 #          OUTDIR/moe_configs.json (for deltaserve/ops/moe/configs.json); FORMATS="bf16 fp8 int4" probes and sweeps
@@ -57,10 +58,12 @@ if [ "$MODE" = tune ]; then
   exit 0
 fi
 if [ "$MODE" = quant ]; then
-  python3 -m pytest tests/gpu/test_quant_gemm_gpu.py -q -rs --timeout=300 -p no:cacheprovider 2>&1 \
-    | tee "$OUT/quant_tests.log"
+  [ "${TESTS:-1}" = 0 ] || python3 -m pytest tests/gpu/test_quant_gemm_gpu.py -q -rs --timeout=300 \
+    -p no:cacheprovider 2>&1 | tee "$OUT/quant_tests.log"
   status=${PIPESTATUS[0]}
+  cp deltaserve/ops/quant_gemm/configs.json "$OUT/quant_gemm_configs.json"  # the probe merges into the shipped table
   timeout "${PROBE_TIMEOUT:-300}" python3 benchmarks/quant_gemm_probe.py "$CONFIGS/qwen3.5-27b" \
+    --formats "${FORMATS:-fp8,int4,nvfp4}" --rows "${ROWS:-1,8,16,32,64,512,8192}" \
     --budget-s "${PROBE_BUDGET:-240}" --out "$OUT/quant_gemm_configs.json" 2>&1 | tee "$OUT/quant_probe.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   exit $status

@@ -108,13 +108,16 @@ def _int4_minus_zero(src, pos: tl.constexpr, magic, z):
 def _int4_row_kernel(
     x, words, scale, zero, out, partial, N, GROUPS_PER_SPLIT, stride_wn, stride_sn, magic, shift,
     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS_PER_STEP: tl.constexpr, HAS_ZERO: tl.constexpr,
-    SPLIT: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr = False,
+    SPLIT: tl.constexpr, EVEN_N: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Grid (cdiv(N, BLOCK_N), splits): out [N] (or partial [splits, N] float32 when SPLIT) = x [K] @ dequant(W)^T
     over the program's GROUPS_PER_SPLIT groups of K. words [N, K/8] int32, scale [N, K/GROUP], zero [N, K/GROUP]
     uint8. Tiles [BLOCK_N, groups, words of a group]: a thread holds a few words of several rows, so that each x
-    column it loads serves all of them; the scale and zero point load once per row and group. magic (2048.0's
-    bits) and shift (12) come at run time: as immediates the compiler splits each mask-or into two instructions."""
+    column it loads serves all of them; the scale and zero point load once per row and group. The words stream
+    through shared memory STAGES - 1 steps ahead (Triton's pipelining, asked of the loop: by itself it pipelines
+    only loads that feed a dot); the scales and zero points, too narrow to copy asynchronously, load one step
+    ahead into registers. magic (2048.0's bits) and shift (12) come at run time: as immediates the compiler
+    splits each mask-or into two instructions."""
     wait_for_previous_kernel(PDL)
     WPG: tl.constexpr = GROUP // 8  # words a group
     ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
@@ -125,29 +128,31 @@ def _int4_row_kernel(
     s_rows = ns[:, None].to(tl.int64) * stride_sn  # [BN, 1]
     acc = tl.zeros([BLOCK_N, GROUPS_PER_STEP, WPG], dtype=tl.float32)
     g_first = tl.program_id(1) * GROUPS_PER_SPLIT
-    for g0 in range(g_first, g_first + GROUPS_PER_SPLIT, GROUPS_PER_STEP):
-        grp = (g0 + gs)[None, :]  # [1, GPS]
+    g_last = g_first + GROUPS_PER_SPLIT - GROUPS_PER_STEP  # the last step's first group
+    s, z = _int4_row_scales(scale, zero, s_rows, n_ok, g_first + gs, HAS_ZERO, EVEN_N)
+    for g0 in tl.range(g_first, g_last + 1, GROUPS_PER_STEP, num_stages=STAGES):
+        # the next step's scales (the last step's again at the end: cached, and never past the split)
+        s_next, z_next = _int4_row_scales(scale, zero, s_rows, n_ok, tl.minimum(g0 + GROUPS_PER_STEP, g_last) + gs,
+                                          HAS_ZERO, EVEN_N)
         word_ids = (g0 + gs)[:, None] * WPG + ws[None, :]  # [GPS, WPG]
         if EVEN_N:
             word = tl.load(w_rows + word_ids[None, :, :])  # [BN, GPS, WPG]
-            s = tl.load(scale + s_rows + grp).to(tl.float32)[:, :, None]  # [BN, GPS, 1]
         else:
             word = tl.load(w_rows + word_ids[None, :, :], mask=n_ok[:, None, None], other=0)
-            s = tl.load(scale + s_rows + grp, mask=n_ok[:, None], other=0.0).to(tl.float32)[:, :, None]
-        if HAS_ZERO:
-            z = tl.load(zero + s_rows + grp, mask=n_ok[:, None], other=0).to(tl.float32)[:, :, None]
-        else:
-            z = tl.full([BLOCK_N, GROUPS_PER_STEP, 1], 8.0, tl.float32)
         word_hi = (word.to(tl.uint32, bitcast=True) >> shift).to(tl.int32, bitcast=True)  # nibbles 5..7 at bits 8..19
-        x_cols = x + word_ids[None, :, :] * 8  # [1, GPS, WPG]: column 8j of each word j
+        # x's columns of the step in one contiguous load, split into the 8 nibble positions [1, GPS, WPG] each
+        x3 = tl.load(x + g0 * GROUP + tl.arange(0, GROUPS_PER_STEP * GROUP)).to(tl.float32)
+        c0, c1, c2, c3, c4, c5, c6, c7 = _split8(tl.reshape(x3, [GROUPS_PER_STEP, WPG, 8]))
+        xs = (c0[None], c1[None], c2[None], c3[None], c4[None], c5[None], c6[None], c7[None])
         t = tl.zeros([BLOCK_N, GROUPS_PER_STEP, WPG], dtype=tl.float32)
         for i in tl.static_range(8):
             if i < 5:
                 q_minus_z = _int4_minus_zero(word, 4 * i, magic, z)
             else:
                 q_minus_z = _int4_minus_zero(word_hi, 4 * i - 12, magic, z)
-            t += q_minus_z * tl.load(x_cols + i).to(tl.float32)
+            t += q_minus_z * xs[i]
         acc += t * s
+        s, z = s_next, z_next
     y = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BN]
     if SPLIT:
         tl.store(partial + tl.program_id(1) * N + ns, y, mask=n_ok)
@@ -156,10 +161,28 @@ def _int4_row_kernel(
 
 
 @triton.jit
+def _int4_row_scales(scale, zero, s_rows, n_ok, groups, HAS_ZERO: tl.constexpr, EVEN_N: tl.constexpr):
+    """Scale and zero point (8.0 when symmetric) of rows s_rows [BN, 1] at groups [GPS], float32 [BN, GPS, 1]."""
+    if EVEN_N:
+        s = tl.load(scale + s_rows + groups[None, :]).to(tl.float32)[:, :, None]
+    else:
+        s = tl.load(scale + s_rows + groups[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)[:, :, None]
+    if HAS_ZERO:
+        if EVEN_N:
+            z = tl.load(zero + s_rows + groups[None, :]).to(tl.float32)[:, :, None]
+        else:
+            z = tl.load(zero + s_rows + groups[None, :], mask=n_ok[:, None], other=0).to(tl.float32)[:, :, None]
+    else:
+        z = tl.full(s.shape, 8.0, tl.float32)
+    return s, z
+
+
+@triton.jit
 def _weight_only_gemv_kernel(
     x, words, scale, zero, scale_2, out, M, N, K, stride_xm, stride_om, stride_wn, stride_sn,
     FORMAT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, STAGES: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Grid (cdiv(N, BLOCK_N),): out [M, N] = x [M, K] @ dequant(W)^T (M <= BLOCK_M). words [N, K/8] int32 (int4
     packed, or NVFP4's bytes read as words: the same nibble order), scale [N, K/GROUP], zero [N, K/GROUP] uint8
@@ -183,7 +206,7 @@ def _weight_only_gemv_kernel(
         gs = tl.arange(0, GPI)  # [GPI]
         ws = tl.arange(0, WORDS_PER_GROUP)  # [WPG]
         acc1 = tl.zeros([BLOCK_N, GPI, WORDS_PER_GROUP], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
             g0 = k0 // GROUP
             word_ids = (g0 + gs)[:, None] * WORDS_PER_GROUP + ws[None, :]  # [GPI, WPG]
             s_ptrs = scale + s_rows + (g0 + gs)[None, :]  # [BN, GPI]
@@ -207,7 +230,7 @@ def _weight_only_gemv_kernel(
         y = tl.sum(tl.sum(acc1, axis=2), axis=1)[None, :]  # [1, BN]
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N, W], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
             word_ids = k0 // 8 + js  # [W]
             groups = (word_ids // WORDS_PER_GROUP)[None, :]  # [1, W]
             if EVEN_N:
@@ -340,7 +363,7 @@ def gemv(x: torch.Tensor, w, config: dict) -> torch.Tensor:
         x, words, w.scale, zero if zero is not None else w.scale, scale_2, out, m, n, k, x.stride(0), out.stride(0),
         words.stride(0), w.scale.stride(0), FORMAT=fmt, GROUP=group, HAS_ZERO=zero is not None,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=n % block_n == 0,
-        num_warps=config["warps"], num_stages=config["stages"], **launch)
+        STAGES=config["stages"], num_warps=config["warps"], **launch)
     return out
 
 
@@ -357,7 +380,7 @@ def _int4_row(x: torch.Tensor, w: Int4Weight, config: dict, out: torch.Tensor, l
         x, w.packed, w.scale, w.zero if w.zero is not None else w.scale, out, partial, n, k // w.group_size // split,
         w.packed.stride(0), w.scale.stride(0), MAGIC_2048.value, 12, GROUP=w.group_size, BLOCK_N=block_n,
         GROUPS_PER_STEP=per_step, HAS_ZERO=w.zero is not None, SPLIT=split > 1, EVEN_N=n % block_n == 0,
-        num_warps=config["warps"], num_stages=config["stages"], **launch)
+        STAGES=config["stages"], num_warps=config["warps"], **launch)
     if split > 1:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(n, block),)](partial, out, n, SPLIT_K=split, BLOCK=block, **launch)
