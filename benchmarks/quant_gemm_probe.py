@@ -42,14 +42,16 @@ ROWS = (1, 8, 16, 32, 64, 512, 8192)
 # product tile (~64 registers a thread at 8 x 1024 and 4 warps), the 4-bit formats one float per word and row of x;
 # int4's one-row kernel block_n * block_k / (8 * 32 * warps) words a thread (its registers, so the programs an SM
 # holds, follow), K split ("auto": ~2 programs per SM, configs.gemv_split_k). At one row the 4-bit kernels' weight
-# loads stream through shared memory stages - 1 steps ahead (stages 1: loaded where used).
+# loads stream through shared memory stages - 1 steps ahead (stages 1: loaded where used); int4's dp4a takes x as
+# 16-bit fixed point and dots it with the nibbles in int32 (cuda_gemv._int4_dp4a_row_kernel).
 GEMV_SWEEP = {("fp8", 1): [dict(block_n=8, block_k=1024, warps=4, stages=1),
                            dict(block_n=16, block_k=512, warps=4, stages=1),
                            dict(block_n=16, block_k=1024, warps=8, stages=1)],
               ("int4", 1): [dict(block_n=bn, block_k=128, split_k="auto", warps=w, stages=stages)
-                            for bn, w in ((256, 4), (128, 4), (64, 4), (128, 8), (32, 4), (64, 8), (32, 2), (64, 2),
-                                          (256, 8), (512, 8))
-                            for stages in (1, 3, 4)],
+                            for bn, w, stages in ((32, 2, 4), (64, 2, 4), (128, 8, 3), (256, 8, 1))]
+                           + [dict(block_n=bn, block_k=128, split_k="auto", warps=w, stages=stages, dp4a=1)
+                              for bn, w in ((64, 2), (128, 2), (128, 4), (256, 4), (256, 8), (512, 4), (512, 8))
+                              for stages in (2, 3, 4)],
               ("nvfp4", 1): [dict(block_n=bn, block_k=bk, warps=w, stages=stages)
                              for bn, bk, w in ((16, 1024, 4), (32, 1024, 4), (16, 2048, 4), (8, 4096, 4),
                                                (8, 2048, 4), (32, 1024, 8))

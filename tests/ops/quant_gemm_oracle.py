@@ -64,6 +64,24 @@ def weight_only_bound(x, w, y64, terms, u_dot=U32, u_w=U32, exact_codes=False):
     return bound
 
 
+def int4_dp4a_bound(x, w, y64, splits=1):
+    """cuda_gemv's dp4a one-row int4 GEMV: x in the packed order rounded per group to 16-bit fixed point (within
+    2^E of x, 2^E = 2^(floor(log2 max |x|) - 14) of the group, at least 2^-114), the integer dots exact; per group
+    and quad of 4 words a float32 product, the zero point's s z v_sum another, all summed in float32 with the split
+    partials: (K/32 + 4 + splits) roundings of s (q + z) (|x| + 2^E) a term."""
+    k, g = w.shape[1], w.group_size
+    xs = x.double() if w.perm is None else x.double()[:, w.perm]  # [M, K], packed order
+    top = xs.abs().reshape(x.shape[0], k // g, g).amax(-1)
+    e = torch.floor(torch.log2(top)).clamp_min(-100) - 14  # -inf (a zero group) clamps too
+    step = (2.0 ** e).repeat_interleave(g, dim=1)  # [M, K]
+    q = ref.unpack_int4(w.packed, k).double()
+    zero = 8.0 if w.zero is None else w.zero.double().repeat_interleave(g, dim=1)
+    scale = w.scale.double().repeat_interleave(g, dim=1)
+    codes = scale * (q + zero)  # [N, K]: the codes and the zero's part, summed apart
+    rounding = step @ (scale * (q - zero)).abs().T
+    return rounding + (k // 32 + 4 + splits) * U32 * ((xs.abs() + step) @ codes.T) + _output(x, y64)
+
+
 def _output(x, y64):
     return UNIT_ROUNDOFF[x.dtype] * y64.abs() + torch.finfo(x.dtype).tiny
 

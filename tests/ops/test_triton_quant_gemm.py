@@ -201,6 +201,28 @@ def test_int4_one_row_split_k(dtype, symmetric, act_order, block_k, split_k, ste
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("symmetric,act_order", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("g,block_k,split_k", [(32, 64, 3), (64, 128, 1), (128, 256, 2)])
+def test_int4_one_row_dp4a(dtype, symmetric, act_order, g, block_k, split_k):
+    """The dp4a one-row kernel (x as 16-bit fixed point per group, the nibbles dotted in int32) over 768 columns:
+    every nibble position and zero point, K split, N = 40 leaving a partial row block. The first g columns are
+    zero (a zero group unless act order scatters them); column g, the largest of its group, is 2 - 2^-23: in
+    float32 it rounds up to 2^15 steps of the fixed point, clamped to 2^15 - 1 (bf16 and fp16 round it to 2)."""
+    gen = torch.Generator().manual_seed(g + split_k)
+    w, x = int4_weight(40, 768, g, symmetric, act_order, gen), activations(1, 768, dtype, gen)
+    x[0, :g] = 0.0
+    x[0, g:2 * g] = x[0, g:2 * g].clamp(-1.0, 1.0)
+    x[0, g] = 2.0 - 2.0**-23
+    config = dict(GEMV, block_k=block_k, split_k=split_k, dp4a=1)
+    assert cuda_gemv.supports(w, config, 1)
+    y64, _ = oracle.weight_only_exact(x, w)
+    got = cuda_gemv.gemv(x, w, config)
+    assert got.dtype == dtype and got.shape == (1, 40)
+    splits = cuda_gemv._int4_row_steps(768, g, config)[1]
+    oracle.assert_within(got, y64, oracle.int4_dp4a_bound(x, w, y64, splits), "int4 dp4a gemv")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m", [1, 2, 7])
 @pytest.mark.parametrize("n,k,per_row", [(40, 96, False), (24, 256, True)])
 def test_nvfp4_gemv(dtype, m, n, k, per_row):

@@ -3,8 +3,8 @@
 
 Keys are "format:N:K:rows", format one of fp8, int4, nvfp4 and rows the bucket of the batch's row count: 1, 8, 16,
 32 or 64 (decode) or 512 / 8192 (prefill: up to 512 rows, more). Values are dicts:
-  {"kind": "gemv", "block_n", "block_k", "warps", "stages"[, "split_k"]}   cuda_gemv: fp8 1 row, int4 / nvfp4
-                                                                1..8 rows (split_k: int4 at one row only)
+  {"kind": "gemv", "block_n", "block_k", "warps", "stages"[, "split_k", "dp4a"]}   cuda_gemv: fp8 1 row, int4 /
+                                            nvfp4 1..8 rows (split_k, dp4a 0 or 1: int4 at one row only)
   {"kind": "skinny", "block_n", "block_k", "split_k", "warps", "stages"[, "quant_x"]}   1..64 rows only
   {"kind": "gemm", "block_m", "block_n", "block_k", "group_m", "warps", "stages"}       tiled, any rows
   {"kind": "torch"}    fp8 only: torch's block-scaled FP8 matmul (F.scaled_mm, 1x128 x 128x128 scales)
@@ -65,6 +65,8 @@ def check_entry(where: str, key: str, entry) -> None:
         value = entry.get(field)
         if not (isinstance(value, int) and value > 0):
             raise ValueError(f"{where}: entry {key!r}: {field} must be a positive int, got {value!r}")
+    if "dp4a" in entry and (not optional or entry["dp4a"] not in (0, 1) or isinstance(entry["dp4a"], bool)):
+        raise ValueError(f"{where}: entry {key!r}: dp4a (int4 one-row GEMV only) must be 0 or 1, got {entry['dp4a']!r}")
 
 
 @functools.cache

@@ -104,6 +104,128 @@ def _int4_minus_zero(src, pos: tl.constexpr, magic, z):
     return ((src & (0xF << pos)) | magic).to(tl.float32, bitcast=True) * inv_step - (2048.0 * inv_step + z)
 
 
+# dp4a (four byte products summed into an int32) as PTX; Triton's CPU interpreter runs no PTX: there it is spelled out
+_PTX_DP4A = tl.constexpr(not triton.knobs.runtime.interpret)
+# 16-bit fixed point of x: v = round(x / 2^E) with the group's largest |x| below 2^(E + 15); hi byte signed, lo not
+X_FRACTION_BITS: tl.constexpr = tl.constexpr(14)
+
+
+@triton.jit
+def _dp4a(a, b, c, B_SIGNED: tl.constexpr):
+    """c + sum over bytes i of a's byte i (unsigned) times b's byte i (signed when B_SIGNED), all int32."""
+    if _PTX_DP4A:
+        if B_SIGNED:
+            return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                                             is_pure=True, pack=1)
+        return tl.inline_asm_elementwise("dp4a.u32.u32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+    for i in tl.static_range(4):
+        b_i = (b >> (8 * i)) & 0xFF
+        if B_SIGNED:
+            b_i -= (b_i & 0x80) * 2
+        c += ((a >> (8 * i)) & 0xFF) * b_i
+    return c
+
+
+@triton.jit
+def _split4(x4):
+    """[..., 4] -> its 4 columns, each [...] (in registers: the 4 are one thread's)."""
+    a, b = tl.split(tl.reshape(x4, x4.shape[:-1] + [2, 2]))  # columns 0 2 / 1 3
+    c0, c2 = tl.split(a)
+    c1, c3 = tl.split(b)
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _bytes4(b0, b1, b2, b3):
+    """The low bytes of four int32 tensors packed into one int32 tensor, b0 lowest."""
+    return (b0 & 0xFF) | ((b1 & 0xFF) << 8) | ((b2 & 0xFF) << 16) | ((b3 & 0xFF) << 24)
+
+
+@triton.jit
+def _int4_x_parts_kernel(x, parts, x_scale, v_sum, K_WORDS, GROUP: tl.constexpr, PDL: tl.constexpr = False):
+    """Grid (K / GROUP,): group g of x [K] as 16-bit fixed point for _int4_dp4a_row_kernel. x_scale[g] = 2^E, E the
+    group's floor(log2 max |x|) - 14 (at least -114: smaller groups round to ~0); v = round(x / 2^E) (|v| <= 32767),
+    split v = 256 hi + lo, hi's bytes signed and lo's not; parts [4, K/8] int32: per word j of the packed weight
+    (columns 8j .. 8j+7) the hi bytes of its even columns 8j, 8j+2, 8j+4, 8j+6 (row 0), of its odd ones (row 1), the
+    lo bytes alike (rows 2, 3), as dp4a pairs them with a word's nibbles 0 2 4 6 and 1 3 5 7; v_sum[g] = sum of v."""
+    wait_for_previous_kernel(PDL)
+    WPG: tl.constexpr = GROUP // 8
+    g = tl.program_id(0)
+    xf = tl.load(x + g * GROUP + tl.arange(0, GROUP)).to(tl.float32)  # [GROUP]
+    top = tl.max(tl.abs(xf), axis=0)
+    e = tl.maximum(((top.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -100) - X_FRACTION_BITS
+    inv = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-E, exact
+    v = tl.minimum(tl.floor(xf * inv + 0.5), 32767.0).to(tl.int32)  # [GROUP]
+    tl.store(x_scale + g, ((127 + e) << 23).to(tl.float32, bitcast=True))
+    tl.store(v_sum + g, tl.sum(v, axis=0))
+    c0, c1, c2, c3, c4, c5, c6, c7 = _split8(tl.reshape(v, [WPG, 8]))  # [WPG] each: column i of every word
+    out = parts + g * WPG + tl.arange(0, WPG)
+    tl.store(out, _bytes4(c0 >> 8, c2 >> 8, c4 >> 8, c6 >> 8))
+    tl.store(out + K_WORDS, _bytes4(c1 >> 8, c3 >> 8, c5 >> 8, c7 >> 8))
+    tl.store(out + 2 * K_WORDS, _bytes4(c0, c2, c4, c6))
+    tl.store(out + 3 * K_WORDS, _bytes4(c1, c3, c5, c7))
+
+
+@triton.jit
+def _int4_dp4a_row_kernel(
+    parts, x_scale, v_sum, words, scale, zero, out, partial, N, K_WORDS, GROUPS_PER_SPLIT, stride_wn, stride_sn,
+    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS_PER_STEP: tl.constexpr, HAS_ZERO: tl.constexpr,
+    SPLIT: tl.constexpr, EVEN_N: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False,
+):
+    """Grid (cdiv(N, BLOCK_N), splits): out [N] (or partial [splits, N] float32 when SPLIT) = x [K] @ dequant(W)^T
+    with x as _int4_x_parts_kernel left it (parts, x_scale, v_sum). A word's nibbles are masked into two words of
+    bytes (nibbles 0 2 4 6 and 1 3 5 7) and dotted with x's hi and lo bytes by dp4a: 7 instructions for 8 weights,
+    summed in int32 over the 4 words a thread holds (exact: |sum| < 2^24). Per row and group:
+    sum_k (q_k - z) x_k = 2^E (sum_k q_k v_k - z v_sum), times the group's scale, summed in float32. Tiles
+    [BLOCK_N, groups, word quads, 4]; the words stream through shared memory STAGES - 1 steps ahead, the scales and
+    zero points load one step ahead into registers."""
+    wait_for_previous_kernel(PDL)
+    WPG: tl.constexpr = GROUP // 8  # words a group
+    QUADS: tl.constexpr = WPG // 4  # word quads a group
+    ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    n_ok = ns < N
+    gs = tl.arange(0, GROUPS_PER_STEP)  # [GPS]
+    quad_words = tl.arange(0, QUADS)[:, None] * 4 + tl.arange(0, 4)[None, :]  # [QUADS, 4]
+    w_rows = words + ns[:, None, None, None].to(tl.int64) * stride_wn  # [BN, 1, 1, 1]
+    s_rows = ns[:, None].to(tl.int64) * stride_sn  # [BN, 1]
+    acc = tl.zeros([BLOCK_N, GROUPS_PER_STEP, QUADS], dtype=tl.float32)
+    zero_acc = tl.zeros([BLOCK_N, GROUPS_PER_STEP, 1], dtype=tl.float32)
+    g_first = tl.program_id(1) * GROUPS_PER_SPLIT
+    g_last = g_first + GROUPS_PER_SPLIT - GROUPS_PER_STEP  # the last step's first group
+    s, z = _int4_row_scales(scale, zero, s_rows, n_ok, g_first + gs, HAS_ZERO, EVEN_N)
+    for g0 in tl.range(g_first, g_last + 1, GROUPS_PER_STEP, num_stages=STAGES):
+        s_next, z_next = _int4_row_scales(scale, zero, s_rows, n_ok, tl.minimum(g0 + GROUPS_PER_STEP, g_last) + gs,
+                                          HAS_ZERO, EVEN_N)
+        word_ids = (g0 + gs)[:, None, None] * WPG + quad_words[None, :, :]  # [GPS, QUADS, 4]
+        if EVEN_N:
+            word = tl.load(w_rows + word_ids[None])  # [BN, GPS, QUADS, 4]
+        else:
+            word = tl.load(w_rows + word_ids[None], mask=n_ok[:, None, None, None], other=0)
+        x_words = parts + word_ids[None]  # [1, GPS, QUADS, 4]
+        hi_even = _split4(tl.load(x_words))
+        hi_odd = _split4(tl.load(x_words + K_WORDS))
+        lo_even = _split4(tl.load(x_words + 2 * K_WORDS))
+        lo_odd = _split4(tl.load(x_words + 3 * K_WORDS))
+        w4 = _split4(word)
+        dot_hi = tl.zeros([BLOCK_N, GROUPS_PER_STEP, QUADS], dtype=tl.int32)
+        dot_lo = tl.zeros([BLOCK_N, GROUPS_PER_STEP, QUADS], dtype=tl.int32)
+        for i in tl.static_range(4):
+            even = w4[i] & 0x0F0F0F0F  # nibbles 0 2 4 6 as bytes
+            odd = (w4[i] >> 4) & 0x0F0F0F0F  # nibbles 1 3 5 7
+            dot_hi = _dp4a(odd, hi_odd[i], _dp4a(even, hi_even[i], dot_hi, True), True)
+            dot_lo = _dp4a(odd, lo_odd[i], _dp4a(even, lo_even[i], dot_lo, False), False)
+        group_scale = s * tl.load(x_scale + g0 + gs)[None, :, None]  # [BN, GPS, 1]: s * 2^E
+        acc += (dot_hi * 256 + dot_lo).to(tl.float32) * group_scale
+        zero_acc += z * tl.load(v_sum + g0 + gs).to(tl.float32)[None, :, None] * group_scale
+        s, z = s_next, z_next
+    y = tl.sum(tl.sum(acc, axis=2), axis=1) - tl.sum(tl.sum(zero_acc, axis=2), axis=1)  # [BN]
+    if SPLIT:
+        tl.store(partial + tl.program_id(1) * N + ns, y, mask=n_ok)
+    else:
+        tl.store(out + ns, y.to(out.dtype.element_ty), mask=n_ok)
+
+
 @triton.jit
 def _int4_row_kernel(
     x, words, scale, zero, out, partial, N, GROUPS_PER_SPLIT, stride_wn, stride_sn, magic, shift,
@@ -368,19 +490,34 @@ def gemv(x: torch.Tensor, w, config: dict) -> torch.Tensor:
 
 
 def _int4_row(x: torch.Tensor, w: Int4Weight, config: dict, out: torch.Tensor, launch: dict) -> torch.Tensor:
-    """out [1, N] = x [1, K] (columns in the packed order) @ dequant(w)^T by _int4_row_kernel; split K sums its
-    float32 partials in order by a second kernel."""
+    """out [1, N] = x [1, K] (columns in the packed order) @ dequant(w)^T by _int4_row_kernel, or with config's
+    "dp4a" by _int4_x_parts_kernel and _int4_dp4a_row_kernel; split K sums its float32 partials in order by a
+    further kernel."""
     from deltaserve.ops.linear.cuda_skinny import _sum_splits_kernel
 
     n, k = w.shape
-    per_step, split = _int4_row_steps(k, w.group_size, config)
+    group = w.group_size
+    per_step, split = _int4_row_steps(k, group, config)
     block_n = config["block_n"]
     partial = torch.empty(split, n, dtype=torch.float32, device=x.device) if split > 1 else out
-    _int4_row_kernel[(triton.cdiv(n, block_n), split)](
-        x, w.packed, w.scale, w.zero if w.zero is not None else w.scale, out, partial, n, k // w.group_size // split,
-        w.packed.stride(0), w.scale.stride(0), MAGIC_2048.value, 12, GROUP=w.group_size, BLOCK_N=block_n,
-        GROUPS_PER_STEP=per_step, HAS_ZERO=w.zero is not None, SPLIT=split > 1, EVEN_N=n % block_n == 0,
-        STAGES=config["stages"], num_warps=config["warps"], **launch)
+    grid = (triton.cdiv(n, block_n), split)
+    common = dict(GROUP=group, BLOCK_N=block_n, GROUPS_PER_STEP=per_step, HAS_ZERO=w.zero is not None,
+                  SPLIT=split > 1, EVEN_N=n % block_n == 0, STAGES=config["stages"], num_warps=config["warps"],
+                  **launch)
+    zero = w.zero if w.zero is not None else w.scale
+    if config.get("dp4a"):
+        groups = k // group
+        parts = torch.empty(4, k // 8, dtype=torch.int32, device=x.device)
+        x_scale = torch.empty(groups, dtype=torch.float32, device=x.device)
+        v_sum = torch.empty(groups, dtype=torch.int32, device=x.device)
+        _int4_x_parts_kernel[(groups,)](x, parts, x_scale, v_sum, k // 8, GROUP=group, **launch)
+        _int4_dp4a_row_kernel[grid](
+            parts, x_scale, v_sum, w.packed, w.scale, zero, out, partial, n, k // 8, k // group // split,
+            w.packed.stride(0), w.scale.stride(0), **common)
+    else:
+        _int4_row_kernel[grid](
+            x, w.packed, w.scale, zero, out, partial, n, k // group // split, w.packed.stride(0), w.scale.stride(0),
+            MAGIC_2048.value, 12, **common)
     if split > 1:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(n, block),)](partial, out, n, SPLIT_K=split, BLOCK=block, **launch)
