@@ -41,17 +41,20 @@ ROWS = (1, 8, 16, 32, 64, 512, 8192)
 # GEMV tiles (cuda_gemv): rows, columns per K step, warps, stages. FP8 (one row) holds a block_n x block_k float32
 # product tile (~64 registers a thread at 8 x 1024 and 4 warps), the 4-bit formats one float per word and row of x;
 # int4's one-row kernel block_n * block_k / (8 * 32 * warps) words a thread (its registers, so the programs an SM
-# holds, follow), K split ("auto": ~2 programs per SM, configs.gemv_split_k). At one row the 4-bit kernels' weight
-# loads stream through shared memory stages - 1 steps ahead (stages 1: loaded where used); int4's dp4a takes x as
-# 16-bit fixed point and dots it with the nibbles in int32 (cuda_gemv._int4_dp4a_row_kernel).
+# holds, follow), K split ("auto": ~2 programs per SM, configs.gemv_split_k; "auto*4" four times that). At one
+# row the 4-bit kernels' weight loads stream through shared memory stages - 1 steps ahead (stages 1: loaded where
+# used); int4's dp4a takes x as 16-bit fixed point and dots it with the nibbles in int32 (_int4_dp4a_row_kernel).
 GEMV_SWEEP = {("fp8", 1): [dict(block_n=8, block_k=1024, warps=4, stages=1),
                            dict(block_n=16, block_k=512, warps=4, stages=1),
                            dict(block_n=16, block_k=1024, warps=8, stages=1)],
-              ("int4", 1): [dict(block_n=bn, block_k=128, split_k="auto", warps=w, stages=stages)
-                            for bn, w, stages in ((32, 2, 4), (64, 2, 4), (128, 8, 3), (256, 8, 1))]
-                           + [dict(block_n=bn, block_k=128, split_k="auto", warps=w, stages=stages, dp4a=1)
-                              for bn, w in ((64, 2), (128, 2), (128, 4), (256, 4), (256, 8), (512, 4), (512, 8))
-                              for stages in (2, 3, 4)],
+              ("int4", 1): [dict(block_n=bn, block_k=bk, split_k="auto", warps=w, stages=stages)
+                            for bn, bk, w, stages in ((32, 128, 2, 4), (128, 128, 8, 3), (32, 256, 2, 4),
+                                                      (16, 512, 2, 4), (32, 512, 4, 3))]
+                           + [dict(block_n=bn, block_k=bk, split_k=split, warps=w, stages=stages, dp4a=1)
+                              for bn, bk, w in ((32, 512, 2), (64, 512, 4), (64, 512, 2), (16, 1024, 2),
+                                                (32, 1024, 4), (128, 512, 8), (64, 256, 4), (128, 256, 4),
+                                                (32, 256, 2), (128, 1024, 8))
+                              for stages in (2, 3) for split in ("auto", "auto*4")],
               ("nvfp4", 1): [dict(block_n=bn, block_k=bk, warps=w, stages=stages)
                              for bn, bk, w in ((16, 1024, 4), (32, 1024, 4), (16, 2048, 4), (8, 4096, 4),
                                                (8, 2048, 4), (32, 1024, 8))
@@ -145,10 +148,15 @@ def candidates(fmt: str, n: int, k: int, rows: int, w) -> list[tuple[dict, objec
     weight_only = "fp8" if fmt == "fp8" else "weight_only"
     bucket = configs.row_bucket(rows)
     for tile in GEMV_SWEEP.get((fmt, bucket), GEMV_SWEEP.get((weight_only, bucket), [])):
-        if tile.get("split_k") == "auto":
-            tile = dict(tile, split_k=configs.gemv_split_k(n, k, tile["block_n"]))
+        if str(tile.get("split_k")).startswith("auto"):  # "auto*f": f times as many splits
+            factor = int(tile["split_k"].partition("*")[2] or 1)
+            tile = dict(tile, split_k=min(16, factor * configs.gemv_split_k(n, k, tile["block_n"])))
         entry = dict(kind="gemv", **tile)
-        if cuda_gemv.supports(w, entry, rows):
+        if not cuda_gemv.supports(w, entry, rows):
+            continue
+        if fmt == "int4" and rows == 1:  # the split the kernel runs (a divisor of its K steps): no tile twice
+            entry["split_k"] = cuda_gemv._int4_row_steps(k, w.group_size, entry)[1]
+        if all(entry != seen for seen, _ in out):
             out.append((entry, lambda x, w, e=entry: cuda_gemv.gemv(x, w, e)))
     if rows <= configs.SKINNY_MAX_ROWS:
         kernel = cuda_fp8.skinny if fmt == "fp8" else cuda_weight_only.skinny
