@@ -178,8 +178,9 @@ def _int4_dp4a_row_kernel(
     bytes (nibbles 0 2 4 6 and 1 3 5 7) and dotted with x's hi and lo bytes by dp4a: 7 instructions for 8 weights,
     summed in int32 over the 4 words a thread holds (exact: |sum| < 2^24). Per row and group:
     sum_k (q_k - z) x_k = 2^E (sum_k q_k v_k - z v_sum), times the group's scale, summed in float32. Tiles
-    [BLOCK_N, groups, word quads, 4]; the words stream through shared memory STAGES - 1 steps ahead, the scales and
-    zero points load one step ahead into registers."""
+    [BLOCK_N, groups, word quads, 4]; the words and x's parts stream through shared memory STAGES - 1 steps ahead,
+    the scales, zero points and x's group scales and sums load one step ahead into registers (loaded where used,
+    each step would wait out a memory latency)."""
     wait_for_previous_kernel(PDL)
     WPG: tl.constexpr = GROUP // 8  # words a group
     QUADS: tl.constexpr = WPG // 4  # word quads a group
@@ -194,9 +195,11 @@ def _int4_dp4a_row_kernel(
     g_first = tl.program_id(1) * GROUPS_PER_SPLIT
     g_last = g_first + GROUPS_PER_SPLIT - GROUPS_PER_STEP  # the last step's first group
     s, z = _int4_row_scales(scale, zero, s_rows, n_ok, g_first + gs, HAS_ZERO, EVEN_N)
+    xs, v = tl.load(x_scale + g_first + gs), tl.load(v_sum + g_first + gs)  # [GPS]
     for g0 in tl.range(g_first, g_last + 1, GROUPS_PER_STEP, num_stages=STAGES):
-        s_next, z_next = _int4_row_scales(scale, zero, s_rows, n_ok, tl.minimum(g0 + GROUPS_PER_STEP, g_last) + gs,
-                                          HAS_ZERO, EVEN_N)
+        g_next = tl.minimum(g0 + GROUPS_PER_STEP, g_last) + gs  # [GPS]
+        s_next, z_next = _int4_row_scales(scale, zero, s_rows, n_ok, g_next, HAS_ZERO, EVEN_N)
+        xs_next, v_next = tl.load(x_scale + g_next), tl.load(v_sum + g_next)
         word_ids = (g0 + gs)[:, None, None] * WPG + quad_words[None, :, :]  # [GPS, QUADS, 4]
         if EVEN_N:
             word = tl.load(w_rows + word_ids[None])  # [BN, GPS, QUADS, 4]
@@ -215,10 +218,10 @@ def _int4_dp4a_row_kernel(
             odd = (w4[i] >> 4) & 0x0F0F0F0F  # nibbles 1 3 5 7
             dot_hi = _dp4a(odd, hi_odd[i], _dp4a(even, hi_even[i], dot_hi, True), True)
             dot_lo = _dp4a(odd, lo_odd[i], _dp4a(even, lo_even[i], dot_lo, False), False)
-        group_scale = s * tl.load(x_scale + g0 + gs)[None, :, None]  # [BN, GPS, 1]: s * 2^E
+        group_scale = s * xs[None, :, None]  # [BN, GPS, 1]: s * 2^E
         acc += (dot_hi * 256 + dot_lo).to(tl.float32) * group_scale
-        zero_acc += z * tl.load(v_sum + g0 + gs).to(tl.float32)[None, :, None] * group_scale
-        s, z = s_next, z_next
+        zero_acc += z * v.to(tl.float32)[None, :, None] * group_scale
+        s, z, xs, v = s_next, z_next, xs_next, v_next
     y = tl.sum(tl.sum(acc, axis=2), axis=1) - tl.sum(tl.sum(zero_acc, axis=2), axis=1)  # [BN]
     if SPLIT:
         tl.store(partial + tl.program_id(1) * N + ns, y, mask=n_ok)
