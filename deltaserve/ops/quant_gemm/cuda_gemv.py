@@ -206,10 +206,10 @@ def _int4_dp4a_row_kernel(
         else:
             word = tl.load(w_rows + word_ids[None], mask=n_ok[:, None, None, None], other=0)
         x_words = parts + word_ids[None]  # [1, GPS, QUADS, 4]
-        hi_even = _split4(tl.load(x_words))
-        hi_odd = _split4(tl.load(x_words + K_WORDS))
-        lo_even = _split4(tl.load(x_words + 2 * K_WORDS))
-        lo_odd = _split4(tl.load(x_words + 3 * K_WORDS))
+        hi_even = _split4(tl.load(x_words, cache_modifier=".ca"))
+        hi_odd = _split4(tl.load(x_words + K_WORDS, cache_modifier=".ca"))
+        lo_even = _split4(tl.load(x_words + 2 * K_WORDS, cache_modifier=".ca"))
+        lo_odd = _split4(tl.load(x_words + 3 * K_WORDS, cache_modifier=".ca"))
         w4 = _split4(word)
         dot_hi = tl.zeros([BLOCK_N, GROUPS_PER_STEP, QUADS], dtype=tl.int32)
         dot_lo = tl.zeros([BLOCK_N, GROUPS_PER_STEP, QUADS], dtype=tl.int32)
@@ -266,7 +266,7 @@ def _int4_row_kernel(
             word = tl.load(w_rows + word_ids[None, :, :], mask=n_ok[:, None, None], other=0)
         word_hi = (word.to(tl.uint32, bitcast=True) >> shift).to(tl.int32, bitcast=True)  # nibbles 5..7 at bits 8..19
         # x's columns of the step in one contiguous load, split into the 8 nibble positions [1, GPS, WPG] each
-        x3 = tl.load(x + g0 * GROUP + tl.arange(0, GROUPS_PER_STEP * GROUP)).to(tl.float32)
+        x3 = tl.load(x + g0 * GROUP + tl.arange(0, GROUPS_PER_STEP * GROUP), cache_modifier=".ca").to(tl.float32)
         c0, c1, c2, c3, c4, c5, c6, c7 = _split8(tl.reshape(x3, [GROUPS_PER_STEP, WPG, 8]))
         xs = (c0[None], c1[None], c2[None], c3[None], c4[None], c5[None], c6[None], c7[None])
         t = tl.zeros([BLOCK_N, GROUPS_PER_STEP, WPG], dtype=tl.float32)
@@ -347,7 +347,8 @@ def _weight_only_gemv_kernel(
             else:
                 z1 = tl.full([BLOCK_N, GPI, 1], 8.0, tl.float32)
             # x's BLOCK_K columns in one contiguous load, split into the 8 nibble positions [GPI, WPG] each
-            x3 = tl.reshape(tl.load(x + k0 + tl.arange(0, BLOCK_K)).to(tl.float32), [GPI, WORDS_PER_GROUP, 8])
+            x3 = tl.reshape(tl.load(x + k0 + tl.arange(0, BLOCK_K), cache_modifier=".ca").to(tl.float32),
+                            [GPI, WORDS_PER_GROUP, 8])
             c0, c1, c2, c3, c4, c5, c6, c7 = _split8(x3)
             xs = (c0[None], c1[None], c2[None], c3[None], c4[None], c5[None], c6[None], c7[None])
             t = _word_sum(tl.zeros([BLOCK_N, GPI, WORDS_PER_GROUP], dtype=tl.float32), word, z1, xs, FORMAT)
