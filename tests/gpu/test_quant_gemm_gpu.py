@@ -30,7 +30,7 @@ SKINNY_TILES = [dict(block_n=64, block_k=128, split_k=1, warps=4, stages=6, quan
 # the GEMV's first tiles in the probe's sweep: (format class, rows bucket) -> tile
 GEMV_TILES = {("fp8", 1): dict(block_n=8, block_k=1024, warps=4, stages=1),
               ("int4", 1): dict(block_n=256, block_k=128, split_k=8, warps=4, stages=3),
-              ("weight_only", 1): dict(block_n=16, block_k=1024, warps=4, stages=3),
+              ("weight_only", 1): dict(block_n=16, block_k=1024, warps=4, stages=1),
               ("weight_only", 8): dict(block_n=8, block_k=512, warps=4, stages=1)}
 GEMM_TILES = [dict(block_m=128, block_n=128, block_k=128, group_m=8, warps=8, stages=3),
               dict(block_m=64, block_n=128, block_k=64, group_m=8, warps=4, stages=4)]

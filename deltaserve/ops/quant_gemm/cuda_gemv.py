@@ -206,10 +206,10 @@ def _int4_dp4a_row_kernel(
         else:
             word = tl.load(w_rows + word_ids[None], mask=n_ok[:, None, None, None], other=0)
         x_words = parts + word_ids[None]  # [1, GPS, QUADS, 4]
-        hi_even = _split4(tl.load(x_words, cache_modifier=".ca"))
-        hi_odd = _split4(tl.load(x_words + K_WORDS, cache_modifier=".ca"))
-        lo_even = _split4(tl.load(x_words + 2 * K_WORDS, cache_modifier=".ca"))
-        lo_odd = _split4(tl.load(x_words + 3 * K_WORDS, cache_modifier=".ca"))
+        hi_even = _split4(tl.load(x_words))
+        hi_odd = _split4(tl.load(x_words + K_WORDS))
+        lo_even = _split4(tl.load(x_words + 2 * K_WORDS))
+        lo_odd = _split4(tl.load(x_words + 3 * K_WORDS))
         w4 = _split4(word)
         dot_hi = tl.zeros([BLOCK_N, GROUPS_PER_STEP, QUADS], dtype=tl.int32)
         dot_lo = tl.zeros([BLOCK_N, GROUPS_PER_STEP, QUADS], dtype=tl.int32)
@@ -266,7 +266,7 @@ def _int4_row_kernel(
             word = tl.load(w_rows + word_ids[None, :, :], mask=n_ok[:, None, None], other=0)
         word_hi = (word.to(tl.uint32, bitcast=True) >> shift).to(tl.int32, bitcast=True)  # nibbles 5..7 at bits 8..19
         # x's columns of the step in one contiguous load, split into the 8 nibble positions [1, GPS, WPG] each
-        x3 = tl.load(x + g0 * GROUP + tl.arange(0, GROUPS_PER_STEP * GROUP), cache_modifier=".ca").to(tl.float32)
+        x3 = tl.load(x + g0 * GROUP + tl.arange(0, GROUPS_PER_STEP * GROUP)).to(tl.float32)
         c0, c1, c2, c3, c4, c5, c6, c7 = _split8(tl.reshape(x3, [GROUPS_PER_STEP, WPG, 8]))
         xs = (c0[None], c1[None], c2[None], c3[None], c4[None], c5[None], c6[None], c7[None])
         t = tl.zeros([BLOCK_N, GROUPS_PER_STEP, WPG], dtype=tl.float32)
@@ -306,8 +306,7 @@ def _int4_row_scales(scale, zero, s_rows, n_ok, groups, HAS_ZERO: tl.constexpr, 
 def _weight_only_gemv_kernel(
     x, words, scale, zero, scale_2, out, M, N, K, stride_xm, stride_om, stride_wn, stride_sn,
     FORMAT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, STAGES: tl.constexpr,
-    PDL: tl.constexpr = False,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Grid (cdiv(N, BLOCK_N),): out [M, N] = x [M, K] @ dequant(W)^T (M <= BLOCK_M). words [N, K/8] int32 (int4
     packed, or NVFP4's bytes read as words: the same nibble order), scale [N, K/GROUP], zero [N, K/GROUP] uint8
@@ -331,7 +330,7 @@ def _weight_only_gemv_kernel(
         gs = tl.arange(0, GPI)  # [GPI]
         ws = tl.arange(0, WORDS_PER_GROUP)  # [WPG]
         acc1 = tl.zeros([BLOCK_N, GPI, WORDS_PER_GROUP], dtype=tl.float32)
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        for k0 in range(0, K, BLOCK_K):
             g0 = k0 // GROUP
             word_ids = (g0 + gs)[:, None] * WORDS_PER_GROUP + ws[None, :]  # [GPI, WPG]
             s_ptrs = scale + s_rows + (g0 + gs)[None, :]  # [BN, GPI]
@@ -347,8 +346,7 @@ def _weight_only_gemv_kernel(
             else:
                 z1 = tl.full([BLOCK_N, GPI, 1], 8.0, tl.float32)
             # x's BLOCK_K columns in one contiguous load, split into the 8 nibble positions [GPI, WPG] each
-            x3 = tl.reshape(tl.load(x + k0 + tl.arange(0, BLOCK_K), cache_modifier=".ca").to(tl.float32),
-                            [GPI, WORDS_PER_GROUP, 8])
+            x3 = tl.reshape(tl.load(x + k0 + tl.arange(0, BLOCK_K)).to(tl.float32), [GPI, WORDS_PER_GROUP, 8])
             c0, c1, c2, c3, c4, c5, c6, c7 = _split8(x3)
             xs = (c0[None], c1[None], c2[None], c3[None], c4[None], c5[None], c6[None], c7[None])
             t = _word_sum(tl.zeros([BLOCK_N, GPI, WORDS_PER_GROUP], dtype=tl.float32), word, z1, xs, FORMAT)
@@ -356,7 +354,7 @@ def _weight_only_gemv_kernel(
         y = tl.sum(tl.sum(acc1, axis=2), axis=1)[None, :]  # [1, BN]
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N, W], dtype=tl.float32)
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        for k0 in range(0, K, BLOCK_K):
             word_ids = k0 // 8 + js  # [W]
             groups = (word_ids // WORDS_PER_GROUP)[None, :]  # [1, W]
             if EVEN_N:
@@ -489,7 +487,7 @@ def gemv(x: torch.Tensor, w, config: dict) -> torch.Tensor:
         x, words, w.scale, zero if zero is not None else w.scale, scale_2, out, m, n, k, x.stride(0), out.stride(0),
         words.stride(0), w.scale.stride(0), FORMAT=fmt, GROUP=group, HAS_ZERO=zero is not None,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_N=n % block_n == 0,
-        STAGES=config["stages"], num_warps=config["warps"], **launch)
+        num_warps=config["warps"], num_stages=config["stages"], **launch)
     return out
 
 
