@@ -51,9 +51,10 @@ GEMV_SWEEP = {("fp8", 1): [dict(block_n=8, block_k=1024, warps=4, stages=1),
                             for bn, bk, w, stages in ((32, 128, 2, 4), (128, 128, 8, 3), (32, 256, 2, 4),
                                                       (16, 512, 2, 4), (32, 512, 4, 3))]
                            + [dict(block_n=bn, block_k=bk, split_k=split, warps=w, stages=stages, dp4a=1)
-                              for bn, bk, w in ((32, 256, 2), (64, 256, 4), (32, 512, 2), (64, 512, 4),
-                                                (16, 512, 2), (128, 256, 4), (32, 128, 2), (64, 128, 2))
-                              for stages in (3, 4) for split in ("auto", "auto*4")],
+                              for bn, bk, w, stages in ((16, 512, 2, 3), (16, 512, 2, 1), (32, 512, 2, 1),
+                                                        (16, 1024, 2, 1), (32, 1024, 4, 1), (64, 512, 4, 1),
+                                                        (8, 1024, 2, 1), (16, 512, 4, 1), (32, 256, 2, 1))
+                              for split in ("auto", "auto*4")],
               ("nvfp4", 1): [dict(block_n=bn, block_k=bk, warps=w, stages=1)
                              for bn, bk, w in ((16, 1024, 4), (32, 1024, 4), (16, 2048, 4), (8, 4096, 4),
                                                (8, 2048, 4), (32, 1024, 8))],
