@@ -9,7 +9,8 @@ compute-bound). Grid (cdiv(N, BLOCK_N),): every program streams BLOCK_N whole we
 serves all M rows of x (M FMAs a weight: the tensor-core skinny kernels take over as M grows). One row of int4
 takes a kernel of its own (_int4_row_kernel): [BLOCK_N, groups, words] tiles in which a thread holds words of
 several rows, so that each x column it loads serves them all, and K split over a second grid axis, the float32
-partials summed in order after.
+partials summed in order after; or, where the table says "dp4a", _int4_dp4a_row_kernel, which dots the nibbles
+with x in 16-bit fixed point as integers (dp4a) after _int4_x_parts_kernel has packed x so.
 
   int4   a word holds columns 8j .. 8j+7 (nibble i: bits 4i..4i+3); the nibbles of its low half, masked in place
          and ORed into the bits of 2048.0, are the floats 2048 + q * 16^(i-3) exactly (2048's ulp is 2^-12);
@@ -26,7 +27,8 @@ partials summed in order after.
          program's rows share one 128-row scale block (BLOCK_N divides it), so s_x[g] * s_w[block, g] folds into
          the activation: y[n] = sum_k wq[n, k] * (xq[k] * s_x[g] * s_w[g]).
 Products are float32 and summed in float32 (in another order than the reference's per-block sums: bounded as
-float32 sums over K).
+float32 sums over K); the dp4a kernel's integer dots are exact, and it rounds x (only the values below 2^-7 of
+their group's largest, by at most 2^-15 of it).
 """
 
 from __future__ import annotations
