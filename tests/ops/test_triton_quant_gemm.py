@@ -338,7 +338,9 @@ def test_table_entries_are_checked(tmp_path, monkeypatch):
                                 ("fp8:1:2:512", dict(SKINNY[0], kind="skinny"), "does not serve the 512-row"),
                                 ("fp8:1:2:8", dict(GEMV, kind="gemv"), "does not serve the 8-row"),
                                 ("int4:1:2:16", dict(GEMV, kind="gemv"), "does not serve the 16-row"),
-                                ("nvfp4:1:2:8192", dict(GEMM, kind="gemm", warps=0), "warps must be a positive")]:
+                                ("nvfp4:1:2:8192", dict(GEMM, kind="gemm", warps=0), "warps must be a positive"),
+                                ("int4:1:2:8", dict(GEMV, kind="gemv", dp4a=1), "int4 one-row GEMV only"),
+                                ("int4:1:2:1", dict(GEMV, kind="gemv", dp4a=2), "must be 0 or 1")]:
         path = tmp_path / "table.json"
         path.write_text(__import__("json").dumps({key: entry}))
         monkeypatch.setenv(configs.ENV_VAR, str(path))
@@ -353,3 +355,16 @@ def test_table_entries_are_checked(tmp_path, monkeypatch):
     configs.tuned_table.cache_clear()
     for key, entry in configs.tuned_table().items():  # the packaged table
         configs.check_entry("configs.json", key, entry)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4", "nvfp4"])
+def test_default_configs_are_valid_entries(fmt):
+    """The defaults for shapes the table does not name (wide and narrow, long and short K) are entries the table
+    checker takes, and a GEMV default is one the GEMV takes (the int4 one-row split a divisor of the K steps)."""
+    for n, k in [(34816, 5120), (5120, 17408), (2048, 4096), (12288, 2048), (512, 2048)]:
+        for rows in (1, 2, 8, 16, 64, 512, 8192):
+            entry = configs.default_config(fmt, n, k, rows)
+            configs.check_entry("default", f"{fmt}:{n}:{k}:{configs.row_bucket(rows)}", entry)
+            if fmt == "int4" and rows == 1:
+                assert cuda_gemv._int4_row_steps(k, 128, entry) is not None
+

@@ -81,9 +81,12 @@ def default_config(fmt: str, n: int, k: int, rows: int) -> dict:
     well); up to 64 rows the skinny kernels, K split on narrow weights so that ~2 programs run per SM, FP8's
     activation quantized by its own kernel first; above, torch's block-scaled F.scaled_mm for FP8 and the
     dequantized weight through cuBLAS for int4 / NVFP4."""
-    if rows == 1 and fmt == "int4":  # 8 rows a thread; K split so that ~2 programs run per SM
-        return {"kind": "gemv", "block_n": 256, "block_k": 128, "split_k": gemv_split_k(n, k, 256), "warps": 4,
-                "stages": 1}
+    if rows == 1 and fmt == "int4":  # the float kernel's best tiles at 27B's shapes (H200, 2026-12-04)
+        if n >= 32 * 264:  # wide: 32 rows on 2 warps put >= 2 programs on each SM without a K split
+            return {"kind": "gemv", "block_n": 32, "block_k": 128, "split_k": gemv_split_k(n, k, 32), "warps": 2,
+                    "stages": 4}
+        return {"kind": "gemv", "block_n": 128, "block_k": 128, "split_k": gemv_split_k(n, k, 128), "warps": 8,
+                "stages": 3}
     if rows == 1 and (fmt != "fp8" or n <= 8192):  # fp8: [8, 1024] float32 products a program, as the bf16 GEMV
         return {"kind": "gemv", "block_n": 8 if fmt == "fp8" else 16, "block_k": 1024, "warps": 4, "stages": 1}
     if rows <= 8 and fmt != "fp8":  # [rows, 8, 64] float32 sums a program
