@@ -43,7 +43,9 @@ ROWS = (1, 8, 16, 32, 64, 512, 8192)
 # int4's one-row kernel block_n * block_k / (8 * 32 * warps) words a thread (its registers, so the programs an SM
 # holds, follow), K split ("auto": ~2 programs per SM, configs.gemv_split_k; "auto*4" four times that). At one
 # row int4's weight loads stream through shared memory stages - 1 steps ahead (stages 1: loaded where used; NVFP4's
-# kernel measured no gain from it); its dp4a kernel takes x as 16-bit fixed point (_int4_dp4a_row_kernel).
+# kernel measured no gain from it); its dp4a kernel takes x as 16-bit fixed point (_int4_dp4a_row_kernel). The
+# dp4a tiles at stages 1 are those whose loop ptxas compiles to <= 1.5 instructions a weight without a layout
+# conversion through shared memory (<= 2 barriers a step), >= 128 B of a row a step (the read probe's floor).
 GEMV_SWEEP = {("fp8", 1): [dict(block_n=8, block_k=1024, warps=4, stages=1),
                            dict(block_n=16, block_k=512, warps=4, stages=1),
                            dict(block_n=16, block_k=1024, warps=8, stages=1)],
@@ -51,9 +53,9 @@ GEMV_SWEEP = {("fp8", 1): [dict(block_n=8, block_k=1024, warps=4, stages=1),
                             for bn, bk, w, stages in ((32, 128, 2, 4), (128, 128, 8, 3), (32, 256, 2, 4),
                                                       (16, 512, 2, 4), (32, 512, 4, 3))]
                            + [dict(block_n=bn, block_k=bk, split_k=split, warps=w, stages=stages, dp4a=1)
-                              for bn, bk, w, stages in ((16, 512, 2, 3), (16, 512, 2, 1), (32, 512, 2, 1),
-                                                        (16, 1024, 2, 1), (32, 1024, 4, 1), (64, 512, 4, 1),
-                                                        (8, 1024, 2, 1), (16, 512, 4, 1), (32, 256, 2, 1))
+                              for bn, bk, w, stages in ((16, 512, 2, 3), (64, 512, 4, 1), (128, 512, 8, 1),
+                                                        (32, 512, 4, 1), (64, 256, 4, 1), (128, 256, 8, 1),
+                                                        (16, 512, 4, 1))
                               for split in ("auto", "auto*4")],
               ("nvfp4", 1): [dict(block_n=bn, block_k=bk, warps=w, stages=1)
                              for bn, bk, w in ((16, 1024, 4), (32, 1024, 4), (16, 2048, 4), (8, 4096, 4),
