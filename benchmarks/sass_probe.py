@@ -1,14 +1,18 @@
-"""The attention kernels compiled for an NVIDIA GPU on any machine (no GPU needed): their shared memory and their
-KV loop's SASS, to see what a kernel change does to the machine code before spending device time on it.
+"""The attention kernels and the one-row int4 GEMVs compiled for an NVIDIA GPU on any machine (no GPU needed):
+their shared memory and their main loop's SASS, to see what a kernel change does to the machine code before
+spending device time on it.
 
-    python -m benchmarks.sass_probe [--kernel decode|prefill] [--cache bf16|fp8] [--arch 90]
-        [--block-n N] [--warps N] [--stages N] [--top 12]
+    python -m benchmarks.sass_probe [--kernel decode|prefill|int4-row|int4-dp4a] [--cache bf16|fp8] [--arch 90]
+        [--block-n N] [--block-k N] [--warps N] [--stages N] [--top 12]
 
 Compiles `_decode_split_kernel` or `_prefill_kernel` with 27B's attention heads (24 query / 4 KV heads, head_dim
-256, block 16) and the tile the engine would use unless told otherwise, disassembles the cubin with the
-`nvdisasm` that Triton ships, and prints the registers a thread takes (Triton's `ptxas -v`), the largest loop's
-instruction count and its commonest opcodes. The eleventh session found fp8 decode reading its V tiles one byte
-at a time this way (128 `LDS.U8` in a loop of 1,234 instructions; docs/performance.md).
+256, block 16), or `cuda_gemv._int4_row_kernel` / `_int4_dp4a_row_kernel` at 27B's gate/up (34,816 x 5,120,
+groups of 128 with zero points), with the tile the engine would use unless told otherwise (the GEMVs: the tuned
+table's gate/up and down entries), disassembles the cubin with the `nvdisasm` that Triton ships, and prints the
+registers a thread takes (Triton's `ptxas -v`), the largest loop's instruction count (for a GEMV also per weight)
+and its commonest opcodes. The eleventh session found fp8 decode reading its V tiles one byte at a time this way
+(128 `LDS.U8` in a loop of 1,234 instructions; docs/performance.md); the GEMVs' layout conversions through
+shared memory show as `BAR.SYNC` and `LDS` in the loop.
 """
 
 from __future__ import annotations
@@ -43,9 +47,6 @@ def compile_attention(kernel: str = "decode", cache: str = "bf16", arch: int = 9
     """The compiled kernel (triton.compile's result) for `arch`, with the engine's tile where not given and the
     specializations the engine's launches get: 16-byte aligned pointers, and integer arguments divisible by 16
     where 27B's values are (strides of q and of the cache), except those the kernel does not specialize on."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from deltaserve.ops.attention import cuda_decode, cuda_prefill
 
     cache_type, dot_dtype, size = CACHE_TYPES[cache]
@@ -72,6 +73,38 @@ def compile_attention(kernel: str = "decode", cache: str = "bf16", arch: int = 9
                      "partial_out": None, "partial_lse": None}  # unsplit: the engine passes None (a constexpr)
     else:
         raise ValueError(f"kernel must be decode or prefill, got {kernel!r}")
+    return _compile(fn, constants, types, ints, arch, num_warps or tile.num_warps, num_stages or tile.num_stages)
+
+
+# The one-row int4 GEMVs: (block_n, block_k, warps, stages) as the tuned table has them at gate/up and down
+GEMV_TILES = {"int4-row": (32, 128, 2, 4), "int4-dp4a": (16, 512, 2, 3)}
+
+
+def compile_int4_gemv(kernel: str = "int4-row", arch: int = 90, block_n: int | None = None,
+                      block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None):
+    """The compiled one-row int4 GEMV at 27B's gate/up (groups of 128, zero points, no K split), with the
+    specializations its launches get (27B's integer arguments where divisible by 16)."""
+    from deltaserve.ops.quant_gemm import cuda_gemv
+
+    tile = dict(zip(("block_n", "block_k", "warps", "stages"), GEMV_TILES[kernel]))
+    block_n, block_k = block_n or tile["block_n"], block_k or tile["block_k"]
+    stages = num_stages or tile["stages"]
+    constants = {"GROUP": 128, "BLOCK_N": block_n, "GROUPS_PER_STEP": max(1, block_k // 128), "HAS_ZERO": True,
+                 "SPLIT": False, "EVEN_N": True, "STAGES": stages, "PDL": False}
+    types = {"x": "*bf16", "parts": "*i32", "x_scale": "*fp32", "v_sum": "*i32", "words": "*i32",
+             "scale": "*bf16", "zero": "*u8", "out": "*bf16", "partial": "*fp32"}
+    ints = {"N": 34816, "K_WORDS": 640, "GROUPS_PER_SPLIT": 40, "stride_wn": 640, "stride_sn": 40,
+            "magic": cuda_gemv.MAGIC_2048.value, "shift": 12}
+    fn = cuda_gemv._int4_row_kernel if kernel == "int4-row" else cuda_gemv._int4_dp4a_row_kernel
+    return _compile(fn, constants, types, ints, arch, num_warps or tile["warps"], stages)
+
+
+def _compile(fn, constants: dict, types: dict, ints: dict, arch: int, num_warps: int, num_stages: int):
+    """triton.compile of `fn` for sm_`arch`: `constants` as constexprs, the other parameters typed by `types`
+    (default i32), pointers and the integers whose `ints` value is divisible by 16 specialized as such."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
     if not hasattr(fn, "params"):
         raise RuntimeError("sass_probe compiles kernels: unset TRITON_INTERPRET")
     signature, attrs = {}, {}
@@ -85,8 +118,7 @@ def compile_attention(kernel: str = "decode", cache: str = "bf16", arch: int = 9
         if aligned and not param.do_not_specialize:
             attrs[(index,)] = [["tt.divisibility", 16]]
     return triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": num_warps or tile.num_warps,
-                                   "num_stages": num_stages or tile.num_stages})
+                          options={"num_warps": num_warps, "num_stages": num_stages})
 
 
 def nvdisasm() -> str:
@@ -131,23 +163,34 @@ def loop_report(compiled) -> LoopReport:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.sass_probe", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kernel", choices=["decode", "prefill"], default="decode")
+    parser.add_argument("--kernel", choices=["decode", "prefill", *GEMV_TILES], default="decode")
     parser.add_argument("--cache", choices=sorted(CACHE_TYPES), default="bf16", help="the KV cache's dtype")
     parser.add_argument("--arch", type=int, default=90, help="compute capability, as 90 for sm_90 (H100/H200)")
-    parser.add_argument("--block-n", type=int, default=None, help="KV positions per loop step (default: the engine's)")
+    parser.add_argument("--block-n", type=int, default=None,
+                        help="KV positions (a GEMV: weight rows) per program step (default: the engine's)")
+    parser.add_argument("--block-k", type=int, default=None, help="a GEMV's columns per step (a multiple of 128)")
     parser.add_argument("--warps", type=int, default=None)
     parser.add_argument("--stages", type=int, default=None)
     parser.add_argument("--top", type=int, default=12, help="how many opcodes to list")
     args = parser.parse_args(argv)
-    for name in ("arch", "block_n", "warps", "stages", "top"):
+    for name in ("arch", "block_n", "block_k", "warps", "stages", "top"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-    compiled = compile_attention(args.kernel, args.cache, args.arch, args.block_n, args.warps, args.stages)
+    if args.kernel in GEMV_TILES:
+        compiled = compile_int4_gemv(args.kernel, args.arch, args.block_n, args.block_k, args.warps, args.stages)
+        options = compiled.metadata
+        block_n, block_k = args.block_n or GEMV_TILES[args.kernel][0], args.block_k or GEMV_TILES[args.kernel][1]
+        weights = block_n * max(128, block_k) / (32 * options.num_warps)  # a thread's weights a loop step
+        what = (f"{args.kernel} ({block_n} rows x {max(128, block_k)} columns a step, {options.num_warps} warps, "
+                f"{options.num_stages} stages)")
+    else:
+        compiled = compile_attention(args.kernel, args.cache, args.arch, args.block_n, args.warps, args.stages)
+        weights, what = None, f"{args.kernel} over a {args.cache} cache"
     report = loop_report(compiled)
-    print(f"{args.kernel} over a {args.cache} cache, sm_{args.arch}: {report.shared_bytes:,} B of shared memory, "
-          f"{registers(compiled, args.arch)} registers a thread; its largest loop has {report.instructions} SASS "
-          f"instructions")
+    per_weight = f" ({report.instructions / weights:.2f} a weight)" if weights else ""
+    print(f"{what}, sm_{args.arch}: {report.shared_bytes:,} B of shared memory, {registers(compiled, args.arch)} "
+          f"registers a thread; its largest loop has {report.instructions} SASS instructions{per_weight}")
     for opcode, count in report.opcodes.most_common(args.top):
         print(f"  {count:5d}  {opcode}")
     return 0
