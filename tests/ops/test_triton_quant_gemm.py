@@ -95,6 +95,87 @@ def test_fp8_gemm_and_quantize(dtype, m):
     oracle.assert_within(got, y64, oracle.fp8_bound(x, w, y64, terms), "fp8 gemm")
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])  # the interpreter has no bf16 arithmetic
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("residual", [False, True])
+def test_norm_and_silu_write_the_fp8_activation(dtype, m, residual):
+    """The RMS norm and silu_and_mul kernels asked for an FP8 activation write the codes and scales that the
+    quantize kernel makes of their plain output, bit for bit (rows of 320 columns: 2.5 scale groups; silu's 1,408:
+    a second column block of 3 groups), and the norm's residual sum as without. (bf16: on the GPU, where the
+    engine tests compare FP8 models' tokens.)"""
+    from deltaserve.ops.activation import cuda as activation_cuda
+    from deltaserve.ops.norm import cuda as norm_cuda
+
+    gen = torch.Generator().manual_seed(m)
+    x, w = activations(m, 320, dtype, gen), (torch.randn(320, generator=gen) * 0.1).to(dtype)
+    res = activations(m, 320, dtype, gen) if residual else None
+    plain = norm_cuda.rms_norm(x, w, 1e-6, res)
+    fused = norm_cuda.rms_norm(x, w, 1e-6, res, quant_block=128)
+    if residual:
+        (plain, h), (fused, h_fused) = plain, fused
+        assert torch.equal(h, h_fused)
+    gate_up = activations(m, 2 * 1408, dtype, gen)
+    for got, unquantized in ((fused, plain), (activation_cuda.silu_and_mul(gate_up, quant_block=128),
+                                              activation_cuda.silu_and_mul(gate_up))):
+        xq, sx = cuda_fp8.quantize(unquantized, 128)
+        assert isinstance(got, ref.Fp8Activation) and got.block_k == 128 and got.dtype == dtype
+        assert torch.equal(got.xq.view(torch.uint8), xq.view(torch.uint8)) and torch.equal(got.sx, sx)
+
+
+@pytest.mark.parametrize("kind", ["gemv", "skinny"])
+def test_fp8_products_take_a_quantized_activation(kind):
+    """The FP8 GEMV and skinny kernel given the activation already quantized return what they return when they
+    quantize it themselves, bit for bit; a block or config that does not fit is refused by name."""
+    gen = torch.Generator().manual_seed(1)
+    m = 1 if kind == "gemv" else 3
+    w, x = fp8_weight(40, 256, (128, 128), gen), activations(m, 256, torch.bfloat16, gen)
+    act = ref.Fp8Activation(*cuda_fp8.quantize(x, 128), 128, x.dtype)
+    if kind == "gemv":
+        config = dict(GEMV, block_n=8, block_k=256)
+        assert torch.equal(cuda_gemv.gemv(act, w, config), cuda_gemv.gemv(x, w, config))
+    else:
+        config = dict(SKINNY[1], quant_x=0)
+        assert torch.equal(cuda_fp8.skinny(act, w, config), cuda_fp8.skinny(x, w, config))
+        with pytest.raises(ValueError, match="quant_x 0"):
+            cuda_fp8.skinny(act, w, dict(config, quant_x=1))
+    with pytest.raises(ValueError, match="blocks of 64 columns"):
+        cuda_fp8.quantized(ref.Fp8Activation(act.xq, act.sx, 64, x.dtype), 128)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_fp8_prologue_writes_the_activation_the_product_would_quantize(rows, monkeypatch):
+    """ops.linear's norm and SiLU projections onto an FP8 QuantWeight (the GPU check patched): the prologue kernel
+    writes the quantized activation and the product launches no quantize kernel, with the very result of the
+    unfused ops; an int4 weight and more rows than the decode kernels take keep the unfused path."""
+    import deltaserve.ops.linear as linear
+    from deltaserve.layers.quant.weight import QuantWeight
+
+    gen = torch.Generator().manual_seed(rows)
+    w = QuantWeight(fp8_weight(40, 256, (128, 128), gen), quant_gemm.fp8_block_linear)
+    x, res = activations(rows, 256, torch.float16, gen), activations(rows, 256, torch.float16, gen)
+    norm_w = (torch.randn(256, generator=gen) * 0.1).to(torch.float16)
+    gate_up = activations(rows, 512, torch.float16, gen)
+    monkeypatch.setattr(linear, "_on_gpu", lambda t: True)
+    monkeypatch.setattr(quant_gemm, "_kernels_serve", lambda t: True)
+    monkeypatch.setattr(configs, "tuned_table", lambda: {})  # the defaults: one row the GEMV, then skinny
+    quantizations = []
+    real_quantize = cuda_fp8.quantize
+    monkeypatch.setattr(cuda_fp8, "quantize", lambda *a: quantizations.append(1) or real_quantize(*a))
+
+    def both():
+        return (linear.rms_norm_linear(x, norm_w, 1e-6, w), linear.rms_norm_linear(x, norm_w, 1e-6, w, res),
+                linear.silu_mul_linear(gate_up, w))
+    fused = both()
+    assert quantizations == [] and w.fp8_input_block(rows) == 128
+    monkeypatch.setattr(linear, "_fp8_input_block", lambda x, weight: 0)
+    unfused = both()
+    assert len(quantizations) == 3
+    assert torch.equal(fused[0], unfused[0]) and torch.equal(fused[2], unfused[2])
+    assert all(torch.equal(a, b) for a, b in zip(fused[1], unfused[1]))
+    assert w.fp8_input_block(65) is None
+    assert QuantWeight(int4_weight(40, 256, 64, False, False, gen), quant_gemm.int4_linear).fp8_input_block(1) is None
+
+
 # ------------------------------------------------------------------------------------------------ int4
 
 

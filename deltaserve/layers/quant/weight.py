@@ -4,7 +4,8 @@
 blocks could not become one weight (a bf16 block beside quantized ones, as GDN's in_proj_b/a beside in_proj_qkv/z
 in Qwen's FP8 checkpoints, or quantized blocks whose scales do not line up): its product is the parts' products
 side by side. Both have `.shape` ([N, K]), `.matmul(x)`, `.dequantize(dtype)` and `.nbytes`, and `ops.linear`
-dispatches any weight that is not a plain tensor to its `.matmul` after the prologue op (norm, SiLU, gated norm).
+dispatches any weight that is not a plain tensor to its `.matmul` after the prologue op (norm, SiLU, gated norm);
+an FP8 QuantWeight's `fp8_input_block` lets the norm or SiLU kernel hand it the activation quantized.
 """
 
 from __future__ import annotations
@@ -33,9 +34,18 @@ class QuantWeight:
     def nbytes(self) -> int:
         return self.prepared.nbytes
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [M, K] -> x @ W^T: [M, N] in x.dtype."""
+    def matmul(self, x) -> torch.Tensor:
+        """x: [M, K] (for FP8 also an ops.quant_gemm Fp8Activation) -> x @ W^T: [M, N] in x.dtype."""
         return self.op(x, self.prepared)
+
+    def fp8_input_block(self, rows: int) -> int | None:
+        """For an FP8 weight, the scale block of K in which its product at `rows` rows takes its activation
+        already quantized (ops.quant_gemm.fp8_input_block); None otherwise."""
+        from deltaserve.ops import quant_gemm
+
+        if isinstance(self.prepared, quant_gemm.Fp8BlockWeight) and self.op is quant_gemm.fp8_block_linear:
+            return quant_gemm.fp8_input_block(self.prepared, rows)
+        return None
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return self.prepared.dequantize(dtype)

@@ -1,5 +1,6 @@
 """Triton silu_and_mul: grid (rows, column blocks); the silu rounds to the input dtype before the product,
-as torch's F.silu(gate) * up does."""
+as torch's F.silu(gate) * up does. Before an FP8 product it may write its result quantized (silu_and_mul's
+quant_block)."""
 
 import torch
 import triton
@@ -7,10 +8,15 @@ import triton.language as tl
 
 from deltaserve.ops import pdl
 from deltaserve.ops.pdl import wait_for_previous_kernel
+from deltaserve.ops.quant_gemm.cuda_fp8 import fp8_row_buffers, store_fp8_row
+from deltaserve.ops.quant_gemm.reference import Fp8Activation
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, y_ptr, inter, x_stride, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+def _silu_and_mul_kernel(x_ptr, y_ptr, sx_ptr, inter, x_stride, BLOCK: tl.constexpr, QUANT_BK: tl.constexpr = 0,
+                         PDL: tl.constexpr = False):
+    """Grid (rows, cdiv(inter, BLOCK)). QUANT_BK > 0 (dividing BLOCK): y_ptr takes the result's e4m3 codes and
+    sx_ptr [inter / QUANT_BK, rows] its scales (quant_gemm.cuda_fp8's activation quantization), in place of it."""
     wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -18,14 +24,25 @@ def _silu_and_mul_kernel(x_ptr, y_ptr, inter, x_stride, BLOCK: tl.constexpr, PDL
     gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * x_stride + inter + cols, mask=mask, other=0.0)
     act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype)
-    tl.store(y_ptr + row * inter + cols, act * up, mask=mask)
+    if QUANT_BK:  # this program's BLOCK columns are BLOCK / QUANT_BK whole scale groups
+        first = tl.program_id(1) * BLOCK
+        store_fp8_row(act * up, y_ptr + row * inter + first, sx_ptr + first // QUANT_BK * tl.num_programs(0), row,
+                      tl.num_programs(0), inter - first, BLOCK, QUANT_BK)
+    else:
+        tl.store(y_ptr + row * inter + cols, act * up, mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, quant_block: int = 0):
+    """x [..., 2I] -> [..., I]; quant_block > 0 (x [M, 2I]): quantized for an FP8 product, an Fp8Activation with
+    scales per quant_block columns (what quant_gemm.fp8_input_block asked for)."""
     inter = x.shape[-1] // 2
     x2 = x.reshape(-1, x.shape[-1])
-    y = torch.empty(x2.shape[0], inter, dtype=x.dtype, device=x.device)
     block = 1024
-    _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](x2, y, inter, x2.stride(0), BLOCK=block,
+    if quant_block:
+        y, sx = fp8_row_buffers(x2[:, :inter], quant_block)
+    else:
+        y = sx = torch.empty(x2.shape[0], inter, dtype=x.dtype, device=x.device)
+    _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](x2, y, sx, inter, x2.stride(0), BLOCK=block,
+                                                                       QUANT_BK=quant_block,
                                                                        **pdl.launch_args(x.device))
-    return y.view(*x.shape[:-1], inter)
+    return Fp8Activation(y, sx, quant_block, x.dtype) if quant_block else y.view(*x.shape[:-1], inter)

@@ -9,7 +9,8 @@ an H200 for its row count: the prologue op and then the skinny tensor-core GEMM 
 the prologue op and cuBLAS. Elsewhere (the CPU, float32, larger batches) the unfused reference ops run.
 
 A weight that is not a plain tensor (a quantized one, layers/quant/weight.py) runs the prologue op and then its
-own `.matmul` (the ops.quant_gemm kernels).
+own `.matmul` (the ops.quant_gemm kernels); before an FP8 decode product the norm or SiLU kernel writes the
+activation quantized as that product reads it, so that its quantize kernel is not launched.
 """
 
 import torch
@@ -65,19 +66,38 @@ def linear(x, weight):
     return matmul(x, weight)
 
 
+def _fp8_input_block(x, weight) -> int:
+    """The FP8 scale block of K in which `weight`'s product at x's rows wants its activation already quantized
+    (an FP8 QuantWeight whose product would quantize it by a kernel of its own first); 0 otherwise."""
+    takes = getattr(weight, "fp8_input_block", None)
+    if takes is None or not _on_gpu(x) or x.dim() != 2:
+        return 0
+    return takes(x.shape[0]) or 0
+
+
 def rms_norm_linear(x, norm_weight, eps: float, weight, residual=None):
-    """See `reference.rms_norm_linear`."""
+    """See `reference.rms_norm_linear`. Before an FP8 product that would quantize its activation first, the norm
+    kernel writes it quantized instead (one launch fewer)."""
     if _gemv_serves("rms_norm", x, weight):
         from deltaserve.ops.linear import cuda
         return cuda.rms_norm_linear(x, norm_weight, eps, weight, residual)
+    if block_k := _fp8_input_block(x, weight):
+        from deltaserve.ops.norm import cuda as norm_cuda
+        if residual is None:
+            return weight.matmul(norm_cuda.rms_norm(x, norm_weight, eps, quant_block=block_k))
+        act, h = norm_cuda.rms_norm(x, norm_weight, eps, residual, quant_block=block_k)
+        return weight.matmul(act), h
     return reference.rms_norm_linear(x, norm_weight, eps, weight, residual, matmul=matmul)
 
 
 def silu_mul_linear(x, weight):
-    """See `reference.silu_mul_linear`."""
+    """See `reference.silu_mul_linear`; before an FP8 product, as rms_norm_linear."""
     if _gemv_serves("silu_mul", x, weight):
         from deltaserve.ops.linear import cuda
         return cuda.silu_mul_linear(x, weight)
+    if block_k := _fp8_input_block(x, weight):
+        from deltaserve.ops.activation import cuda as activation_cuda
+        return weight.matmul(activation_cuda.silu_and_mul(x, quant_block=block_k))
     return reference.silu_mul_linear(x, weight, matmul=matmul)
 
 

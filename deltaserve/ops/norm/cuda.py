@@ -15,6 +15,8 @@ import triton.language as tl
 
 from deltaserve.ops import pdl
 from deltaserve.ops.pdl import wait_for_previous_kernel
+from deltaserve.ops.quant_gemm.cuda_fp8 import fp8_row_buffers, store_fp8_row
+from deltaserve.ops.quant_gemm.reference import Fp8Activation
 
 # Elements per gated-norm program: 16 rows of 128, 16 per thread for 4 warps; rows of 2048 or more go one a
 # program, as rms_norm's do.
@@ -22,8 +24,12 @@ _GATED_TILE = 2048
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, D, x_stride, res_stride, y_stride, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, sx_ptr, D, x_stride, res_stride, y_stride, eps,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, QUANT_BK: tl.constexpr = 0,
+                     PDL: tl.constexpr = False):
+    """One row a program. QUANT_BK > 0: y_ptr takes the normed row's e4m3 codes and sx_ptr [D / QUANT_BK, rows]
+    its scales per QUANT_BK columns (quant_gemm.cuda_fp8's activation quantization of the row rounded to x's
+    dtype), in place of the row."""
     wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -35,7 +41,11 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, D, x_stride, res
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * y_stride + cols, (xf * rstd * (1.0 + w)).to(y_ptr.dtype.element_ty), mask=mask)
+    y = (xf * rstd * (1.0 + w)).to(x_ptr.dtype.element_ty)
+    if QUANT_BK:
+        store_fp8_row(y, y_ptr + row * y_stride, sx_ptr, row, tl.num_programs(0), D, BLOCK, QUANT_BK)
+    else:
+        tl.store(y_ptr + row * y_stride + cols, y, mask=mask)
 
 
 @triton.jit(do_not_specialize=["num_rows"])  # the step's token count: one compiled variant for every step
@@ -78,23 +88,26 @@ def _warps(block: int) -> int:
     return 4 if block <= 2048 else 8 if block <= 8192 else 16
 
 
-def rms_norm(x, weight, eps, residual=None):
-    """See reference.rms_norm."""
+def rms_norm(x, weight, eps, residual=None, quant_block: int = 0):
+    """See reference.rms_norm. quant_block > 0 (x [M, D]): the normed rows come back quantized for an FP8 product,
+    an Fp8Activation with scales per quant_block columns (what quant_gemm.fp8_input_block asked for), not as y."""
     shape, D = x.shape, x.shape[-1]
     x2 = _rows(x)
-    y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-    block = triton.next_power_of_2(D)
+    if quant_block:
+        y, sx = fp8_row_buffers(x2, quant_block)
+    else:
+        y = sx = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    block = max(triton.next_power_of_2(D), quant_block)  # whole scale groups a row
+    launch = dict(BLOCK=block, QUANT_BK=quant_block, num_warps=_warps(block), **pdl.launch_args(x.device))
     if residual is not None:
         r2 = _rows(residual)
-        h = torch.empty_like(y)
-        _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, y, h, D, x2.stride(0), r2.stride(0), y.stride(0), eps,
-                                         HAS_RESIDUAL=True, BLOCK=block, num_warps=_warps(block),
-                                         **pdl.launch_args(x.device))
-        return y.view(shape), h.view(shape)
-    _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, y, y, D, x2.stride(0), 0, y.stride(0), eps,
-                                     HAS_RESIDUAL=False, BLOCK=block, num_warps=_warps(block),
-                                     **pdl.launch_args(x.device))
-    return y.view(shape)
+        h = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+        _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, y, h, sx, D, x2.stride(0), r2.stride(0), y.stride(0), eps,
+                                         HAS_RESIDUAL=True, **launch)
+        return Fp8Activation(y, sx, quant_block, x.dtype) if quant_block else y.view(shape), h.view(shape)
+    _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, y, y, sx, D, x2.stride(0), 0, y.stride(0), eps,
+                                     HAS_RESIDUAL=False, **launch)
+    return Fp8Activation(y, sx, quant_block, x.dtype) if quant_block else y.view(shape)
 
 
 def _gated_block_rows(num_rows: int, block: int) -> int:

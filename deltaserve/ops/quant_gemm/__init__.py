@@ -16,28 +16,59 @@ from deltaserve.ops.quant_gemm import configs, reference
 from deltaserve.ops.quant_gemm.reference import (Fp8BlockWeight, Int4Weight, Nvfp4Weight, fp8_block_quantize,
                                                  prepare_fp8_block, prepare_int4, prepare_nvfp4)
 
-__all__ = ["Fp8BlockWeight", "Int4Weight", "Nvfp4Weight", "fp8_block_linear", "fp8_block_quantize", "int4_linear",
-           "nvfp4_linear", "prepare_fp8_block", "prepare_int4", "prepare_nvfp4", "warm_up", "warm_up_rows"]
+__all__ = ["Fp8BlockWeight", "Int4Weight", "Nvfp4Weight", "fp8_block_linear", "fp8_block_quantize", "fp8_input_block",
+           "int4_linear", "nvfp4_linear", "prepare_fp8_block", "prepare_int4", "prepare_nvfp4", "warm_up",
+           "warm_up_rows"]
 
 
 def _kernels_serve(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.shape[0] > 0
 
 
+def _fp8_config(w: Fp8BlockWeight, rows: int) -> dict:
+    """The table's config for `rows` rows, a GEMV that does not take the weight replaced by the skinny default."""
+    from deltaserve.ops.quant_gemm import cuda_gemv
+
+    config = configs.config_for("fp8", *w.shape, rows)
+    if config["kind"] == "gemv" and not cuda_gemv.supports(w, config, rows):
+        config = configs.skinny_config(*w.shape)
+    return config
+
+
+def fp8_input_block(w: Fp8BlockWeight, rows: int) -> int | None:
+    """The scale block of K (w's) in which the CUDA product at `rows` rows quantizes its activation by a kernel
+    of its own first (the GEMV, the skinny kernel with quant_x 0): the kernel before it may write the activation
+    so instead (an Fp8Activation) and save that launch. None where it does not (more rows, in-kernel quantization,
+    a block the kernels do not take)."""
+    from deltaserve.ops.quant_gemm import cuda_fp8
+
+    if rows < 1 or rows > configs.SKINNY_MAX_ROWS or not cuda_fp8.supports(w):
+        return None
+    config = _fp8_config(w, rows)
+    quantizes_first = config["kind"] == "gemv" or (config["kind"] == "skinny" and not config.get("quant_x", 1))
+    return w.block_size[1] if quantizes_first else None
+
+
 def fp8_block_linear(x, w: Fp8BlockWeight):
-    """x [M, K] -> [M, N] in x.dtype; see reference.fp8_block_linear."""
-    reference.check_input(x, w.shape[1])
-    if not _kernels_serve(x):
-        return reference.fp8_block_linear(x, w)
+    """x [M, K] -> [M, N] in x.dtype; see reference.fp8_block_linear. x may be an Fp8Activation (on CUDA, where
+    `fp8_input_block` named its block for its rows)."""
+    from deltaserve.ops.quant_gemm.reference import Fp8Activation
+
+    if isinstance(x, Fp8Activation):
+        if fp8_input_block(w, x.shape[0]) != x.block_k or x.xq.shape[1] != w.shape[1]:
+            raise ValueError(f"an activation quantized as {tuple(x.xq.shape)} in blocks of {x.block_k} does not "
+                             f"fit the FP8 product of {tuple(w.shape)} at {x.shape[0]} rows")
+    else:
+        reference.check_input(x, w.shape[1])
+        if not _kernels_serve(x):
+            return reference.fp8_block_linear(x, w)
     from deltaserve.ops.quant_gemm import cuda_fp8, cuda_gemv
 
     if not cuda_fp8.supports(w):
         return reference.fp8_block_linear(x, w)
-    config = configs.config_for("fp8", *w.shape, x.shape[0])
+    config = _fp8_config(w, x.shape[0])
     if config["kind"] == "gemv":
-        if cuda_gemv.supports(w, config, x.shape[0]):
-            return cuda_gemv.gemv(x, w, config)
-        config = configs.skinny_config(*w.shape)
+        return cuda_gemv.gemv(x, w, config)
     if config["kind"] == "skinny":
         return cuda_fp8.skinny(x, w, config)
     if config["kind"] == "torch" and cuda_fp8.torch_supports(w):

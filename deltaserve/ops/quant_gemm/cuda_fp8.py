@@ -24,7 +24,10 @@ from deltaserve.ops import pdl
 from deltaserve.ops.linear.cuda_skinny import _sum_splits_kernel
 from deltaserve.ops.pdl import wait_for_previous_kernel
 from deltaserve.ops.quant_gemm.cuda_tiles import grouped_tile
-from deltaserve.ops.quant_gemm.reference import ACT_AMAX_FLOOR, E4M3_MAX, Fp8BlockWeight
+from deltaserve.ops.quant_gemm.reference import ACT_AMAX_FLOOR, E4M3_MAX, Fp8Activation, Fp8BlockWeight
+
+FP8_AMAX_FLOOR: tl.constexpr = tl.constexpr(ACT_AMAX_FLOOR)  # the activation quantization's, for store_fp8_row
+FP8_MAX: tl.constexpr = tl.constexpr(E4M3_MAX)
 
 
 @triton.jit
@@ -50,6 +53,25 @@ def _quantize_kernel(x, xq, sx, M, K, stride_xm, BLOCK_M: tl.constexpr, BK: tl.c
     q, s = _quantize_block(xf, FLOOR, QMAX)
     tl.store(xq + ms[:, None].to(tl.int64) * K + ks[None, :], q, mask=ok)
     tl.store(sx + g * M + ms, s, mask=ms < M)
+
+
+@triton.jit
+def store_fp8_row(y, out_row, sx_ptr, row, rows, D, BLOCK: tl.constexpr, BK: tl.constexpr):
+    """Row y [BLOCK] (D valid, the rest zero) of a kernel before an FP8 product, quantized per BK columns as
+    _quantize_kernel quantizes an activation: its e4m3 codes to out_row [D], its scales to sx_ptr
+    [cdiv(D, BK), rows] at column `row` (so that the product needs no quantize kernel)."""
+    q, s = _quantize_block(tl.reshape(y.to(tl.float32), [BLOCK // BK, BK]), FP8_AMAX_FLOOR, FP8_MAX)
+    cols = tl.arange(0, BLOCK)
+    tl.store(out_row + cols, tl.reshape(q, [BLOCK]), mask=cols < D)
+    groups = tl.arange(0, BLOCK // BK)
+    tl.store(sx_ptr + groups * rows + row, s, mask=groups * BK < D)
+
+
+def fp8_row_buffers(x2: torch.Tensor, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(xq [M, D] e4m3, sx [cdiv(D, bk), M] float32) for the quantized rows of x2 [M, D]."""
+    m, d = x2.shape
+    return (torch.empty(m, d, dtype=torch.float8_e4m3fn, device=x2.device),
+            torch.empty(triton.cdiv(d, bk), m, dtype=torch.float32, device=x2.device))
 
 
 # Not specialised on the loop counts (a variant per shape otherwise); M is (1, a multiple of 16, other), as in
@@ -143,8 +165,7 @@ def quantize(x: torch.Tensor, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (xq [M, K] e4m3, sx [G, M] float32): reference.quantize_activation, scales K-group-major."""
     m, k = x.shape
     groups = triton.cdiv(k, bk)
-    xq = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
-    sx = torch.empty(groups, m, dtype=torch.float32, device=x.device)
+    xq, sx = fp8_row_buffers(x, bk)
     block_m = 16
     _quantize_kernel[(triton.cdiv(m, block_m), groups)](
         x, xq, sx, m, k, x.stride(0), BLOCK_M=block_m, BK=bk, FLOOR=ACT_AMAX_FLOOR, QMAX=E4M3_MAX, num_warps=4,
@@ -152,8 +173,18 @@ def quantize(x: torch.Tensor, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
     return xq, sx
 
 
-def skinny(x: torch.Tensor, w: Fp8BlockWeight, config: dict) -> torch.Tensor:
-    """x [M <= 64, K] -> [M, N] in x.dtype. config: block_n, split_k, warps, stages, quant_x (see configs.py)."""
+def quantized(x: torch.Tensor | Fp8Activation, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(xq, sx) of x: quantize's, or those x holds already (an Fp8Activation of scale block bk)."""
+    if isinstance(x, Fp8Activation):
+        if x.block_k != bk:
+            raise ValueError(f"the activation is quantized in blocks of {x.block_k} columns, the weight's are {bk}")
+        return x.xq, x.sx
+    return quantize(x, bk)
+
+
+def skinny(x: torch.Tensor | Fp8Activation, w: Fp8BlockWeight, config: dict) -> torch.Tensor:
+    """x [M <= 64, K] -> [M, N] in x.dtype. config: block_n, split_k, warps, stages, quant_x (see configs.py). x may
+    be quantized already (an Fp8Activation: then quant_x must be 0)."""
     n, k = w.shape
     m = x.shape[0]
     bn_w, bk = w.block_size
@@ -162,13 +193,18 @@ def skinny(x: torch.Tensor, w: Fp8BlockWeight, config: dict) -> torch.Tensor:
     k_iters = triton.cdiv(groups, split_k)
     block_m = max(16, triton.next_power_of_2(m))
     block_n = config["block_n"]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
     quant_x = bool(config.get("quant_x", 1))
-    xq, sx = (x, out) if quant_x else quantize(x, bk)
-    launch = pdl.launch_args(x.device)
+    if isinstance(x, Fp8Activation) and quant_x:
+        raise ValueError("a quantized activation takes a skinny config with quant_x 0")
+    device = x.xq.device if isinstance(x, Fp8Activation) else x.device
+    out = torch.empty(m, n, dtype=x.dtype, device=device)
+    partial = torch.empty(split_k, m, n, dtype=torch.float32, device=device) if split_k > 1 else out
+    xq, sx = (x, out) if quant_x else quantized(x, bk)
+    # x itself is read only when quant_x; else a tensor of its dtype stands in (the launch the warm-up compiled)
+    x_in, stride_xm = (x, x.stride(0)) if isinstance(x, torch.Tensor) else (out, k)
+    launch = pdl.launch_args(device)
     _skinny_kernel[(triton.cdiv(n, block_n), split_k)](
-        x, xq, sx, w.weight, w.scale_inv, out, partial, m, n, k, groups, k_iters, x.stride(0), out.stride(0),
+        x_in, xq, sx, w.weight, w.scale_inv, out, partial, m, n, k, groups, k_iters, stride_xm, out.stride(0),
         BN_W=bn_w, BLOCK_M=block_m, BLOCK_N=block_n, BK=bk, SPLIT=split_k > 1, QUANT_X=quant_x,
         EVEN_N=n % block_n == 0, EVEN_K=k % bk == 0 and groups % split_k == 0, FLOOR=ACT_AMAX_FLOOR, QMAX=E4M3_MAX,
         num_warps=config["warps"], num_stages=config["stages"], **launch)

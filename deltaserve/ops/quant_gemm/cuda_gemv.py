@@ -39,7 +39,7 @@ import triton.language as tl
 
 from deltaserve.ops import pdl
 from deltaserve.ops.pdl import wait_for_previous_kernel
-from deltaserve.ops.quant_gemm.reference import Fp8BlockWeight, Int4Weight
+from deltaserve.ops.quant_gemm.reference import Fp8Activation, Fp8BlockWeight, Int4Weight
 
 INT4: tl.constexpr = tl.constexpr(0)
 NVFP4: tl.constexpr = tl.constexpr(1)
@@ -455,21 +455,23 @@ def _int4_row_steps(k: int, group: int, config: dict) -> tuple[int, int] | None:
     return per_step, split
 
 
-def gemv(x: torch.Tensor, w, config: dict) -> torch.Tensor:
+def gemv(x: torch.Tensor | Fp8Activation, w, config: dict) -> torch.Tensor:
     """x [M, K] -> [M, N] in x.dtype, M <= MAX_ROWS (FP8: one row; `supports(w, config, M)` first; the rows
     padded to a power of two: variants for 1, 2, 4, 8). config:
-    block_n, block_k, warps, stages. Act order (int4 g_idx) gathers x's columns first."""
+    block_n, block_k, warps, stages. Act order (int4 g_idx) gathers x's columns first. FP8 also takes x already
+    quantized (an Fp8Activation of the weight's scale block)."""
     from deltaserve.ops.quant_gemm import cuda_fp8
 
     n, k = w.shape
     m = x.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    launch = pdl.launch_args(x.device)
+    device = x.xq.device if isinstance(x, Fp8Activation) else x.device
+    out = torch.empty(m, n, dtype=x.dtype, device=device)
+    launch = pdl.launch_args(device)
     block_n = config["block_n"]
     grid = (triton.cdiv(n, block_n),)
     if isinstance(w, Fp8BlockWeight):
         bn_w, bk = w.block_size
-        xq, sx = cuda_fp8.quantize(x, bk)  # sx [G, 1]
+        xq, sx = cuda_fp8.quantized(x, bk)  # sx [G, 1]
         block_k = config["block_k"]
         _fp8_gemv_kernel[grid](
             xq, sx, w.weight, w.scale_inv, out, n, k, triton.cdiv(k, bk), BN_W=bn_w, BK=bk, BLOCK_N=block_n,

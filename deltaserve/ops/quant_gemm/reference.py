@@ -65,6 +65,21 @@ def check_input(x: torch.Tensor, k: int) -> None:
 
 
 @dataclass(frozen=True)
+class Fp8Activation:
+    """An activation already quantized as the FP8 block-scaled products read it (quantize_activation's codes and
+    scales), by the kernel before the product (a norm or silu_and_mul) instead of a kernel of its own."""
+
+    xq: torch.Tensor  # [M, K] float8_e4m3fn, contiguous
+    sx: torch.Tensor  # [ceil(K/block_k), M] float32: the scales K-group-major, as cuda_fp8.quantize stores them
+    block_k: int
+    dtype: torch.dtype  # the unquantized activation's, which the product returns
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.xq.shape)
+
+
+@dataclass(frozen=True)
 class Fp8BlockWeight:
     weight: torch.Tensor  # [N, K] float8_e4m3fn, contiguous
     scale_inv: torch.Tensor  # [ceil(N/bn), ceil(K/bk)] float32, contiguous: W = weight * scale_inv[n // bn, k // bk]
