@@ -224,24 +224,27 @@ def test_cuda_graph_replay_equals_eager(fmt, weights):
 
 
 def test_fp8_prologues_write_the_activation_the_product_reads(weights):
-    """On the H200, in bf16: ops.linear's RMS norm and SiLU projections onto an FP8 weight, whose kernels write the
-    activation quantized (no quantize kernel), give the bits of the norm or SiLU op followed by the FP8 product,
-    at the table's one-row and skinny row counts of 27B's gate/up and down."""
+    """On the H200, in bf16: ops.linear's RMS norm, SiLU and gated-norm projections onto an FP8 weight, whose kernels
+    write the activation quantized (no quantize kernel), give the bits of the op followed by the FP8 product, at
+    the table's one-row and skinny row counts of 27B's gate/up, down and GDN out-projection."""
     import deltaserve.ops.linear as linear
     from deltaserve.layers.quant.weight import QuantWeight
     from deltaserve.ops.activation import silu_and_mul
-    from deltaserve.ops.norm import rms_norm
+    from deltaserve.ops.norm import gated_rms_norm, rms_norm
 
-    (n_up, k_up), (n_down, k_down) = projections()[:2]
-    up = QuantWeight(weights[("fp8", n_up, k_up)], quant_gemm.fp8_block_linear)
-    down = QuantWeight(weights[("fp8", n_down, k_down)], quant_gemm.fp8_block_linear)
-    norm_w = activations(1, k_up, seed=3)[0] * 0.1
+    (n_up, k_up), (n_down, k_down), _, (n_out, k_out) = projections()[:4]
+    up, down, out = (QuantWeight(weights[("fp8", n, k)], quant_gemm.fp8_block_linear)
+                     for n, k in ((n_up, k_up), (n_down, k_down), (n_out, k_out)))
+    norm_w, head_w = activations(1, k_up, seed=3)[0] * 0.1, activations(1, 128, seed=6)[0] * 0.1
     for m in (1, 3, 16, 64):
         x, res, gate_up = activations(m, k_up), activations(m, k_up, seed=4), activations(m, 2 * k_down, seed=5)
         fused = linear.rms_norm_linear(x, norm_w, 1e-6, up, res)
         normed, h = rms_norm(x, norm_w, 1e-6, res)
         assert torch.equal(fused[1], h) and torch.equal(fused[0], up.matmul(normed)), f"gate/up M={m}"
         assert torch.equal(linear.silu_mul_linear(gate_up, down), down.matmul(silu_and_mul(gate_up))), f"down M={m}"
+        heads, gate = (activations(m, k_out, seed=s).view(m, k_out // 128, 128) for s in (7, 8))  # GDN's out-proj
+        unfused = out.matmul(gated_rms_norm(heads, gate, head_w, 1e-6).reshape(m, k_out))
+        assert torch.equal(linear.gated_norm_linear(heads, gate, head_w, 1e-6, out), unfused), f"GDN out M={m}"
         assert (up.fp8_input_block(m) is not None) == (configs.config_for("fp8", n_up, k_up, m)["kind"] != "torch")
 
 

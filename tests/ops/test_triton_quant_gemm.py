@@ -99,10 +99,10 @@ def test_fp8_gemm_and_quantize(dtype, m):
 @pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("residual", [False, True])
 def test_norm_and_silu_write_the_fp8_activation(dtype, m, residual):
-    """The RMS norm and silu_and_mul kernels asked for an FP8 activation write the codes and scales that the
-    quantize kernel makes of their plain output, bit for bit (rows of 320 columns: 2.5 scale groups; silu's 1,408:
-    a second column block of 3 groups), and the norm's residual sum as without. (bf16: on the GPU, where the
-    engine tests compare FP8 models' tokens.)"""
+    """The RMS norm, silu_and_mul and gated RMS norm kernels asked for an FP8 activation write the codes and
+    scales that the quantize kernel makes of their plain output, bit for bit (rows of 320 columns: 2.5 scale
+    groups; silu's 1,408: a second column block of 3 groups; the gated norm's 3 heads of 128, a group each), and
+    the norm's residual sum as without. (bf16: on the GPU, tests/gpu/test_quant_gemm_gpu.py.)"""
     from deltaserve.ops.activation import cuda as activation_cuda
     from deltaserve.ops.norm import cuda as norm_cuda
 
@@ -115,8 +115,12 @@ def test_norm_and_silu_write_the_fp8_activation(dtype, m, residual):
         (plain, h), (fused, h_fused) = plain, fused
         assert torch.equal(h, h_fused)
     gate_up = activations(m, 2 * 1408, dtype, gen)
+    heads, gate = (activations(m, 3 * 128, dtype, gen).view(m, 3, 128) for _ in range(2))
+    head_w = (torch.randn(128, generator=gen) * 0.1).to(dtype)
+    gated = norm_cuda.gated_rms_norm(heads, gate, head_w, 1e-6).reshape(m, 3 * 128)
     for got, unquantized in ((fused, plain), (activation_cuda.silu_and_mul(gate_up, quant_block=128),
-                                              activation_cuda.silu_and_mul(gate_up))):
+                                              activation_cuda.silu_and_mul(gate_up)),
+                             (norm_cuda.gated_rms_norm(heads, gate, head_w, 1e-6, quant_block=128), gated)):
         xq, sx = cuda_fp8.quantize(unquantized, 128)
         assert isinstance(got, ref.Fp8Activation) and got.block_k == 128 and got.dtype == dtype
         assert torch.equal(got.xq.view(torch.uint8), xq.view(torch.uint8)) and torch.equal(got.sx, sx)
@@ -144,9 +148,9 @@ def test_fp8_products_take_a_quantized_activation(kind):
 
 @pytest.mark.parametrize("rows", [1, 3])
 def test_fp8_prologue_writes_the_activation_the_product_would_quantize(rows, monkeypatch):
-    """ops.linear's norm and SiLU projections onto an FP8 QuantWeight (the GPU check patched): the prologue kernel
-    writes the quantized activation and the product launches no quantize kernel, with the very result of the
-    unfused ops; an int4 weight and more rows than the decode kernels take keep the unfused path."""
+    """ops.linear's norm, SiLU and gated-norm projections onto an FP8 QuantWeight (the GPU check patched): the
+    prologue kernel writes the quantized activation and the product launches no quantize kernel, with the very
+    result of the unfused ops; an int4 weight and more rows than the decode kernels take keep the unfused path."""
     import deltaserve.ops.linear as linear
     from deltaserve.layers.quant.weight import QuantWeight
 
@@ -161,16 +165,18 @@ def test_fp8_prologue_writes_the_activation_the_product_would_quantize(rows, mon
     quantizations = []
     real_quantize = cuda_fp8.quantize
     monkeypatch.setattr(cuda_fp8, "quantize", lambda *a: quantizations.append(1) or real_quantize(*a))
+    heads, gate = (activations(rows, 256, torch.float16, gen).view(rows, 2, 128) for _ in range(2))
+    head_w = (torch.randn(128, generator=gen) * 0.1).to(torch.float16)
 
     def both():
         return (linear.rms_norm_linear(x, norm_w, 1e-6, w), linear.rms_norm_linear(x, norm_w, 1e-6, w, res),
-                linear.silu_mul_linear(gate_up, w))
+                linear.silu_mul_linear(gate_up, w), linear.gated_norm_linear(heads, gate, head_w, 1e-6, w))
     fused = both()
     assert quantizations == [] and w.fp8_input_block(rows) == 128
     monkeypatch.setattr(linear, "_fp8_input_block", lambda x, weight: 0)
     unfused = both()
-    assert len(quantizations) == 3
-    assert torch.equal(fused[0], unfused[0]) and torch.equal(fused[2], unfused[2])
+    assert len(quantizations) == 4
+    assert torch.equal(fused[0], unfused[0]) and torch.equal(fused[2], unfused[2]) and torch.equal(fused[3], unfused[3])
     assert all(torch.equal(a, b) for a, b in zip(fused[1], unfused[1]))
     assert w.fp8_input_block(65) is None
     assert QuantWeight(int4_weight(40, 256, 64, False, False, gen), quant_gemm.int4_linear).fp8_input_block(1) is None

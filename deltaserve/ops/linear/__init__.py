@@ -67,10 +67,10 @@ def linear(x, weight):
 
 
 def _fp8_input_block(x, weight) -> int:
-    """The FP8 scale block of K in which `weight`'s product at x's rows wants its activation already quantized
-    (an FP8 QuantWeight whose product would quantize it by a kernel of its own first); 0 otherwise."""
+    """The FP8 scale block of K in which `weight`'s product at x's rows (x.shape[0]) wants its activation already
+    quantized (an FP8 QuantWeight whose product would quantize it by a kernel of its own first); 0 otherwise."""
     takes = getattr(weight, "fp8_input_block", None)
-    if takes is None or not _on_gpu(x) or x.dim() != 2:
+    if takes is None or not _on_gpu(x):
         return 0
     return takes(x.shape[0]) or 0
 
@@ -81,7 +81,7 @@ def rms_norm_linear(x, norm_weight, eps: float, weight, residual=None):
     if _gemv_serves("rms_norm", x, weight):
         from deltaserve.ops.linear import cuda
         return cuda.rms_norm_linear(x, norm_weight, eps, weight, residual)
-    if block_k := _fp8_input_block(x, weight):
+    if x.dim() == 2 and (block_k := _fp8_input_block(x, weight)):
         from deltaserve.ops.norm import cuda as norm_cuda
         if residual is None:
             return weight.matmul(norm_cuda.rms_norm(x, norm_weight, eps, quant_block=block_k))
@@ -95,17 +95,21 @@ def silu_mul_linear(x, weight):
     if _gemv_serves("silu_mul", x, weight):
         from deltaserve.ops.linear import cuda
         return cuda.silu_mul_linear(x, weight)
-    if block_k := _fp8_input_block(x, weight):
+    if x.dim() == 2 and (block_k := _fp8_input_block(x, weight)):
         from deltaserve.ops.activation import cuda as activation_cuda
         return weight.matmul(activation_cuda.silu_and_mul(x, quant_block=block_k))
     return reference.silu_mul_linear(x, weight, matmul=matmul)
 
 
 def gated_norm_linear(x, gate, norm_weight, eps: float, weight):
-    """See `reference.gated_norm_linear`."""
+    """See `reference.gated_norm_linear`; before an FP8 product whose scale block is the head size, as
+    rms_norm_linear (a head's row is one scale group)."""
     if _gemv_serves("gated_norm", x, weight):
         from deltaserve.ops.linear import cuda
         return cuda.gated_norm_linear(x, gate, norm_weight, eps, weight)
+    if x.dim() == 3 and _fp8_input_block(x, weight) == x.shape[-1]:
+        from deltaserve.ops.norm import cuda as norm_cuda
+        return weight.matmul(norm_cuda.gated_rms_norm(x, gate, norm_weight, eps, quant_block=x.shape[-1]))
     return reference.gated_norm_linear(x, gate, norm_weight, eps, weight, matmul=matmul)
 
 

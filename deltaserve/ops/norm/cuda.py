@@ -15,7 +15,8 @@ import triton.language as tl
 
 from deltaserve.ops import pdl
 from deltaserve.ops.pdl import wait_for_previous_kernel
-from deltaserve.ops.quant_gemm.cuda_fp8 import fp8_row_buffers, store_fp8_row
+from deltaserve.ops.quant_gemm.cuda_fp8 import (FP8_AMAX_FLOOR, FP8_MAX, fp8_row_buffers, quantize_block,
+                                                store_fp8_row)
 from deltaserve.ops.quant_gemm.reference import Fp8Activation
 
 # Elements per gated-norm program: 16 rows of 128, 16 per thread for 4 warps; rows of 2048 or more go one a
@@ -49,10 +50,11 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, sx_ptr, D, x_str
 
 
 @triton.jit(do_not_specialize=["num_rows"])  # the step's token count: one compiled variant for every step
-def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, y_ptr, num_rows, heads, D, x_tok_stride, x_head_stride,
+def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, y_ptr, sx_ptr, num_rows, heads, D, x_tok_stride, x_head_stride,
                            g_tok_stride, g_head_stride, eps, BLOCK_ROWS: tl.constexpr, BLOCK: tl.constexpr,
-                           PDL: tl.constexpr = False):
-    """Rows r of [T * H, D] (token r // H, head r % H), BLOCK_ROWS per program; y is contiguous."""
+                           QUANT: tl.constexpr = False, PDL: tl.constexpr = False):
+    """Rows r of [T * H, D] (token r // H, head r % H), BLOCK_ROWS per program; y is contiguous. QUANT (D = BLOCK,
+    the FP8 product's scale block): y_ptr takes the rows' e4m3 codes and sx_ptr [H, T] a scale a row."""
     wait_for_previous_kernel(PDL)
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [BLOCK_ROWS]
     cols = tl.arange(0, BLOCK)  # [BLOCK]
@@ -63,13 +65,18 @@ def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, y_ptr, num_rows, heads, D, x_tok
     x_rows = x_ptr + tok * x_tok_stride + head * x_head_stride  # [BLOCK_ROWS] row pointers
     xf = tl.load(x_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / D + eps)  # [BLOCK_ROWS]
-    normed = (xf * rstd[:, None]).to(y_ptr.dtype.element_ty)
+    normed = (xf * rstd[:, None]).to(x_ptr.dtype.element_ty)
     w = tl.load(w_ptr + cols, mask=col_ok, other=0.0)
     scaled = (w[None, :] * normed).to(tl.float32)
     g_rows = g_ptr + tok * g_tok_stride + head * g_head_stride  # [BLOCK_ROWS]
     g = tl.load(g_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    y = scaled * (g / (1.0 + tl.exp(-g)))
-    tl.store(y_ptr + rows[:, None] * D + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    y = (scaled * (g / (1.0 + tl.exp(-g)))).to(x_ptr.dtype.element_ty)
+    if QUANT:  # a row is one scale group of the FP8 product's input (D = its block): codes, and sx [H, T]
+        q, s = quantize_block(y.to(tl.float32), FP8_AMAX_FLOOR, FP8_MAX)
+        tl.store(y_ptr + rows[:, None] * D + cols[None, :], q, mask=mask)
+        tl.store(sx_ptr + head * (num_rows // heads) + tok, s, mask=rows < num_rows)
+    else:
+        tl.store(y_ptr + rows[:, None] * D + cols[None, :], y, mask=mask)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -128,18 +135,26 @@ def gated_norm_warm_up_token_counts(heads: int, dim: int, max_tokens: int) -> li
     return sorted(first_of_variant.values())
 
 
-def gated_rms_norm(x, gate, weight, eps):
+def gated_rms_norm(x, gate, weight, eps, quant_block: int = 0):
     """See reference.gated_rms_norm. x, gate: [T, H, D] with unit last strides, read in place whatever their
-    token and head strides (other ranks as rows of D). Returns y contiguous in x's shape."""
+    token and head strides (other ranks as rows of D). Returns y contiguous in x's shape; with quant_block = D
+    (x [T, H, D]) the rows as [T, H * D] quantized for an FP8 product instead, an Fp8Activation of scale block D."""
     if gate.shape != x.shape:
         raise ValueError(f"gate must have x's shape {tuple(x.shape)}, got {tuple(gate.shape)}")
     D = x.shape[-1]
+    if quant_block and (quant_block != D or x.dim() != 3):
+        raise ValueError(f"quantized rows need x [T, H, D] with D = the scale block {quant_block}, got "
+                         f"{tuple(x.shape)}")
     x3, g3 = _heads(x), _heads(gate)
     num_rows = x3.shape[0] * x3.shape[1]
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if quant_block:
+        y, sx = fp8_row_buffers(x3.reshape(x3.shape[0], -1), quant_block)
+    else:
+        y = sx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     block = triton.next_power_of_2(D)
     block_rows = _gated_block_rows(num_rows, block)
     _gated_rms_norm_kernel[(triton.cdiv(num_rows, block_rows),)](
-        x3, g3, weight, y, num_rows, x3.shape[1], D, x3.stride(0), x3.stride(1), g3.stride(0), g3.stride(1), eps,
-        BLOCK_ROWS=block_rows, BLOCK=block, num_warps=_warps(block_rows * block), **pdl.launch_args(x.device))
-    return y
+        x3, g3, weight, y, sx, num_rows, x3.shape[1], D, x3.stride(0), x3.stride(1), g3.stride(0), g3.stride(1),
+        eps, BLOCK_ROWS=block_rows, BLOCK=block, QUANT=bool(quant_block), num_warps=_warps(block_rows * block),
+        **pdl.launch_args(x.device))
+    return Fp8Activation(y, sx, quant_block, x.dtype) if quant_block else y

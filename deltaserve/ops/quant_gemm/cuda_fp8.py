@@ -31,7 +31,7 @@ FP8_MAX: tl.constexpr = tl.constexpr(E4M3_MAX)
 
 
 @triton.jit
-def _quantize_block(xf, FLOOR: tl.constexpr, QMAX: tl.constexpr):
+def quantize_block(xf, FLOOR: tl.constexpr, QMAX: tl.constexpr):
     """xf [R, BK] float32 -> (xq [R, BK] e4m3, s [R] float32): s = max(amax, FLOOR) / 448 and xq = x / s, both IEEE
     divisions rounded to nearest as torch computes them (the reference's activation quantization)."""
     amax = tl.maximum(tl.max(tl.abs(xf), axis=1), FLOOR)  # [R]
@@ -50,7 +50,7 @@ def _quantize_kernel(x, xq, sx, M, K, stride_xm, BLOCK_M: tl.constexpr, BK: tl.c
     ks = g * BK + tl.arange(0, BK)
     ok = (ms < M)[:, None] & (ks < K)[None, :]
     xf = tl.load(x + ms[:, None].to(tl.int64) * stride_xm + ks[None, :], mask=ok, other=0.0).to(tl.float32)
-    q, s = _quantize_block(xf, FLOOR, QMAX)
+    q, s = quantize_block(xf, FLOOR, QMAX)
     tl.store(xq + ms[:, None].to(tl.int64) * K + ks[None, :], q, mask=ok)
     tl.store(sx + g * M + ms, s, mask=ms < M)
 
@@ -60,7 +60,7 @@ def store_fp8_row(y, out_row, sx_ptr, row, rows, D, BLOCK: tl.constexpr, BK: tl.
     """Row y [BLOCK] (D valid, the rest zero) of a kernel before an FP8 product, quantized per BK columns as
     _quantize_kernel quantizes an activation: its e4m3 codes to out_row [D], its scales to sx_ptr
     [cdiv(D, BK), rows] at column `row` (so that the product needs no quantize kernel)."""
-    q, s = _quantize_block(tl.reshape(y.to(tl.float32), [BLOCK // BK, BK]), FP8_AMAX_FLOOR, FP8_MAX)
+    q, s = quantize_block(tl.reshape(y.to(tl.float32), [BLOCK // BK, BK]), FP8_AMAX_FLOOR, FP8_MAX)
     cols = tl.arange(0, BLOCK)
     tl.store(out_row + cols, tl.reshape(q, [BLOCK]), mask=cols < D)
     groups = tl.arange(0, BLOCK // BK)
@@ -102,7 +102,7 @@ def _skinny_kernel(
         if QUANT_X:
             xf = tl.load(x + ms[:, None] * stride_xm + ks[None, :], mask=m_ok[:, None] & k_ok[None, :],
                          other=0.0).to(tl.float32)  # [BM, BK]
-            xt, s_x = _quantize_block(xf, FLOOR, QMAX)
+            xt, s_x = quantize_block(xf, FLOOR, QMAX)
         else:
             xt = tl.load(xq + ms[:, None] * K + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             s_x = tl.load(sx + g * M + ms, mask=m_ok & (g < G), other=0.0)
