@@ -144,6 +144,8 @@ def test_fp8_products_take_a_quantized_activation(kind):
             cuda_fp8.skinny(act, w, dict(config, quant_x=1))
     with pytest.raises(ValueError, match="blocks of 64 columns"):
         cuda_fp8.quantized(ref.Fp8Activation(act.xq, act.sx, 64, x.dtype), 128)
+    with pytest.raises(ValueError, match="does not fit the FP8 product"):
+        quant_gemm.fp8_block_linear(ref.Fp8Activation(act.xq, act.sx, 64, x.dtype), w)
 
 
 @pytest.mark.parametrize("rows", [1, 3])

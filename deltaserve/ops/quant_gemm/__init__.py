@@ -44,9 +44,12 @@ def fp8_input_block(w: Fp8BlockWeight, rows: int) -> int | None:
 
     if rows < 1 or rows > configs.SKINNY_MAX_ROWS or not cuda_fp8.supports(w):
         return None
-    config = _fp8_config(w, rows)
-    quantizes_first = config["kind"] == "gemv" or (config["kind"] == "skinny" and not config.get("quant_x", 1))
-    return w.block_size[1] if quantizes_first else None
+    return w.block_size[1] if _quantizes_first(_fp8_config(w, rows)) else None
+
+
+def _quantizes_first(config: dict) -> bool:
+    """Whether the FP8 kernel of `config` reads its activation quantized by cuda_fp8.quantize beforehand."""
+    return config["kind"] == "gemv" or (config["kind"] == "skinny" and not config.get("quant_x", 1))
 
 
 def fp8_block_linear(x, w: Fp8BlockWeight):
@@ -54,19 +57,18 @@ def fp8_block_linear(x, w: Fp8BlockWeight):
     `fp8_input_block` named its block for its rows)."""
     from deltaserve.ops.quant_gemm.reference import Fp8Activation
 
-    if isinstance(x, Fp8Activation):
-        if fp8_input_block(w, x.shape[0]) != x.block_k or x.xq.shape[1] != w.shape[1]:
-            raise ValueError(f"an activation quantized as {tuple(x.xq.shape)} in blocks of {x.block_k} does not "
-                             f"fit the FP8 product of {tuple(w.shape)} at {x.shape[0]} rows")
-    else:
-        reference.check_input(x, w.shape[1])
-        if not _kernels_serve(x):
-            return reference.fp8_block_linear(x, w)
     from deltaserve.ops.quant_gemm import cuda_fp8, cuda_gemv
 
-    if not cuda_fp8.supports(w):
-        return reference.fp8_block_linear(x, w)
-    config = _fp8_config(w, x.shape[0])
+    quantized = isinstance(x, Fp8Activation)
+    if not quantized:
+        reference.check_input(x, w.shape[1])
+        if not _kernels_serve(x) or not cuda_fp8.supports(w):
+            return reference.fp8_block_linear(x, w)
+    config = _fp8_config(w, x.shape[0]) if cuda_fp8.supports(w) else None
+    if quantized and (config is None or not _quantizes_first(config) or x.xq.shape[1] != w.shape[1]
+                      or x.block_k != w.block_size[1]):
+        raise ValueError(f"an activation quantized as {tuple(x.xq.shape)} in blocks of {x.block_k} does not "
+                         f"fit the FP8 product of {tuple(w.shape)} at {x.shape[0]} rows")
     if config["kind"] == "gemv":
         return cuda_gemv.gemv(x, w, config)
     if config["kind"] == "skinny":
