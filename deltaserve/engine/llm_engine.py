@@ -121,8 +121,9 @@ class LLMEngine:
 
     def warm_up(self) -> None:
         """A few real steps of each kind before serving, so that no first request compiles a kernel
-        (worker/warm_up.engine_steps)."""
+        (worker/warm_up.engine_steps), then the memory they left in use logged against the budget."""
         warm_up.engine_steps(self)
+        warm_up.check_memory(self.memory_plan, torch.device(self.runner.device))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (KV blocks and GDN checkpoints) and zero the hit counters, as vLLM's

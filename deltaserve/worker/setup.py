@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -36,6 +38,24 @@ from deltaserve.worker.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 
+# torch reads either; a user who sets one has chosen the allocator's behaviour
+ALLOCATOR_ENV_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
+
+
+def prefer_expandable_segments() -> bool:
+    """Give torch's CUDA allocator expandable segments unless the user configured the allocator. Memory freed
+    between start-up's steps is then mapped again where it is needed instead of stranded in fixed-size segments
+    (docs/memory.md, 'The allocator'). The variable is set too, so that spawned ranks inherit it. Returns whether
+    this call chose them."""
+    if any(os.environ.get(name) for name in ALLOCATOR_ENV_VARS):
+        return False
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = EXPANDABLE_SEGMENTS
+    with warnings.catch_warnings():  # renamed in newer torch; applies to segments not yet allocated
+        warnings.simplefilter("ignore", FutureWarning)
+        torch.cuda.memory._set_allocator_settings(EXPANDABLE_SEGMENTS)
+    return True
+
 
 class EngineSetup:
     def __init__(self, config: EngineConfig):
@@ -49,6 +69,9 @@ class EngineSetup:
         self.model_path = model_path
         self.model_config = ModelConfig.from_pretrained(model_path)
         self.device = self._device(config.device)
+        if self.device.type == "cuda" and prefer_expandable_segments():
+            logger.info("torch's CUDA allocator: expandable segments (%s unset; set it to choose otherwise)",
+                        " and ".join(ALLOCATOR_ENV_VARS))
         self.dtype = TORCH_DTYPES[resolve_dtypes(config, self.model_config, self.device.type == "cuda")[0]]
         self.tokenizer = None
         if not config.skip_tokenizer_init:
@@ -64,14 +87,14 @@ class EngineSetup:
         if self.weight_format is not None:
             logger.info("quantized weights: %s", self.weight_format.description)
         world = config.tensor_parallel_size * config.pipeline_parallel_size
-        reserved_before = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
+        allocated_before = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         if world > 1:  # the workers load the weights; here a shape-only model for the plan
             model = build_model(self.model_config, self.dtype, "meta", self.weight_format)
         else:
             model = load_model(model_path, self.model_config, self.dtype, self.device, config.load_format,
                                config.seed, self.weight_format)
 
-        self.memory_plan = self._plan(config, model, reserved_before)
+        self.memory_plan = self._plan(config, model, allocated_before)
         # downstream reads these two: the plan's sizes and the figures resolved with it
         self.resolved = ResolvedConfig.resolve(config, self.memory_plan, self.device.type == "cuda")
         self.max_num_seqs = self.resolved.max_num_seqs
@@ -120,9 +143,9 @@ class EngineSetup:
             logger.warning("no tokenizer at %s (%s): only token-id prompts are accepted", path, exc)
             return None
 
-    def _plan(self, config: EngineConfig, model: HybridForCausalLM, reserved_before: int) -> MemoryPlan:
+    def _plan(self, config: EngineConfig, model: HybridForCausalLM, allocated_before: int) -> MemoryPlan:
         """The memory plan, logged as one block; raises PlanError (naming the numbers) if it does not fit.
-        reserved_before: what torch's allocator held before this engine loaded its weights (GPU)."""
+        allocated_before: the bytes torch had allocated before this engine loaded its weights (GPU)."""
         on_gpu = self.device.type == "cuda"
         device_memory = activation = overhead = device_name = None
         if on_gpu and next(model.parameters()).device.type == "meta":
@@ -133,9 +156,10 @@ class EngineSetup:
             activation = self._measure_activation(model, config)
             torch.cuda.empty_cache()
             free, device_memory = torch.cuda.mem_get_info(self.device)
-            # Device memory in use that is not this engine's torch memory (its weights): the CUDA context,
-            # library workspaces, other processes, and other engines in this process.
-            ours = torch.cuda.memory_reserved(self.device) - reserved_before
+            # Device memory in use that is not this engine's live tensors (its weights): the CUDA context, library
+            # workspaces, other processes and engines, and what torch's allocator holds but cannot give back (the
+            # gaps that loading left between the weights)
+            ours = torch.cuda.memory_allocated(self.device) - allocated_before
             overhead = max(0, device_memory - free - ours)
             device_name = torch.cuda.get_device_name(self.device)
         tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size

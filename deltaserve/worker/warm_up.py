@@ -7,15 +7,18 @@ before the first request, so that no user's request pays for it (docs/architectu
                                          norm, the one-split decode attention, the grammar mask kernel,
                                          cuDNN's attention plans
     engine_steps(engine)                 a few real steps through the whole engine (LLMEngine.warm_up)
+    check_memory(plan, device)           after them: the device memory in use against the plan's budget
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import torch
 
+from deltaserve.cache.planner import MemoryPlan
 from deltaserve.layers.mlp import SparseMoE
 from deltaserve.model.qwen3_5 import HybridForCausalLM
 from deltaserve.ops import quant_gemm
@@ -92,3 +95,30 @@ def engine_steps(engine) -> None:
     run_until(lambda outputs: False)
     engine.reset_prefix_cache()
     logger.info("warm-up (the first use of each kind of step) took %.1f s", time.perf_counter() - start)
+
+
+def check_memory(plan: MemoryPlan, device: torch.device) -> None:
+    """Log the device memory in use once start-up's steps have run, against the budget the caches were sized
+    from; a warning when it is over (see memory_report)."""
+    if plan.budget_bytes is None:  # a flag sized the cache, not a share of the device
+        return
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    over, message = memory_report(total - free, plan.budget_bytes, total, plan.gpu_memory_utilization)
+    (logger.warning if over else logger.info)("%s", message)
+
+
+def memory_report(in_use: int, budget: int, total: int, utilization: float) -> tuple[bool, str]:
+    """(over the budget, the line to log). in_use counts the whole device (other processes too, as the plan's
+    measured overhead did); an overshoot is what the plan's figures missed, measured before the warm-up steps ran
+    (their allocations' gaps, the libraries' workspaces), and the utilization named keeps the process in the
+    bytes that were asked for."""
+    gib = 2**30
+    line = (f"device memory in use after start-up: {in_use / gib:.2f} GiB of the {budget / gib:.2f} GiB budget "
+            f"({utilization:g} x {total / gib:.2f} GiB)")
+    if in_use <= budget:
+        return False, line
+    fitting = (budget - (in_use - budget)) / total
+    return True, (f"{line}: {(in_use - budget) / gib:.2f} GiB over, which start-up's measured figures did not "
+                  f"foresee; --gpu-memory-utilization {math.floor(fitting * 1000) / 1000:g} would keep it within "
+                  f"{budget / gib:.2f} GiB")

@@ -1,0 +1,54 @@
+"""Start-up's memory on the GPU, in the parts that run without one: the allocator choice and the report that
+compares what start-up left in use with the budget (worker/setup.py, worker/warm_up.py)."""
+
+import os
+
+import pytest
+import torch
+
+from deltaserve.worker import setup
+from deltaserve.worker.warm_up import memory_report
+
+GIB = 2**30
+
+
+@pytest.fixture
+def allocator_calls(monkeypatch):
+    """The settings passed to torch's allocator; the environment restored afterwards."""
+    for name in setup.ALLOCATOR_ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
+    yield calls
+    os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)  # monkeypatch restores only what it removed
+
+
+def test_expandable_segments_are_chosen_when_the_user_chose_nothing(allocator_calls):
+    assert setup.prefer_expandable_segments()
+    assert allocator_calls == ["expandable_segments:True"]
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"  # what spawned ranks inherit
+
+
+@pytest.mark.parametrize("name", setup.ALLOCATOR_ENV_VARS)
+def test_a_users_allocator_setting_is_kept(allocator_calls, monkeypatch, name):
+    monkeypatch.setenv(name, "expandable_segments:False")
+    assert not setup.prefer_expandable_segments()
+    assert allocator_calls == []
+    assert os.environ[name] == "expandable_segments:False"
+
+
+def test_memory_within_the_budget_is_reported_as_info():
+    over, line = memory_report(29 * GIB, 30 * GIB, 32 * GIB, 0.9375)
+    assert not over
+    assert line == "device memory in use after start-up: 29.00 GiB of the 30.00 GiB budget (0.9375 x 32.00 GiB)"
+
+
+def test_an_overshoot_names_the_utilization_that_keeps_the_bytes_asked_for():
+    # 0.75 GiB over a 29.48 GiB budget of 31.36 GiB: the same start-up under a budget 0.75 GiB smaller would use
+    # 29.48, so the utilization named is (29.48 - 0.75) / 31.36 = 0.9161..., rounded down
+    total, utilization = int(31.36 * GIB), 0.94
+    budget = int(total * utilization)
+    over, line = memory_report(budget + int(0.75 * GIB), budget, total, utilization)
+    assert over
+    assert "0.75 GiB over" in line
+    assert line.endswith(f"--gpu-memory-utilization 0.916 would keep it within {budget / GIB:.2f} GiB")
