@@ -18,8 +18,9 @@ import math
 import torch
 
 from deltaserve.ops.moe import reference
-from deltaserve.ops.moe.quantized import FP8_BLOCK
-from deltaserve.ops.quant_gemm.reference import ACT_AMAX_FLOOR, E4M3_MAX, quantize_activation, unpack_int4
+from deltaserve.ops.moe.quantized import FP8_BLOCK, Fp8Experts, Int4Experts, Nvfp4Experts
+from deltaserve.ops.quant_gemm.reference import (ACT_AMAX_FLOOR, E2M1_VALUES, E4M3_MAX, quantize_activation,
+                                                 unpack_int4)
 from tests.tolerance import SOFTMAX_ROUNDINGS, gamma, silu_chain, unit_roundoff
 
 # Roundings to bf16 per side beyond the float32 model, relative to M. The reference: its gate/up outputs (two, each
@@ -123,19 +124,28 @@ def sparse_block_bound(x, logits, top_k, renormalize, gate_up, down, shared_gate
 # tests/gpu), then its scaling and sum in float32, (BK + 3) u_dot + (blocks + groups + 3) u32 a term, of the terms'
 # magnitude: |xr| |W| for FP8;
 # for int4's exact codes, (OFFSET + q) x and (OFFSET + z) sum(x) are summed apart, (2 OFFSET + q + z) s |x| a term.
+# NVFP4 dequantizes its tile in float32 (two roundings: scale x scale_2, then x e2m1) and rounds it to the activations'
+# dtype, then sums the whole K in one float32 accumulator: (K + 5) u + u16 of |x| |W|.
 # act = silu(g) u carries that on (module docstring) plus SiLU's and (16-bit x) its own rounding. Stage 2 takes act
 # as rounded: int4 passes its error on through |Wd|; FP8 requantizes it per 128 columns, and where the interval of
 # act's possible values straddles an e4m3 rounding boundary the code may differ by the gap (`_requantized_spread`).
 
 
 def _dequantized(stack, e):
-    return stack.expert(e).dequantize(torch.float32).double()  # [N, K] exact (int4, fp8 e4m3 * float32 scale)
+    """[N, K] float64, exact: int4's (q - z) s and fp8's e4m3 * float32 scale in float32 already are; NVFP4's
+    e2m1 * e4m3 * scale_2 is computed here in float64 (its float32 dequantization rounds the product)."""
+    w = stack.expert(e)
+    if isinstance(stack, Nvfp4Experts):
+        codes = torch.stack([w.packed & 0xF, w.packed >> 4], dim=2).reshape(w.shape[0], -1).long()  # [N, K]
+        values = torch.tensor(E2M1_VALUES, dtype=torch.float64)[codes]
+        return values * w.scale.double().repeat_interleave(16, dim=1) * w.scale_2.double()[:, None]
+    return w.dequantize(torch.float32).double()
 
 
 def _term_magnitude(stack, e, offset: float):
     """[N, K] float64: what one weight contributes to a float32 sum's magnitude in the kernels."""
     w = stack.expert(e)
-    if hasattr(w, "packed"):
+    if isinstance(stack, Int4Experts):
         q = unpack_int4(w.packed, w.shape[1]).double()
         z = 8.0 if w.zero is None else w.zero.double().repeat_interleave(w.group_size, dim=1)
         return (2 * offset + q + z) * w.scale.double().repeat_interleave(w.group_size, dim=1)
@@ -176,13 +186,19 @@ def _requantized_spread(a: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
 def quantized_experts_exact(x, topk_ids, topk_weights, gate_up, down, dtype, u_dot: float = U32):
     """(y64 [T, H], bound [T, H]) of the fused kernels on stacked quantized experts (the section above), x in dtype
     (float32: int4 codes by conversion; bf16: OFFSET 128), each K block's dot product accumulated at u_dot."""
-    fp8 = not hasattr(gate_up.expert(0), "packed")
-    offset = 128.0 if (dtype == torch.bfloat16 and not fp8) else 0.0
+    fp8, nvfp4 = isinstance(gate_up, Fp8Experts), isinstance(gate_up, Nvfp4Experts)
+    offset = 128.0 if (dtype == torch.bfloat16 and isinstance(gate_up, Int4Experts)) else 0.0
     u = max(u_dot, U32)
     u16 = unit_roundoff(dtype) if dtype != torch.float32 else 0.0
     T, H = x.shape
     inter = gate_up.shape[1] // 2
     kb_gate_up, kb_down = (getattr(stack, "group_size", FP8_BLOCK[1]) for stack in (gate_up, down))  # K per dot
+
+    def chain(K: int, kb: int) -> float:
+        """The float32 sum of one output over K, relative to its terms' magnitude."""
+        if nvfp4:
+            return (K + 5) * u + u16
+        return (kb + 3) * u + (-(-K // kb) + K // 16 + 3) * U32  # groups >= 16 columns
     y = torch.zeros(T, H, dtype=torch.float64)
     bound = torch.zeros(T, H, dtype=torch.float64)
     terms = torch.zeros(T, H, dtype=torch.float64)  # sum_j |w_j| |Wd_j| |act_j|: the k-term sum's magnitude
@@ -192,7 +208,7 @@ def quantized_experts_exact(x, topk_ids, topk_weights, gate_up, down, dtype, u_d
             e, w = int(topk_ids[t, j]), float(topk_weights[t, j])
             W, Wm = _dequantized(gate_up, e), _term_magnitude(gate_up, e, offset)
             h, hm = W @ xr[t], Wm @ xr[t].abs()  # [2I]
-            c1 = (kb_gate_up + 3) * u + (-(-H // kb_gate_up) + H // 16 + 3) * U32  # groups >= 16 columns
+            c1 = chain(H, kb_gate_up)
             g, up, eg, eu = h[:inter], h[inter:], c1 * hm[:inter], c1 * hm[inter:]
             act = g / (1 + torch.exp(-g)) * up
             silu_roundings = silu_chain(torch.tensor([g.abs().max().item()])) + 1
@@ -205,7 +221,7 @@ def quantized_experts_exact(x, topk_ids, topk_weights, gate_up, down, dtype, u_d
                 a_in, spread = act, d_act
             y[t] += w * (D @ a_in)
             terms[t] += abs(w) * (D.abs() @ (a_in.abs() + spread))
-            c2 = (kb_down + 3) * u + (-(-inter // kb_down) + inter // 16 + 3) * U32
+            c2 = chain(inter, kb_down)
             bound[t] += abs(w) * (c2 * (Dm @ (a_in.abs() + spread)) + D.abs() @ spread)
     k = topk_ids.shape[1]
     bound = bound * (1 + gamma(k + 2, torch.float32)) + gamma(k + 2, torch.float32) * terms + u16 * y.abs()

@@ -1,5 +1,5 @@
 """The fused MoE kernels on stacked quantized experts (ops/moe/quantized.py: FP8 block-scaled W8A8, int4 W4A16
-with and without zero points) against the float64 value of their semantics (tests/ops/moe_oracle.py), in Triton's
+with and without zero points, NVFP4 weight-only) against the float64 value of their semantics (tests/ops/moe_oracle.py), in Triton's
 CPU interpreter: float32 and bf16 activations, one token, several, and more than a block holds; a partial FP8 K
 block; the stacking and its fallbacks; QuantExperts on the CPU (the dequantized reference). The compiled kernels:
 tests/gpu/test_moe_gpu.py."""
@@ -18,13 +18,15 @@ from deltaserve.ops.quant_gemm import reference as ref  # noqa: E402
 from tests.ops.interpreter import (patch_interpreter_bf16_dot, patch_interpreter_float_rounding,  # noqa: E402
                                    patch_interpreter_index)
 from tests.ops.moe_oracle import quantized_experts_exact, shared_bound  # noqa: E402
-from tests.ops.test_triton_quant_gemm import int4_weight  # noqa: E402
+from tests.ops.test_triton_quant_gemm import int4_weight, nvfp4_weight  # noqa: E402
 
 patch_interpreter_index()
 patch_interpreter_float_rounding()
 patch_interpreter_bf16_dot()
 
 SMALL = MoeTiles(16, Tile(16, 16, 4, 1), Tile(16, 16, 4, 1))
+# NVFP4's 48 = 3 x 16: the K step is the tile's 16 on both projections; with BLOCK_K 32 it would take 16 on H = 48
+FORMATS = [("fp8", 200, 128), ("int4", 128, 64), ("int4-sym", 128, 96), ("nvfp4", 48, 80)]
 
 
 def fp8_weight(n, k, gen):
@@ -35,16 +37,20 @@ def fp8_weight(n, k, gen):
 def experts(fmt, E, H, inter, gen):
     if fmt == "fp8":
         return [fp8_weight(2 * inter, H, gen) for _ in range(E)], [fp8_weight(H, inter, gen) for _ in range(E)]
+    if fmt == "nvfp4":  # scale_2 one per row: gate and up of a checkpoint carry their own
+        return ([nvfp4_weight(2 * inter, H, True, gen) for _ in range(E)],
+                [nvfp4_weight(H, inter, True, gen) for _ in range(E)])
     symmetric = fmt == "int4-sym"
     return ([int4_weight(2 * inter, H, 64, symmetric, False, gen) for _ in range(E)],
             [int4_weight(H, inter, 32, symmetric, False, gen) for _ in range(E)])
 
 
-@pytest.mark.parametrize("fmt,H,inter", [("fp8", 200, 128), ("int4", 128, 64), ("int4-sym", 128, 96)])
+@pytest.mark.parametrize("fmt,H,inter", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens,top_k", [(1, 3), (5, 1), (20, 2)])
 def test_fused_quantized_experts_match_their_semantics(fmt, H, inter, dtype, tokens, top_k):
-    """FP8: H = 200 is one full and one partial 128-column block; 20 tokens put a popular expert in two blocks."""
+    """FP8: H = 200 is one full and one partial 128-column block; 20 tokens put a popular expert in two blocks; NVFP4:
+    I = 80 rows against 16-wide tiles of N, and an odd number of scale groups."""
     gen = torch.Generator().manual_seed(tokens * 31 + top_k + H)
     E = 5
     gate_up, down = experts(fmt, E, H, inter, gen)
@@ -60,7 +66,7 @@ def test_fused_quantized_experts_match_their_semantics(fmt, H, inter, dtype, tok
     assert (bound < 0.5 * want.abs()).double().mean() > 0.5
 
 
-@pytest.mark.parametrize("fmt,H,inter", [("fp8", 200, 128), ("int4", 128, 64), ("int4-sym", 128, 96)])
+@pytest.mark.parametrize("fmt,H,inter", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_quantized_shared_slot_matches_its_semantics(fmt, H, inter, dtype, tokens):

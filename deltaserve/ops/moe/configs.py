@@ -2,12 +2,14 @@
 benchmarks.moe_probe`) and the default for shapes and buckets it does not name.
 
 Keys are "E:k:H:I:rows": experts, top-k, hidden size, (this rank's) expert intermediate size, and the bucket of the
-batch's token count (ROW_BUCKETS); quantized experts' keys lead with their format ("fp8:E:k:H:I:rows", "int4:...").
+batch's token count (ROW_BUCKETS); quantized experts' keys lead with their format ("fp8:E:k:H:I:rows", "int4:...",
+"nvfp4:...").
 Values are dicts:
   {"block_m": pairs of one expert a program takes (a power of two >= 16),
    "gate_up": [BLOCK_N, BLOCK_K, warps, stages],   kernel A over an expert's [2I, H] gate/up rows
    "down": [BLOCK_N, BLOCK_K, warps, stages]}      kernel B over its [H, I] down rows
-(quantized formats take their own BLOCK_K, the FP8 scale block or the int4 group, whatever the entry says)
+(FP8 and int4 take their own BLOCK_K, the scale block or the group, whatever the entry says; NVFP4 the largest
+power of two <= the entry's that divides the K it steps over)
 DELTASERVE_MOE_CONFIGS names another file.
 """
 
@@ -47,7 +49,7 @@ def row_bucket(rows: int) -> int:
     return next(bucket for bucket in ROW_BUCKETS if rows <= bucket)
 
 
-WEIGHT_FORMATS = ("bf16", "fp8", "int4")  # bf16: plain 16-bit weights, keys without a prefix
+WEIGHT_FORMATS = ("bf16", "fp8", "int4", "nvfp4")  # bf16: plain 16-bit weights, keys without a prefix
 
 
 def table_key(num_experts: int, top_k: int, hidden: int, intermediate: int, rows: int, fmt: str = "bf16") -> str:
@@ -61,7 +63,8 @@ def check_entry(where: str, key: str, entry) -> None:
     if parts and parts[0] in WEIGHT_FORMATS[1:]:
         parts = parts[1:]
     if len(parts) != 5 or not all(p.isdigit() for p in parts) or int(parts[4]) not in ROW_BUCKETS:
-        raise ValueError(f"{where}: key {key!r} is not \"[fp8:|int4:]E:k:H:I:rows\" with rows one of {ROW_BUCKETS}")
+        raise ValueError(f"{where}: key {key!r} is not \"[fp8:|int4:|nvfp4:]E:k:H:I:rows\" with rows one of "
+                         f"{ROW_BUCKETS}")
     block_m = entry.get("block_m") if isinstance(entry, dict) else None
     if not (isinstance(block_m, int) and block_m >= 16 and block_m & (block_m - 1) == 0):
         raise ValueError(f"{where}: entry {key!r}: block_m must be a power of two >= 16, got {block_m!r}")

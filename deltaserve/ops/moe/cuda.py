@@ -43,6 +43,7 @@ kernel and the routing kernel give the same bits, and a token alone (kernel A) e
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -51,9 +52,9 @@ import triton.language as tl
 
 from deltaserve.ops import pdl
 from deltaserve.ops.moe.configs import MoeTiles
-from deltaserve.ops.moe.quantized import FP8_BLOCK, Fp8Experts, Int4Experts, as_stack, slot_fits
+from deltaserve.ops.moe.quantized import FP8_BLOCK, Fp8Experts, Int4Experts, Nvfp4Experts, as_stack, slot_fits
 from deltaserve.ops.pdl import wait_for_previous_kernel
-from deltaserve.ops.quant_gemm.cuda_dequant import int4_codes
+from deltaserve.ops.quant_gemm.cuda_dequant import int4_codes, nvfp4_tile
 from deltaserve.ops.quant_gemm import cuda_fp8
 from deltaserve.ops.quant_gemm.cuda_weight_only import _CODES
 
@@ -228,6 +229,7 @@ def _block_used(block_rows, b, routed_blocks, ONE_TOKEN: tl.constexpr):
 PLAIN: tl.constexpr = tl.constexpr(0)  # weight formats of kernels A and B (WFORMAT)
 FP8: tl.constexpr = tl.constexpr(1)
 INT4: tl.constexpr = tl.constexpr(2)
+NVFP4: tl.constexpr = tl.constexpr(3)
 
 
 @triton.jit
@@ -235,7 +237,7 @@ def _activation_tile(cols, scale_cols, k0, ks, k_ok, m_ok, stride_xg, WFORMAT: t
     """The activations' [BK, BM] tile (cols [1, BM]: each pair's row; ks [BK] columns, from k0) for the weight format,
     and its per-pair factor [BM]: PLAIN (the tile, unused), FP8 (the e4m3 tile the quantize kernel wrote, and its
     scales: scale_cols [BM] each row's first group, stride_xg between groups), INT4 (the tile and its column sums,
-    float32, for the zero point)."""
+    float32, for the zero point), NVFP4 (the tile, unused)."""
     xt = tl.load(cols + ks[:, None], mask=k_ok[:, None] & m_ok[None, :], other=0.0)  # [BK, BM]
     if WFORMAT == FP8:
         factor = tl.load(scale_cols + (k0 // xt.shape[0]) * stride_xg, mask=m_ok, other=0.0)
@@ -254,7 +256,8 @@ def _weight_product(acc, weights, scales, zeros, rows, n_ok, k0, ks, k_ok, xt, f
     tensors; rows [BN] its weight rows, valid where n_ok). PLAIN: the 16-bit (or float32) tile on tl.dot. FP8: an e4m3
     tile of one 128 x 128 scale block (ks one K block) on the FP8 tensor cores, scaled by the block's and the pairs'
     scales. INT4: one scale group (ks the group), the exact codes OFFSET + q on tl.dot, zero and scale applied to the
-    float32 product as ops.quant_gemm's skinny kernel does."""
+    float32 product as ops.quant_gemm's skinny kernel does. NVFP4 (zeros: the rows' scale_2): the tile dequantized
+    to the activations' dtype (cuda_dequant.nvfp4_tile) on tl.dot; ks whole, never masked (BLOCK_K divides K)."""
     BLOCK_K: tl.constexpr = xt.shape[0]
     if WFORMAT == INT4:
         codes = int4_codes(weights, rows, n_ok, k0, stride_wn, BLOCK_K, CODE_BASE, xt.dtype, not EVEN)  # [BN, BK]
@@ -266,6 +269,9 @@ def _weight_product(acc, weights, scales, zeros, rows, n_ok, k0, ks, k_ok, xt, f
         else:
             z = tl.full(s.shape, 8.0 + CODE_OFFSET, tl.float32)
         acc += (part - z[:, None] * factor[None, :]) * s[:, None]
+    elif WFORMAT == NVFP4:
+        w = nvfp4_tile(weights, scales, zeros, rows, n_ok, k0, stride_wn, stride_sn, BLOCK_K, not EVEN, xt.dtype)
+        acc = tl.dot(w, xt, acc, input_precision=PRECISION)  # [BN, BM]
     else:
         w_ptrs = weights + rows[:, None].to(tl.int64) * stride_wn + ks[None, :]  # [BN, BK]
         if EVEN:
@@ -284,8 +290,8 @@ def _weight_product(acc, weights, scales, zeros, rows, n_ok, k0, ks, k_ok, xt, f
 def _gate_up_kernel(
     x, gate_up, shared_gate_up, act, sorted_pairs, block_expert, block_first, block_rows, routed_blocks, T, H, I,
     stride_x, stride_we, stride_wn, logits, topk_weights, E, stride_logits, scales, zeros, stride_se, stride_sn,
-    shared_scales, shared_zeros, x_scales, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    stride_ze, shared_scales, shared_zeros, x_scales, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, ONE_TOKEN: tl.constexpr,
     ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOP_K: tl.constexpr,
     WFORMAT: tl.constexpr = PLAIN, GROUP: tl.constexpr = 1, HAS_ZERO: tl.constexpr = False,
@@ -295,10 +301,11 @@ def _gate_up_kernel(
     (x_t Wu^T) for block b's pairs, Wg / Wu the n block's gate / up rows of its expert's gate_up [2I, H] (the
     shared slot's: shared_gate_up [2I, H], of the routed experts' row stride). ROUTE (one token): every program
     routes the token from logits [0, :E] itself, program (0, 0) writing topk_ids (block_expert) and topk_weights
-    for kernel B; no routing kernel ran. WFORMAT FP8 / INT4: gate_up is the stacked experts' e4m3 weight / packed
-    int4 words (quantized.py), scales and zeros theirs (expert strides stride_we, stride_se; row strides stride_wn,
-    stride_sn), the shared slot's weight of that format with shared_scales / shared_zeros (an expert's strides);
-    BLOCK_K the FP8 K block or the int4 group. FP8: x is e4m3 [T, H] and x_scales [H / BLOCK_K, T] its scales
+    for kernel B; no routing kernel ran. WFORMAT FP8 / INT4 / NVFP4: gate_up is the stacked experts' e4m3 weight /
+    packed int4 words / packed e2m1 bytes (quantized.py), scales and zeros theirs (NVFP4's zeros: scale_2; expert
+    strides stride_we, stride_se, stride_ze; row strides stride_wn, stride_sn), the shared slot's weight of that format
+    with shared_scales / shared_zeros (an expert's strides); BLOCK_K the FP8 K block, the int4 group, or (NVFP4) a
+    multiple of 16 that divides H. FP8: x is e4m3 [T, H] and x_scales [H / BLOCK_K, T] its scales
     (cuda_fp8.quantize: each token once, not once a program)."""
     wait_for_previous_kernel(PDL)
     b = tl.program_id(0)
@@ -315,7 +322,7 @@ def _gate_up_kernel(
                                            BLOCK_M, ONE_TOKEN)  # [BM] each
         weights = gate_up + expert * stride_we
         expert_scales = scales + expert * stride_se
-        expert_zeros = zeros + expert * stride_se
+        expert_zeros = zeros + expert * stride_ze
         if b >= routed_blocks:  # the shared slot
             weights, expert_scales, expert_zeros = shared_gate_up, shared_scales, shared_zeros
         ns = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] intermediate columns = gate rows
@@ -342,8 +349,8 @@ def _gate_up_kernel(
 @triton.jit(do_not_specialize=["routed_blocks", "T"])
 def _down_kernel(
     act, down, shared_down, topk_weights, shared_gate, y, sorted_pairs, block_expert, block_first, block_rows,
-    routed_blocks, T, H, I, stride_we, stride_wn, stride_gate, scales, zeros, stride_se, stride_sn, shared_scales,
-    shared_zeros, act_scales, num_slots, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    routed_blocks, T, H, I, stride_we, stride_wn, stride_gate, scales, zeros, stride_se, stride_sn, stride_ze,
+    shared_scales,    shared_zeros, act_scales, num_slots, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, ONE_TOKEN: tl.constexpr,
     WFORMAT: tl.constexpr = PLAIN, GROUP: tl.constexpr = 1, HAS_ZERO: tl.constexpr = False,
@@ -361,7 +368,7 @@ def _down_kernel(
         expert = tl.load(block_expert + b, mask=b < routed_blocks, other=0).to(tl.int64)
         weights = down + expert * stride_we
         expert_scales = scales + expert * stride_se
-        expert_zeros = zeros + expert * stride_se
+        expert_zeros = zeros + expert * stride_ze
         if b < routed_blocks:
             pair_weight = tl.load(topk_weights + pairs, mask=m_ok, other=0.0)  # [BM] float32
         else:  # the shared slot
@@ -441,14 +448,16 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
 
 class _Operands(NamedTuple):
     """One projection's stacked experts as kernels A and B take them: the weight tensor (plain [E, N, K], e4m3
-    [E, N, K] or int4 words [E, N, K/8]), its scales and zeros (placeholders where the format has none), their
-    expert and row strides, the format's constexprs and the K step it needs (None: the tile's)."""
+    [E, N, K], int4 words [E, N, K/8] or e2m1 bytes [E, N, K/2]), its scales and zeros (NVFP4: scale_2;
+    placeholders where the format has none), the scales' expert and row strides and the zeros' expert stride, the
+    format's constexprs and the K step it needs (None: the tile's; a function of the tile's for NVFP4)."""
 
     weight: torch.Tensor
     scales: torch.Tensor
     zeros: torch.Tensor
     stride_se: int
     stride_sn: int
+    stride_ze: int
     constexprs: dict
     block_k: int | None
 
@@ -457,15 +466,28 @@ def _operands(w, dtype: torch.dtype) -> _Operands:
     """The kernels' view of w (a plain tensor, Fp8Experts or Int4Experts) for activations of dtype."""
     if isinstance(w, Fp8Experts):
         scales = w.scale_inv
-        return _Operands(w.weight, scales, scales, scales.stride(0), scales.stride(1),
+        return _Operands(w.weight, scales, scales, scales.stride(0), scales.stride(1), scales.stride(0),
                          dict(WFORMAT=FP8, GROUP=FP8_BLOCK[0]), FP8_BLOCK[1])
     if isinstance(w, Int4Experts):
         base, offset = _CODES[dtype]
         zeros = w.zero if w.zero is not None else w.scale
-        return _Operands(w.packed, w.scale, zeros, w.scale.stride(0), w.scale.stride(1),
+        return _Operands(w.packed, w.scale, zeros, w.scale.stride(0), w.scale.stride(1), w.scale.stride(0),
                          dict(WFORMAT=INT4, GROUP=w.group_size, HAS_ZERO=w.zero is not None, CODE_BASE=base,
                               CODE_OFFSET=offset), w.group_size)
-    return _Operands(w, w, w, 0, 0, {}, None)
+    if isinstance(w, Nvfp4Experts):
+        return _Operands(w.packed, w.scale, w.scale_2, w.scale.stride(0), w.scale.stride(1), w.scale_2.stride(0),
+                         dict(WFORMAT=NVFP4), None)
+    return _Operands(w, w, w, 0, 0, 0, {}, None)
+
+
+def _block_k(ops: _Operands, tile_block_k: int, K: int) -> int:
+    """The K step of a projection: the format's, else the tile's; NVFP4 tiles are never masked along K, so theirs
+    is the largest power of two <= the tile's that divides K (K a multiple of 16: at least 16)."""
+    if ops.block_k is not None:
+        return ops.block_k
+    if ops.constexprs.get("WFORMAT") == NVFP4:
+        return math.gcd(tile_block_k, K)
+    return tile_block_k
 
 
 def _check_experts(x: torch.Tensor, gate_up, down, top_k: int, routing_shape) -> None:
@@ -577,13 +599,13 @@ def _run_experts(x, gate_up, down, tiles: MoeTiles, ids, weights, top_k: int, ro
     blocks = routed_blocks + (triton.cdiv(T, tiles.block_m) if shared_slot is not None else 0)
     act = torch.empty(slots, inter, dtype=x.dtype, device=x.device)
     tile = tiles.gate_up
-    block_k = gate_up_ops.block_k or tile.block_k
+    block_k = _block_k(gate_up_ops, tile.block_k, H)
     x_in, x_scales = cuda_fp8.quantize(x, block_k) if fp8 else (x, x)  # FP8: e4m3 [T, H], [H / 128, T]
     _gate_up_kernel[(blocks, triton.cdiv(inter, tile.block_n))](
         x_in, gate_up, shared_gate_up, act, sorted_pairs, block_table[0], block_table[1], block_table[2], routed_blocks,
         T, H, inter, x_in.stride(0), gate_up.stride(0), gate_up.stride(1), logits, weights, E, logits.stride(0),
-        gate_up_ops.scales, gate_up_ops.zeros, gate_up_ops.stride_se, gate_up_ops.stride_sn, shared_gate_up_ops.scales,
-        shared_gate_up_ops.zeros, x_scales,
+        gate_up_ops.scales, gate_up_ops.zeros, gate_up_ops.stride_se, gate_up_ops.stride_sn, gate_up_ops.stride_ze,
+        shared_gate_up_ops.scales, shared_gate_up_ops.zeros, x_scales,
         TOP_K=top_k, BLOCK_M=tiles.block_m, BLOCK_N=tile.block_n, BLOCK_K=block_k,
         EVEN_N=inter % tile.block_n == 0, EVEN_K=H % block_k == 0, PRECISION=precision, ONE_TOKEN=one_token,
         ROUTE=route_in_a, RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(E),
@@ -591,13 +613,13 @@ def _run_experts(x, gate_up, down, tiles: MoeTiles, ids, weights, top_k: int, ro
         num_stages=max(1, tile.stages // stage_divisor), **gate_up_ops.constexprs, **launch)
     y = torch.empty(slots, H, dtype=torch.float32, device=x.device)  # [T, k, H], then the shared slot's [T, H]
     tile = tiles.down
-    block_k = down_ops.block_k or tile.block_k
+    block_k = _block_k(down_ops, tile.block_k, inter)
     act, act_scales = cuda_fp8.quantize(act, block_k) if fp8 else (act, act)  # FP8: e4m3 [slots, I], [I / 128, slots]
     _down_kernel[(blocks, triton.cdiv(H, tile.block_n))](
         act, down, shared_down, weights, shared_gate, y, sorted_pairs, block_table[0], block_table[1], block_table[2],
         routed_blocks, T, H, inter, down.stride(0), down.stride(1), shared_gate.stride(0), down_ops.scales,
-        down_ops.zeros, down_ops.stride_se, down_ops.stride_sn, shared_down_ops.scales, shared_down_ops.zeros,
-        act_scales, slots, TOP_K=top_k, BLOCK_M=tiles.block_m,
+        down_ops.zeros, down_ops.stride_se, down_ops.stride_sn, down_ops.stride_ze, shared_down_ops.scales,
+        shared_down_ops.zeros, act_scales, slots, TOP_K=top_k, BLOCK_M=tiles.block_m,
         BLOCK_N=tile.block_n, BLOCK_K=block_k, EVEN_N=H % tile.block_n == 0, EVEN_K=inter % block_k == 0,
         PRECISION=precision, ONE_TOKEN=one_token, num_warps=tile.warps,
         num_stages=max(1, tile.stages // stage_divisor), **down_ops.constexprs, **launch)

@@ -5,6 +5,8 @@ part, the layouts of ops.quant_gemm's prepared weights with a leading expert dim
                  checkpoints: W8A8, the activations quantized per row and 128 columns as fp8_block_linear does)
     Int4Experts  packed [E, N, K/8] int32, scale [E, N, K/g] fp16/bf16, zero [E, N, K/g] uint8 or None (W4A16:
                  compressed-tensors pack-quantized, AWQ / GPTQ without act order)
+    Nvfp4Experts packed [E, N, K/2] uint8 (two e2m1 codes a byte), scale [E, N, K/16] float8_e4m3fn, scale_2 [E, N]
+                 float32 (ModelOpt NVFP4, served weight-only: the tiles dequantized for 16-bit activations)
 
 `stack` builds one from the experts' prepared weights (None where they cannot share a layout: another format, an
 FP8 block other than the kernels' K block, act order); `expert(e)` is expert e's prepared weight as views into the
@@ -18,7 +20,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from deltaserve.ops.quant_gemm.reference import Fp8BlockWeight, Int4Weight
+from deltaserve.ops.quant_gemm.reference import Fp8BlockWeight, Int4Weight, Nvfp4Weight
 
 FP8_BLOCK = (128, 128)  # the (N, K) scale block the fused kernels take: Qwen publishes no other
 
@@ -53,11 +55,29 @@ class Int4Experts:
         return Int4Weight(self.packed[e], self.scale[e], zero, self.group_size, None, self.shape[1:])
 
 
-def stack(weights: list) -> Fp8Experts | Int4Experts | None:
+@dataclass(frozen=True)
+class Nvfp4Experts:
+    packed: torch.Tensor  # [E, N, K/2] uint8
+    scale: torch.Tensor  # [E, N, K/16] float8_e4m3fn
+    scale_2: torch.Tensor  # [E, N] float32
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        e, n, half = self.packed.shape
+        return e, n, 2 * half
+
+    def expert(self, e: int) -> Nvfp4Weight:
+        return Nvfp4Weight(self.packed[e], self.scale[e], self.scale_2[e], self.shape[1:])
+
+
+def stack(weights: list) -> Fp8Experts | Int4Experts | Nvfp4Experts | None:
     """Prepared weights of one projection, expert by expert (ops.quant_gemm's *Weight objects, one [N, K] each)
     -> the stacked experts, or None where the fused kernels cannot take them."""
     if all(isinstance(w, Fp8BlockWeight) and tuple(w.block_size) == FP8_BLOCK for w in weights):
         return Fp8Experts(torch.stack([w.weight for w in weights]), torch.stack([w.scale_inv for w in weights]))
+    if all(isinstance(w, Nvfp4Weight) for w in weights):
+        return Nvfp4Experts(torch.stack([w.packed for w in weights]), torch.stack([w.scale for w in weights]),
+                            torch.stack([w.scale_2 for w in weights]))
     if not all(isinstance(w, Int4Weight) and w.perm is None for w in weights):
         return None
     first = weights[0]
@@ -69,13 +89,15 @@ def stack(weights: list) -> Fp8Experts | Int4Experts | None:
                        first.group_size)
 
 
-QUANTIZED_EXPERTS = (Fp8Experts, Int4Experts)
+QUANTIZED_EXPERTS = (Fp8Experts, Int4Experts, Nvfp4Experts)
 
 
-def as_stack(w) -> Fp8Experts | Int4Experts | None:
+def as_stack(w) -> Fp8Experts | Int4Experts | Nvfp4Experts | None:
     """One expert's prepared weight as a one-expert stack of views (no copy), None where `stack` would refuse it."""
     if isinstance(w, Fp8BlockWeight) and tuple(w.block_size) == FP8_BLOCK:
         return Fp8Experts(w.weight[None], w.scale_inv[None])
+    if isinstance(w, Nvfp4Weight):
+        return Nvfp4Experts(w.packed[None], w.scale[None], w.scale_2[None])
     if isinstance(w, Int4Weight) and w.perm is None:
         return Int4Experts(w.packed[None], w.scale[None], None if w.zero is None else w.zero[None], w.group_size)
     return None
@@ -108,14 +130,17 @@ def _expert_layout(t: torch.Tensor) -> tuple:
 
 
 def format_name(w) -> str:
-    """"fp8", "int4", or "bf16" for plain tensors (the tile table's format)."""
-    return {Fp8Experts: "fp8", Int4Experts: "int4"}.get(type(w), "bf16")
+    """"fp8", "int4", "nvfp4", or "bf16" for plain tensors (the tile table's format)."""
+    return {Fp8Experts: "fp8", Int4Experts: "int4", Nvfp4Experts: "nvfp4"}.get(type(w), "bf16")
 
 
 def fused_layout(gate_up, down) -> bool:
     """Whether the kernels take these stacks: FP8 gate and up rows in separate 128-row scale blocks (I a multiple
-    of 128); int4 H and I multiples of their groups (always, as prepare_int4 checks K)."""
+    of 128); int4 H and I multiples of their groups (always, as prepare_int4 checks K); NVFP4 always (its K is a
+    multiple of the 16-column scale group)."""
     inter = gate_up.shape[1] // 2
     if isinstance(gate_up, Fp8Experts):
         return inter % FP8_BLOCK[0] == 0
+    if isinstance(gate_up, Nvfp4Experts):
+        return True
     return gate_up.shape[2] % gate_up.group_size == 0 and inter % down.group_size == 0
