@@ -1,7 +1,7 @@
 """One MoE layer (router + routed experts + gated shared expert) on the torch path and on the fused path (ops/moe),
 beside the bytes-over-bandwidth limit.
 
-    python -m benchmarks.moe_probe [CONFIG_DIR] [--format bf16|fp8|int4] [--tokens 1,2,4,...] [--sweep] [--out FILE]
+    python -m benchmarks.moe_probe [CONFIG_DIR] [--format bf16|fp8|int4|nvfp4] [--tokens 1,2,4,...] [--sweep] [--out FILE]
 
 For the MoE shape of the model in CONFIG_DIR (default Qwen3.5-35B-A3B), at each token count, inside CUDA graphs as
 decode runs them, each call on other random inputs so that its experts are not the previous call's (one call
@@ -17,10 +17,10 @@ moe.SHARED_SLOT_MAX_TOKENS tokens), and fused_moe alone. Each path's CUDA kernel
 `--sweep` then tunes the fused kernels' tiles per token bucket, on the path SparseMoE takes at it (kernel A's
 over its candidates with kernel B's default, then kernel B's with A's best, then BLOCK_M), starting no bucket after
 --budget-s seconds, and merges the winners into --out (copy to deltaserve/ops/moe/configs.json to ship them).
-`--format fp8` / `int4` times and sweeps the fused experts alone on stacked quantized experts of the same shapes
-(FP8 128 x 128 blocks, W8A8; int4 group 128 asymmetric, W4A16) beside their bytes' limit, under the table's
-"fp8:" / "int4:" keys; their kernels take BLOCK_K from the format, so the sweep varies BLOCK_N, warps, stages and
-BLOCK_M.
+`--format fp8` / `int4` / `nvfp4` times and sweeps the fused experts alone on stacked quantized experts of the same
+shapes (FP8 128 x 128 blocks, W8A8; int4 group 128 asymmetric, W4A16; NVFP4 weight-only) beside their bytes' limit,
+under the table's "fp8:" / "int4:" / "nvfp4:" keys; FP8 and int4 take BLOCK_K from the format, so the sweep varies
+BLOCK_N, warps, stages and BLOCK_M (at BLOCK_K 128, which NVFP4 takes as it is).
 """
 
 from __future__ import annotations
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model", nargs="?", default=str(CONFIGS_DIR / "qwen3.5-35b-a3b"),
                         help="config.json directory of an MoE model (default: the shipped Qwen3.5-35B-A3B config)")
     parser.add_argument("--format", default="bf16", choices=configs.WEIGHT_FORMATS,
-                        help="the routed experts' weight format (fp8, int4: the fused experts alone, stacked)")
+                        help="the routed experts' weight format (fp8, int4, nvfp4: the fused experts alone, stacked)")
     parser.add_argument("--tokens", default="1,2,4,8,16,32,64", help="token counts to time")
     parser.add_argument("--sweep", action="store_true", help="tune the fused kernels' tiles per bucket")
     parser.add_argument("--budget-s", type=float, default=90.0, help="start no sweep bucket after this many s")

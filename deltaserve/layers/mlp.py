@@ -8,7 +8,7 @@ intermediate size, `ops.moe.sparse_block` runs it as a slot of theirs, with the 
 elsewhere.
 
 Quantized checkpoints: projections are QuantLinears (layers/linear.py), routed experts a QuantExperts, whose
-stacked FP8 / int4 weights the same fused kernels read with the format as a parameter (elsewhere it dequantizes
+stacked FP8 / int4 / NVFP4 weights the same fused kernels read with the format as a parameter (elsewhere it dequantizes
 every expert for the grouped matmul: correct, not fast); the routers (`gate`, `shared_expert_gate`) always stay in
 the model dtype.
 
@@ -90,7 +90,7 @@ class QuantExperts(nn.Module):
     each of its scheme (`schemes`: projection -> Scheme). `raw` holds the loaded tensors until `fuse`: per
     (expert, projection) for per-expert checkpoints, or per fused name ("gate_up_proj", "down_proj") with a
     leading expert dimension. Where the formats allow (ops.moe.quantized.stack: FP8 block-scaled, int4 without act
-    order), `fuse` stacks every expert's weights into one tensor per part, which the fused MoE kernels read on the
+    order, NVFP4), `fuse` stacks every expert's weights into one tensor per part, which the fused MoE kernels read on the
     GPU at any batch size; the per-expert weights become views into the stacks. Elsewhere (the CPU, float32,
     formats the kernels do not take) every forward dequantizes all experts into the grouped matmul, a W8A8
     scheme's activations rounded as its op would (`Scheme.round_activation`)."""

@@ -99,14 +99,12 @@ def published(name: str) -> Path:
 @pytest.mark.parametrize("name", ["qwen3.5-27b-fp8", "qwen3.5-27b-awq", "qwen3.5-27b-nvfp4", "qwen3.5-35b-a3b-fp8",
                                   "qwen3.5-35b-a3b-awq", "qwen3.5-35b-a3b-nvfp4"])
 def test_published_quantized_configs_start_with_dummy_weights(name, capsys):
-    """The benchmarks' configs: each starts (eagerly: NVFP4 experts still take the fallback that dequantizes every
-    expert each step, which graph capture of every batch size would take minutes over) and decodes; the weights it
-    holds are the plan's."""
+    """The benchmarks' configs: each starts (CUDA graphs captured) and decodes; the weights it holds are the plan's."""
     from deltaserve import LLM, SamplingParams
 
     started = time.perf_counter()
     llm = LLM(str(published(name)), load_format="dummy", dtype="bfloat16", max_model_len=4096, max_num_seqs=4,
-              enforce_eager=True, skip_tokenizer_init=True)
+              skip_tokenizer_init=True)
     out = llm.generate([prompt(64, 0, llm.engine.model_config.vocab_size)],
                        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4

@@ -128,6 +128,32 @@ def test_stack_takes_one_layout_and_gives_views():
     assert quantized.stack([fp8[0], int4[0]]) is None
     other = ref.prepare_fp8_block(*ref.fp8_block_quantize(torch.randn(32, 64, generator=gen), (16, 32)), (16, 32))
     assert quantized.stack([other]) is None
+    nvfp4 = [nvfp4_weight(32, 64, per_row, gen) for per_row in (True, False, True)]  # a scalar scale_2 expands
+    stacked = quantized.stack(nvfp4)
+    assert isinstance(stacked, quantized.Nvfp4Experts) and stacked.shape == (3, 32, 64)
+    assert torch.equal(stacked.expert(1).dequantize(torch.float32), nvfp4[1].dequantize(torch.float32))
+    assert quantized.stack([nvfp4[0], int4[0]]) is None
+    assert quantized.slot_fits(stacked, nvfp4_weight(32, 64, False, gen))
+    assert not quantized.slot_fits(stacked, nvfp4_weight(32, 96, True, gen))  # another K
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nvfp4_experts_step_k_by_a_divisor_of_each_projection(dtype):
+    """BLOCK_K 32 tiles over H = 96 (three steps of 32) and I = 48 (which 32 does not divide: three of 16); the
+    kernels never mask K, so a step that overran I would read the next row's codes and scales."""
+    gen = torch.Generator().manual_seed(5)
+    E, H, inter, tokens, top_k = 4, 96, 48, 5, 2
+    tiles = MoeTiles(16, Tile(16, 32, 4, 1), Tile(16, 32, 4, 1))
+    gate_up, down = (quantized.stack(part) for part in experts("nvfp4", E, H, inter, gen))
+    ops = moe_cuda._operands(gate_up, dtype)
+    assert moe_cuda._block_k(ops, 32, H) == 32 and moe_cuda._block_k(ops, 32, inter) == 16
+    x = (torch.randn(tokens, H, generator=gen) * torch.logspace(-1, 0.5, H)).to(dtype)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=gen) + 0.1
+    got = moe_cuda.fused_experts(x, ids, weights, gate_up, down, tiles)
+    want, bound = quantized_experts_exact(x, ids, weights, gate_up, down, dtype)
+    err = (got.double() - want).abs()
+    assert (err <= bound).all(), f"error {(err / bound).max():.3g} x its bound"
 
 
 def test_fp8_gate_and_up_must_not_share_a_scale_block():

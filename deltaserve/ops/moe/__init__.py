@@ -8,7 +8,7 @@
 On CUDA, routing is one Triton kernel (any T), and for 16-bit batches of up to FUSED_MAX_TOKENS tokens with plain
 stacked weights the experts run the fused kernels of `cuda.py` (tiles from `configs.py`). Elsewhere (the CPU,
 float32, prefill-sized batches) the plain-torch `reference.py`: sort by expert + torch's grouped matmul. Quantized
-experts stacked by `quantized.stack` (FP8 block-scaled W8A8, int4 W4A16) run the same fused kernels with the
+experts stacked by `quantized.stack` (FP8 block-scaled W8A8, int4 W4A16, NVFP4 weight-only) run the same fused kernels with the
 weight format as a parameter, at every batch size; layers/mlp.QuantExperts dequantizes them for the reference
 where the kernels do not serve (the CPU, float32).
 
