@@ -1,8 +1,11 @@
 """The fused MoE path (ops/moe) on the GPU: the fused experts and the sparse block with its shared-expert slot
 (ops.moe.sparse_block) against the torch reference at Qwen3.5-35B-A3B's shapes (bf16, tiles from the shipped
 table), the routing folded into kernel A / the align kernel against the routing kernel bitwise, CUDA-graph replay
-against eager, a token against the batch it sits in, and through the engine on tiny MoE checkpoints (the shared
-expert apart and in the slot). Run by tests/gpu/run.sh (TESTS=tests/gpu/test_moe_gpu.py ... tests)."""
+against eager, a token against the batch it sits in, stacked quantized experts (FP8, int4, NVFP4) against the
+float64 value of their semantics, and through the engine on tiny MoE checkpoints (the shared expert apart and in the
+slot). Run by tests/gpu/run.sh (TESTS=tests/gpu/test_moe_gpu.py ... tests)."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -11,16 +14,19 @@ from deltaserve import LLM, SamplingParams
 from deltaserve.demo import build_checkpoint
 from deltaserve.layers.mlp import SparseMoE
 from deltaserve.ops import moe
-from deltaserve.ops.moe import configs, reference
+from deltaserve.ops.moe import configs, quantized, reference
 from deltaserve.ops.moe import cuda as moe_cuda
 from tests.gpu.logits import prompt
-from tests.ops.moe_oracle import experts_bound, shared_bound, sparse_block_bound
+from deltaserve.ops.quant_gemm import reference as quant_ref
+from tests.ops.moe_oracle import experts_bound, quantized_experts_exact, shared_bound, sparse_block_bound
 from tests.tolerance import assert_within
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 # Qwen3.5-35B-A3B: hidden, experts, top-k, expert and shared-expert intermediate sizes
 HIDDEN, EXPERTS, TOP_K, INTER, SHARED = 2048, 256, 8, 512, 512
+QUANT_EXPERTS = 32  # the quantized stacks' expert count: the shapes are 35B-A3B's, fewer experts keep the oracle quick
+U_TC16, U_TC8 = 2.0**-23, 2.0**-12  # Hopper's tensor-core accumulation: 16-bit and FP8 inputs (quant_gemm_oracle)
 
 
 @pytest.fixture(scope="module")
@@ -187,3 +193,46 @@ def test_engine_greedy_tokens_fused_equal_torch_path(arch, shared_size, tmp_path
     torch_path = [o.outputs[0].token_ids for o in LLM(path, dtype="float32", max_num_seqs=8).generate(
         prompts, params, use_tqdm=False)]
     assert fused == torch_path
+
+
+def random_expert(fmt: str, n: int, k: int, gen: torch.Generator):
+    """One expert's prepared [n, k] weight in fmt, on the CPU, of a trained model's scale (std ~ 1 / sqrt(k))."""
+    if fmt == "fp8":
+        w = torch.randn(n, k, generator=gen) * k**-0.5
+        return quant_ref.prepare_fp8_block(*quant_ref.fp8_block_quantize(w, (128, 128)), (128, 128))
+    if fmt == "int4":
+        packed = torch.randint(-2**31, 2**31 - 1, (n, k // 8), generator=gen, dtype=torch.int32)
+        zero = torch.randint(-2**31, 2**31 - 1, (n // 8, k // 128), generator=gen, dtype=torch.int32)
+        scale = (torch.rand(n, k // 128, generator=gen) + 0.5) * 0.3 * k**-0.5
+        return quant_ref.prepare_int4(packed, scale.to(torch.bfloat16), zero, 128, None, (n, k))
+    packed = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
+    scale = (torch.rand(n, k // 16, generator=gen) * 64 + 16).to(torch.float8_e4m3fn)
+    return quant_ref.prepare_nvfp4(packed, scale, torch.rand(n, generator=gen) * 0.01 * k**-0.5 + 1e-4)
+
+
+def on_gpu(stack):
+    return dataclasses.replace(stack, **{f.name: getattr(stack, f.name).cuda() for f in dataclasses.fields(stack)
+                                         if isinstance(getattr(stack, f.name), torch.Tensor)})
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4", "nvfp4"])
+@pytest.mark.parametrize("tokens", [1, 8, 64])
+def test_quantized_fused_experts_match_their_semantics_at_35b_shapes(fmt, tokens):
+    """The compiled kernels on stacked quantized experts with the shipped tiles, against the oracle's float64 value
+    and its bound at the tensor cores' accumulation (tests/ops/moe_oracle.py; the CPU test runs the interpreter)."""
+    gen = torch.Generator().manual_seed(tokens)
+    gate_up = quantized.stack([random_expert(fmt, 2 * INTER, HIDDEN, gen) for _ in range(QUANT_EXPERTS)])
+    down = quantized.stack([random_expert(fmt, HIDDEN, INTER, gen) for _ in range(QUANT_EXPERTS)])
+    x = torch.randn(tokens, HIDDEN, generator=gen).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(QUANT_EXPERTS, generator=gen)[:TOP_K] for _ in range(tokens)])
+    weights = torch.rand(tokens, TOP_K, generator=gen) + 0.1
+    weights = weights / weights.sum(-1, keepdim=True)
+    tiles = configs.tiles_for(EXPERTS, TOP_K, HIDDEN, INTER, tokens, fmt)  # those the 35B-A3B model would take
+    got = moe_cuda.fused_experts(x.cuda(), ids.cuda(), weights.cuda(), on_gpu(gate_up), on_gpu(down), tiles)
+    want, bound = quantized_experts_exact(x, ids, weights, gate_up, down, torch.bfloat16,
+                                          u_dot=U_TC8 if fmt == "fp8" else U_TC16)
+    err = (got.cpu().double() - want).abs()
+    assert (err <= bound).all(), f"{fmt}, {tokens} tokens: error {(err / bound).max():.3g} x its bound"
+    # at K = 2048 the worst-case bound exceeds values that cancel (it is 1-15x the median |value| here), so it alone
+    # would let a wrong expert, scale or zero point pass: those err by the values' own size, 10x this
+    assert err.norm() < 0.1 * want.norm(), f"{fmt}, {tokens} tokens: error {err.norm() / want.norm():.3g} of the norm"

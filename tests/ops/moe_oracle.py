@@ -203,17 +203,24 @@ def quantized_experts_exact(x, topk_ids, topk_weights, gate_up, down, dtype, u_d
     bound = torch.zeros(T, H, dtype=torch.float64)
     terms = torch.zeros(T, H, dtype=torch.float64)  # sum_j |w_j| |Wd_j| |act_j|: the k-term sum's magnitude
     xr = _fp8_rows(x.double())[0] if fp8 else x.double()
+    per_expert = {}  # e -> its dequantized weights and terms' magnitudes, each built once
+
+    def expert(e: int):
+        if e not in per_expert:
+            per_expert[e] = (_dequantized(gate_up, e), _term_magnitude(gate_up, e, offset), _dequantized(down, e),
+                             _term_magnitude(down, e, offset))
+        return per_expert[e]
+
     for t in range(T):
         for j in range(topk_ids.shape[1]):
             e, w = int(topk_ids[t, j]), float(topk_weights[t, j])
-            W, Wm = _dequantized(gate_up, e), _term_magnitude(gate_up, e, offset)
+            W, Wm, D, Dm = expert(e)
             h, hm = W @ xr[t], Wm @ xr[t].abs()  # [2I]
             c1 = chain(H, kb_gate_up)
             g, up, eg, eu = h[:inter], h[inter:], c1 * hm[:inter], c1 * hm[inter:]
             act = g / (1 + torch.exp(-g)) * up
             silu_roundings = silu_chain(torch.tensor([g.abs().max().item()])) + 1
             d_act = 1.1 * up.abs() * eg + g.abs() * eu + (gamma(silu_roundings, torch.float32) + u16) * act.abs()
-            D, Dm = _dequantized(down, e), _term_magnitude(down, e, offset)
             if fp8:
                 a_in, _ = _fp8_rows(act[None])
                 a_in, spread = a_in[0], _requantized_spread(act[None], d_act[None])[0]
