@@ -45,6 +45,20 @@ def experts(fmt, E, H, inter, gen):
             [int4_weight(H, inter, 32, symmetric, False, gen) for _ in range(E)])
 
 
+def assert_fused_experts_within_bound(gate_up, down, dtype, tokens: int, top_k: int, tiles: MoeTiles, gen, label: str):
+    """fused_experts over the stacks on random activations (of growing scale along H) and routing, within the
+    oracle's bound of its float64 value; returns (that value, the bound)."""
+    E, _, H = gate_up.shape
+    x = (torch.randn(tokens, H, generator=gen) * torch.logspace(-1, 0.5, H)).to(dtype)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=gen) + 0.1
+    got = moe_cuda.fused_experts(x, ids, weights, gate_up, down, tiles)
+    want, bound = quantized_experts_exact(x, ids, weights, gate_up, down, dtype)
+    err = (got.double() - want).abs()
+    assert (err <= bound).all(), f"{label}: error {(err / bound).max():.3g} x its bound"
+    return want, bound
+
+
 @pytest.mark.parametrize("fmt,H,inter", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens,top_k", [(1, 3), (5, 1), (20, 2)])
@@ -52,16 +66,8 @@ def test_fused_quantized_experts_match_their_semantics(fmt, H, inter, dtype, tok
     """FP8: H = 200 is one full and one partial 128-column block; 20 tokens put a popular expert in two blocks; NVFP4:
     I = 80 rows against 16-wide tiles of N, and an odd number of scale groups."""
     gen = torch.Generator().manual_seed(tokens * 31 + top_k + H)
-    E = 5
-    gate_up, down = experts(fmt, E, H, inter, gen)
-    gate_up, down = quantized.stack(gate_up), quantized.stack(down)
-    x = (torch.randn(tokens, H, generator=gen) * torch.logspace(-1, 0.5, H)).to(dtype)
-    ids = torch.stack([torch.randperm(E, generator=gen)[:top_k] for _ in range(tokens)])
-    weights = torch.rand(tokens, top_k, generator=gen) + 0.1
-    got = moe_cuda.fused_experts(x, ids, weights, gate_up, down, SMALL)
-    want, bound = quantized_experts_exact(x, ids, weights, gate_up, down, dtype)
-    err = (got.double() - want).abs()
-    assert (err <= bound).all(), f"{fmt}: error {(err / bound).max():.3g} x its bound"
+    gate_up, down = (quantized.stack(part) for part in experts(fmt, 5, H, inter, gen))
+    want, bound = assert_fused_experts_within_bound(gate_up, down, dtype, tokens, top_k, SMALL, gen, fmt)
     # a bound below most values: a wrong scale, zero point or expert (an error of the value's size) breaks it
     assert (bound < 0.5 * want.abs()).double().mean() > 0.5
 
@@ -142,18 +148,12 @@ def test_nvfp4_experts_step_k_by_a_divisor_of_each_projection(dtype):
     """BLOCK_K 32 tiles over H = 96 (three steps of 32) and I = 48 (which 32 does not divide: three of 16); the
     kernels never mask K, so a step that overran I would read the next row's codes and scales."""
     gen = torch.Generator().manual_seed(5)
-    E, H, inter, tokens, top_k = 4, 96, 48, 5, 2
+    H, inter, tokens, top_k = 96, 48, 5, 2
     tiles = MoeTiles(16, Tile(16, 32, 4, 1), Tile(16, 32, 4, 1))
-    gate_up, down = (quantized.stack(part) for part in experts("nvfp4", E, H, inter, gen))
+    gate_up, down = (quantized.stack(part) for part in experts("nvfp4", 4, H, inter, gen))
     ops = moe_cuda._operands(gate_up, dtype)
     assert moe_cuda._block_k(ops, 32, H) == 32 and moe_cuda._block_k(ops, 32, inter) == 16
-    x = (torch.randn(tokens, H, generator=gen) * torch.logspace(-1, 0.5, H)).to(dtype)
-    ids = torch.stack([torch.randperm(E, generator=gen)[:top_k] for _ in range(tokens)])
-    weights = torch.rand(tokens, top_k, generator=gen) + 0.1
-    got = moe_cuda.fused_experts(x, ids, weights, gate_up, down, tiles)
-    want, bound = quantized_experts_exact(x, ids, weights, gate_up, down, dtype)
-    err = (got.double() - want).abs()
-    assert (err <= bound).all(), f"error {(err / bound).max():.3g} x its bound"
+    assert_fused_experts_within_bound(gate_up, down, dtype, tokens, top_k, tiles, gen, "nvfp4, BLOCK_K 32")
 
 
 def test_fp8_gate_and_up_must_not_share_a_scale_block():
