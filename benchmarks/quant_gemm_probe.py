@@ -156,7 +156,7 @@ def candidates(fmt: str, n: int, k: int, rows: int, w) -> list[tuple[dict, objec
         if not cuda_gemv.supports(w, entry, rows):
             continue
         if fmt == "int4" and rows == 1:  # the split the kernel runs (a divisor of its K steps): no tile twice
-            entry["split_k"] = cuda_gemv._int4_row_steps(k, w.group_size, entry)[1]
+            entry["split_k"] = cuda_gemv._row_steps(k, w.group_size, entry)[1]
         if all(entry != seen for seen, _ in out):
             out.append((entry, lambda x, w, e=entry: cuda_gemv.gemv(x, w, e)))
     if rows <= configs.SKINNY_MAX_ROWS:

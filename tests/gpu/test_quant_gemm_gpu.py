@@ -137,7 +137,7 @@ def test_gemv_tiles(fmt, weights):
             if fmt == "int4" and m == 1:  # the dp4a kernel: x in 16-bit fixed point, the nibbles dotted in int32
                 dp4a = dict(tile, dp4a=1)
                 y64, _ = oracle.weight_only_exact(x, w)
-                splits = cuda_gemv._int4_row_steps(k, w.group_size, dp4a)[1]
+                splits = cuda_gemv._row_steps(k, w.group_size, dp4a)[1]
                 oracle.assert_within(cuda_gemv.gemv(x, w, dp4a), y64, oracle.int4_dp4a_bound(x, w, y64, splits),
                                      f"int4 gemv {dp4a} N={n} K={k}")
 

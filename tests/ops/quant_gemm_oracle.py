@@ -71,15 +71,33 @@ def int4_dp4a_bound(x, w, y64, splits=1):
     partials: (K/32 + 4 + splits) roundings of s (q + z) (|x| + 2^E) a term."""
     k, g = w.shape[1], w.group_size
     xs = x.double() if w.perm is None else x.double()[:, w.perm]  # [M, K], packed order
-    top = xs.abs().reshape(x.shape[0], k // g, g).amax(-1)
-    e = torch.floor(torch.log2(top)).clamp_min(-100) - 14  # -inf (a zero group) clamps too
-    step = (2.0 ** e).repeat_interleave(g, dim=1)  # [M, K]
+    step = _fixed_point_steps(xs, g)
     q = ref.unpack_int4(w.packed, k).double()
     zero = 8.0 if w.zero is None else w.zero.double().repeat_interleave(g, dim=1)
     scale = w.scale.double().repeat_interleave(g, dim=1)
     codes = scale * (q + zero)  # [N, K]: the codes and the zero's part, summed apart
     rounding = step @ (scale * (q - zero)).abs().T
     return rounding + (k // 32 + 4 + splits) * U32 * ((xs.abs() + step) @ codes.T) + _output(x, y64)
+
+
+def _fixed_point_steps(x, group: int):
+    """[M, K] float64: 2^E per column, E = floor(log2 max |x|) - 14 of its group of x (at least 2^-114), the
+    dp4a kernels' 16-bit fixed point of x (cuda_gemv._x_parts_kernel)."""
+    top = x.abs().reshape(x.shape[0], x.shape[1] // group, group).amax(-1)
+    e = torch.floor(torch.log2(top)).clamp_min(-100) - 14  # -inf (a zero group) clamps too
+    return (2.0 ** e).repeat_interleave(group, dim=1)
+
+
+def nvfp4_dp4a_bound(x, w, y64, splits=1):
+    """cuda_gemv's dp4a one-row NVFP4 GEMV: x rounded per group of 16 to 16-bit fixed point (within one step 2^E,
+    the clamp at 2^15 - 1 included), the integer dots exact; per group a float32 product, summed in float32 with the
+    split partials and times scale_2 / 2 once: (K/16 + 4 + splits) roundings of |W| (|x| + 2^E) a term, and the
+    two of y64's float32 dequantization (scale_2's product)."""
+    k = w.shape[1]
+    xs = x.double()
+    step = _fixed_point_steps(xs, 16)
+    w_abs = w.dequantize(torch.float32).double().abs()
+    return step @ w_abs.T + (k // 16 + 6 + splits) * U32 * ((xs.abs() + step) @ w_abs.T) + _output(x, y64)
 
 
 def _output(x, y64):

@@ -14,7 +14,9 @@ import torch
 if torch.cuda.is_available():
     pytest.skip("compiled kernels are tested by tests/gpu/test_quant_gemm_gpu.py", allow_module_level=True)
 os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+
+import triton.language as tl  # noqa: E402
 
 import deltaserve.ops.quant_gemm as quant_gemm  # noqa: E402
 from deltaserve.ops.quant_gemm import configs, cuda_fp8, cuda_gemv, cuda_weight_only  # noqa: E402
@@ -284,7 +286,7 @@ def test_int4_one_row_split_k(dtype, symmetric, act_order, block_k, split_k, ste
     gen = torch.Generator().manual_seed(block_k + split_k)
     w, x = int4_weight(40, 768, 32, symmetric, act_order, gen), activations(1, 768, dtype, gen)
     config = dict(GEMV, block_k=block_k, split_k=split_k)
-    assert cuda_gemv._int4_row_steps(768, 32, config) == steps
+    assert cuda_gemv._row_steps(768, 32, config) == steps
     y64, terms = oracle.weight_only_exact(x, w)
     oracle.assert_within(cuda_gemv.gemv(x, w, config), y64, gemv_bound(x, w, y64, terms), "int4 one-row gemv")
 
@@ -307,7 +309,7 @@ def test_int4_one_row_dp4a(dtype, symmetric, act_order, g, block_k, split_k):
     y64, _ = oracle.weight_only_exact(x, w)
     got = cuda_gemv.gemv(x, w, config)
     assert got.dtype == dtype and got.shape == (1, 40)
-    splits = cuda_gemv._int4_row_steps(768, g, config)[1]
+    splits = cuda_gemv._row_steps(768, g, config)[1]
     oracle.assert_within(got, y64, oracle.int4_dp4a_bound(x, w, y64, splits), "int4 dp4a gemv")
 
 
@@ -322,6 +324,56 @@ def test_nvfp4_gemv(dtype, m, n, k, per_row):
     y64, terms = oracle.weight_only_exact(x, w)
     got = cuda_gemv.gemv(x, w, GEMV)
     oracle.assert_within(got, y64, gemv_bound(x, w, y64, terms, extra_roundings=3), "nvfp4 gemv")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("per_row", [False, True])
+@pytest.mark.parametrize("block_k,split_k,steps", [(64, 3, (4, 3)), (256, 2, (4, 1)), (16, 1, (1, 1))])
+def test_nvfp4_one_row_dp4a(dtype, per_row, block_k, split_k, steps):
+    """The dp4a one-row NVFP4 kernel (x as 16-bit fixed point per 16 columns, prmt's byte lookup of the e2m1 codes,
+    positive and negative apart) over 192 columns: all 16 codes in all 8 nibble positions (random bytes), subnormal
+    e4m3 scales, K split in 3 (16 groups a step asked of 12 take 4, and 2 splits of 3 steps none), N = 40 leaving a
+    partial row block. The first group is
+    zero; column 16, the largest of its group, is 2 - 2^-23 (in float32 the fixed point's clamp)."""
+    gen = torch.Generator().manual_seed(block_k + split_k + per_row)
+    w, x = nvfp4_weight(40, 192, per_row, gen), activations(1, 192, dtype, gen)
+    x[0, :16] = 0.0
+    x[0, 16:32] = x[0, 16:32].clamp(-1.0, 1.0)
+    x[0, 16] = 2.0 - 2.0**-23
+    config = dict(GEMV, block_k=block_k, split_k=split_k, dp4a=1)
+    assert cuda_gemv.supports(w, config, 1) and cuda_gemv._row_steps(192, 16, config) == steps
+    y64, _ = oracle.weight_only_exact(x, w)
+    got = cuda_gemv.gemv(x, w, config)
+    assert got.dtype == dtype and got.shape == (1, 40)
+    oracle.assert_within(got, y64, oracle.nvfp4_dp4a_bound(x, w, y64, steps[1]), "nvfp4 dp4a gemv")
+
+
+def test_prmt_looks_bytes_up_as_ptx_does():
+    """The interpreter's prmt (the kernels' PTX elsewhere) against the PTX manual's default mode, every selector
+    nibble: byte (nibble & 7) of the table, or its top bit repeated where the nibble's bit 3 is set."""
+    table = [0x00, 0x01, 0x82, 0x03, 0x04, 0xF6, 0x08, 0x0C]  # two bytes with the top bit set
+    lo, hi = (int.from_bytes(bytes(table[i:i + 4]), "little", signed=True) for i in (0, 4))
+    selectors = torch.arange(0, 1 << 16, 257, dtype=torch.int32)  # each nibble through all 16 values
+    got = run_prmt(lo, hi, selectors)
+    for sel, word in zip(selectors.tolist(), got.tolist()):
+        want = 0
+        for i in range(4):
+            nibble = (sel >> (4 * i)) & 0xF
+            byte = table[nibble & 7]
+            want |= ((0xFF if byte & 0x80 else 0) if nibble & 8 else byte) << (8 * i)
+        assert word & 0xFFFFFFFF == want, f"selector {sel:#06x}: {word & 0xFFFFFFFF:#010x}, want {want:#010x}"
+
+
+@triton.jit
+def _prmt_kernel(selectors, out, table_lo, table_hi, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(out + offs, cuda_gemv._prmt(table_lo, table_hi, tl.load(selectors + offs)))
+
+
+def run_prmt(lo: int, hi: int, selectors: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(selectors)
+    _prmt_kernel[(1,)](selectors, out, lo, hi, BLOCK=selectors.numel())
+    return out
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -428,8 +480,9 @@ def test_table_entries_are_checked(tmp_path, monkeypatch):
                                 ("fp8:1:2:8", dict(GEMV, kind="gemv"), "does not serve the 8-row"),
                                 ("int4:1:2:16", dict(GEMV, kind="gemv"), "does not serve the 16-row"),
                                 ("nvfp4:1:2:8192", dict(GEMM, kind="gemm", warps=0), "warps must be a positive"),
-                                ("int4:1:2:8", dict(GEMV, kind="gemv", dp4a=1), "int4 one-row GEMV only"),
-                                ("int4:1:2:1", dict(GEMV, kind="gemv", dp4a=2), "must be 0 or 1")]:
+                                ("int4:1:2:8", dict(GEMV, kind="gemv", dp4a=1), "NVFP4 one-row GEMV only"),
+                                ("int4:1:2:1", dict(GEMV, kind="gemv", dp4a=2), "must be 0 or 1"),
+                                ("nvfp4:1:2:1", dict(GEMV, kind="gemv", split_k=2), "with dp4a only")]:
         path = tmp_path / "table.json"
         path.write_text(__import__("json").dumps({key: entry}))
         monkeypatch.setenv(configs.ENV_VAR, str(path))
@@ -455,5 +508,5 @@ def test_default_configs_are_valid_entries(fmt):
             entry = configs.default_config(fmt, n, k, rows)
             configs.check_entry("default", f"{fmt}:{n}:{k}:{configs.row_bucket(rows)}", entry)
             if fmt == "int4" and rows == 1:
-                assert cuda_gemv._int4_row_steps(k, 128, entry) is not None
+                assert cuda_gemv._row_steps(k, 128, entry) is not None
 

@@ -4,7 +4,8 @@
 Keys are "format:N:K:rows", format one of fp8, int4, nvfp4 and rows the bucket of the batch's row count: 1, 8, 16,
 32 or 64 (decode) or 512 / 8192 (prefill: up to 512 rows, more). Values are dicts:
   {"kind": "gemv", "block_n", "block_k", "warps", "stages"[, "split_k", "dp4a"]}   cuda_gemv: fp8 1 row, int4 /
-                                            nvfp4 1..8 rows (split_k, dp4a 0 or 1: int4 at one row only)
+                                            nvfp4 1..8 rows (split_k, dp4a 0 or 1: one row only,
+                                            NVFP4's split_k with dp4a)
   {"kind": "skinny", "block_n", "block_k", "split_k", "warps", "stages"[, "quant_x"]}   1..64 rows only
   {"kind": "gemm", "block_m", "block_n", "block_k", "group_m", "warps", "stages"}       tiled, any rows
   {"kind": "torch"}    fp8 only: torch's block-scaled FP8 matmul (F.scaled_mm, 1x128 x 128x128 scales)
@@ -60,13 +61,17 @@ def check_entry(where: str, key: str, entry) -> None:
     if (bucket not in DECODE_BUCKETS + PREFILL_BUCKETS or (kind == "skinny" and bucket not in DECODE_BUCKETS)
             or (kind == "gemv" and bucket > (1 if parts[0] == "fp8" else 8))):
         raise ValueError(f"{where}: entry {key!r}: kind {kind!r} does not serve the {bucket}-row bucket")
-    optional = ("split_k",) if kind == "gemv" and parts[0] == "int4" and bucket == 1 else ()
+    one_row_4bit = kind == "gemv" and parts[0] in ("int4", "nvfp4") and bucket == 1
+    optional = ("split_k",) if one_row_4bit else ()
     for field in _FIELDS[kind] + tuple(f for f in optional if f in entry):
         value = entry.get(field)
         if not (isinstance(value, int) and value > 0):
             raise ValueError(f"{where}: entry {key!r}: {field} must be a positive int, got {value!r}")
     if "dp4a" in entry and (not optional or entry["dp4a"] not in (0, 1) or isinstance(entry["dp4a"], bool)):
-        raise ValueError(f"{where}: entry {key!r}: dp4a (int4 one-row GEMV only) must be 0 or 1, got {entry['dp4a']!r}")
+        raise ValueError(f"{where}: entry {key!r}: dp4a (int4 / NVFP4 one-row GEMV only) must be 0 or 1, got "
+                         f"{entry['dp4a']!r}")
+    if one_row_4bit and parts[0] == "nvfp4" and "split_k" in entry and not entry.get("dp4a"):
+        raise ValueError(f"{where}: entry {key!r}: split_k is the NVFP4 one-row GEMV's with dp4a only, got {entry!r}")
 
 
 @functools.cache

@@ -10,7 +10,7 @@ serves all M rows of x (M FMAs a weight: the tensor-core skinny kernels take ove
 takes a kernel of its own (_int4_row_kernel): [BLOCK_N, groups, words] tiles in which a thread holds words of
 several rows, so that each x column it loads serves them all, and K split over a second grid axis, the float32
 partials summed in order after; or, where the table says "dp4a", _int4_dp4a_row_kernel, which dots the nibbles
-with x in 16-bit fixed point as integers (dp4a) after _int4_x_parts_kernel has packed x so.
+with x in 16-bit fixed point as integers (dp4a) after _x_parts_kernel has packed x so.
 
   int4   a word holds columns 8j .. 8j+7 (nibble i: bits 4i..4i+3); the nibbles of its low half, masked in place
          and ORed into the bits of 2048.0, are the floats 2048 + q * 16^(i-3) exactly (2048's ulp is 2^-12);
@@ -47,6 +47,7 @@ MAGIC_2048: tl.constexpr = tl.constexpr(0x45000000)  # the float32 bits of 2048.
 E2M1_FP16_SCALE: tl.constexpr = tl.constexpr(16384.0)  # 2^14
 # Rows the weight-only GEMV takes (each decoded weight multiplied by every row on the CUDA cores)
 MAX_ROWS = 8
+NVFP4_GROUP = 16  # columns a scale of NVFP4 covers
 
 
 @triton.jit
@@ -129,6 +130,30 @@ def _dp4a(a, b, c, B_SIGNED: tl.constexpr):
     return c
 
 
+# e2m1 magnitudes times 2 (0, 0.5, 1, 1.5, 2, 3, 4, 6 -> 0 1 2 3 4 6 8 12) as prmt's 8-byte table: bytes 0-3, 4-7
+E2M1_TWICE_LO: tl.constexpr = tl.constexpr(0x03020100)
+E2M1_TWICE_HI: tl.constexpr = tl.constexpr(0x0C080604)
+NIBBLE_SIGNS: tl.constexpr = tl.constexpr(-0x77777778)  # 0x88888888 as int32: bit 3 of every nibble
+
+
+@triton.jit
+def _prmt(table_lo, table_hi, selectors):
+    """PTX prmt (default mode), all int32: byte i of the result is byte (selectors >> 4i) & 7 of the 8 bytes
+    table_hi:table_lo, or, where bit 3 of that nibble is set, that byte's top bit repeated (0 for a table of bytes
+    below 0x80). Only the low 16 bits of selectors are read."""
+    if _PTX_DP4A:
+        return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [table_lo, table_hi, selectors],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    out = selectors * 0
+    for i in tl.static_range(4):
+        nibble = (selectors >> (4 * i)) & 0xF
+        index = nibble & 7
+        byte = tl.where(index < 4, table_lo >> (8 * (index & 3)), table_hi >> (8 * (index & 3))) & 0xFF
+        byte = tl.where((nibble & 8) != 0, tl.where((byte & 0x80) != 0, 0xFF, 0), byte)
+        out |= byte << (8 * i)
+    return out
+
+
 @triton.jit
 def _split4(x4):
     """[..., 4] -> its 4 columns, each [...] (in registers: the 4 are one thread's)."""
@@ -145,12 +170,15 @@ def _bytes4(b0, b1, b2, b3):
 
 
 @triton.jit
-def _int4_x_parts_kernel(x, parts, x_scale, v_sum, K_WORDS, GROUP: tl.constexpr, PDL: tl.constexpr = False):
-    """Grid (K / GROUP,): group g of x [K] as 16-bit fixed point for _int4_dp4a_row_kernel. x_scale[g] = 2^E, E the
+def _x_parts_kernel(x, parts, x_scale, v_sum, K_WORDS, GROUP: tl.constexpr, LOW_HIGH: tl.constexpr = False,
+                    PDL: tl.constexpr = False):
+    """Grid (K / GROUP,): group g of x [K] as 16-bit fixed point for the dp4a row kernels. x_scale[g] = 2^E, E the
     group's floor(log2 max |x|) - 14 (at least -114: smaller groups round to ~0); v = round(x / 2^E) (|v| <= 32767),
     split v = 256 hi + lo, hi's bytes signed and lo's not; parts [4, K/8] int32: per word j of the packed weight
     (columns 8j .. 8j+7) the hi bytes of its even columns 8j, 8j+2, 8j+4, 8j+6 (row 0), of its odd ones (row 1), the
-    lo bytes alike (rows 2, 3), as dp4a pairs them with a word's nibbles 0 2 4 6 and 1 3 5 7; v_sum[g] = sum of v."""
+    lo bytes alike (rows 2, 3), as dp4a pairs them with a word's nibbles 0 2 4 6 and 1 3 5 7 (int4); LOW_HIGH
+    (NVFP4): columns 8j .. 8j+3 in rows 0 and 2, 8j+4 .. 8j+7 in rows 1 and 3, as prmt makes bytes of a word's
+    nibbles 0-3 and 4-7; v_sum[g] = sum of v."""
     wait_for_previous_kernel(PDL)
     WPG: tl.constexpr = GROUP // 8
     g = tl.program_id(0)
@@ -162,11 +190,15 @@ def _int4_x_parts_kernel(x, parts, x_scale, v_sum, K_WORDS, GROUP: tl.constexpr,
     tl.store(x_scale + g, ((127 + e) << 23).to(tl.float32, bitcast=True))
     tl.store(v_sum + g, tl.sum(v, axis=0))
     c0, c1, c2, c3, c4, c5, c6, c7 = _split8(tl.reshape(v, [WPG, 8]))  # [WPG] each: column i of every word
+    if LOW_HIGH:
+        first, second = (c0, c1, c2, c3), (c4, c5, c6, c7)
+    else:
+        first, second = (c0, c2, c4, c6), (c1, c3, c5, c7)
     out = parts + g * WPG + tl.arange(0, WPG)
-    tl.store(out, _bytes4(c0 >> 8, c2 >> 8, c4 >> 8, c6 >> 8))
-    tl.store(out + K_WORDS, _bytes4(c1 >> 8, c3 >> 8, c5 >> 8, c7 >> 8))
-    tl.store(out + 2 * K_WORDS, _bytes4(c0, c2, c4, c6))
-    tl.store(out + 3 * K_WORDS, _bytes4(c1, c3, c5, c7))
+    tl.store(out, _bytes4(first[0] >> 8, first[1] >> 8, first[2] >> 8, first[3] >> 8))
+    tl.store(out + K_WORDS, _bytes4(second[0] >> 8, second[1] >> 8, second[2] >> 8, second[3] >> 8))
+    tl.store(out + 2 * K_WORDS, _bytes4(first[0], first[1], first[2], first[3]))
+    tl.store(out + 3 * K_WORDS, _bytes4(second[0], second[1], second[2], second[3]))
 
 
 @triton.jit
@@ -176,7 +208,7 @@ def _int4_dp4a_row_kernel(
     SPLIT: tl.constexpr, EVEN_N: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Grid (cdiv(N, BLOCK_N), splits): out [N] (or partial [splits, N] float32 when SPLIT) = x [K] @ dequant(W)^T
-    with x as _int4_x_parts_kernel left it (parts, x_scale, v_sum). A word's nibbles are masked into two words of
+    with x as _x_parts_kernel left it (parts, x_scale, v_sum). A word's nibbles are masked into two words of
     bytes (nibbles 0 2 4 6 and 1 3 5 7) and dotted with x's hi and lo bytes by dp4a: 7 instructions for 8 weights,
     summed in int32 over the 4 words a thread holds (exact: |sum| < 2^24). Per row and group:
     sum_k (q_k - z) x_k = 2^E (sum_k q_k v_k - z v_sum), times the group's scale, summed in float32. Tiles
@@ -225,6 +257,76 @@ def _int4_dp4a_row_kernel(
         zero_acc += z * v.to(tl.float32)[None, :, None] * group_scale
         s, z, xs, v = s_next, z_next, xs_next, v_next
     y = tl.sum(tl.sum(acc, axis=2), axis=1) - tl.sum(tl.sum(zero_acc, axis=2), axis=1)  # [BN]
+    if SPLIT:
+        tl.store(partial + tl.program_id(1) * N + ns, y, mask=n_ok)
+    else:
+        tl.store(out + ns, y.to(out.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _nvfp4_row_scales(scale, s_rows, n_ok, groups, EVEN_N: tl.constexpr):
+    """The e4m3 group scales of rows s_rows [BN, 1] at groups [GPS], float32 [BN, GPS]."""
+    if EVEN_N:
+        return tl.load(scale + s_rows + groups[None, :]).to(tl.float32)
+    return tl.load(scale + s_rows + groups[None, :], mask=n_ok[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _nvfp4_dp4a_row_kernel(
+    parts, x_scale, words, scale, scale_2, out, partial, N, K_WORDS, GROUPS_PER_SPLIT, stride_wn, stride_sn,
+    table_lo, table_hi, BLOCK_N: tl.constexpr, GROUPS_PER_STEP: tl.constexpr, SPLIT: tl.constexpr,
+    EVEN_N: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False,
+):
+    """Grid (cdiv(N, BLOCK_N), splits): out [N] (or partial [splits, N] float32 when SPLIT) = x [K] @ dequant(W)^T
+    for NVFP4 (words: the packed bytes as int32 [N, K/8], scale [N, K/16] e4m3, scale_2 [N]) with x as
+    _x_parts_kernel (LOW_HIGH, groups of 16) left it (parts, x_scale). prmt looks a word's nibbles up as bytes of 2
+    e2m1 (0..12), the positive codes in one word and the negative ones (sign bit flipped) in another, and dp4a dots
+    both with x's hi and lo bytes: per group of 16 columns sum 2 e2m1(q) v exactly in int32, times the group's scale
+    and 2^E (float32), summed in float32; the row's scale_2 / 2 at the end. Tiles [BLOCK_N, groups, 2 words]; the
+    words and x's parts stream through shared memory STAGES - 1 steps ahead, the scales and x's group scales load
+    one step ahead into registers. table_lo / table_hi (E2M1_TWICE_*) come at run time, as registers."""
+    wait_for_previous_kernel(PDL)
+    ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    n_ok = ns < N
+    gs = tl.arange(0, GROUPS_PER_STEP)  # [GPS]
+    w_rows = words + ns[:, None, None].to(tl.int64) * stride_wn  # [BN, 1, 1]
+    s_rows = ns[:, None].to(tl.int64) * stride_sn  # [BN, 1]
+    acc = tl.zeros([BLOCK_N, GROUPS_PER_STEP], dtype=tl.float32)
+    g_first = tl.program_id(1) * GROUPS_PER_SPLIT
+    g_last = g_first + GROUPS_PER_SPLIT - GROUPS_PER_STEP  # the last step's first group
+    s = _nvfp4_row_scales(scale, s_rows, n_ok, g_first + gs, EVEN_N)
+    xs = tl.load(x_scale + g_first + gs)  # [GPS]
+    for g0 in tl.range(g_first, g_last + 1, GROUPS_PER_STEP, num_stages=STAGES):
+        g_next = tl.minimum(g0 + GROUPS_PER_STEP, g_last) + gs  # [GPS]
+        s_next = _nvfp4_row_scales(scale, s_rows, n_ok, g_next, EVEN_N)
+        xs_next = tl.load(x_scale + g_next)
+        word_ids = (g0 + gs)[:, None] * 2 + tl.arange(0, 2)[None, :]  # [GPS, 2]: a group's two words
+        if EVEN_N:
+            word = tl.load(w_rows + word_ids[None])  # [BN, GPS, 2]
+        else:
+            word = tl.load(w_rows + word_ids[None], mask=n_ok[:, None, None], other=0)
+        x_words = parts + word_ids[None]  # [1, GPS, 2]
+        hi_low = tl.split(tl.load(x_words))  # x's hi bytes of columns 0-3 of each word, then of 4-7, lo bytes alike
+        hi_high = tl.split(tl.load(x_words + K_WORDS))
+        lo_low = tl.split(tl.load(x_words + 2 * K_WORDS))
+        lo_high = tl.split(tl.load(x_words + 3 * K_WORDS))
+        w2 = tl.split(word)  # [BN, GPS] each
+        pos_hi = tl.zeros([BLOCK_N, GROUPS_PER_STEP], dtype=tl.int32)
+        neg_hi = tl.zeros([BLOCK_N, GROUPS_PER_STEP], dtype=tl.int32)
+        pos_lo = tl.zeros([BLOCK_N, GROUPS_PER_STEP], dtype=tl.int32)
+        neg_lo = tl.zeros([BLOCK_N, GROUPS_PER_STEP], dtype=tl.int32)
+        for i in tl.static_range(2):
+            flipped = w2[i] ^ NIBBLE_SIGNS  # the negative codes' bytes where prmt zeroed the positive ones
+            pos_low, neg_low = _prmt(table_lo, table_hi, w2[i]), _prmt(table_lo, table_hi, flipped)
+            pos_high, neg_high = _prmt(table_lo, table_hi, w2[i] >> 16), _prmt(table_lo, table_hi, flipped >> 16)
+            pos_hi = _dp4a(pos_high, hi_high[i], _dp4a(pos_low, hi_low[i], pos_hi, True), True)
+            neg_hi = _dp4a(neg_high, hi_high[i], _dp4a(neg_low, hi_low[i], neg_hi, True), True)
+            pos_lo = _dp4a(pos_high, lo_high[i], _dp4a(pos_low, lo_low[i], pos_lo, False), False)
+            neg_lo = _dp4a(neg_high, lo_high[i], _dp4a(neg_low, lo_low[i], neg_lo, False), False)
+        dot = (pos_hi - neg_hi) * 256 + (pos_lo - neg_lo)  # [BN, GPS]: sum 2 e2m1(q) v over each group, exact
+        acc += dot.to(tl.float32) * (s * xs[None, :])
+        s, xs = s_next, xs_next
+    y = tl.sum(acc, axis=1) * (tl.load(scale_2 + ns, mask=n_ok, other=0.0) * 0.5)  # [BN]
     if SPLIT:
         tl.store(partial + tl.program_id(1) * N + ns, y, mask=n_ok)
     else:
@@ -434,13 +536,15 @@ def supports(w, config: dict, rows: int = 1) -> bool:
         bn, bk = w.block_size
         return rows == 1 and bn % config["block_n"] == 0 and config["block_k"] % bk == 0
     if isinstance(w, Int4Weight) and rows == 1:
-        return _int4_row_steps(k, w.group_size, config) is not None
-    group = w.group_size if isinstance(w, Int4Weight) else 16
+        return _row_steps(k, w.group_size, config) is not None
+    if rows == 1 and config.get("dp4a"):  # NVFP4's dp4a row kernel: whole groups of 16 a step
+        return _row_steps(k, NVFP4_GROUP, config) is not None
+    group = w.group_size if isinstance(w, Int4Weight) else NVFP4_GROUP
     return 1 <= rows <= MAX_ROWS and _block_k(k, config["block_k"], group) is not None
 
 
-def _int4_row_steps(k: int, group: int, config: dict) -> tuple[int, int] | None:
-    """(groups a K step, K splits) of the one-row int4 kernel: block_k // group groups a step (a power of two, at
+def _row_steps(k: int, group: int, config: dict) -> tuple[int, int] | None:
+    """(groups a K step, K splits) of the one-row int4 kernels and NVFP4's dp4a kernel (group 16): block_k // group groups a step (a power of two, at
     least 1) and up to config's split_k splits (default 1), both dividing K's groups; None if the group is not a
     power of two of at least 8 columns or no step divides K."""
     if group < 8 or group & (group - 1) or k % group:
@@ -485,7 +589,9 @@ def gemv(x: torch.Tensor | Fp8Activation, w, config: dict) -> torch.Tensor:
         if m == 1:
             return _int4_row(x, w, config, out, launch)
     else:
-        fmt, words, group, zero, scale_2 = NVFP4, w.packed.view(torch.int32), 16, None, w.scale_2
+        if m == 1 and config.get("dp4a"):
+            return _nvfp4_dp4a_row(x, w, config, out, launch)
+        fmt, words, group, zero, scale_2 = NVFP4, w.packed.view(torch.int32), NVFP4_GROUP, None, w.scale_2
     block_k = _block_k(k, config["block_k"], group)
     _weight_only_gemv_kernel[grid](
         x, words, w.scale, zero if zero is not None else w.scale, scale_2, out, m, n, k, x.stride(0), out.stride(0),
@@ -497,13 +603,13 @@ def gemv(x: torch.Tensor | Fp8Activation, w, config: dict) -> torch.Tensor:
 
 def _int4_row(x: torch.Tensor, w: Int4Weight, config: dict, out: torch.Tensor, launch: dict) -> torch.Tensor:
     """out [1, N] = x [1, K] (columns in the packed order) @ dequant(w)^T by _int4_row_kernel, or with config's
-    "dp4a" by _int4_x_parts_kernel and _int4_dp4a_row_kernel; split K sums its float32 partials in order by a
+    "dp4a" by _x_parts_kernel and _int4_dp4a_row_kernel; split K sums its float32 partials in order by a
     further kernel."""
     from deltaserve.ops.linear.cuda_skinny import _sum_splits_kernel
 
     n, k = w.shape
     group = w.group_size
-    per_step, split = _int4_row_steps(k, group, config)
+    per_step, split = _row_steps(k, group, config)
     block_n = config["block_n"]
     partial = torch.empty(split, n, dtype=torch.float32, device=x.device) if split > 1 else out
     grid = (triton.cdiv(n, block_n), split)
@@ -516,7 +622,7 @@ def _int4_row(x: torch.Tensor, w: Int4Weight, config: dict, out: torch.Tensor, l
         parts = torch.empty(4, k // 8, dtype=torch.int32, device=x.device)
         x_scale = torch.empty(groups, dtype=torch.float32, device=x.device)
         v_sum = torch.empty(groups, dtype=torch.int32, device=x.device)
-        _int4_x_parts_kernel[(groups,)](x, parts, x_scale, v_sum, k // 8, GROUP=group, **launch)
+        _x_parts_kernel[(groups,)](x, parts, x_scale, v_sum, k // 8, GROUP=group, **launch)
         _int4_dp4a_row_kernel[grid](
             parts, x_scale, v_sum, w.packed, w.scale, zero, out, partial, n, k // 8, k // group // split,
             w.packed.stride(0), w.scale.stride(0), **common)
@@ -524,6 +630,31 @@ def _int4_row(x: torch.Tensor, w: Int4Weight, config: dict, out: torch.Tensor, l
         _int4_row_kernel[grid](
             x, w.packed, w.scale, zero, out, partial, n, k // group // split, w.packed.stride(0), w.scale.stride(0),
             MAGIC_2048.value, 12, **common)
+    if split > 1:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(n, block),)](partial, out, n, SPLIT_K=split, BLOCK=block, **launch)
+    return out
+
+
+def _nvfp4_dp4a_row(x: torch.Tensor, w, config: dict, out: torch.Tensor, launch: dict) -> torch.Tensor:
+    """out [1, N] = x [1, K] @ dequant(w)^T for NVFP4 by _x_parts_kernel (groups of 16, LOW_HIGH) and
+    _nvfp4_dp4a_row_kernel; split K sums its float32 partials in order by a further kernel."""
+    from deltaserve.ops.linear.cuda_skinny import _sum_splits_kernel
+
+    n, k = w.shape
+    groups = k // NVFP4_GROUP
+    per_step, split = _row_steps(k, NVFP4_GROUP, config)
+    block_n = config["block_n"]
+    words = w.packed.view(torch.int32)  # [N, K/8]: nibble i of word j is column 8j + i
+    parts = torch.empty(4, k // 8, dtype=torch.int32, device=x.device)
+    x_scale = torch.empty(groups, dtype=torch.float32, device=x.device)
+    v_sum = torch.empty(groups, dtype=torch.int32, device=x.device)  # written, unread: no zero point
+    _x_parts_kernel[(groups,)](x, parts, x_scale, v_sum, k // 8, GROUP=NVFP4_GROUP, LOW_HIGH=True, **launch)
+    partial = torch.empty(split, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    _nvfp4_dp4a_row_kernel[(triton.cdiv(n, block_n), split)](
+        parts, x_scale, words, w.scale, w.scale_2, out, partial, n, k // 8, groups // split, words.stride(0),
+        w.scale.stride(0), E2M1_TWICE_LO.value, E2M1_TWICE_HI.value, BLOCK_N=block_n, GROUPS_PER_STEP=per_step,
+        SPLIT=split > 1, EVEN_N=n % block_n == 0, STAGES=config["stages"], num_warps=config["warps"], **launch)
     if split > 1:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(n, block),)](partial, out, n, SPLIT_K=split, BLOCK=block, **launch)
