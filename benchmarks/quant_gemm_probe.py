@@ -46,6 +46,8 @@ ROWS = (1, 8, 16, 32, 64, 512, 8192)
 # kernel measured no gain from it); its dp4a kernel takes x as 16-bit fixed point (_int4_dp4a_row_kernel). The
 # dp4a tiles at stages 1 are those whose loop ptxas compiles to <= 1.5 instructions a weight without a layout
 # conversion through shared memory (<= 2 barriers a step), >= 128 B of a row a step (the read probe's floor).
+# NVFP4's dp4a kernel (_nvfp4_dp4a_row_kernel): the tiles of 3.0-3.5 instructions a weight in `sass_probe --kernel
+# nvfp4-dp4a` (its few-rows kernel at one row: 6.1).
 GEMV_SWEEP = {("fp8", 1): [dict(block_n=8, block_k=1024, warps=4, stages=1),
                            dict(block_n=16, block_k=512, warps=4, stages=1),
                            dict(block_n=16, block_k=1024, warps=8, stages=1)],
@@ -59,7 +61,10 @@ GEMV_SWEEP = {("fp8", 1): [dict(block_n=8, block_k=1024, warps=4, stages=1),
                               for split in ("auto", "auto*4")],
               ("nvfp4", 1): [dict(block_n=bn, block_k=bk, warps=w, stages=1)
                              for bn, bk, w in ((16, 1024, 4), (32, 1024, 4), (16, 2048, 4), (8, 4096, 4),
-                                               (8, 2048, 4), (32, 1024, 8))],
+                                               (8, 2048, 4), (32, 1024, 8))]
+                            + [dict(block_n=bn, block_k=bk, split_k="auto", warps=w, stages=stages, dp4a=1)
+                               for bn, bk, w, stages in ((8, 1024, 2, 1), (16, 1024, 4, 1), (16, 512, 2, 3),
+                                                         (16, 512, 2, 1), (32, 512, 4, 1))],
               ("weight_only", 8): [dict(block_n=8, block_k=512, warps=4, stages=1),
                                    dict(block_n=16, block_k=256, warps=4, stages=1),
                                    dict(block_n=4, block_k=1024, warps=4, stages=1)]}
@@ -155,8 +160,8 @@ def candidates(fmt: str, n: int, k: int, rows: int, w) -> list[tuple[dict, objec
         entry = dict(kind="gemv", **tile)
         if not cuda_gemv.supports(w, entry, rows):
             continue
-        if fmt == "int4" and rows == 1:  # the split the kernel runs (a divisor of its K steps): no tile twice
-            entry["split_k"] = cuda_gemv._row_steps(k, w.group_size, entry)[1]
+        if rows == 1 and "split_k" in entry:  # the split the kernel runs (a divisor of its K steps): no tile twice
+            entry["split_k"] = cuda_gemv._row_steps(k, getattr(w, "group_size", cuda_gemv.NVFP4_GROUP), entry)[1]
         if all(entry != seen for seen, _ in out):
             out.append((entry, lambda x, w, e=entry: cuda_gemv.gemv(x, w, e)))
     if rows <= configs.SKINNY_MAX_ROWS:

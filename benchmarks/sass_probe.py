@@ -1,13 +1,15 @@
-"""The attention kernels and the one-row int4 GEMVs compiled for an NVIDIA GPU on any machine (no GPU needed):
+"""The attention kernels and the one-row 4-bit GEMVs compiled for an NVIDIA GPU on any machine (no GPU needed):
 their shared memory and their main loop's SASS, to see what a kernel change does to the machine code before
 spending device time on it.
 
-    python -m benchmarks.sass_probe [--kernel decode|prefill|int4-row|int4-dp4a] [--cache bf16|fp8] [--arch 90]
+    python -m benchmarks.sass_probe [--kernel decode|prefill|int4-row|int4-dp4a|nvfp4-gemv|nvfp4-dp4a]
+        [--cache bf16|fp8] [--arch 90]
         [--block-n N] [--block-k N] [--warps N] [--stages N] [--top 12]
 
 Compiles `_decode_split_kernel` or `_prefill_kernel` with 27B's attention heads (24 query / 4 KV heads, head_dim
-256, block 16), or `cuda_gemv._int4_row_kernel` / `_int4_dp4a_row_kernel` at 27B's gate/up (34,816 x 5,120,
-groups of 128 with zero points), with the tile the engine would use unless told otherwise (the GEMVs: the tuned
+256, block 16), or `cuda_gemv._int4_row_kernel` / `_int4_dp4a_row_kernel` / NVFP4's `_weight_only_gemv_kernel` at
+one row / `_nvfp4_dp4a_row_kernel` at 27B's gate/up (34,816 x 5,120; int4 groups of 128 with zero points), with the
+tile the engine would use unless told otherwise (the GEMVs: the tuned
 table's gate/up and down entries), disassembles the cubin with the `nvdisasm` that Triton ships, and prints the
 registers a thread takes (Triton's `ptxas -v`), the largest loop's instruction count (for a GEMV also per weight)
 and its commonest opcodes. The eleventh session found fp8 decode reading its V tiles one byte at a time this way
@@ -76,19 +78,40 @@ def compile_attention(kernel: str = "decode", cache: str = "bf16", arch: int = 9
     return _compile(fn, constants, types, ints, arch, num_warps or tile.num_warps, num_stages or tile.num_stages)
 
 
-# The one-row int4 GEMVs: (block_n, block_k, warps, stages) as the tuned table has them at gate/up and down
-GEMV_TILES = {"int4-row": (32, 128, 2, 4), "int4-dp4a": (16, 512, 2, 3)}
+# The one-row 4-bit GEMVs: (block_n, block_k, warps, stages) as the tuned table has them at gate/up (int4's dp4a:
+# down); NVFP4's few-rows kernel at one row, and its dp4a kernel at a tile of the probe's sweep
+GEMV_TILES = {"int4-row": (32, 128, 2, 4), "int4-dp4a": (16, 512, 2, 3), "nvfp4-gemv": (8, 4096, 4, 1),
+              "nvfp4-dp4a": (16, 512, 2, 3)}
 
 
-def compile_int4_gemv(kernel: str = "int4-row", arch: int = 90, block_n: int | None = None,
-                      block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None):
-    """The compiled one-row int4 GEMV at 27B's gate/up (groups of 128, zero points, no K split), with the
-    specializations its launches get (27B's integer arguments where divisible by 16)."""
+def compile_gemv(kernel: str = "int4-row", arch: int = 90, block_n: int | None = None, block_k: int | None = None,
+                 num_warps: int | None = None, num_stages: int | None = None):
+    """The compiled one-row 4-bit GEMV at 27B's gate/up (34,816 x 5,120; int4 groups of 128 with zero points, no K
+    split), with the specializations its launches get (27B's integer arguments where divisible by 16)."""
     from deltaserve.ops.quant_gemm import cuda_gemv
 
     tile = dict(zip(("block_n", "block_k", "warps", "stages"), GEMV_TILES[kernel]))
     block_n, block_k = block_n or tile["block_n"], block_k or tile["block_k"]
     stages = num_stages or tile["stages"]
+    if kernel == "nvfp4-gemv":
+        constants = {"FORMAT": cuda_gemv.NVFP4.value, "GROUP": 16, "HAS_ZERO": False, "BLOCK_M": 1,
+                     "BLOCK_N": block_n, "BLOCK_K": block_k, "EVEN_N": True, "PDL": False}
+        types = {"x": "*bf16", "words": "*i32", "scale": "*fp8e4nv", "zero": "*fp8e4nv", "scale_2": "*fp32",
+                 "out": "*bf16"}
+        ints = {"M": 1, "N": 34816, "K": 5120, "stride_xm": 5120, "stride_om": 34816, "stride_wn": 640,
+                "stride_sn": 320}
+        return _compile(cuda_gemv._weight_only_gemv_kernel, constants, types, ints, arch, num_warps or tile["warps"],
+                        stages)
+    if kernel == "nvfp4-dp4a":
+        constants = {"BLOCK_N": block_n, "GROUPS_PER_STEP": max(1, block_k // 16), "SPLIT": False, "EVEN_N": True,
+                     "STAGES": stages, "PDL": False}
+        types = {"parts": "*i32", "x_scale": "*fp32", "v_sum": "*i32", "words": "*i32", "scale": "*fp8e4nv",
+                 "scale_2": "*fp32", "out": "*bf16", "partial": "*fp32"}
+        tables = (*cuda_gemv.E2M1_POSITIVE.value, *cuda_gemv.E2M1_NEGATIVE.value)
+        ints = {"N": 34816, "K_WORDS": 640, "GROUPS_PER_SPLIT": 320, "stride_wn": 640, "stride_sn": 320,
+                **dict(zip(("pos_lo", "pos_hi", "neg_lo", "neg_hi"), tables))}
+        return _compile(cuda_gemv._nvfp4_dp4a_row_kernel, constants, types, ints, arch, num_warps or tile["warps"],
+                        stages)
     constants = {"GROUP": 128, "BLOCK_N": block_n, "GROUPS_PER_STEP": max(1, block_k // 128), "HAS_ZERO": True,
                  "SPLIT": False, "EVEN_N": True, "STAGES": stages, "PDL": False}
     types = {"x": "*bf16", "parts": "*i32", "x_scale": "*fp32", "v_sum": "*i32", "words": "*i32",
@@ -178,11 +201,12 @@ def main(argv: list[str] | None = None) -> int:
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if args.kernel in GEMV_TILES:
-        compiled = compile_int4_gemv(args.kernel, args.arch, args.block_n, args.block_k, args.warps, args.stages)
+        compiled = compile_gemv(args.kernel, args.arch, args.block_n, args.block_k, args.warps, args.stages)
         options = compiled.metadata
         block_n, block_k = args.block_n or GEMV_TILES[args.kernel][0], args.block_k or GEMV_TILES[args.kernel][1]
-        weights = block_n * max(128, block_k) / (32 * options.num_warps)  # a thread's weights a loop step
-        what = (f"{args.kernel} ({block_n} rows x {max(128, block_k)} columns a step, {options.num_warps} warps, "
+        columns = block_k if args.kernel.startswith("nvfp4") else max(128, block_k)  # a step (int4: whole groups)
+        weights = block_n * columns / (32 * options.num_warps)  # a thread's weights a loop step
+        what = (f"{args.kernel} ({block_n} rows x {columns} columns a step, {options.num_warps} warps, "
                 f"{options.num_stages} stages)")
     else:
         compiled = compile_attention(args.kernel, args.cache, args.arch, args.block_n, args.warps, args.stages)

@@ -55,7 +55,7 @@ def test_quantized_sweep_keeps_the_formats_block_k_and_bytes_count_every_part():
     (["--tokens", "1,x"], "--tokens takes comma-separated positive integers, got '1,x'"),
     (["--tokens", "0"], "--tokens takes comma-separated positive integers, got '0'"),
     ([str(CONFIGS_DIR / "qwen3.5-27b")], "is not an MoE model"),
-    (["--format", "nvfp4"], "invalid choice: 'nvfp4'"),
+    (["--format", "fp4"], "invalid choice: 'fp4'"),
 ])
 def test_bad_arguments_are_named(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -123,8 +123,8 @@ def test_skinny_tiles(fmt, tile, weights):
 
 @pytest.mark.parametrize("fmt", ["fp8", "int4", "nvfp4"])
 def test_gemv_tiles(fmt, weights):
-    """The CUDA-core GEMV at the widest and the longest shape: one row (every format; int4 by both kernels), 3 and 8
-    rows (int4, NVFP4)."""
+    """The CUDA-core GEMV at the widest and the longest shape: one row (every format; int4 and NVFP4 by their float
+    and dp4a kernels, NVFP4's K split in 2), 3 and 8 rows (int4, NVFP4)."""
     for n, k in projections()[:2]:
         w = weights[(fmt, n, k)]
         for m in (1,) if fmt == "fp8" else (1, 3, 8):
@@ -134,12 +134,14 @@ def test_gemv_tiles(fmt, weights):
             x = activations(m, k)
             u_w, _ = weight_rounding(fmt, "gemv")
             check(fmt, x, w, cuda_gemv.gemv(x, w, tile), f"{fmt} gemv {tile} N={n} K={k} M={m}", u_w=u_w)
-            if fmt == "int4" and m == 1:  # the dp4a kernel: x in 16-bit fixed point, the nibbles dotted in int32
-                dp4a = dict(tile, dp4a=1)
+            if fmt != "fp8" and m == 1:  # the dp4a kernels: x in 16-bit fixed point, the codes dotted in int32
+                dp4a = dict(tile, dp4a=1) if fmt == "int4" else dict(tile, dp4a=1, split_k=2)
                 y64, _ = oracle.weight_only_exact(x, w)
-                splits = cuda_gemv._row_steps(k, w.group_size, dp4a)[1]
-                oracle.assert_within(cuda_gemv.gemv(x, w, dp4a), y64, oracle.int4_dp4a_bound(x, w, y64, splits),
-                                     f"int4 gemv {dp4a} N={n} K={k}")
+                if fmt == "int4":
+                    bound = oracle.int4_dp4a_bound(x, w, y64, cuda_gemv._row_steps(k, w.group_size, dp4a)[1])
+                else:
+                    bound = oracle.nvfp4_dp4a_bound(x, w, y64, cuda_gemv._row_steps(k, 16, dp4a)[1])
+                oracle.assert_within(cuda_gemv.gemv(x, w, dp4a), y64, bound, f"{fmt} gemv {dp4a} N={n} K={k}")
 
 
 @pytest.mark.parametrize("tile", GEMM_TILES)

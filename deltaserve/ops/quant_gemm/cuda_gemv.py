@@ -130,9 +130,11 @@ def _dp4a(a, b, c, B_SIGNED: tl.constexpr):
     return c
 
 
-# e2m1 magnitudes times 2 (0, 0.5, 1, 1.5, 2, 3, 4, 6 -> 0 1 2 3 4 6 8 12) as prmt's 8-byte table: bytes 0-3, 4-7
-E2M1_TWICE_LO: tl.constexpr = tl.constexpr(0x03020100)
-E2M1_TWICE_HI: tl.constexpr = tl.constexpr(0x0C080604)
+# 12 + 2 e2m1 of the codes 0-7 (e2m1 0, 0.5, 1, 1.5, 2, 3, 4, 6) and of 8-15 (their negatives) as prmt's 8-byte
+# tables (bytes 0-3 in the first word): the e2m1 codes biased to bytes 0..24
+E2M1_POSITIVE: tl.constexpr = tl.constexpr((0x0F0E0D0C, 0x18141210))
+E2M1_NEGATIVE: tl.constexpr = tl.constexpr((0x090A0B0C, 0x00040608))
+E2M1_BIAS: tl.constexpr = tl.constexpr(12)  # twice e2m1's largest magnitude
 NIBBLE_SIGNS: tl.constexpr = tl.constexpr(-0x77777778)  # 0x88888888 as int32: bit 3 of every nibble
 
 
@@ -273,18 +275,19 @@ def _nvfp4_row_scales(scale, s_rows, n_ok, groups, EVEN_N: tl.constexpr):
 
 @triton.jit
 def _nvfp4_dp4a_row_kernel(
-    parts, x_scale, words, scale, scale_2, out, partial, N, K_WORDS, GROUPS_PER_SPLIT, stride_wn, stride_sn,
-    table_lo, table_hi, BLOCK_N: tl.constexpr, GROUPS_PER_STEP: tl.constexpr, SPLIT: tl.constexpr,
+    parts, x_scale, v_sum, words, scale, scale_2, out, partial, N, K_WORDS, GROUPS_PER_SPLIT, stride_wn, stride_sn,
+    pos_lo, pos_hi, neg_lo, neg_hi, BLOCK_N: tl.constexpr, GROUPS_PER_STEP: tl.constexpr, SPLIT: tl.constexpr,
     EVEN_N: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Grid (cdiv(N, BLOCK_N), splits): out [N] (or partial [splits, N] float32 when SPLIT) = x [K] @ dequant(W)^T
     for NVFP4 (words: the packed bytes as int32 [N, K/8], scale [N, K/16] e4m3, scale_2 [N]) with x as
-    _x_parts_kernel (LOW_HIGH, groups of 16) left it (parts, x_scale). prmt looks a word's nibbles up as bytes of 2
-    e2m1 (0..12), the positive codes in one word and the negative ones (sign bit flipped) in another, and dp4a dots
-    both with x's hi and lo bytes: per group of 16 columns sum 2 e2m1(q) v exactly in int32, times the group's scale
-    and 2^E (float32), summed in float32; the row's scale_2 / 2 at the end. Tiles [BLOCK_N, groups, 2 words]; the
-    words and x's parts stream through shared memory STAGES - 1 steps ahead, the scales and x's group scales load
-    one step ahead into registers. table_lo / table_hi (E2M1_TWICE_*) come at run time, as registers."""
+    _x_parts_kernel (LOW_HIGH, groups of 16) left it (parts, x_scale, v_sum). prmt looks a word's nibbles up as the
+    bytes 12 + 2 e2m1 (0..24): the positive codes from one table (the negative ones, sign bit set, come out 0), the
+    negative ones from another with the sign bits flipped, ORed; dp4a dots them with x's hi and lo bytes, and per
+    group of 16 columns sum 2 e2m1(q) v = that dot - 12 v_sum exactly in int32, times the group's scale and 2^E
+    (float32), summed in float32; the row's scale_2 / 2 at the end. Tiles [BLOCK_N, groups, 2 words]; the words and
+    x's parts stream through shared memory STAGES - 1 steps ahead, the scales and x's group scales and sums load one
+    step ahead into registers. The tables (E2M1_POSITIVE, E2M1_NEGATIVE) come at run time, as registers."""
     wait_for_previous_kernel(PDL)
     ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     n_ok = ns < N
@@ -295,11 +298,11 @@ def _nvfp4_dp4a_row_kernel(
     g_first = tl.program_id(1) * GROUPS_PER_SPLIT
     g_last = g_first + GROUPS_PER_SPLIT - GROUPS_PER_STEP  # the last step's first group
     s = _nvfp4_row_scales(scale, s_rows, n_ok, g_first + gs, EVEN_N)
-    xs = tl.load(x_scale + g_first + gs)  # [GPS]
+    xs, v = tl.load(x_scale + g_first + gs), tl.load(v_sum + g_first + gs)  # [GPS]
     for g0 in tl.range(g_first, g_last + 1, GROUPS_PER_STEP, num_stages=STAGES):
         g_next = tl.minimum(g0 + GROUPS_PER_STEP, g_last) + gs  # [GPS]
         s_next = _nvfp4_row_scales(scale, s_rows, n_ok, g_next, EVEN_N)
-        xs_next = tl.load(x_scale + g_next)
+        xs_next, v_next = tl.load(x_scale + g_next), tl.load(v_sum + g_next)
         word_ids = (g0 + gs)[:, None] * 2 + tl.arange(0, 2)[None, :]  # [GPS, 2]: a group's two words
         if EVEN_N:
             word = tl.load(w_rows + word_ids[None])  # [BN, GPS, 2]
@@ -311,21 +314,17 @@ def _nvfp4_dp4a_row_kernel(
         lo_low = tl.split(tl.load(x_words + 2 * K_WORDS))
         lo_high = tl.split(tl.load(x_words + 3 * K_WORDS))
         w2 = tl.split(word)  # [BN, GPS] each
-        pos_hi = tl.zeros([BLOCK_N, GROUPS_PER_STEP], dtype=tl.int32)
-        neg_hi = tl.zeros([BLOCK_N, GROUPS_PER_STEP], dtype=tl.int32)
-        pos_lo = tl.zeros([BLOCK_N, GROUPS_PER_STEP], dtype=tl.int32)
-        neg_lo = tl.zeros([BLOCK_N, GROUPS_PER_STEP], dtype=tl.int32)
+        dot_hi = tl.zeros([BLOCK_N, GROUPS_PER_STEP], dtype=tl.int32)
+        dot_lo = tl.zeros([BLOCK_N, GROUPS_PER_STEP], dtype=tl.int32)
         for i in tl.static_range(2):
-            flipped = w2[i] ^ NIBBLE_SIGNS  # the negative codes' bytes where prmt zeroed the positive ones
-            pos_low, neg_low = _prmt(table_lo, table_hi, w2[i]), _prmt(table_lo, table_hi, flipped)
-            pos_high, neg_high = _prmt(table_lo, table_hi, w2[i] >> 16), _prmt(table_lo, table_hi, flipped >> 16)
-            pos_hi = _dp4a(pos_high, hi_high[i], _dp4a(pos_low, hi_low[i], pos_hi, True), True)
-            neg_hi = _dp4a(neg_high, hi_high[i], _dp4a(neg_low, hi_low[i], neg_hi, True), True)
-            pos_lo = _dp4a(pos_high, lo_high[i], _dp4a(pos_low, lo_low[i], pos_lo, False), False)
-            neg_lo = _dp4a(neg_high, lo_high[i], _dp4a(neg_low, lo_low[i], neg_lo, False), False)
-        dot = (pos_hi - neg_hi) * 256 + (pos_lo - neg_lo)  # [BN, GPS]: sum 2 e2m1(q) v over each group, exact
+            flipped = w2[i] ^ NIBBLE_SIGNS  # the negative codes now select, the positive ones give 0
+            low = _prmt(pos_lo, pos_hi, w2[i]) | _prmt(neg_lo, neg_hi, flipped)  # columns 0-3: 12 + 2 e2m1
+            high = _prmt(pos_lo, pos_hi, w2[i] >> 16) | _prmt(neg_lo, neg_hi, flipped >> 16)  # columns 4-7
+            dot_hi = _dp4a(high, hi_high[i], _dp4a(low, hi_low[i], dot_hi, True), True)
+            dot_lo = _dp4a(high, lo_high[i], _dp4a(low, lo_low[i], dot_lo, False), False)
+        dot = dot_hi * 256 + dot_lo - E2M1_BIAS * v[None, :]  # [BN, GPS]: sum 2 e2m1(q) v over each group, exact
         acc += dot.to(tl.float32) * (s * xs[None, :])
-        s, xs = s_next, xs_next
+        s, xs, v = s_next, xs_next, v_next
     y = tl.sum(acc, axis=1) * (tl.load(scale_2 + ns, mask=n_ok, other=0.0) * 0.5)  # [BN]
     if SPLIT:
         tl.store(partial + tl.program_id(1) * N + ns, y, mask=n_ok)
@@ -648,12 +647,12 @@ def _nvfp4_dp4a_row(x: torch.Tensor, w, config: dict, out: torch.Tensor, launch:
     words = w.packed.view(torch.int32)  # [N, K/8]: nibble i of word j is column 8j + i
     parts = torch.empty(4, k // 8, dtype=torch.int32, device=x.device)
     x_scale = torch.empty(groups, dtype=torch.float32, device=x.device)
-    v_sum = torch.empty(groups, dtype=torch.int32, device=x.device)  # written, unread: no zero point
+    v_sum = torch.empty(groups, dtype=torch.int32, device=x.device)
     _x_parts_kernel[(groups,)](x, parts, x_scale, v_sum, k // 8, GROUP=NVFP4_GROUP, LOW_HIGH=True, **launch)
     partial = torch.empty(split, n, dtype=torch.float32, device=x.device) if split > 1 else out
     _nvfp4_dp4a_row_kernel[(triton.cdiv(n, block_n), split)](
-        parts, x_scale, words, w.scale, w.scale_2, out, partial, n, k // 8, groups // split, words.stride(0),
-        w.scale.stride(0), E2M1_TWICE_LO.value, E2M1_TWICE_HI.value, BLOCK_N=block_n, GROUPS_PER_STEP=per_step,
+        parts, x_scale, v_sum, words, w.scale, w.scale_2, out, partial, n, k // 8, groups // split, words.stride(0),
+        w.scale.stride(0), *E2M1_POSITIVE.value, *E2M1_NEGATIVE.value, BLOCK_N=block_n, GROUPS_PER_STEP=per_step,
         SPLIT=split > 1, EVEN_N=n % block_n == 0, STAGES=config["stages"], num_warps=config["warps"], **launch)
     if split > 1:
         block = 1024
