@@ -124,7 +124,7 @@ def test_skinny_tiles(fmt, tile, weights):
 @pytest.mark.parametrize("fmt", ["fp8", "int4", "nvfp4"])
 def test_gemv_tiles(fmt, weights):
     """The CUDA-core GEMV at the widest and the longest shape: one row (every format; int4 and NVFP4 by their float
-    and dp4a kernels, NVFP4's K split in 2), 3 and 8 rows (int4, NVFP4)."""
+    and dp4a kernels, NVFP4's at 512 columns a step, K split in 2), 3 and 8 rows (int4, NVFP4)."""
     for n, k in projections()[:2]:
         w = weights[(fmt, n, k)]
         for m in (1,) if fmt == "fp8" else (1, 3, 8):
@@ -135,7 +135,7 @@ def test_gemv_tiles(fmt, weights):
             u_w, _ = weight_rounding(fmt, "gemv")
             check(fmt, x, w, cuda_gemv.gemv(x, w, tile), f"{fmt} gemv {tile} N={n} K={k} M={m}", u_w=u_w)
             if fmt != "fp8" and m == 1:  # the dp4a kernels: x in 16-bit fixed point, the codes dotted in int32
-                dp4a = dict(tile, dp4a=1) if fmt == "int4" else dict(tile, dp4a=1, split_k=2)
+                dp4a = dict(tile, dp4a=1) if fmt == "int4" else dict(tile, block_k=512, dp4a=1, split_k=2)
                 y64, _ = oracle.weight_only_exact(x, w)
                 if fmt == "int4":
                     bound = oracle.int4_dp4a_bound(x, w, y64, cuda_gemv._row_steps(k, w.group_size, dp4a)[1])
