@@ -10,7 +10,9 @@ serves all M rows of x (M FMAs a weight: the tensor-core skinny kernels take ove
 takes a kernel of its own (_int4_row_kernel): [BLOCK_N, groups, words] tiles in which a thread holds words of
 several rows, so that each x column it loads serves them all, and K split over a second grid axis, the float32
 partials summed in order after; or, where the table says "dp4a", _int4_dp4a_row_kernel, which dots the nibbles
-with x in 16-bit fixed point as integers (dp4a) after _x_parts_kernel has packed x so.
+with x in 16-bit fixed point as integers (dp4a) after _x_parts_kernel has packed x so. NVFP4 at one row runs the
+few-rows kernel, or with "dp4a" _nvfp4_dp4a_row_kernel: its codes looked up as bytes 12 + 2 e2m1 by prmt and
+dotted with x in the same fixed point (per 16 columns), 12 sum(v) taken off per group.
 
   int4   a word holds columns 8j .. 8j+7 (nibble i: bits 4i..4i+3); the nibbles of its low half, masked in place
          and ORed into the bits of 2048.0, are the floats 2048 + q * 16^(i-3) exactly (2048's ulp is 2^-12);
@@ -27,8 +29,8 @@ with x in 16-bit fixed point as integers (dp4a) after _x_parts_kernel has packed
          program's rows share one 128-row scale block (BLOCK_N divides it), so s_x[g] * s_w[block, g] folds into
          the activation: y[n] = sum_k wq[n, k] * (xq[k] * s_x[g] * s_w[g]).
 Products are float32 and summed in float32 (in another order than the reference's per-block sums: bounded as
-float32 sums over K); the dp4a kernel's integer dots are exact, and it rounds x (only the values below 2^-7 of
-their group's largest, by at most 2^-15 of it).
+float32 sums over K); the dp4a kernels' integer dots are exact, and they round x (only the values below 2^-7 of
+their group's largest, by at most 2^-15 of it: int4's group, NVFP4's 16 columns).
 """
 
 from __future__ import annotations
