@@ -326,9 +326,10 @@ def test_nvfp4_gemv(dtype, m, n, k, per_row):
     oracle.assert_within(got, y64, gemv_bound(x, w, y64, terms, extra_roundings=3), "nvfp4 gemv")
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("per_row", [False, True])
-@pytest.mark.parametrize("block_k,split_k,steps", [(64, 3, (4, 3)), (256, 2, (4, 1)), (16, 1, (1, 1))])
+@pytest.mark.parametrize("dtype,per_row,block_k,split_k,steps",
+                         [(dtype, per_row, *config) for dtype in DTYPES for per_row in (False, True)
+                          for config in ((64, 3, (4, 3)), (256, 2, (4, 1)))]
+                         + [(torch.bfloat16, True, 16, 1, (1, 1))])  # one group a step (12 interpreted steps: once)
 def test_nvfp4_one_row_dp4a(dtype, per_row, block_k, split_k, steps):
     """The dp4a one-row NVFP4 kernel (x as 16-bit fixed point per 16 columns, prmt's byte lookup of the e2m1 codes,
     positive and negative apart) over 192 columns: all 16 codes in all 8 nibble positions (random bytes), subnormal
