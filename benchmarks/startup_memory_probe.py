@@ -4,6 +4,7 @@ after each start-up stage (weights and plan, caches bound, graphs captured, warm
     python -m benchmarks.startup_memory_probe deltaserve/model_configs/qwen3.5-27b-nvfp4 \
         --gpu-memory-utilization 0.211 --max-model-len 200000 --kv-cache-dtype fp8
 
+(`tests/gpu/run.sh OUT memory` runs it at the users' 32 GB-card share of the GPU it finds.)
 Run it with and without PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to see the allocator's part.
 """
 
@@ -40,14 +41,16 @@ def around(owner, name: str, before: str | None, after: str) -> None:
     setattr(owner, name, wrapped)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--kv-cache-dtype", default="auto")
     parser.add_argument("--max-num-seqs", type=int, default=128)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("no CUDA device here: the probe measures GPU memory")
 
     from deltaserve import LLM
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything GPU in one command, on an H200 machine: GPU tests, then the benchmarks.
-#   tests/gpu/run.sh OUTDIR [full|quick|tests|ops|bench|serve|structured|tune|quant|moe]
+#   tests/gpu/run.sh OUTDIR [full|quick|tests|ops|bench|serve|memory|structured|tune|quant|moe]
 #   full   every GPU test, then all benchmarks (more than one 10-minute device call: use tests, then bench)
 #   quick  every GPU test, a kernel profile and a short benchmark
 #   tests  the GPU tests alone (tests/gpu, ~8 min on an H200); TESTS="paths" runs those instead
@@ -22,6 +22,9 @@
 #          OUTDIR/moe_configs.json (for deltaserve/ops/moe/configs.json); FORMATS="bf16 fp8 int4" probes and sweeps
 #          each weight format in turn (default bf16), each starting no bucket after PROBE_BUDGET (90) s and killed at
 #          PROBE_TIMEOUT (300) s; TESTS=0 leaves out the tests
+#   memory where start-up memory goes (benchmarks/startup_memory_probe.py by stage) at the users' 32 GB-card
+#          configuration (MODEL, default qwen3.5-27b-nvfp4, at 0.94 of an RTX 5090 and 200K context), then
+#          tests/gpu/test_quant_engine_gpu.py's 200,000-token request in a child, its figures in OUTDIR (~2 min)
 #   structured  what structured output costs a served model: TPOT of json_schema requests against the same free
 #          run at batch 1 and 64 (benchmarks/structured_overhead.py); MODEL (default qwen3.5-27b) chooses it (~6 min)
 #   tune   the tables this GPU should ship: fla-core's pinned kernel configurations as OUTDIR/fla_configs.tgz
@@ -32,7 +35,7 @@
 # (../shared/tools/gpu-wheels.sh .whl); the published configs are the ones shipped in deltaserve/model_configs/.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-OUT=${1:?usage: tests/gpu/run.sh OUTDIR [quick|full|tests|ops|bench|serve|structured|tune|quant|moe]}
+OUT=${1:?usage: tests/gpu/run.sh OUTDIR [quick|full|tests|ops|bench|serve|memory|structured|tune|quant|moe]}
 MODE=${2:-full}
 mkdir -p "$OUT"
 export DELTASERVE_GPU_OUT="$(cd "$OUT" && pwd)"  # where GPU tests write their figures (memory_plan.json)
@@ -79,6 +82,16 @@ if [ "$MODE" = moe ]; then
       | tee -a "$OUT/moe_probe.log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
   done
+  exit $status
+fi
+if [ "$MODE" = memory ]; then
+  # start-up memory by stage, then the 32 GB-card test's child (its figures: OUTDIR/memory_200k.json)
+  model="$CONFIGS/${MODEL:-qwen3.5-27b-nvfp4}"
+  share=$(python3 -c 'import torch; print(0.94 * 33_672_921_088 / torch.cuda.mem_get_info()[1])')  # a 5090's 94%
+  python3 -m benchmarks.startup_memory_probe "$model" --gpu-memory-utilization "$share" --max-model-len 200000 \
+    --kv-cache-dtype fp8 2>&1 | tee "$OUT/startup_memory.log"
+  status=${PIPESTATUS[0]}
+  python3 -m tests.gpu.test_quant_engine_gpu "$model" "$OUT/memory_200k.json" > "$OUT/memory_200k.log" 2>&1 || status=1
   exit $status
 fi
 if [ "$MODE" = structured ]; then
