@@ -51,9 +51,13 @@ def prefer_expandable_segments() -> bool:
     if any(os.environ.get(name) for name in ALLOCATOR_ENV_VARS):
         return False
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = EXPANDABLE_SEGMENTS
-    with warnings.catch_warnings():  # renamed in newer torch; applies to segments not yet allocated
+    # torch may have read the variable already (at import): its setter applies to segments not yet allocated
+    setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    if setter is None:  # the name newer torch deprecates it for
+        setter = torch._C._accelerator_setAllocatorSettings
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        torch.cuda.memory._set_allocator_settings(EXPANDABLE_SEGMENTS)
+        setter(EXPANDABLE_SEGMENTS)
     return True
 
 

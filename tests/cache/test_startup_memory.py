@@ -29,6 +29,14 @@ def test_expandable_segments_are_chosen_when_the_user_chose_nothing(allocator_ca
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"  # what spawned ranks inherit
 
 
+def test_the_newer_setter_serves_where_torch_dropped_the_old_one(allocator_calls, monkeypatch):
+    newer = []
+    monkeypatch.delattr(torch.cuda.memory, "_set_allocator_settings")
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", newer.append, raising=False)
+    assert setup.prefer_expandable_segments()
+    assert newer == ["expandable_segments:True"] and allocator_calls == []
+
+
 @pytest.mark.parametrize("name", setup.ALLOCATOR_ENV_VARS)
 def test_a_users_allocator_setting_is_kept(allocator_calls, monkeypatch, name):
     monkeypatch.setenv(name, "expandable_segments:False")
