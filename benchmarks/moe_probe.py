@@ -1,7 +1,8 @@
 """One MoE layer (router + routed experts + gated shared expert) on the torch path and on the fused path (ops/moe),
 beside the bytes-over-bandwidth limit.
 
-    python -m benchmarks.moe_probe [CONFIG_DIR] [--format bf16|fp8|int4|nvfp4] [--tokens 1,2,4,...] [--sweep] [--out FILE]
+    python -m benchmarks.moe_probe [CONFIG_DIR] [--format bf16|fp8|int4|nvfp4] [--tokens 1,2,4,...] [--sweep]
+        [--out FILE]
 
 For the MoE shape of the model in CONFIG_DIR (default Qwen3.5-35B-A3B), at each token count, inside CUDA graphs as
 decode runs them, each call on other random inputs so that its experts are not the previous call's (one call

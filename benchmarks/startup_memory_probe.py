@@ -22,8 +22,8 @@ def report(stage: str) -> None:
     free, total = torch.cuda.mem_get_info()
     gib = 2**30
     print(f"{stage:<22} in use {(total - free) / gib:7.2f} GiB  reserved {torch.cuda.memory_reserved() / gib:7.2f}"
-          f"  allocated {torch.cuda.memory_allocated() / gib:7.2f}  peak {torch.cuda.max_memory_allocated() / gib:7.2f}",
-          flush=True)
+          f"  allocated {torch.cuda.memory_allocated() / gib:7.2f}"
+          f"  peak {torch.cuda.max_memory_allocated() / gib:7.2f}", flush=True)
 
 
 def around(owner, name: str, before: str | None, after: str) -> None:

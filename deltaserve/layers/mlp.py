@@ -90,10 +90,10 @@ class QuantExperts(nn.Module):
     each of its scheme (`schemes`: projection -> Scheme). `raw` holds the loaded tensors until `fuse`: per
     (expert, projection) for per-expert checkpoints, or per fused name ("gate_up_proj", "down_proj") with a
     leading expert dimension. Where the formats allow (ops.moe.quantized.stack: FP8 block-scaled, int4 without act
-    order, NVFP4), `fuse` stacks every expert's weights into one tensor per part, which the fused MoE kernels read on the
-    GPU at any batch size; the per-expert weights become views into the stacks. Elsewhere (the CPU, float32,
-    formats the kernels do not take) every forward dequantizes all experts into the grouped matmul, a W8A8
-    scheme's activations rounded as its op would (`Scheme.round_activation`)."""
+    order, NVFP4), `fuse` stacks every expert's weights into one tensor per part, which the fused MoE kernels read on
+    the GPU at any batch size; the per-expert weights become views into the stacks. Elsewhere (the CPU, float32,
+    formats the kernels do not take) every forward dequantizes all experts into the grouped matmul, a W8A8 scheme's
+    activations rounded as its op would (`Scheme.round_activation`)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, schemes: dict, device):
         super().__init__()

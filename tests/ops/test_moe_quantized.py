@@ -1,6 +1,6 @@
 """The fused MoE kernels on stacked quantized experts (ops/moe/quantized.py: FP8 block-scaled W8A8, int4 W4A16
-with and without zero points, NVFP4 weight-only) against the float64 value of their semantics (tests/ops/moe_oracle.py), in Triton's
-CPU interpreter: float32 and bf16 activations, one token, several, and more than a block holds; a partial FP8 K
+with and without zero points, NVFP4 weight-only) against the float64 value of their semantics
+(tests/ops/moe_oracle.py), in Triton's CPU interpreter: float32 and bf16 activations, one token, several, and more than a block holds; a partial FP8 K
 block; the stacking and its fallbacks; QuantExperts on the CPU (the dequantized reference). The compiled kernels:
 tests/gpu/test_moe_gpu.py."""
 

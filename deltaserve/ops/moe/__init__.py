@@ -8,9 +8,9 @@
 On CUDA, routing is one Triton kernel (any T), and for 16-bit batches of up to FUSED_MAX_TOKENS tokens with plain
 stacked weights the experts run the fused kernels of `cuda.py` (tiles from `configs.py`). Elsewhere (the CPU,
 float32, prefill-sized batches) the plain-torch `reference.py`: sort by expert + torch's grouped matmul. Quantized
-experts stacked by `quantized.stack` (FP8 block-scaled W8A8, int4 W4A16, NVFP4 weight-only) run the same fused kernels with the
-weight format as a parameter, at every batch size; layers/mlp.QuantExperts dequantizes them for the reference
-where the kernels do not serve (the CPU, float32).
+experts stacked by `quantized.stack` (FP8 block-scaled W8A8, int4 W4A16, NVFP4 weight-only) run the same fused
+kernels with the weight format as a parameter, at every batch size; layers/mlp.QuantExperts dequantizes them for the
+reference where the kernels do not serve (the CPU, float32).
 
 `sparse_block` is the block after its router in the fewest launches: where the shared expert has the routed experts'
 intermediate size (Qwen3.5-35B-A3B, 122B-A10B, Qwen3-Next: `shared_slot_serves`) and their format (plain, or the

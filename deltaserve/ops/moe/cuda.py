@@ -52,7 +52,8 @@ import triton.language as tl
 
 from deltaserve.ops import pdl
 from deltaserve.ops.moe.configs import MoeTiles
-from deltaserve.ops.moe.quantized import FP8_BLOCK, Fp8Experts, Int4Experts, Nvfp4Experts, as_stack, slot_fits
+from deltaserve.ops.moe.quantized import (FP8_BLOCK, Fp8Experts, Int4Experts, Nvfp4Experts, as_stack,
+                                          slot_fits)
 from deltaserve.ops.pdl import wait_for_previous_kernel
 from deltaserve.ops.quant_gemm.cuda_dequant import int4_codes, nvfp4_tile
 from deltaserve.ops.quant_gemm import cuda_fp8
@@ -350,8 +351,8 @@ def _gate_up_kernel(
 def _down_kernel(
     act, down, shared_down, topk_weights, shared_gate, y, sorted_pairs, block_expert, block_first, block_rows,
     routed_blocks, T, H, I, stride_we, stride_wn, stride_gate, scales, zeros, stride_se, stride_sn, stride_ze,
-    shared_scales,    shared_zeros, act_scales, num_slots, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    shared_scales, shared_zeros, act_scales, num_slots, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, ONE_TOKEN: tl.constexpr,
     WFORMAT: tl.constexpr = PLAIN, GROUP: tl.constexpr = 1, HAS_ZERO: tl.constexpr = False,
     CODE_BASE: tl.constexpr = 0, CODE_OFFSET: tl.constexpr = 0.0, PDL: tl.constexpr = False,
@@ -463,7 +464,7 @@ class _Operands(NamedTuple):
 
 
 def _operands(w, dtype: torch.dtype) -> _Operands:
-    """The kernels' view of w (a plain tensor, Fp8Experts or Int4Experts) for activations of dtype."""
+    """The kernels' view of w (a plain tensor, Fp8Experts, Int4Experts or Nvfp4Experts) for activations of dtype."""
     if isinstance(w, Fp8Experts):
         scales = w.scale_inv
         return _Operands(w.weight, scales, scales, scales.stride(0), scales.stride(1), scales.stride(0),

@@ -545,9 +545,9 @@ def supports(w, config: dict, rows: int = 1) -> bool:
 
 
 def _row_steps(k: int, group: int, config: dict) -> tuple[int, int] | None:
-    """(groups a K step, K splits) of the one-row int4 kernels and NVFP4's dp4a kernel (group 16): block_k // group groups a step (a power of two, at
-    least 1) and up to config's split_k splits (default 1), both dividing K's groups; None if the group is not a
-    power of two of at least 8 columns or no step divides K."""
+    """(groups a K step, K splits) of the one-row int4 kernels and NVFP4's dp4a kernel (group 16): block_k // group
+    groups a step (a power of two, at least 1) and up to config's split_k splits (default 1), both dividing K's
+    groups; None if the group is not a power of two of at least 8 columns or no step divides K."""
     if group < 8 or group & (group - 1) or k % group:
         return None
     groups = k // group
