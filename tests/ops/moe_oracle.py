@@ -132,8 +132,8 @@ def sparse_block_bound(x, logits, top_k, renormalize, gate_up, down, shared_gate
 
 
 def _dequantized(stack, e):
-    """[N, K] float64, exact: int4's (q - z) s and fp8's e4m3 * float32 scale in float32 already are; NVFP4's
-    e2m1 * e4m3 * scale_2 is computed here in float64 (its float32 dequantization rounds the product)."""
+    """[N, K] float64: int4's (q - z) s (exact in float32), fp8's e4m3 * float32 scale (one float32 rounding, within
+    the bound's float32 terms), NVFP4's e2m1 * e4m3 * scale_2 computed here in float64 (exact)."""
     w = stack.expert(e)
     if isinstance(stack, Nvfp4Experts):
         codes = torch.stack([w.packed & 0xF, w.packed >> 4], dim=2).reshape(w.shape[0], -1).long()  # [N, K]
