@@ -606,8 +606,6 @@ def _int4_row(x: torch.Tensor, w: Int4Weight, config: dict, out: torch.Tensor, l
     """out [1, N] = x [1, K] (columns in the packed order) @ dequant(w)^T by _int4_row_kernel, or with config's
     "dp4a" by _x_parts_kernel and _int4_dp4a_row_kernel; split K sums its float32 partials in order by a
     further kernel."""
-    from deltaserve.ops.linear.cuda_skinny import _sum_splits_kernel
-
     n, k = w.shape
     group = w.group_size
     per_step, split = _row_steps(k, group, config)
@@ -631,17 +629,12 @@ def _int4_row(x: torch.Tensor, w: Int4Weight, config: dict, out: torch.Tensor, l
         _int4_row_kernel[grid](
             x, w.packed, w.scale, zero, out, partial, n, k // group // split, w.packed.stride(0), w.scale.stride(0),
             MAGIC_2048.value, 12, **common)
-    if split > 1:
-        block = 1024
-        _sum_splits_kernel[(triton.cdiv(n, block),)](partial, out, n, SPLIT_K=split, BLOCK=block, **launch)
-    return out
+    return _summed_splits(partial, out, split, launch)
 
 
 def _nvfp4_dp4a_row(x: torch.Tensor, w, config: dict, out: torch.Tensor, launch: dict) -> torch.Tensor:
     """out [1, N] = x [1, K] @ dequant(w)^T for NVFP4 by _x_parts_kernel (groups of 16, LOW_HIGH) and
     _nvfp4_dp4a_row_kernel; split K sums its float32 partials in order by a further kernel."""
-    from deltaserve.ops.linear.cuda_skinny import _sum_splits_kernel
-
     n, k = w.shape
     groups = k // NVFP4_GROUP
     per_step, split = _row_steps(k, NVFP4_GROUP, config)
@@ -656,7 +649,15 @@ def _nvfp4_dp4a_row(x: torch.Tensor, w, config: dict, out: torch.Tensor, launch:
         parts, x_scale, v_sum, words, w.scale, w.scale_2, out, partial, n, k // 8, groups // split, words.stride(0),
         w.scale.stride(0), *E2M1_POSITIVE.value, *E2M1_NEGATIVE.value, BLOCK_N=block_n, GROUPS_PER_STEP=per_step,
         SPLIT=split > 1, EVEN_N=n % block_n == 0, STAGES=config["stages"], num_warps=config["warps"], **launch)
+    return _summed_splits(partial, out, split, launch)
+
+
+def _summed_splits(partial: torch.Tensor, out: torch.Tensor, split: int, launch: dict) -> torch.Tensor:
+    """out [1, N] = the sum of partial [split, N] (float32) in split order, or out itself where K was not split
+    (the row kernels then wrote it)."""
+    from deltaserve.ops.linear.cuda_skinny import _sum_splits_kernel
+
     if split > 1:
-        block = 1024
+        n, block = partial.shape[1], 1024
         _sum_splits_kernel[(triton.cdiv(n, block),)](partial, out, n, SPLIT_K=split, BLOCK=block, **launch)
     return out
