@@ -15,9 +15,10 @@ counted from the calls' routing) over 4.8 TB/s (the H200's nominal HBM bandwidth
 the experts' intermediate size, a second line times the layer with the shared expert a slot of the fused kernels
 and the routing inside them (the router + shared gate GEMM, then cuda.fused_moe: SparseMoE's path up to
 moe.SHARED_SLOT_MAX_TOKENS tokens), and fused_moe alone. Each path's CUDA kernels per layer call are counted (torch.profiler, eager).
-`--sweep` then tunes the fused kernels' tiles per token bucket, on the path SparseMoE takes at it (kernel A's
-over its candidates with kernel B's default, then kernel B's with A's best, then BLOCK_M), starting no bucket after
---budget-s seconds, and merges the winners into --out (copy to deltaserve/ops/moe/configs.json to ship them).
+`--sweep` then tunes the fused kernels' tiles per token bucket of --tokens, on the path SparseMoE takes at it
+(kernel A's over its candidates with kernel B's default, then kernel B's with A's best, then BLOCK_M; at one token
+the GEMV kernels' tiles alike, kept where they beat the tensor-core ones), starting no bucket after --budget-s
+seconds, and merges the winners into --out (copy to deltaserve/ops/moe/configs.json to ship them).
 `--format fp8` / `int4` / `nvfp4` times and sweeps the fused experts alone on stacked quantized experts of the same
 shapes (FP8 128 x 128 blocks, W8A8; int4 group 128 asymmetric, W4A16; NVFP4 weight-only) beside their bytes' limit,
 under the table's "fp8:" / "int4:" / "nvfp4:" keys; FP8 and int4 take BLOCK_K from the format, so the sweep varies
@@ -54,6 +55,9 @@ TILE_SWEEP = [configs.Tile(bn, bk, warps, stages)
               for bn, bk, (warps, stages) in itertools.product((16, 32, 64, 128), (64, 128, 256), ((4, 3), (4, 4), (8, 4)))
               if bn * bk <= 16384]
 QUANT_BLOCK_K = 128  # the FP8 scale block and the int4 group the quantized stacks are made with
+# the one-token GEMV kernels' tiles tried at bucket 1 (stages do not apply: no tl.dot, nothing pipelined)
+GEMV_SWEEP = [configs.Tile(bn, bk, warps, 1) for bn, bk, warps in itertools.product((4, 8, 16), (128, 256, 512), (2, 4, 8))]
+GEMV_START = configs.Tile(8, 256, 4, 1)
 
 
 def sweep_tiles(fmt: str) -> list[configs.Tile]:
@@ -254,6 +258,19 @@ def sweep_bucket(block: SparseMoE, tokens: int, stacks: tuple | None = None
             t = timed(candidate)
             if t < best_time:
                 best_time, best = t, candidate
+    if tokens == 1:  # the GEMV kernels: kernel A's tiles with B's start, then B's with A's best
+        rows = configs.MoeTiles(16, GEMV_START, GEMV_START, gemv=True)
+        rows_time = timed(rows)
+        for kernel in ("gate_up", "down"):
+            for tile in GEMV_SWEEP:
+                candidate = rows._replace(**{kernel: tile})
+                t = timed(candidate)
+                if t < rows_time:
+                    rows_time, rows = t, candidate
+        print(f"    one token: GEMV kernels {rows_time:.1f} us {configs.tiles_entry(rows)}, tensor-core tiles "
+              f"{best_time:.1f} us", flush=True)
+        if rows_time < best_time:
+            best_time, best = rows_time, rows
     return best, best_time, default_time
 
 
@@ -265,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--format", default="bf16", choices=configs.WEIGHT_FORMATS,
                         help="the routed experts' weight format (fp8, int4, nvfp4: the fused experts alone, stacked)")
     parser.add_argument("--tokens", default="1,2,4,8,16,32,64", help="token counts to time")
-    parser.add_argument("--sweep", action="store_true", help="tune the fused kernels' tiles per bucket")
+    parser.add_argument("--sweep", action="store_true",
+                        help="tune the fused kernels' tiles per bucket of --tokens (at one token the GEMV kernels too)")
     parser.add_argument("--budget-s", type=float, default=90.0, help="start no sweep bucket after this many s")
     parser.add_argument("--out", default="moe_configs.json", help="merge the swept tiles into this table")
     args = parser.parse_args(argv)
@@ -275,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         token_counts = [0]
     if min(token_counts) < 1:
         parser.error(f"--tokens takes comma-separated positive integers, got {args.tokens!r}")
+    args.tokens_list = token_counts  # --sweep tunes their buckets
     cfg = ModelConfig.from_pretrained(args.model)
     if not cfg.num_experts:
         parser.error(f"{args.model} is not an MoE model")
@@ -321,7 +340,8 @@ def sweep(args, block: SparseMoE, stacks: tuple | None = None) -> int:
     """Tune each bucket's tiles (sweep_bucket) and merge the winners into args.out after every bucket."""
     E, two_i, H = (stacks[0] if stacks else block.experts.gate_up_proj).shape
     start, table = time.monotonic(), {}
-    for bucket in configs.ROW_BUCKETS:
+    buckets = sorted({configs.row_bucket(t) for t in args.tokens_list if t <= configs.FUSED_MAX_TOKENS})
+    for bucket in buckets:
         if time.monotonic() - start > args.budget_s:
             print(f"budget of {args.budget_s:.0f} s spent: buckets from {bucket} not swept", flush=True)
             break

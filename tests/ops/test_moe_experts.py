@@ -25,6 +25,7 @@ patch_interpreter_index()
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # small tiles keep the interpreter quick: one block holds 16 pairs, so T > 16 puts a popular expert in two blocks
 SMALL = MoeTiles(16, Tile(16, 16, 4, 1), Tile(16, 16, 4, 1))
+ROWS = MoeTiles(16, Tile(8, 32, 4, 1), Tile(8, 32, 4, 1), gemv=True)  # one token on the GEMV kernels
 
 
 def random_routing(tokens: int, experts: int, top_k: int, gen: torch.Generator):
@@ -55,6 +56,20 @@ def test_fused_experts_match_grouped_matmul(experts, top_k, hidden, inter, token
     got = moe_cuda.fused_experts(x, ids, weights, gate_up, down, SMALL)
     want = reference.grouped_experts(x, ids, weights, gate_up, down)
     assert_within(got, want, experts_bound(x, ids, weights, gate_up, down), "fused experts")
+
+
+@pytest.mark.parametrize("experts,top_k,hidden,inter", SHAPES)
+def test_one_token_gemv_kernels_match_grouped_matmul(experts, top_k, hidden, inter):
+    """One token on the GEMV kernels, with a gated shared output summed by the combine."""
+    gen = torch.Generator().manual_seed(experts + top_k + hidden)
+    x = torch.randn(1, hidden, generator=gen).to(DEVICE)
+    gate_up, down = expert_weights(experts, hidden, inter, gen)
+    ids, weights = random_routing(1, experts, top_k, gen)
+    shared, gate = torch.randn(1, hidden, generator=gen).to(DEVICE), torch.randn(1, 1, generator=gen).to(DEVICE)
+    got = moe_cuda.fused_experts(x, ids, weights, gate_up, down, ROWS, (shared, gate))
+    want = reference.grouped_experts(x, ids, weights, gate_up, down)
+    bound = experts_bound(x, ids, weights, gate_up, down) + shared_bound(shared, gate, torch.float32)
+    assert_within(got, reference.add_shared_expert(want, shared, gate), bound, "fused experts, GEMV kernels")
 
 
 def test_fused_experts_beyond_decode_sizes_default_tiles():
@@ -138,6 +153,20 @@ def test_tile_table_is_valid_and_checked(tmp_path, monkeypatch):
         configs.tuned_table.cache_clear()
         with pytest.raises(ValueError, match="power of two"):
             configs.tuned_table()
+        rows = {**configs.tiles_entry(ROWS)}
+        assert rows["gemv"] == 1 and "gemv" not in configs.tiles_entry(SMALL)
+        for key, entry, message in (("7:3:40:24:2", rows, "only at rows 1"),  # the GEMV is one token's
+                                    ("7:3:40:24:1", {**rows, "gemv": True}, "gemv must be 0 or 1"),
+                                    ("fp8:7:3:40:24:1", {**rows, "down": [48, 32, 4, 1]}, "powers of two"),
+                                    ("fp8:7:3:40:24:1", {**rows, "down": [256, 32, 4, 1]}, "divide the 128-row"),
+                                    ("7:3:40:24:1", {**rows, "gemv": 0}, "BLOCK_N >= 16")):  # tl.dot's least side
+            bad.write_text(json.dumps({key: entry}))
+            configs.tuned_table.cache_clear()
+            with pytest.raises(ValueError, match=message):
+                configs.tuned_table()
+        bad.write_text(json.dumps({"7:3:40:24:1": rows}))
+        configs.tuned_table.cache_clear()
+        assert configs.tiles_for(7, 3, 40, 24, 1) == ROWS
     finally:
         configs.tuned_table.cache_clear()
 

@@ -25,6 +25,9 @@ patch_interpreter_float_rounding()
 patch_interpreter_bf16_dot()
 
 SMALL = MoeTiles(16, Tile(16, 16, 4, 1), Tile(16, 16, 4, 1))
+# the one-token GEMV kernels: 8-row blocks (inside FP8's 128-row scale block), K steps of up to 128 (whole FP8
+# blocks, whole int4 groups)
+ROWS = MoeTiles(16, Tile(8, 128, 4, 1), Tile(8, 128, 4, 1), gemv=True)
 # NVFP4's 48 = 3 x 16: the K step is the tile's 16 on both projections; with BLOCK_K 32 it would take 16 on H = 48
 FORMATS = [("fp8", 200, 128), ("int4", 128, 64), ("int4-sym", 128, 96), ("nvfp4", 48, 80)]
 
@@ -74,8 +77,23 @@ def test_fused_quantized_experts_match_their_semantics(fmt, H, inter, dtype, tok
 
 @pytest.mark.parametrize("fmt,H,inter", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens", [1, 5])
-def test_quantized_shared_slot_matches_its_semantics(fmt, H, inter, dtype, tokens):
+def test_one_token_gemv_kernels_match_their_semantics(fmt, H, inter, dtype):
+    """One token on the GEMV kernels (ROWS): FP8's partial 128-column block masked (and quantized in the kernels,
+    W8A8 as the tiles), int4's K steps of whole groups (64 of down's I = 64, 32 of int4-sym's I = 96), NVFP4's of 16
+    (48 and 80)."""
+    gen = torch.Generator().manual_seed(H + inter)
+    gate_up, down = (quantized.stack(part) for part in experts(fmt, 5, H, inter, gen))
+    ops = moe_cuda._operands(gate_up, dtype), moe_cuda._operands(down, dtype)
+    want_steps = {"fp8": (128, 128), "int4": (128, 64), "int4-sym": (128, 32), "nvfp4": (16, 16)}[fmt]
+    assert moe_cuda._row_block_ks(ROWS, *ops, H, inter) == want_steps  # the GEMV kernels take it
+    want, bound = assert_fused_experts_within_bound(gate_up, down, dtype, 1, 3, ROWS, gen, f"{fmt} GEMV")
+    assert (bound < 0.5 * want.abs()).double().mean() > 0.5
+
+
+@pytest.mark.parametrize("fmt,H,inter", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,tiles", [(1, SMALL), (5, SMALL), (1, ROWS)])
+def test_quantized_shared_slot_matches_its_semantics(fmt, H, inter, dtype, tokens, tiles):
     """fused_moe with stacked quantized experts and the shared expert's prepared weights as its slot: the k routed
     experts the kernels chose plus the shared one as expert E of k + 1, weighted sigmoid(gate), within the experts'
     bound and the float32 sigmoid's (one side of shared_bound)."""
@@ -86,7 +104,7 @@ def test_quantized_shared_slot_matches_its_semantics(fmt, H, inter, dtype, token
     logits = torch.randn(tokens, E, generator=gen).to(dtype)
     shared_gate = torch.randn(tokens, 1, generator=gen).to(dtype)
     got, ids, weights = moe_cuda.fused_moe(x, logits, top_k, True, quantized.stack(gate_up[:E]),
-                                           quantized.stack(down[:E]), gate_up[E], down[E], shared_gate, SMALL)
+                                           quantized.stack(down[:E]), gate_up[E], down[E], shared_gate, tiles)
     slot_ids = torch.cat([ids.long(), torch.full((tokens, 1), E)], 1)
     slot_weights = torch.cat([weights.double(), torch.sigmoid(shared_gate.double())], 1)
     every_gate_up, every_down = quantized.stack(gate_up), quantized.stack(down)

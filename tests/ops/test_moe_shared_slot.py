@@ -24,6 +24,7 @@ patch_interpreter_index()
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # one block holds 16 pairs: T > 16 puts a popular expert in two blocks and the shared slot in two
 SMALL = MoeTiles(16, Tile(16, 16, 4, 1), Tile(16, 16, 4, 1))
+ROWS = MoeTiles(16, Tile(8, 32, 4, 1), Tile(8, 32, 4, 1), gemv=True)  # one token on the GEMV kernels
 
 
 def block_operands(tokens: int, experts: int, hidden: int, inter: int, seed: int):
@@ -60,6 +61,24 @@ def test_fused_moe_matches_reference(experts, top_k, hidden, inter, renormalize,
     bound = sparse_block_bound(x, logits, top_k, renormalize, gate_up, down, shared_gate_up, shared_down,
                                shared_gate)
     assert_within(got, want, bound, "fused sparse block")
+
+
+@pytest.mark.parametrize("experts,top_k,hidden,inter", SHAPES)
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_one_token_gemv_kernels_match_reference(experts, top_k, hidden, inter, renormalize):
+    """One token on the GEMV kernels (rows and K steps the sizes do not divide): the routing they fold in is the
+    routing kernel's bitwise and the sparse block within the reference's bound."""
+    x, logits, gate_up, down, shared_gate_up, shared_down, shared_gate = block_operands(
+        1, experts, hidden, inter, seed=experts + top_k + hidden)
+    got, ids, weights = moe_cuda.fused_moe(x, logits, top_k, renormalize, gate_up, down, shared_gate_up,
+                                           shared_down, shared_gate, ROWS)
+    want_ids, want_weights = moe_cuda.route(logits, top_k, renormalize)
+    assert torch.equal(ids, want_ids) and torch.equal(weights, want_weights)
+    want = reference.sparse_block(x, logits, top_k, renormalize, gate_up, down, shared_gate_up, shared_down,
+                                  shared_gate)
+    bound = sparse_block_bound(x, logits, top_k, renormalize, gate_up, down, shared_gate_up, shared_down,
+                               shared_gate)
+    assert_within(got, want, bound, "sparse block on the GEMV kernels")
 
 
 @pytest.mark.parametrize("experts,top_k", [(7, 3), (256, 8), (512, 10)])

@@ -7,7 +7,10 @@ batch's token count (ROW_BUCKETS); quantized experts' keys lead with their forma
 Values are dicts:
   {"block_m": pairs of one expert a program takes (a power of two >= 16),
    "gate_up": [BLOCK_N, BLOCK_K, warps, stages],   kernel A over an expert's [2I, H] gate/up rows
-   "down": [BLOCK_N, BLOCK_K, warps, stages]}      kernel B over its [H, I] down rows
+   "down": [BLOCK_N, BLOCK_K, warps, stages],      kernel B over its [H, I] down rows
+   "gemv": 0 or 1}                                 optional, rows bucket 1 only: 1 runs the one-token GEMV
+                                                   kernels with these tiles (FP8: BLOCK_N divides 128) instead
+                                                   of the tensor-core ones
 (FP8 and int4 take their own BLOCK_K, the scale block or the group, whatever the entry says; NVFP4 the largest
 power of two <= the entry's that divides the K it steps over)
 DELTASERVE_MOE_CONFIGS names another file.
@@ -42,6 +45,7 @@ class MoeTiles(NamedTuple):
     block_m: int
     gate_up: Tile
     down: Tile
+    gemv: bool = False  # one token: kernels A and B as GEMVs on the CUDA cores (rows bucket 1 only)
 
 
 def row_bucket(rows: int) -> int:
@@ -68,13 +72,19 @@ def check_entry(where: str, key: str, entry) -> None:
     block_m = entry.get("block_m") if isinstance(entry, dict) else None
     if not (isinstance(block_m, int) and block_m >= 16 and block_m & (block_m - 1) == 0):
         raise ValueError(f"{where}: entry {key!r}: block_m must be a power of two >= 16, got {block_m!r}")
+    gemv = entry.get("gemv", 0)
+    if gemv not in (0, 1) or isinstance(gemv, bool) or (gemv and int(parts[4]) != 1):
+        raise ValueError(f"{where}: entry {key!r}: gemv must be 0 or 1, and 1 only at rows 1, got {gemv!r}")
+    least_n = 1 if gemv else 16  # tl.dot's least side; the GEMV takes any power of two
     for kernel in ("gate_up", "down"):
         tile = entry.get(kernel)
         if not (isinstance(tile, list) and len(tile) == 4 and all(isinstance(v, int) and v > 0 for v in tile)
-                and tile[0] >= 16 and tile[1] >= 16):
-            raise ValueError(f"{where}: entry {key!r}: {kernel} must be [BLOCK_N >= 16, BLOCK_K >= 16, warps, "
-                             f"stages], got {tile!r}")
-
+                and tile[0] >= least_n and tile[1] >= 16 and all(v & (v - 1) == 0 for v in tile[:2])):
+            raise ValueError(f"{where}: entry {key!r}: {kernel} must be [BLOCK_N >= {least_n}, BLOCK_K >= 16 (powers "
+                             f"of two), warps, stages], got {tile!r}")
+        if gemv and key.startswith("fp8:") and 128 % tile[0]:
+            raise ValueError(f"{where}: entry {key!r}: the FP8 GEMV's {kernel} BLOCK_N must divide the 128-row "
+                             f"scale block, got {tile[0]}")
 
 @functools.cache
 def tuned_table() -> dict:
@@ -101,9 +111,10 @@ def tiles_for(num_experts: int, top_k: int, hidden: int, intermediate: int, rows
     entry = tuned_table().get(table_key(num_experts, top_k, hidden, intermediate, rows, fmt))
     if entry is None:
         return default_tiles(rows)
-    return MoeTiles(entry["block_m"], Tile(*entry["gate_up"]), Tile(*entry["down"]))
+    return MoeTiles(entry["block_m"], Tile(*entry["gate_up"]), Tile(*entry["down"]), bool(entry.get("gemv", 0)))
 
 
 def tiles_entry(tiles: MoeTiles) -> dict:
     """The table's JSON entry of `tiles`."""
-    return {"block_m": tiles.block_m, "gate_up": list(tiles.gate_up), "down": list(tiles.down)}
+    entry = {"block_m": tiles.block_m, "gate_up": list(tiles.gate_up), "down": list(tiles.down)}
+    return {**entry, "gemv": 1} if tiles.gemv else entry

@@ -6,6 +6,7 @@
                                     renormalize
     fused_experts(...)              _align_kernel -> _gate_up_kernel (A) -> _down_kernel (B) -> _combine_kernel
     fused_moe(...)                  the same launches less the routing kernel, with the shared expert as a slot
+    (one token, tiles.gemv)         _gate_up_row_kernel (A1) -> _down_row_kernel (B1) -> _combine_kernel
 
 Why this shape (bandwidth). A decode step of 35B-A3B at one token reads per MoE layer 8 experts x 3 x 512 x 2048
 bf16 = 50 MB of expert weights and next to nothing else: the limit is bytes / bandwidth, ~10.5 us at 4.8 TB/s.
@@ -30,6 +31,13 @@ down [E, H, I], float32 [T*k, H] (= [T, k, H]). The combine kernel sums each tok
 and adds the gated shared expert, sigmoid(g_t) * shared_t, in float32, rounding once: no atomics, so graphs equal
 eager bitwise, and a pair's numbers depend only on its token, its expert and the tiles (not on which other tokens
 share the batch or the expert).
+
+One token on the GEMV kernels (A1, B1; where the tile table's bucket-1 entry says "gemv"). A [16, BLOCK_N]
+tensor-core tile wastes 15 of its 16 rows at one token, and the few programs of a tile per expert (8 experts x I /
+BLOCK_N) leave the HBM idle; A1 and B1 give each program BLOCK_N rows of one slot's weight (as small as 4), multiply
+them by the token elementwise in float32 and reduce once after the K loop, as ops/quant_gemm/cuda_gemv.py's one-row
+kernels do (int4 and NVFP4 decoded per word as there). Their sums run in another order than the tiles', so a token
+alone on them is not bitwise itself in a batch; the routing they fold in is the same.
 
 fused_moe: the shared expert as one more slot. Where it has the routed experts' intermediate size, its T rows are
 pairs T*k .. T*k + T - 1 of act and y, taken by cdiv(T, BLOCK_M) blocks after the routed ones (its own weight
@@ -57,6 +65,11 @@ from deltaserve.ops.moe.quantized import (FP8_BLOCK, Fp8Experts, Int4Experts, Nv
 from deltaserve.ops.pdl import wait_for_previous_kernel
 from deltaserve.ops.quant_gemm.cuda_dequant import int4_codes, nvfp4_tile
 from deltaserve.ops.quant_gemm import cuda_fp8
+from deltaserve.ops.quant_gemm.cuda_fp8 import FP8_AMAX_FLOOR, FP8_MAX, quantize_block
+from deltaserve.ops.quant_gemm.cuda_gemv import E2M1_FP16_SCALE, NVFP4_GROUP, _split8, _word_sum
+from deltaserve.ops.quant_gemm.cuda_gemv import _block_k as _gemv_block_k
+from deltaserve.ops.quant_gemm.cuda_gemv import INT4 as CUDA_GEMV_INT4
+from deltaserve.ops.quant_gemm.cuda_gemv import NVFP4 as CUDA_GEMV_NVFP4
 from deltaserve.ops.quant_gemm.cuda_weight_only import _CODES
 
 ALIGN_CHUNK = 32  # pairs (and blocks) the align kernel compares at once: [ALIGN_CHUNK, BLOCK_E] one-hot tiles
@@ -414,6 +427,180 @@ def _combine_kernel(y, out, shared, shared_gate, H, stride_out, stride_shared, s
     tl.store(out + t * stride_out + hs, acc.to(out.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _row_acc(BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WFORMAT: tl.constexpr, GROUP: tl.constexpr):
+    """The one-token kernels' float32 accumulator: [BN, BK] elementwise products (PLAIN, FP8), or [BN, groups,
+    words of a group] word sums (INT4, NVFP4: GROUP its scale group), reduced once after the K loop."""
+    if WFORMAT == INT4 or WFORMAT == NVFP4:
+        acc = tl.zeros([BLOCK_N, BLOCK_K // GROUP, GROUP // 8], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    return acc
+
+
+@triton.jit
+def _row_activation(row, k0, K, BLOCK_K: tl.constexpr, WFORMAT: tl.constexpr, GROUP: tl.constexpr,
+                    EVEN_K: tl.constexpr):
+    """Columns [k0, k0 + BK) of one 16-bit activation row as the one-token kernels take them, float32: [BK]
+    (PLAIN; FP8 quantized here per 128 columns, BK a multiple of 128, as cuda_fp8.quantize would: its e4m3 codes
+    times their scales), or (INT4, NVFP4) the 8 nibble positions' columns, each [1, groups, words]."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    if WFORMAT == INT4 or WFORMAT == NVFP4:  # K a multiple of BLOCK_K
+        x3 = tl.reshape(tl.load(row + ks).to(tl.float32), [BLOCK_K // GROUP, GROUP // 8, 8])
+        c0, c1, c2, c3, c4, c5, c6, c7 = _split8(x3)
+        xv = (c0[None], c1[None], c2[None], c3[None], c4[None], c5[None], c6[None], c7[None])
+    else:
+        if EVEN_K:
+            xv = tl.load(row + ks).to(tl.float32)
+        else:
+            xv = tl.load(row + ks, mask=ks < K, other=0.0).to(tl.float32)
+        if WFORMAT == FP8:
+            q, scale = quantize_block(tl.reshape(xv, [BLOCK_K // GROUP, GROUP]), FP8_AMAX_FLOOR, FP8_MAX)
+            xv = tl.reshape(q.to(tl.float32) * scale[:, None], [BLOCK_K])
+    return xv
+
+
+@triton.jit
+def _row_step(acc, weights, scales, zeros, n0, N, K, k0, xv, stride_wn, stride_sn, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, WFORMAT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr,
+              EVEN: tl.constexpr):
+    """acc + rows [n0, n0 + BN) of one weight [N, K] (its format's tensors) times the activation's columns xv
+    (_row_activation) over [k0, k0 + BK), elementwise in float32. FP8: BN rows inside one 128-row scale block
+    (scales [N / 128, K / 128]); INT4: words [N, K/8] int32, scales and zero points [N, K / GROUP]; NVFP4: e2m1
+    bytes read as words [N, K/8], e4m3 scales [N, K/16] (scale_2 applied by _row_sum)."""
+    ns = n0 + tl.arange(0, BLOCK_N)
+    n_ok = ns < N
+    if WFORMAT == INT4 or WFORMAT == NVFP4:
+        WPG: tl.constexpr = GROUP // 8
+        gs = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)  # [GPI]
+        word_ids = gs[:, None] * WPG + tl.arange(0, WPG)[None, :]  # [GPI, WPG]
+        w_ptrs = weights + ns[:, None, None].to(tl.int64) * stride_wn + word_ids[None, :, :]
+        s_ptrs = scales + ns[:, None].to(tl.int64) * stride_sn + gs[None, :]  # [BN, GPI]
+        word = tl.load(w_ptrs, mask=n_ok[:, None, None], other=0)  # [BN, GPI, WPG]
+        s = tl.load(s_ptrs, mask=n_ok[:, None], other=0.0).to(tl.float32)[:, :, None]
+        if WFORMAT == INT4 and HAS_ZERO:
+            z = tl.load(zeros + ns[:, None].to(tl.int64) * stride_sn + gs[None, :], mask=n_ok[:, None],
+                        other=0).to(tl.float32)[:, :, None]
+        else:
+            z = tl.full([BLOCK_N, BLOCK_K // GROUP, 1], 8.0, tl.float32)
+        if WFORMAT == INT4:
+            t = _word_sum(tl.zeros(acc.shape, dtype=tl.float32), word, z, xv, CUDA_GEMV_INT4)
+        else:
+            t = _word_sum(tl.zeros(acc.shape, dtype=tl.float32), word, z, xv, CUDA_GEMV_NVFP4)
+        acc += t * s
+    else:
+        ks = k0 + tl.arange(0, BLOCK_K)
+        w_ptrs = weights + ns[:, None].to(tl.int64) * stride_wn + ks[None, :]  # [BN, BK]
+        if EVEN:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & (ks < K)[None, :], other=0.0)
+        a = xv
+        if WFORMAT == FP8:
+            a = xv * tl.load(scales + (n0 // GROUP).to(tl.int64) * stride_sn + ks // GROUP, mask=ks < K, other=0.0)
+        acc += w.to(tl.float32) * a[None, :]
+    return acc
+
+
+@triton.jit
+def _row_sum(acc, zeros, n0, N, BLOCK_N: tl.constexpr, WFORMAT: tl.constexpr):
+    """The one-token kernels' accumulator reduced to the rows' products [BN] (NVFP4: times scale_2 (zeros [N])
+    and the 2^14 of its fp16 decode)."""
+    if WFORMAT == INT4 or WFORMAT == NVFP4:
+        y = tl.sum(tl.sum(acc, axis=2), axis=1)
+        if WFORMAT == NVFP4:
+            ns = n0 + tl.arange(0, BLOCK_N)
+            y = y * (tl.load(zeros + ns, mask=ns < N, other=0.0) * E2M1_FP16_SCALE)
+    else:
+        y = tl.sum(acc, axis=1)
+    return y
+
+
+@triton.jit(do_not_specialize=["stride_logits"])
+def _gate_up_row_kernel(
+    x, gate_up, shared_gate_up, act, ids, H, I, stride_we, stride_wn, logits, topk_weights, E, stride_logits,
+    scales, zeros, stride_se, stride_sn, stride_ze, shared_scales, shared_zeros, TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ROUTE: tl.constexpr,
+    RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOP_K: tl.constexpr, WFORMAT: tl.constexpr = PLAIN,
+    GROUP: tl.constexpr = 1, HAS_ZERO: tl.constexpr = False, PDL: tl.constexpr = False,
+):
+    """Kernel A at one token, as a GEMV on the CUDA cores (a tensor-core tile would waste 15 of its 16 rows).
+    Grid (k [+ 1: the shared slot], cdiv(I, BLOCK_N)): program (j, n) writes act [j, n block] = silu(x Wg^T) *
+    (x Wu^T), Wg / Wu the n block's rows of expert ids [j]'s gate_up [2I, H] (slot k: shared_gate_up). ROUTE:
+    every program routes the token from logits [0, :E] itself, program (0, 0) writing ids and topk_weights (as
+    kernel A). Formats as kernel A's, x [1, H] 16-bit (FP8 quantizes it per 128 columns in every program: no
+    quantize launch); GROUP: FP8's 128-row and -column scale block, int4's group, NVFP4's 16."""
+    wait_for_previous_kernel(PDL)
+    b = tl.program_id(0)
+    if ROUTE:
+        expert = (b * 0).to(tl.int64)
+        if b < TOP_K:
+            chosen = _route_rows(logits, ids, topk_weights, 0, 1, E, stride_logits, 1, TOP_K, BLOCK_E,
+                                 BLOCK_TOP_K, RENORMALIZE, (b == 0) & (tl.program_id(1) == 0))  # [1, BK]
+            expert = tl.sum(tl.where(tl.arange(0, BLOCK_TOP_K)[None, :] == b, chosen, 0)).to(tl.int64)
+    else:
+        expert = tl.load(ids + b, mask=b < TOP_K, other=0).to(tl.int64)
+    weights = gate_up + expert * stride_we
+    w_scales = scales + expert * stride_se
+    w_zeros = zeros + expert * stride_ze
+    if b >= TOP_K:  # the shared slot
+        weights, w_scales, w_zeros = shared_gate_up, shared_scales, shared_zeros
+    n0 = tl.program_id(1) * BLOCK_N
+    acc_gate = _row_acc(BLOCK_N, BLOCK_K, WFORMAT, GROUP)
+    acc_up = _row_acc(BLOCK_N, BLOCK_K, WFORMAT, GROUP)
+    for k0 in range(0, H, BLOCK_K):
+        xv = _row_activation(x, k0, H, BLOCK_K, WFORMAT, GROUP, EVEN_K)
+        acc_gate = _row_step(acc_gate, weights, w_scales, w_zeros, n0, I, H, k0, xv, stride_wn, stride_sn,
+                             BLOCK_N, BLOCK_K, WFORMAT, GROUP, HAS_ZERO, EVEN_N and EVEN_K)
+        acc_up = _row_step(acc_up, weights, w_scales, w_zeros, n0 + I, 2 * I, H, k0, xv, stride_wn, stride_sn,
+                           BLOCK_N, BLOCK_K, WFORMAT, GROUP, HAS_ZERO, EVEN_N and EVEN_K)
+    gate = _row_sum(acc_gate, w_zeros, n0, I, BLOCK_N, WFORMAT)  # [BN]
+    up = _row_sum(acc_up, w_zeros, n0 + I, 2 * I, BLOCK_N, WFORMAT)
+    ns = n0 + tl.arange(0, BLOCK_N)
+    out = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(act + b * I + ns, out.to(act.dtype.element_ty), mask=ns < I)
+
+
+@triton.jit
+def _down_row_kernel(
+    act, down, shared_down, ids, topk_weights, shared, shared_gate, out, H, I, stride_we, stride_wn, scales, zeros,
+    stride_se, stride_sn, stride_ze, shared_scales, shared_zeros, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, HAS_SHARED: tl.constexpr,
+    SHARED_SLOT: tl.constexpr, WFORMAT: tl.constexpr = PLAIN, GROUP: tl.constexpr = 1,
+    HAS_ZERO: tl.constexpr = False, PDL: tl.constexpr = False,
+):
+    """Kernel B and the combine at one token, as a GEMV. Grid (cdiv(H, BLOCK_N),): program n writes out [0, n
+    block] = sum over the slots j = 0..k-1 in order of w_j * act [j] Wd_j^T (Wd_j the n block's rows of expert
+    ids [j]'s down [H, I], w_j topk_weights [j]), then SHARED_SLOT slot k's sigmoid(shared_gate [0]) * act [k]
+    shared_down^T, or HAS_SHARED sigmoid(shared_gate [0]) * shared [0]: float32, rounded once (as the combine
+    kernel). act [slots, I] 16-bit (FP8 quantizes it per 128 columns here)."""
+    wait_for_previous_kernel(PDL)
+    n0 = tl.program_id(0) * BLOCK_N
+    ns = n0 + tl.arange(0, BLOCK_N)
+    n_ok = ns < H
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in range(TOP_K + SHARED_SLOT):
+        expert = tl.load(ids + j, mask=j < TOP_K, other=0).to(tl.int64)
+        weights = down + expert * stride_we
+        w_scales = scales + expert * stride_se
+        w_zeros = zeros + expert * stride_ze
+        if j < TOP_K:
+            pair_weight = tl.load(topk_weights + j)
+        else:  # the shared slot
+            weights, w_scales, w_zeros = shared_down, shared_scales, shared_zeros
+            pair_weight = 1.0 / (1.0 + tl.exp(-tl.load(shared_gate).to(tl.float32)))
+        acc = _row_acc(BLOCK_N, BLOCK_K, WFORMAT, GROUP)
+        for k0 in range(0, I, BLOCK_K):
+            av = _row_activation(act + j * I, k0, I, BLOCK_K, WFORMAT, GROUP, EVEN_K)
+            acc = _row_step(acc, weights, w_scales, w_zeros, n0, H, I, k0, av, stride_wn, stride_sn, BLOCK_N,
+                            BLOCK_K, WFORMAT, GROUP, HAS_ZERO, EVEN_N and EVEN_K)
+        total += _row_sum(acc, w_zeros, n0, H, BLOCK_N, WFORMAT) * pair_weight
+    if HAS_SHARED:
+        gate = tl.load(shared_gate).to(tl.float32)
+        total += tl.load(shared + ns, mask=n_ok, other=0.0).to(tl.float32) / (1.0 + tl.exp(-gate))
+    tl.store(out + ns, total.to(out.dtype.element_ty), mask=n_ok)
+
+
 def num_blocks(num_experts: int, tokens: int, top_k: int, block_m: int) -> int:
     """The align kernel's block-table size: an upper bound of sum_e cdiv(pairs_e, BLOCK_M). With BLOCK_M >= T
     every selected expert is one block (min(E, T*k)); else each may add up to pairs_e // BLOCK_M more."""
@@ -477,7 +664,7 @@ def _operands(w, dtype: torch.dtype) -> _Operands:
                               CODE_OFFSET=offset), w.group_size)
     if isinstance(w, Nvfp4Experts):
         return _Operands(w.packed, w.scale, w.scale_2, w.scale.stride(0), w.scale.stride(1), w.scale_2.stride(0),
-                         dict(WFORMAT=NVFP4), None)
+                         dict(WFORMAT=NVFP4, GROUP=NVFP4_GROUP), None)
     return _Operands(w, w, w, 0, 0, 0, {}, None)
 
 
@@ -594,11 +781,34 @@ def _run_experts(x, gate_up, down, tiles: MoeTiles, ids, weights, top_k: int, ro
         shared_gate = shared_slot[2]
     else:  # placeholders, unread
         shared_gate_up_ops, shared_down_ops, shared_gate = gate_up_ops, down_ops, x
-    gate_up, down = gate_up_ops.weight, down_ops.weight
-    shared_gate_up, shared_down = shared_gate_up_ops.weight, shared_down_ops.weight
     slots = pairs + (T if shared_slot is not None else 0)  # rows of act and y: the pairs, then the shared slot's
     blocks = routed_blocks + (triton.cdiv(T, tiles.block_m) if shared_slot is not None else 0)
     act = torch.empty(slots, inter, dtype=x.dtype, device=x.device)
+    shared_out, gate_out = shared_output if shared_output is not None else (out, out)  # unread without HAS_SHARED
+    row_k = _row_block_ks(tiles, gate_up_ops, down_ops, H, inter) if one_token else None
+    if row_k is not None:  # two launches: A1, then B1 with the combine
+        _row_products(x, act, out, ids, weights, logits, renormalize, route_in_a, top_k, tiles, row_k, gate_up_ops,
+                      down_ops, shared_gate_up_ops, shared_down_ops, shared_slot is not None,
+                      shared_gate if shared_slot is not None else gate_out, shared_output is not None, shared_out,
+                      launch)
+        return out
+    y = _tile_products(x, act, sorted_pairs, block_table, routed_blocks, blocks, slots, weights, logits, renormalize,
+                       route_in_a, top_k, tiles, precision, stage_divisor, one_token, gate_up_ops, down_ops,
+                       shared_gate_up_ops, shared_down_ops, shared_gate, fp8, launch)
+    _combine_kernel[(T, triton.cdiv(H, COMBINE_BLOCK))](
+        y, out, shared_out, gate_out, H, out.stride(0), shared_out.stride(0), gate_out.stride(0), TOP_K=top_k,
+        HAS_SHARED=shared_output is not None, SHARED_SLOT=shared_slot is not None, BLOCK=COMBINE_BLOCK, **launch)
+    return out
+
+
+def _tile_products(x, act, sorted_pairs, block_table, routed_blocks, blocks, slots, weights, logits, renormalize,
+                   route_in_a, top_k, tiles, precision, stage_divisor, one_token, gate_up_ops, down_ops,
+                   shared_gate_up_ops, shared_down_ops, shared_gate, fp8, launch) -> torch.Tensor:
+    """Kernels A and B on tensor-core tiles (any T): act [slots, I] filled, y [slots, H] float32 returned."""
+    T, H = x.shape
+    E, inter = gate_up_ops.weight.shape[0], act.shape[1]
+    gate_up, down = gate_up_ops.weight, down_ops.weight
+    shared_gate_up, shared_down = shared_gate_up_ops.weight, shared_down_ops.weight
     tile = tiles.gate_up
     block_k = _block_k(gate_up_ops, tile.block_k, H)
     x_in, x_scales = cuda_fp8.quantize(x, block_k) if fp8 else (x, x)  # FP8: e4m3 [T, H], [H / 128, T]
@@ -624,8 +834,64 @@ def _run_experts(x, gate_up, down, tiles: MoeTiles, ids, weights, top_k: int, ro
         BLOCK_N=tile.block_n, BLOCK_K=block_k, EVEN_N=H % tile.block_n == 0, EVEN_K=inter % block_k == 0,
         PRECISION=precision, ONE_TOKEN=one_token, num_warps=tile.warps,
         num_stages=max(1, tile.stages // stage_divisor), **down_ops.constexprs, **launch)
-    shared_out, gate_out = shared_output if shared_output is not None else (out, out)  # unread without HAS_SHARED
-    _combine_kernel[(T, triton.cdiv(H, COMBINE_BLOCK))](
-        y, out, shared_out, gate_out, H, out.stride(0), shared_out.stride(0), gate_out.stride(0), TOP_K=top_k,
-        HAS_SHARED=shared_output is not None, SHARED_SLOT=shared_slot is not None, BLOCK=COMBINE_BLOCK, **launch)
-    return out
+    return y
+
+
+def _row_block_ks(tiles: MoeTiles, gate_up_ops: _Operands, down_ops: _Operands, H: int, inter: int
+                  ) -> tuple[int, int] | None:
+    """The K steps of the one-token row kernels (kernel A over H, kernel B over I) where the tiles ask for them
+    (tiles.gemv) and fit the format, else None (the tensor-core kernels serve): FP8 row blocks inside one 128-row
+    scale block; int4 / NVFP4 steps of whole scale groups that divide K."""
+    if not tiles.gemv:
+        return None
+    steps = []
+    for tile, K, ops in ((tiles.gate_up, H, gate_up_ops), (tiles.down, inter, down_ops)):
+        fmt, group = ops.constexprs.get("WFORMAT", PLAIN), ops.constexprs.get("GROUP", 1)
+        if fmt == FP8 and (group % tile.block_n or tile.block_k % group):  # rows in one scale block, whole K blocks
+            return None
+        if fmt in (INT4, NVFP4):
+            step = _gemv_block_k(K, tile.block_k, group)
+            if step is None or group < 8 or group & (group - 1):
+                return None
+            steps.append(step)
+        else:
+            steps.append(tile.block_k)
+    return steps[0], steps[1]
+
+
+def _row_constexprs(ops: _Operands) -> dict:
+    """The format's constexprs the row kernels take (int4's code base and offset are the tile kernels')."""
+    return {name: value for name, value in ops.constexprs.items() if name in ("WFORMAT", "GROUP", "HAS_ZERO")}
+
+
+def _row_weight(ops: _Operands) -> torch.Tensor:
+    """The weight as the row kernels read it: NVFP4's e2m1 bytes as int32 words (the same nibble order)."""
+    return ops.weight.view(torch.int32) if ops.constexprs.get("WFORMAT") == NVFP4 else ops.weight
+
+
+def _row_products(x, act, out, ids, weights, logits, renormalize, route_in_a, top_k, tiles, row_k, gate_up_ops,
+                  down_ops, shared_gate_up_ops, shared_down_ops, shared_slot, shared_gate, has_shared, shared_out,
+                  launch) -> None:
+    """One token on the CUDA cores: _gate_up_row_kernel fills act [slots, I], _down_row_kernel writes out [1, H]
+    (the combine folded in). shared_slot: act's last row is the shared expert's; has_shared: shared_out [1, H]
+    gated by shared_gate [1, 1] is added."""
+    _, H = x.shape
+    E, inter = gate_up_ops.weight.shape[0], act.shape[1]
+    gate_up, shared_gate_up = _row_weight(gate_up_ops), _row_weight(shared_gate_up_ops)
+    down, shared_down = _row_weight(down_ops), _row_weight(shared_down_ops)
+    tile, block_k = tiles.gate_up, row_k[0]
+    _gate_up_row_kernel[(act.shape[0], triton.cdiv(inter, tile.block_n))](
+        x, gate_up, shared_gate_up, act, ids, H, inter, gate_up.stride(0), gate_up.stride(1), logits, weights, E,
+        logits.stride(0), gate_up_ops.scales, gate_up_ops.zeros, gate_up_ops.stride_se, gate_up_ops.stride_sn,
+        gate_up_ops.stride_ze, shared_gate_up_ops.scales, shared_gate_up_ops.zeros, TOP_K=top_k,
+        BLOCK_N=tile.block_n, BLOCK_K=block_k, EVEN_N=inter % tile.block_n == 0, EVEN_K=H % block_k == 0,
+        ROUTE=route_in_a, RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(E),
+        BLOCK_TOP_K=triton.next_power_of_2(top_k), num_warps=tile.warps, num_stages=tile.stages,
+        **_row_constexprs(gate_up_ops), **launch)
+    tile, block_k = tiles.down, row_k[1]
+    _down_row_kernel[(triton.cdiv(H, tile.block_n),)](
+        act, down, shared_down, ids, weights, shared_out, shared_gate, out, H, inter, down.stride(0), down.stride(1),
+        down_ops.scales, down_ops.zeros, down_ops.stride_se, down_ops.stride_sn, down_ops.stride_ze,
+        shared_down_ops.scales, shared_down_ops.zeros, TOP_K=top_k, BLOCK_N=tile.block_n, BLOCK_K=block_k,
+        EVEN_N=H % tile.block_n == 0, EVEN_K=inter % block_k == 0, HAS_SHARED=has_shared, SHARED_SLOT=shared_slot,
+        num_warps=tile.warps, num_stages=tile.stages, **_row_constexprs(down_ops), **launch)
