@@ -38,6 +38,12 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${1:?usage: tests/gpu/run.sh OUTDIR [quick|full|tests|ops|bench|serve|memory|structured|tune|quant|moe]}
 MODE=${2:-full}
+case "$MODE" in
+  full|quick|tests|ops|bench|serve|memory|structured|tune|quant|moe) ;;
+  *) echo "tests/gpu/run.sh: unknown mode '$MODE' (full, quick, tests, ops, bench, serve, memory, structured, tune," \
+       "quant or moe)" >&2
+     exit 2 ;;
+esac
 mkdir -p "$OUT"
 export DELTASERVE_GPU_OUT="$(cd "$OUT" && pwd)"  # where GPU tests write their figures (memory_plan.json)
 if [ -d .whl ]; then
