@@ -2,15 +2,16 @@
 their shared memory and their main loop's SASS, to see what a kernel change does to the machine code before
 spending device time on it.
 
-    python -m benchmarks.sass_probe [--kernel decode|prefill|int4-row|int4-dp4a|nvfp4-gemv|nvfp4-dp4a]
-        [--cache bf16|fp8] [--arch 90]
+    python -m benchmarks.sass_probe [--kernel decode|prefill|int4-row|int4-dp4a|nvfp4-gemv|nvfp4-dp4a|moe-gate-up|
+        moe-down] [--cache bf16|fp8] [--format bf16|fp8|int4|nvfp4] [--arch 90]
         [--block-n N] [--block-k N] [--warps N] [--stages N] [--top 12]
 
 Compiles `_decode_split_kernel` or `_prefill_kernel` with 27B's attention heads (24 query / 4 KV heads, head_dim
 256, block 16), or `cuda_gemv._int4_row_kernel` / `_int4_dp4a_row_kernel` / NVFP4's `_weight_only_gemv_kernel` at
 one row / `_nvfp4_dp4a_row_kernel` at 27B's gate/up (34,816 x 5,120; int4 groups of 128 with zero points), with the
 tile the engine would use unless told otherwise (the GEMVs: the tuned
-table's gate/up and down entries), disassembles the cubin with the `nvdisasm` that Triton ships, and prints the
+table's gate/up and down entries), or the MoE one-token GEMV kernels (`ops/moe/cuda.py` A1 and B1, --format) at
+35B-A3B's experts (default 8 rows, K steps of 256), disassembles the cubin with the `nvdisasm` that Triton ships, and prints the
 registers a thread takes (Triton's `ptxas -v`), the largest loop's instruction count (for a GEMV also per weight)
 and its commonest opcodes. The eleventh session found fp8 decode reading its V tiles one byte at a time this way
 (128 `LDS.U8` in a loop of 1,234 instructions; docs/performance.md); the GEMVs' layout conversions through
@@ -122,6 +123,44 @@ def compile_gemv(kernel: str = "int4-row", arch: int = 90, block_n: int | None =
     return _compile(fn, constants, types, ints, arch, num_warps or tile["warps"], stages)
 
 
+# the MoE one-token GEMV kernels (ops/moe/cuda.py A1 / B1) at 35B-A3B's experts: weight format -> (the weight's,
+# its scales' and its zeros' Triton types, the format's GROUP)
+MOE_ROW_FORMATS = {"bf16": ("*bf16", "*bf16", "*bf16", 1), "fp8": ("*fp8e4nv", "*fp32", "*fp32", 128),
+                   "int4": ("*i32", "*bf16", "*u8", 128), "nvfp4": ("*i32", "*fp8e4nv", "*fp32", 16)}
+MOE_ROW_KERNELS = ("moe-gate-up", "moe-down")
+MOE_H, MOE_I, MOE_E, MOE_K = 2048, 512, 256, 8
+
+
+def compile_moe_row(kernel: str = "moe-gate-up", fmt: str = "fp8", arch: int = 90, block_n: int = 8,
+                    block_k: int = 256, num_warps: int = 4):
+    """The compiled one-token MoE kernel A1 (gate/up + SiLU, routing inside, as at one token with the shared slot)
+    or B1 (down + combine over the 8 routed slots and the shared one) at 35B-A3B's experts (H 2,048, I 512) in a
+    weight format, with the specializations its launches get."""
+    from deltaserve.ops.moe import cuda as moe_cuda
+
+    weight, scales, zeros, group = MOE_ROW_FORMATS[fmt]
+    wformat = {"bf16": moe_cuda.PLAIN, "fp8": moe_cuda.FP8, "int4": moe_cuda.INT4, "nvfp4": moe_cuda.NVFP4}[fmt]
+    constants = {"BLOCK_N": block_n, "BLOCK_K": block_k, "EVEN_N": True, "EVEN_K": True, "WFORMAT": wformat.value,
+                 "GROUP": group, "HAS_ZERO": fmt == "int4", "PDL": False, "TOP_K": MOE_K}
+    types = {"scales": scales, "zeros": zeros, "shared_scales": scales, "shared_zeros": zeros, "ids": "*i32",
+             "topk_weights": "*fp32"}
+    words = 8 if fmt in ("int4", "nvfp4") else 1  # weights a stored element holds
+    if kernel == "moe-gate-up":
+        constants.update(ROUTE=True, RENORMALIZE=True, BLOCK_E=MOE_E, BLOCK_TOP_K=MOE_K)
+        types.update(x="*bf16", gate_up=weight, shared_gate_up=weight, act="*bf16", logits="*bf16")
+        ints = {"H": MOE_H, "I": MOE_I, "stride_we": 2 * MOE_I * MOE_H // words, "stride_wn": MOE_H // words,
+                "E": MOE_E, "stride_logits": MOE_E + 1, "stride_se": 2 * MOE_I * MOE_H // group,
+                "stride_sn": MOE_H // group, "stride_ze": 2 * MOE_I * MOE_H // group}
+        fn = moe_cuda._gate_up_row_kernel
+    else:
+        constants.update(HAS_SHARED=False, SHARED_SLOT=True)
+        types.update(act="*bf16", down=weight, shared_down=weight, shared="*bf16", shared_gate="*bf16", out="*bf16")
+        ints = {"H": MOE_H, "I": MOE_I, "stride_we": MOE_I * MOE_H // words, "stride_wn": MOE_I // words,
+                "stride_se": MOE_I * MOE_H // group, "stride_sn": MOE_I // group, "stride_ze": MOE_I * MOE_H // group}
+        fn = moe_cuda._down_row_kernel
+    return _compile(fn, constants, types, ints, arch, num_warps, 1)
+
+
 def _compile(fn, constants: dict, types: dict, ints: dict, arch: int, num_warps: int, num_stages: int):
     """triton.compile of `fn` for sm_`arch`: `constants` as constexprs, the other parameters typed by `types`
     (default i32), pointers and the integers whose `ints` value is divisible by 16 specialized as such."""
@@ -186,7 +225,9 @@ def loop_report(compiled) -> LoopReport:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.sass_probe", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kernel", choices=["decode", "prefill", *GEMV_TILES], default="decode")
+    parser.add_argument("--kernel", choices=["decode", "prefill", *GEMV_TILES, *MOE_ROW_KERNELS], default="decode")
+    parser.add_argument("--format", choices=sorted(MOE_ROW_FORMATS), default="fp8",
+                        help="the MoE kernels' weight format")
     parser.add_argument("--cache", choices=sorted(CACHE_TYPES), default="bf16", help="the KV cache's dtype")
     parser.add_argument("--arch", type=int, default=90, help="compute capability, as 90 for sm_90 (H100/H200)")
     parser.add_argument("--block-n", type=int, default=None,
@@ -208,6 +249,13 @@ def main(argv: list[str] | None = None) -> int:
         weights = block_n * columns / (32 * options.num_warps)  # a thread's weights a loop step
         what = (f"{args.kernel} ({block_n} rows x {columns} columns a step, {options.num_warps} warps, "
                 f"{options.num_stages} stages)")
+    elif args.kernel in MOE_ROW_KERNELS:
+        block_n, block_k = args.block_n or 8, args.block_k or 256
+        compiled = compile_moe_row(args.kernel, args.format, args.arch, block_n, block_k, args.warps or 4)
+        threads = 32 * compiled.metadata.num_warps
+        # A1's loop is one K step of gate and up rows; B1's largest, one slot (its K loop unrolled where I / BK is 1)
+        weights = (2 * block_n * block_k if args.kernel == "moe-gate-up" else block_n * MOE_I) / threads
+        what = f"{args.kernel} on {args.format} experts ({block_n} rows, K steps of {block_k}, {threads // 32} warps)"
     else:
         compiled = compile_attention(args.kernel, args.cache, args.arch, args.block_n, args.warps, args.stages)
         weights, what = None, f"{args.kernel} over a {args.cache} cache"

@@ -49,3 +49,13 @@ def test_int4_dp4a_gemv_dots_bytes_in_integers():
     assert "IDP.4A.U8.S8" in dp4a and "IDP.4A.U8.U8" in dp4a and "IDP.4A" not in row, dp4a
     dp4a_cost, row_cost = (float(re.search(r"\(([\d.]+) a weight\)", out).group(1)) for out in (dp4a, row))
     assert dp4a_cost < 0.5 * row_cost, (dp4a_cost, row_cost)
+
+
+@pytest.mark.skipif(not os.path.exists(sass_probe.nvdisasm()), reason="Triton ships no nvdisasm here")
+@pytest.mark.parametrize("kernel,fmt", [("moe-gate-up", "fp8"), ("moe-down", "nvfp4")])
+def test_moe_one_token_kernels_multiply_on_the_cuda_cores(kernel, fmt):
+    """The MoE GEMV kernels (A1 with FP8's in-kernel quantization, B1 with NVFP4's word decode) compile for sm_90
+    and their loops are float FMAs, no tensor-core MMA (the point of them at one token)."""
+    out = run_probe("--kernel", kernel, "--format", fmt, "--top", "200")
+    assert f"{kernel} on {fmt} experts" in out and "FFMA" in out, out
+    assert "HMMA" not in out and "HGMMA" not in out and "QGMMA" not in out, out
