@@ -6,7 +6,7 @@
                                     renormalize
     fused_experts(...)              _align_kernel -> _gate_up_kernel (A) -> _down_kernel (B) -> _combine_kernel
     fused_moe(...)                  the same launches less the routing kernel, with the shared expert as a slot
-    (one token, tiles.gemv)         _gate_up_row_kernel (A1) -> _down_row_kernel (B1) -> _combine_kernel
+    (one token, tiles.gemv)         _gate_up_row_kernel (A1) -> _down_row_kernel (B1, the combine inside)
 
 Why this shape (bandwidth). A decode step of 35B-A3B at one token reads per MoE layer 8 experts x 3 x 512 x 2048
 bf16 = 50 MB of expert weights and next to nothing else: the limit is bytes / bandwidth, ~10.5 us at 4.8 TB/s.
@@ -36,7 +36,8 @@ One token on the GEMV kernels (A1, B1; where the tile table's bucket-1 entry say
 tensor-core tile wastes 15 of its 16 rows at one token, and the few programs of a tile per expert (8 experts x I /
 BLOCK_N) leave the HBM idle; A1 and B1 give each program BLOCK_N rows of one slot's weight (as small as 4), multiply
 them by the token elementwise in float32 and reduce once after the K loop, as ops/quant_gemm/cuda_gemv.py's one-row
-kernels do (int4 and NVFP4 decoded per word as there). Their sums run in another order than the tiles', so a token
+kernels do (int4 and NVFP4 decoded per word as there); B1 walks the k + 1 slots for its columns and sums them in
+the combine's order, and FP8 quantizes the token and the activation in the kernels (no quantize launches). Their sums run in another order than the tiles', so a token
 alone on them is not bitwise itself in a batch; the routing they fold in is the same.
 
 fused_moe: the shared expert as one more slot. Where it has the routed experts' intermediate size, its T rows are
