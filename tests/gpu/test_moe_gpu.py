@@ -158,11 +158,20 @@ def test_a_token_does_not_depend_on_the_batch_in_the_sparse_block(block_35b):
 
 @pytest.mark.parametrize("arch,shared_size", [("qwen3_5_moe", None), ("qwen3_next", None), ("qwen3_5_moe", 24),
                                               ("qwen3_next", 24)])
-def test_engine_greedy_tokens_fused_equal_torch_path(arch, shared_size, tmp_path, monkeypatch):
+@pytest.mark.parametrize("gemv", [False, True], ids=["tiles", "gemv"])
+def test_engine_greedy_tokens_fused_equal_torch_path(arch, shared_size, gemv, tmp_path, monkeypatch):
     """Through the engine, float32 on a tame checkpoint (matrix_gain 0.5, as test_engine_gpu's parity test): the
     fused path (its kernels taking float32 here, with IEEE dots) and the torch path give the same greedy tokens;
-    the demo's shared expert (32) apart from the experts (24), or of their size (the shared slot, fused_moe).
+    the demo's shared expert (32) apart from the experts (24), or of their size (the shared slot, fused_moe);
+    gemv: one token on the GEMV kernels (a table entry's "gemv" at bucket 1), the tiles above.
     (bf16 graphs == eager on the fused path: test_engine_gpu.py::test_cuda_graphs_equal_eager_token_for_token.)"""
+    if gemv:
+        rows = configs.MoeTiles(16, configs.Tile(8, 32, 4, 1), configs.Tile(8, 32, 4, 1), gemv=True)
+        shipped_tiles = moe.tiles_for
+        monkeypatch.setattr(moe, "tiles_for", lambda *shape: rows if shape[4] == 1 else shipped_tiles(*shape))
+        row_calls = []
+        row_products = moe_cuda._row_products
+        monkeypatch.setattr(moe_cuda, "_row_products", lambda *args: row_calls.append(1) or row_products(*args))
     overrides = None if shared_size is None else {"shared_expert_intermediate_size": shared_size}
     path = str(build_checkpoint(tmp_path, arch, matrix_gain=0.5, config_overrides=overrides))
     prompts = [prompt(n, 20 + n) for n in (5, 40, 1, 17)]
@@ -188,6 +197,8 @@ def test_engine_greedy_tokens_fused_equal_torch_path(arch, shared_size, tmp_path
     else:  # the shared slot up to SHARED_SLOT_MAX_TOKENS tokens, the experts beside the shared expert above
         assert launched["fused_moe"] and max(launched["fused_moe"]) <= moe.SHARED_SLOT_MAX_TOKENS
         assert min(launched["fused_experts"]) > moe.SHARED_SLOT_MAX_TOKENS
+    if gemv:
+        assert row_calls  # the one-token steps ran the GEMV kernels
     monkeypatch.setattr(moe, "fused_serves", lambda *args: False)
     monkeypatch.setattr(moe, "_route_on_gpu", lambda logits: False)
     torch_path = [o.outputs[0].token_ids for o in LLM(path, dtype="float32", max_num_seqs=8).generate(
