@@ -19,6 +19,7 @@ moe.SHARED_SLOT_MAX_TOKENS tokens), and fused_moe alone. Each path's CUDA kernel
 (kernel A's over its candidates with kernel B's default, then kernel B's with A's best, then BLOCK_M; at one token
 the GEMV kernels' tiles alike, kept where they beat the tensor-core ones), starting no bucket after --budget-s
 seconds, and merges the winners into --out (copy to deltaserve/ops/moe/configs.json to ship them).
+`--kernels` (quantized formats) adds each kernel's time on the table's tiles (torch.profiler over eager calls).
 `--format fp8` / `int4` / `nvfp4` times and sweeps the fused experts alone on stacked quantized experts of the same
 shapes (FP8 128 x 128 blocks, W8A8; int4 group 128 asymmetric, W4A16; NVFP4 weight-only) beside their bytes' limit,
 under the table's "fp8:" / "int4:" / "nvfp4:" keys; FP8 and int4 take BLOCK_K from the format, so the sweep varies
@@ -144,6 +145,25 @@ def kernel_launches(call) -> int:
                and not event.name.startswith(("Memcpy", "Memset")))
 
 
+def kernel_times(calls: list) -> list[tuple[str, float]]:
+    """(CUDA kernel, mean us a call) of eager calls (each on its own inputs, as graph_time_us's), from torch.profiler:
+    which kernel of a path takes the time (the graphs' launches and gaps are not in it)."""
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for call in calls:
+            call()
+        torch.cuda.synchronize()
+    return [(event.key, event.device_time_total / len(calls)) for event in prof.key_averages()
+            if event.device_time_total > 0 and not event.key.startswith(("Memcpy", "Memset"))]
+
+
+def print_kernel_times(label: str, calls: list) -> None:
+    for name, us in kernel_times(calls):
+        print(f"      {label}: {us:7.1f} us  {name[:100]}", flush=True)
+
+
 def layer_bytes(block: SparseMoE, routings: list[torch.Tensor]) -> tuple[float, float]:
     """(bytes a layer call must read, of them the routed experts'), averaged over the calls' routing [T, k]."""
     experts = block.experts
@@ -190,9 +210,9 @@ def time_layer(block: SparseMoE, tokens: int) -> dict:
     return result
 
 
-def time_quantized(block: SparseMoE, stacks: tuple, tokens: int) -> dict:
+def time_quantized(block: SparseMoE, stacks: tuple, tokens: int, kernels: bool = False) -> dict:
     """The fused experts alone on quantized stacks at `tokens` tokens (default tiles and the table's), and the
-    limit: the distinct selected experts' bytes over the bandwidth."""
+    limit: the distinct selected experts' bytes over the bandwidth; `kernels`: the table's path kernel by kernel."""
     gate_up, down = stacks
     xs = [torch.randn(tokens, block.gate.in_features, device="cuda", dtype=torch.bfloat16) for _ in range(CALLS)]
     with torch.no_grad():
@@ -204,8 +224,11 @@ def time_quantized(block: SparseMoE, stacks: tuple, tokens: int) -> dict:
         for name, tiles in (("default", configs.default_tiles(tokens)),
                             ("table", configs.tiles_for(E, block.top_k, H, two_i // 2, tokens,
                                                         quantized.format_name(gate_up)))):
-            result[name] = graph_time_us([functools.partial(moe_cuda.fused_experts, x, ids, w, gate_up, down, tiles)
-                                          for x, (ids, w) in zip(xs, routed)])
+            calls = [functools.partial(moe_cuda.fused_experts, x, ids, w, gate_up, down, tiles)
+                     for x, (ids, w) in zip(xs, routed)]
+            result[name] = graph_time_us(calls)
+        if kernels:
+            print_kernel_times(f"T={tokens}, table's tiles", calls)
     return result
 
 
@@ -285,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", action="store_true",
                         help="tune the fused kernels' tiles per bucket of --tokens (at one token the GEMV kernels too)")
     parser.add_argument("--budget-s", type=float, default=90.0, help="start no sweep bucket after this many s")
+    parser.add_argument("--kernels", action="store_true",
+                        help="also each kernel's time of the table's path (torch.profiler, eager; quantized formats)")
     parser.add_argument("--out", default="moe_configs.json", help="merge the swept tiles into this table")
     args = parser.parse_args(argv)
     try:
@@ -330,7 +355,7 @@ def quantized_main(args, block: SparseMoE, token_counts: list[int]) -> int:
           f"{(stack_bytes(stacks[0]) + stack_bytes(stacks[1])) / 1e6:.2f} MB an expert; limit at "
           f"{HBM_BYTES_PER_S / 1e12:.1f} TB/s", flush=True)
     for tokens in token_counts:
-        r = time_quantized(block, stacks, tokens)
+        r = time_quantized(block, stacks, tokens, args.kernels)
         print(f"T={tokens:>3}: fused experts, default tiles {r['default']:6.1f} us, table's {r['table']:6.1f} us | "
               f"limit {r['limit']:6.1f} us (table's at {r['limit'] / r['table']:.0%})", flush=True)
     return sweep(args, block, stacks) if args.sweep else 0

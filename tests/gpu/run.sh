@@ -21,8 +21,8 @@
 #          qwen3.5-35b-a3b): torch path vs fused vs the bandwidth limit at 1-64 tokens and the tile sweep, writing
 #          OUTDIR/moe_configs.json (for deltaserve/ops/moe/configs.json); FORMATS="bf16 fp8 int4" probes and sweeps
 #          each weight format in turn (default bf16), each starting no bucket after PROBE_BUDGET (90) s and killed at
-#          PROBE_TIMEOUT (300) s; TOKENS="1,2" times and sweeps those token counts' buckets; TESTS=0 leaves out
-#          the tests
+#          PROBE_TIMEOUT (300) s; TOKENS="1,2" times and sweeps those token counts' buckets; KERNELS=1 adds each
+#          kernel's time (quantized formats); TESTS=0 leaves out the tests
 #   memory where start-up memory goes (benchmarks/startup_memory_probe.py by stage) at the users' 32 GB-card
 #          configuration (MODEL, default qwen3.5-27b-nvfp4, at 0.94 of an RTX 5090 and 200K context), then
 #          tests/gpu/test_quant_engine_gpu.py's 200,000-token request in a child, its figures in OUTDIR (~2 min)
@@ -85,7 +85,7 @@ if [ "$MODE" = moe ]; then
   cp deltaserve/ops/moe/configs.json "$OUT/moe_configs.json"
   for format in ${FORMATS:-bf16}; do
     timeout "${PROBE_TIMEOUT:-300}" python3 -m benchmarks.moe_probe "$CONFIGS/${MODEL:-qwen3.5-35b-a3b}" --sweep \
-      --format "$format" --tokens "${TOKENS:-1,2,4,8,16,32,64}" --budget-s "${PROBE_BUDGET:-90}" --out "$OUT/moe_configs.json" 2>&1 \
+      --format "$format" --tokens "${TOKENS:-1,2,4,8,16,32,64}" ${KERNELS:+--kernels} --budget-s "${PROBE_BUDGET:-90}" --out "$OUT/moe_configs.json" 2>&1 \
       | tee -a "$OUT/moe_probe.log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
   done
