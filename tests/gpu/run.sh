@@ -32,8 +32,8 @@
 #          (unpack into deltaserve/ops/gdn/fla_configs/) and the skinny GEMM's tiles as OUTDIR/skinny_configs.json
 #          (for deltaserve/ops/linear/); TUNE=fla makes fla's alone (~2 min), TUNE=skinny the skinny table alone
 #          (~3 min), then a GDN layer's recurrent step and out-proj together and apart (`--gdn-tail 64`)
-# Wheels the machine lacks (fla-core, the server stack) are installed from .whl/ when present
-# (../shared/tools/gpu-wheels.sh .whl); the published configs are the ones shipped in deltaserve/model_configs/.
+# Wheels the machine lacks (fla-core, the server stack, xgrammar) are installed from .whl/ when present
+# (scripts/gpu_wheels.sh); the published configs are the ones shipped in deltaserve/model_configs/.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${1:?usage: tests/gpu/run.sh OUTDIR [quick|full|tests|ops|bench|serve|memory|structured|tune|quant|moe]}
@@ -112,14 +112,14 @@ if [ "$MODE" = serve ]; then
   python3 -m deltaserve serve "$model" --load-format dummy --tokenizer /tmp/vocab_tokenizer --port 8000 \
     --max-model-len "${MAX_MODEL_LEN:-4096}" > "$OUT/server.log" 2>&1 &
   server=$!
-  python3 - "$server" <<'WAIT' || { kill $server; exit 1; }
+  python3 - "$server" <<'WAIT' || { kill $server 2>/dev/null; tail -n 25 "$OUT/server.log"; exit 1; }
 import os, sys, time, httpx
 pid, deadline = int(sys.argv[1]), time.monotonic() + 900
 while time.monotonic() < deadline:
     try:
         os.kill(pid, 0)
     except OSError:
-        sys.exit("the server exited before answering /health: see server.log")
+        sys.exit("the server exited before answering /health; the end of server.log:")
     try:
         if httpx.get("http://127.0.0.1:8000/health", timeout=2).status_code == 200:
             sys.exit(0)
