@@ -154,11 +154,13 @@ def test_tile_table_is_valid_and_checked(tmp_path, monkeypatch):
         with pytest.raises(ValueError, match="power of two"):
             configs.tuned_table()
         rows = {**configs.tiles_entry(ROWS)}
+        fp8_rows = {**rows, "gate_up": [8, 128, 4, 1], "down": [8, 128, 4, 1]}  # whole FP8 scale blocks
         assert rows["gemv"] == 1 and "gemv" not in configs.tiles_entry(SMALL)
         for key, entry, message in (("7:3:40:24:2", rows, "only at rows 1"),  # the GEMV is one token's
                                     ("7:3:40:24:1", {**rows, "gemv": True}, "gemv must be 0 or 1"),
-                                    ("fp8:7:3:40:24:1", {**rows, "down": [48, 32, 4, 1]}, "powers of two"),
-                                    ("fp8:7:3:40:24:1", {**rows, "down": [256, 32, 4, 1]}, "divide the 128-row"),
+                                    ("fp8:7:3:40:24:1", {**fp8_rows, "down": [48, 128, 4, 1]}, "powers of two"),
+                                    ("fp8:7:3:40:24:1", {**fp8_rows, "down": [256, 128, 4, 1]}, "divide the 128-row"),
+                                    ("fp8:7:3:40:24:1", {**fp8_rows, "down": [8, 64, 4, 1]}, "whole 128-column"),
                                     ("7:3:40:24:1", {**rows, "gemv": 0}, "BLOCK_N >= 16")):  # tl.dot's least side
             bad.write_text(json.dumps({key: entry}))
             configs.tuned_table.cache_clear()

@@ -9,10 +9,11 @@ Values are dicts:
    "gate_up": [BLOCK_N, BLOCK_K, warps, stages],   kernel A over an expert's [2I, H] gate/up rows
    "down": [BLOCK_N, BLOCK_K, warps, stages],      kernel B over its [H, I] down rows
    "gemv": 0 or 1}                                 optional, rows bucket 1 only: 1 runs the one-token GEMV
-                                                   kernels with these tiles (FP8: BLOCK_N divides 128) instead
-                                                   of the tensor-core ones
-(FP8 and int4 take their own BLOCK_K, the scale block or the group, whatever the entry says; NVFP4 the largest
-power of two <= the entry's that divides the K it steps over)
+                                                   kernels with these tiles instead of the tensor-core ones
+                                                   (FP8: BLOCK_N divides 128, BLOCK_K a multiple of 128)
+(The tile kernels: FP8 and int4 take their own BLOCK_K, the scale block or the group, whatever the entry says;
+NVFP4 the largest power of two <= the entry's that divides the K it steps over. The GEMV kernels: int4 and NVFP4
+the largest power of two <= the entry's that divides K and holds whole groups.)
 DELTASERVE_MOE_CONFIGS names another file.
 """
 
@@ -82,9 +83,9 @@ def check_entry(where: str, key: str, entry) -> None:
                 and tile[0] >= least_n and tile[1] >= 16 and all(v & (v - 1) == 0 for v in tile[:2])):
             raise ValueError(f"{where}: entry {key!r}: {kernel} must be [BLOCK_N >= {least_n}, BLOCK_K >= 16 (powers "
                              f"of two), warps, stages], got {tile!r}")
-        if gemv and key.startswith("fp8:") and 128 % tile[0]:
+        if gemv and key.startswith("fp8:") and (128 % tile[0] or tile[1] % 128):
             raise ValueError(f"{where}: entry {key!r}: the FP8 GEMV's {kernel} BLOCK_N must divide the 128-row "
-                             f"scale block, got {tile[0]}")
+                             f"scale block and its BLOCK_K hold whole 128-column blocks, got {tile[:2]}")
 
 @functools.cache
 def tuned_table() -> dict:
