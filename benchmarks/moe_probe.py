@@ -318,7 +318,6 @@ def main(argv: list[str] | None = None) -> int:
         token_counts = [0]
     if min(token_counts) < 1:
         parser.error(f"--tokens takes comma-separated positive integers, got {args.tokens!r}")
-    args.tokens_list = token_counts  # --sweep tunes their buckets
     cfg = ModelConfig.from_pretrained(args.model)
     if not cfg.num_experts:
         parser.error(f"{args.model} is not an MoE model")
@@ -344,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"      shared slot: layer {r['slot']:7.1f} us ({r['fused'] / r['slot']:.2f}x the fused path above, "
                   f"limit at {r['limit'] / r['slot']:.0%}) | fused_moe alone {r['slot_kernels']:6.1f} us | kernels "
                   f"{r['slot_launches']}", flush=True)
-    return sweep(args, block) if args.sweep else 0
+    return sweep(args, block, token_counts) if args.sweep else 0
 
 
 def quantized_main(args, block: SparseMoE, token_counts: list[int]) -> int:
@@ -358,14 +357,15 @@ def quantized_main(args, block: SparseMoE, token_counts: list[int]) -> int:
         r = time_quantized(block, stacks, tokens, args.kernels)
         print(f"T={tokens:>3}: fused experts, default tiles {r['default']:6.1f} us, table's {r['table']:6.1f} us | "
               f"limit {r['limit']:6.1f} us (table's at {r['limit'] / r['table']:.0%})", flush=True)
-    return sweep(args, block, stacks) if args.sweep else 0
+    return sweep(args, block, token_counts, stacks) if args.sweep else 0
 
 
-def sweep(args, block: SparseMoE, stacks: tuple | None = None) -> int:
-    """Tune each bucket's tiles (sweep_bucket) and merge the winners into args.out after every bucket."""
+def sweep(args, block: SparseMoE, token_counts: list[int], stacks: tuple | None = None) -> int:
+    """Tune the tiles of each bucket of token_counts (sweep_bucket) and merge the winners into args.out after every
+    bucket."""
     E, two_i, H = (stacks[0] if stacks else block.experts.gate_up_proj).shape
     start, table = time.monotonic(), {}
-    buckets = sorted({configs.row_bucket(t) for t in args.tokens_list if t <= configs.FUSED_MAX_TOKENS})
+    buckets = sorted({configs.row_bucket(t) for t in token_counts if t <= configs.FUSED_MAX_TOKENS})
     for bucket in buckets:
         if time.monotonic() - start > args.budget_s:
             print(f"budget of {args.budget_s:.0f} s spent: buckets from {bucket} not swept", flush=True)
