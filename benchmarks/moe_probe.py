@@ -97,10 +97,9 @@ def build_block(cfg: ModelConfig) -> SparseMoE:
 def torch_path(block: SparseMoE, x: torch.Tensor) -> torch.Tensor:
     """The layer as it ran before ops.moe's kernels: torch routing, sort + grouped_mm, the shared expert's sum."""
     ids, weights = reference.route(block.gate(x), block.top_k, block.norm_topk_prob)
-    out = reference.grouped_experts(x, ids, weights, block.experts.gate_up_proj, block.experts.down_proj)
-    if block.shared_expert is None:
-        return out
-    return reference.add_shared_expert(out, block.shared_expert(x), block.shared_expert_gate(x))
+    shared = None if block.shared_expert is None else (block.shared_expert(x), block.shared_expert_gate(x))
+    return reference.grouped_experts(x, ids, weights, block.experts.gate_up_proj, block.experts.down_proj,
+                                     shared=shared)
 
 
 def shared_apart_path(block: SparseMoE, x: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,7 @@ WORKLOADS = {
     "W2": [(131072, 256, 1, 1)],
     "W3": [(8192, 1, 5, 1), (32768, 1, 3, 1)],
     "W6": [(1024, 512, 256, 64), (1024, 512, 256, 256)],
+    "W7": [(8192, 1024, 64, 16)],  # MoE throughput (fixed lengths here; served W7 draws them with range 0.8)
     "W8": [(1024, 512, 3, 1)],
 }
 # prefix-cache workloads, run by their own functions
@@ -347,7 +348,8 @@ def run_multi_turn(engine: LLMEngine, turns: int = 8, first_len: int = 2000, new
     return {"ttft_by_turn_ms": ttfts, "cached_tokens": cached, "turn8_over_turn2": ttfts[-1] / ttfts[1]}
 
 
-def profile(engine: LLMEngine, input_len: int = 8192, decode_steps: int = 8, save_dir: str | None = None) -> None:
+def profile(engine: LLMEngine, input_len: int = 8192, decode_steps: int = 8, save_dir: str | None = None,
+            batch: int = 64, batch_input_len: int = 1024) -> None:
     """Print where the GPU time of a prompt's prefill and of a few batch-1 decode steps goes (top kernels);
     with save_dir, every kernel's line is also written there (profile_*.txt)."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
@@ -371,7 +373,7 @@ def profile(engine: LLMEngine, input_len: int = 8192, decode_steps: int = 8, sav
                       save_dir and f"{save_dir}/profile_{'prefill' if title.startswith('prefill') else 'batch1'}.txt")
     while engine.has_unfinished():
         engine.step()
-    profile_decode_batch(engine, save_dir=save_dir)
+    profile_decode_batch(engine, batch=batch, input_len=batch_input_len, save_dir=save_dir)
 
 
 def print_profile(prof, title: str, steps: int, wall: float, save_as: str | None = None) -> None:
@@ -450,6 +452,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true", help="print the top GPU kernels of a prefill and a decode")
     parser.add_argument("--profile-prompt-len", type=int, default=8192,
                         help="with --profile, the prompt tokens of the profiled prefill (W3: 8192, W1: 1024)")
+    parser.add_argument("--profile-batch", type=int, default=64,
+                        help="with --profile, the sequences of the profiled decode batch (W6: 64, W7: 16)")
+    parser.add_argument("--profile-batch-prompt-len", type=int, default=1024,
+                        help="with --profile, the prompt tokens of each sequence of that batch (W7: 8192)")
     parser.add_argument("--profile-dir", help="with --profile, also write every kernel's line to files here, and "
                         "each profile's timeline (Chrome trace, gzipped)")
     parser.add_argument("--concurrency", default=None,
@@ -465,8 +471,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--workloads: unknown {unknown}; known {sorted(WORKLOADS)}")
     if args.tokenizer is not None and not os.path.isdir(args.tokenizer):
         parser.error(f"--tokenizer {args.tokenizer!r} is not a directory")
-    if args.profile_prompt_len < 1:
-        parser.error(f"--profile-prompt-len must be at least 1, got {args.profile_prompt_len}")
+    for flag in ("profile_prompt_len", "profile_batch", "profile_batch_prompt_len"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     offered = {conc for name in names for *_, conc in WORKLOADS.get(name, [])}
     concurrencies = None
     if args.concurrency is not None:
@@ -502,7 +509,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile:
         if args.profile_dir:
             os.makedirs(args.profile_dir, exist_ok=True)
-        profile(engine, input_len=args.profile_prompt_len, save_dir=args.profile_dir)
+        profile(engine, input_len=args.profile_prompt_len, save_dir=args.profile_dir, batch=args.profile_batch,
+                batch_input_len=args.profile_batch_prompt_len)
     for name in names:
         if name in PREFIX_WORKLOADS:
             r = run_shared_prefix(engine, profile_hit=args.profile) if name == "W4" else run_multi_turn(engine)

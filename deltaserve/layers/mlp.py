@@ -24,7 +24,7 @@ from deltaserve.layers.linear import fuse_linears, project
 from deltaserve.layers.quant.weight import QuantWeight, fuse_quantized
 from deltaserve.ops import moe
 from deltaserve.ops.linear import linear, silu_mul_linear
-from deltaserve.ops.moe.reference import add_shared_expert, grouped_experts
+from deltaserve.ops.moe.reference import grouped_experts
 from deltaserve.worker.distributed import SINGLE, ParallelContext
 
 
@@ -145,8 +145,8 @@ class QuantExperts(nn.Module):
             return moe.experts(x, topk_ids, topk_weights, self.gate_up_stack, self.down_stack, shared)
         gate_up = torch.stack([w.dequantize(x.dtype) for w in self.gate_up])  # [E, 2I, H]
         down = torch.stack([w.dequantize(x.dtype) for w in self.down])  # [E, H, I]
-        out = grouped_experts(x, topk_ids, topk_weights, gate_up, down, self.schemes["down_proj"].round_activation)
-        return out if shared is None else add_shared_expert(out, *shared)
+        return grouped_experts(x, topk_ids, topk_weights, gate_up, down, self.schemes["down_proj"].round_activation,
+                               shared)
 
     def fused_serves(self, x: torch.Tensor) -> bool:
         """Whether a forward over x takes the fused kernels (stacked experts, ops.moe.fused_serves)."""
@@ -176,8 +176,8 @@ class SparseMoE(nn.Module):
     def fuse(self) -> None:
         """After loading (before the shared expert's own fuse): the router, the shared expert's gate and its
         gate/up projections, which all read x, become one [E + 1 + 2I_shared, H] weight, the parameters views of
-        its rows. Steps on the fused experts multiply it once (one launch instead of three a layer), or, where the
-        shared expert runs as a slot of the fused experts (ops.moe.sparse_block), only its first E + 1 rows. With a
+        its rows. Every step multiplies it once (one launch instead of three a layer), or, where the shared expert
+        runs as a slot of the fused experts (ops.moe.sparse_block), only its first E + 1 rows. With a
         quantized shared expert (the plain router and shared gate of Qwen's FP8 / AWQ checkpoints) the router and
         the shared gate alone become one [E + 1, H] weight."""
         if self.shared_expert is None:
@@ -193,26 +193,24 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] -> [T, H]."""
-        shared = None  # (the shared expert's output [T, H], its gate logits [T, 1]), summed in by the experts' op
+        E = self.gate.out_features
         if self.router_weight is not None and self.experts.fused_serves(x):
-            E = self.gate.out_features
             gate_up, down = self.experts.stacks()
             shared_gate_up, shared_down = self.shared_expert.slot_weights()
             if moe.shared_slot_serves(x, gate_up, down, shared_gate_up, shared_down):
                 projected = linear(x, self.router_weight)  # [T, E + 1]: router logits | shared gate logit
                 return moe.sparse_block(x, projected[:, :E], self.top_k, self.norm_topk_prob, gate_up, down,
                                         shared_gate_up, shared_down, projected[:, E:])
-            if self.in_weight is not None:
-                projected = linear(x, self.in_weight)  # [T, E + 1 + 2I_shared]
-                shared_out = self.shared_expert.down(projected[:, E + 1:])
-            else:  # a quantized shared expert
-                projected = linear(x, self.router_weight)  # [T, E + 1]
-                shared_out = self.shared_expert(x)
-            logits, shared = projected[:, :E], (shared_out, projected[:, E:E + 1])
+        # shared: (the shared expert's output [T, H], its gate logits [T, 1]), summed in by the experts' op
+        if self.in_weight is not None:
+            projected = linear(x, self.in_weight)  # [T, E + 1 + 2I_shared]: router | shared gate | shared gate/up
+            logits, shared = projected[:, :E], (self.shared_expert.down(projected[:, E + 1:]), projected[:, E:E + 1])
+        elif self.router_weight is not None:  # a quantized shared expert
+            projected = linear(x, self.router_weight)  # [T, E + 1]
+            logits, shared = projected[:, :E], (self.shared_expert(x), projected[:, E:E + 1])
         else:
             logits = self.gate(x)  # [T, E]
-            if self.shared_expert is not None:
-                shared = (self.shared_expert(x), self.shared_expert_gate(x))
+            shared = None if self.shared_expert is None else (self.shared_expert(x), self.shared_expert_gate(x))
         ids, weights = moe.route(logits, self.top_k, self.norm_topk_prob)  # [T, k] each, weights float32
         return self.experts(x, ids, weights, shared)
 

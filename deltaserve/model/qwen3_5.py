@@ -164,15 +164,17 @@ class HybridForCausalLM(nn.Module):
 
     def _projections(self) -> list:
         """The weights `ops.linear` multiplies at decode-sized row counts (the mixers' input and output
-        projections, the dense MLPs', the shared experts' down projections): tensors or quantized weights."""
+        projections, the dense MLPs', the MoE blocks' joined in-projections and the shared experts' down
+        projections): tensors or quantized weights."""
         candidates = []
         for layer in self.model.layers:
             mixer = layer.linear_attn if layer.is_linear else layer.self_attn
             candidates += [mixer.in_weight, mixer.out_proj.weight if layer.is_linear else mixer.o_proj.weight]
             if isinstance(layer.mlp, SwiGLU):
                 candidates += [layer.mlp.gate_up_weight, layer.mlp.down_proj.weight]
-            elif layer.mlp.shared_expert is not None:  # its down projection (silu_mul_linear)
-                candidates.append(layer.mlp.shared_expert.down_proj.weight)
+            elif layer.mlp.shared_expert is not None:  # the joined router (SparseMoE.fuse), its down projection
+                joined = layer.mlp.in_weight if layer.mlp.in_weight is not None else layer.mlp.router_weight
+                candidates += [w for w in (joined, layer.mlp.shared_expert.down_proj.weight) if w is not None]
         return candidates
 
     def projection_weights(self) -> list[torch.Tensor]:

@@ -18,7 +18,8 @@ from deltaserve.ops.moe import configs, quantized, reference
 from deltaserve.ops.moe import cuda as moe_cuda
 from tests.gpu.logits import prompt
 from deltaserve.ops.quant_gemm import reference as quant_ref
-from tests.ops.moe_oracle import experts_bound, quantized_experts_exact, shared_bound, sparse_block_bound
+from tests.ops.moe_oracle import (combine_exact, experts_bound, quantized_experts_exact, shared_bound,
+                                  sparse_block_bound)
 from tests.tolerance import assert_within
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -62,9 +63,27 @@ def test_fused_matches_grouped_matmul_at_35b_shapes(block_35b, tokens):
         assert_within(got, want, bound, f"fused experts, {tokens} tokens")
         shared = (block_35b.shared_expert(x), block_35b.shared_expert_gate(x))
         got = moe.experts(x, ids, weights, gate_up, down, shared)
-        want = reference.add_shared_expert(want, *shared)
-        assert_within(got, want, bound + shared_bound(*shared, torch.bfloat16) + 3 * 2.0**-8 * want.double().abs(),
-                      f"fused experts + shared, {tokens} tokens")  # + the reference's bf16 sum and ours, once each
+        want = reference.grouped_experts(x, ids, weights, gate_up, down, shared=shared)
+        assert_within(got, want, bound + shared_bound(*shared, torch.bfloat16) + 2 * 2.0**-8 * want.double().abs(),
+                      f"fused experts + shared, {tokens} tokens")  # + the final rounding to bf16 of each side
+
+
+@pytest.mark.parametrize("tokens", [65, 300])
+def test_prefill_experts_sum_the_grouped_outputs_at_35b_shapes(block_35b, tokens):
+    """Above the fused kernels' sizes ops.moe.experts runs torch's grouped matmul, then cuda.combine: its output
+    against the exact weighted sum of the same grouped outputs (reference.expert_outputs), with and without the
+    gated shared expert, and equal bitwise to cuda.combine over them (the grouped matmul gives the same bits)."""
+    x = inputs(tokens, tokens)
+    gate_up, down = block_35b.experts.gate_up_proj, block_35b.experts.down_proj
+    with torch.no_grad():
+        ids, weights = moe.route(block_35b.gate(x), TOP_K, True)
+        assert not moe.fused_serves(x, gate_up, down)
+        y, pair_rows = reference.expert_outputs(x, ids, gate_up, down)
+        for shared in (None, (block_35b.shared_expert(x), block_35b.shared_expert_gate(x))):
+            got = moe.experts(x, ids, weights, gate_up, down, shared)
+            exact, bound = combine_exact(y, pair_rows, weights, shared)
+            assert_within(got, exact, bound, f"prefill experts, {tokens} tokens, shared {shared is not None}")
+            assert torch.equal(got, moe_cuda.combine(y, pair_rows, weights, shared))
 
 
 def distinct_logits(tokens: int, seed: int) -> torch.Tensor:

@@ -24,10 +24,10 @@ from deltaserve.ops.quant_gemm.reference import (ACT_AMAX_FLOOR, E2M1_VALUES, E4
 from tests.tolerance import SOFTMAX_ROUNDINGS, gamma, silu_chain, unit_roundoff
 
 # Roundings to bf16 per side beyond the float32 model, relative to M. The reference: its gate/up outputs (two, each
-# through the product: counted 3), silu's output and product (2), the down output (1), the weight's cast and its
-# product (2), the k-term index_add_ in bf16 (k), and cuBLAS's reduced-precision split-K partial sums (2): 10 + k.
-# The fused kernels: act (1) and the output (1).
-REFERENCE_BF16_ROUNDINGS, FUSED_BF16_ROUNDINGS = 10, 2
+# through the product: counted 3), silu's output and product (2), the down output (1), the output of its float32
+# weighted sum (1), and cuBLAS's reduced-precision split-K partial sums (2): 9. The fused kernels: act (1) and the
+# output (1).
+REFERENCE_BF16_ROUNDINGS, FUSED_BF16_ROUNDINGS = 9, 2
 U32 = 2.0**-24  # float32's unit roundoff
 
 
@@ -69,7 +69,7 @@ def experts_bound(x, topk_ids, topk_weights, gate_up, down, fused_bf16: bool = F
     if fused_bf16:
         relative += gamma(FUSED_BF16_ROUNDINGS, torch.bfloat16)
     if reference_bf16:
-        relative += gamma(REFERENCE_BF16_ROUNDINGS + top_k, torch.bfloat16)
+        relative += gamma(REFERENCE_BF16_ROUNDINGS, torch.bfloat16)
     return relative * magnitude
 
 
@@ -81,6 +81,24 @@ def shared_bound(shared: torch.Tensor, shared_gate: torch.Tensor, dtype: torch.d
     roundings = silu_chain(shared_gate) + 2
     one_side = gamma(roundings, torch.float32) + (3 * unit_roundoff(torch.bfloat16) if dtype == torch.bfloat16 else 0)
     return 2 * one_side * term
+
+
+def combine_exact(y, pair_rows, topk_weights, shared=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(exact [T, H] float64, bound [T, H]) of reference.combine's semantics on these operands: the k weighted pair
+    rows (and the gated shared expert) summed exactly, and one computation's distance from it: the k (+ 1) float32
+    products and sum (gamma(k + 2) of the terms' magnitude), the sigmoid's chain (`shared_bound`), and the one
+    rounding to y's dtype."""
+    T, k = topk_weights.shape
+    rows = y.double()[pair_rows.long().view(T, k)]  # [T, k, H]
+    terms = topk_weights.double()[:, :, None] * rows
+    exact, magnitude = terms.sum(1), terms.abs().sum(1)
+    bound = gamma(k + 2, torch.float32) * magnitude
+    if shared is not None:
+        out, gate = shared
+        gated = torch.sigmoid(gate.double()) * out.double()
+        exact, magnitude = exact + gated, magnitude + gated.abs()
+        bound = bound + gamma(k + 2, torch.float32) * gated.abs() + shared_bound(out, gate, torch.float32) / 2
+    return exact, bound + unit_roundoff(y.dtype) * exact.abs()
 
 
 def with_shared_slot(topk_ids, topk_weights, gate_up, down, shared_gate_up, shared_down, shared_gate):

@@ -17,7 +17,8 @@ from deltaserve.ops.moe import cuda as moe_cuda  # noqa: E402
 from deltaserve.ops.moe import reference  # noqa: E402
 from deltaserve.ops.moe.configs import MoeTiles, Tile  # noqa: E402
 from tests.ops.interpreter import patch_interpreter_index  # noqa: E402
-from tests.ops.moe_oracle import experts_bound, experts_magnitude, route_bound, shared_bound  # noqa: E402
+from tests.ops.moe_oracle import (combine_exact, experts_bound, experts_magnitude, route_bound,  # noqa: E402
+                                  shared_bound)
 from tests.tolerance import assert_within, gamma  # noqa: E402
 
 patch_interpreter_index()
@@ -67,9 +68,9 @@ def test_one_token_gemv_kernels_match_grouped_matmul(experts, top_k, hidden, int
     ids, weights = random_routing(1, experts, top_k, gen)
     shared, gate = torch.randn(1, hidden, generator=gen).to(DEVICE), torch.randn(1, 1, generator=gen).to(DEVICE)
     got = moe_cuda.fused_experts(x, ids, weights, gate_up, down, ROWS, (shared, gate))
-    want = reference.grouped_experts(x, ids, weights, gate_up, down)
+    want = reference.grouped_experts(x, ids, weights, gate_up, down, shared=(shared, gate))
     bound = experts_bound(x, ids, weights, gate_up, down) + shared_bound(shared, gate, torch.float32)
-    assert_within(got, reference.add_shared_expert(want, shared, gate), bound, "fused experts, GEMV kernels")
+    assert_within(got, want, bound, "fused experts, GEMV kernels")
 
 
 def test_fused_experts_beyond_decode_sizes_default_tiles():
@@ -83,6 +84,39 @@ def test_fused_experts_beyond_decode_sizes_default_tiles():
     got = moe_cuda.fused_experts(x, ids, weights, gate_up, down, tiles)
     want = reference.grouped_experts(x, ids, weights, gate_up, down)
     assert_within(got, want, experts_bound(x, ids, weights, gate_up, down), "fused experts, 70 tokens")
+
+
+def combine_operands(tokens: int, top_k: int, hidden: int, with_shared: bool, dtype: torch.dtype, seed: int):
+    """Grouped-matmul outputs y [T*k, H] in a random order, their pair_rows, routing weights and a shared output."""
+    gen = torch.Generator().manual_seed(seed)
+    y = torch.randn(tokens * top_k, hidden, generator=gen).to(DEVICE, dtype)
+    pair_rows = torch.randperm(tokens * top_k, generator=gen).to(DEVICE)
+    weights = torch.rand(tokens, top_k, generator=gen).to(DEVICE)
+    shared = ((torch.randn(tokens, hidden, generator=gen).to(DEVICE, dtype),
+               torch.randn(tokens, 1, generator=gen).to(DEVICE, dtype)) if with_shared else None)
+    return y, pair_rows, weights, shared
+
+
+# bf16 on the GPU only: the interpreter's float32 -> bf16 conversion truncates instead of rounding
+@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else []))
+@pytest.mark.parametrize("with_shared", [False, True])
+@pytest.mark.parametrize("tokens,top_k,hidden", [(5, 1, 40), (70, 8, 1100), (3, 3, 1024)])
+def test_combine_sums_each_tokens_pairs(tokens, top_k, hidden, with_shared, dtype):
+    """The prefill path's sum of the grouped matmul's outputs (cuda.combine: each pair's row found through
+    pair_rows, weighted, summed with the gated shared expert in float32, rounded once) and reference.combine,
+    each against the exact sum; hidden 1100 is two column blocks, the second partial."""
+    y, pair_rows, weights, shared = combine_operands(tokens, top_k, hidden, with_shared, dtype, tokens + hidden)
+    exact, bound = combine_exact(y, pair_rows, weights, shared)
+    assert_within(moe_cuda.combine(y, pair_rows, weights, shared), exact, bound, "cuda.combine")
+    assert_within(reference.combine(y, pair_rows, weights, shared), exact, bound, "reference.combine")
+
+
+def test_combine_rejects_a_strided_output_or_short_pair_rows():
+    y, pair_rows, weights, _ = combine_operands(4, 2, 16, False, torch.float32, 0)
+    with pytest.raises(ValueError, match="contiguous y and pair_rows"):
+        moe_cuda.combine(y.t().contiguous().t(), pair_rows, weights)
+    with pytest.raises(ValueError, match=r"pair_rows \[8\]"):
+        moe_cuda.combine(y, pair_rows[:7], weights)
 
 
 @pytest.mark.parametrize("block_m", [16, 32])

@@ -7,7 +7,8 @@
 
 On CUDA, routing is one Triton kernel (any T), and for 16-bit batches of up to FUSED_MAX_TOKENS tokens with plain
 stacked weights the experts run the fused kernels of `cuda.py` (tiles from `configs.py`). Elsewhere (the CPU,
-float32, prefill-sized batches) the plain-torch `reference.py`: sort by expert + torch's grouped matmul. Quantized
+float32, prefill-sized batches) the plain-torch `reference.py`: sort by expert + torch's grouped matmul, then (on
+CUDA in one launch, `cuda.combine`) each token's k outputs weighted and summed with the gated shared expert. Quantized
 experts stacked by `quantized.stack` (FP8 block-scaled W8A8, int4 W4A16, NVFP4 weight-only) run the same fused
 kernels with the weight format as a parameter, at every batch size; layers/mlp.QuantExperts dequantizes them for the
 reference where the kernels do not serve (the CPU, float32).
@@ -77,8 +78,11 @@ def experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     if isinstance(gate_up, QUANTIZED_EXPERTS):
         raise ValueError(f"stacked {quantized.format_name(gate_up)} experts run on the fused kernels only (a CUDA "
                          f"batch of bf16 / fp16); got x {x.dtype} on {x.device}")
-    out = grouped_experts(x, topk_ids, topk_weights, gate_up, down)
-    return out if shared is None else reference.add_shared_expert(out, *shared)
+    y, pair_rows = reference.expert_outputs(x, topk_ids, gate_up, down)
+    if y.is_cuda:
+        from deltaserve.ops.moe import cuda
+        return cuda.combine(y, pair_rows, topk_weights, shared)
+    return reference.combine(y, pair_rows, topk_weights, shared)
 
 
 def shared_slot_serves(x: torch.Tensor, gate_up, down, shared_gate_up, shared_down) -> bool:

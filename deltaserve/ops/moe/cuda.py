@@ -5,6 +5,8 @@
                                     first, then the next round takes the other), divided by their sum where
                                     renormalize
     fused_experts(...)              _align_kernel -> _gate_up_kernel (A) -> _down_kernel (B) -> _combine_kernel
+    combine(...)                    _combine_kernel alone, gathering: the sum of the grouped matmul's expert outputs
+                                    (prefill-sized batches, ops.moe.experts)
     fused_moe(...)                  the same launches less the routing kernel, with the shared expert as a slot
     (one token, tiles.gemv)         _gate_up_row_kernel (A1) -> _down_row_kernel (B1, the combine inside)
 
@@ -407,25 +409,51 @@ def _down_kernel(
 
 
 @triton.jit
-def _combine_kernel(y, out, shared, shared_gate, H, stride_out, stride_shared, stride_gate, TOP_K: tl.constexpr,
-                    HAS_SHARED: tl.constexpr, SHARED_SLOT: tl.constexpr, BLOCK: tl.constexpr,
-                    PDL: tl.constexpr = False):
+def _combine_kernel(y, out, shared, shared_gate, pair_rows, topk_weights, H, stride_out, stride_shared, stride_gate,
+                    TOP_K: tl.constexpr, HAS_SHARED: tl.constexpr, SHARED_SLOT: tl.constexpr, GATHER: tl.constexpr,
+                    BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """Grid (T, cdiv(H, BLOCK)): out [t] = sum_{j=0..k-1} y [t, j] (in that order) + the shared expert: HAS_SHARED
     sigmoid(shared_gate [t]) * shared [t], SHARED_SLOT the shared slot's row y [T*k + t] (gated in kernel B); in
-    float32, rounded once to out's dtype."""
+    float32, rounded once to out's dtype. GATHER (the grouped matmul's y, unweighted and sorted by expert): the
+    term j is topk_weights [t*k + j] * y [pair_rows [t*k + j]] instead."""
     wait_for_previous_kernel(PDL)
     t = tl.program_id(0).to(tl.int64)
     hs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = hs < H
-    acc = tl.load(y + t * TOP_K * H + hs, mask=ok, other=0.0)
-    for j in tl.static_range(1, TOP_K):
-        acc += tl.load(y + (t * TOP_K + j) * H + hs, mask=ok, other=0.0)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        if GATHER:
+            row = tl.load(pair_rows + t * TOP_K + j).to(tl.int64)
+            acc += tl.load(topk_weights + t * TOP_K + j) * tl.load(y + row * H + hs, mask=ok, other=0.0).to(tl.float32)
+        else:
+            acc += tl.load(y + (t * TOP_K + j) * H + hs, mask=ok, other=0.0)
     if HAS_SHARED:
         gate = tl.load(shared_gate + t * stride_gate).to(tl.float32)
         acc += tl.load(shared + t * stride_shared + hs, mask=ok, other=0.0).to(tl.float32) / (1.0 + tl.exp(-gate))
     if SHARED_SLOT:
         acc += tl.load(y + (tl.num_programs(0) * TOP_K + t) * H + hs, mask=ok, other=0.0)
     tl.store(out + t * stride_out + hs, acc.to(out.dtype.element_ty), mask=ok)
+
+
+def combine(y: torch.Tensor, pair_rows: torch.Tensor, topk_weights: torch.Tensor,
+            shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """reference.combine in one launch: y [P, H] (unit strides), pair_rows [T*k], topk_weights [T, k]; shared:
+    (output [T, H], gate logits [T, 1]) or None -> [T, H] in y.dtype, the k terms summed in float32 in order."""
+    T, k = topk_weights.shape
+    H = y.shape[1]
+    if not y.is_contiguous() or pair_rows.shape != (T * k,):
+        raise ValueError(f"combine takes a contiguous y and pair_rows [{T * k}], got y {tuple(y.shape)} stride "
+                         f"{y.stride()} and pair_rows {tuple(pair_rows.shape)}")
+    out = torch.empty(T, H, dtype=y.dtype, device=y.device)
+    if T == 0:
+        return out
+    weights = topk_weights.reshape(-1).to(torch.float32)  # [T*k]
+    shared_out, gate = shared if shared is not None else (out, out)  # unread without HAS_SHARED
+    _combine_kernel[(T, triton.cdiv(H, COMBINE_BLOCK))](
+        y, out, shared_out, gate, pair_rows.contiguous(), weights, H, out.stride(0), shared_out.stride(0),
+        gate.stride(0), TOP_K=k, HAS_SHARED=shared is not None, SHARED_SLOT=False, GATHER=True, BLOCK=COMBINE_BLOCK,
+        **pdl.launch_args(y.device))
+    return out
 
 
 @triton.jit
@@ -797,8 +825,9 @@ def _run_experts(x, gate_up, down, tiles: MoeTiles, ids, weights, top_k: int, ro
                        route_in_a, top_k, tiles, precision, stage_divisor, one_token, gate_up_ops, down_ops,
                        shared_gate_up_ops, shared_down_ops, shared_gate, fp8, launch)
     _combine_kernel[(T, triton.cdiv(H, COMBINE_BLOCK))](
-        y, out, shared_out, gate_out, H, out.stride(0), shared_out.stride(0), gate_out.stride(0), TOP_K=top_k,
-        HAS_SHARED=shared_output is not None, SHARED_SLOT=shared_slot is not None, BLOCK=COMBINE_BLOCK, **launch)
+        y, out, shared_out, gate_out, ids, weights, H, out.stride(0), shared_out.stride(0), gate_out.stride(0),
+        TOP_K=top_k, HAS_SHARED=shared_output is not None, SHARED_SLOT=shared_slot is not None, GATHER=False,
+        BLOCK=COMBINE_BLOCK, **launch)
     return out
 
 
