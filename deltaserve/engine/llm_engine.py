@@ -121,8 +121,11 @@ class LLMEngine:
 
     def warm_up(self) -> None:
         """A few real steps of each kind before serving, so that no first request compiles a kernel
-        (worker/warm_up.engine_steps), then the memory they left in use logged against the budget."""
+        (worker/warm_up.engine_steps); then the allocator's free cached blocks handed back (the warm-up's one-off
+        shapes leave them; with expandable segments their pages are unmapped, docs/memory.md) and the memory in
+        use logged against the budget."""
         warm_up.engine_steps(self)
+        torch.cuda.empty_cache()
         warm_up.check_memory(self.memory_plan, torch.device(self.runner.device))
 
     def reset_prefix_cache(self) -> bool:

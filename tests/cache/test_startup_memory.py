@@ -6,7 +6,8 @@ import os
 import pytest
 import torch
 
-from deltaserve.worker import setup
+from deltaserve.engine.llm_engine import LLMEngine
+from deltaserve.worker import setup, warm_up
 from deltaserve.worker.warm_up import memory_report
 
 GIB = 2**30
@@ -60,3 +61,16 @@ def test_an_overshoot_names_the_utilization_that_keeps_the_bytes_asked_for():
     assert over
     assert "0.75 GiB over" in line
     assert line.endswith(f"--gpu-memory-utilization 0.916 would keep it within {budget / GIB:.2f} GiB")
+
+
+def test_start_up_hands_back_the_warm_ups_cached_blocks_before_reporting(monkeypatch):
+    """LLMEngine.warm_up: the steps, then torch's cache emptied (what their one-off shapes left reserved), then the
+    memory in use reported: the report sees what serving starts from."""
+    calls = []
+    monkeypatch.setattr(warm_up, "engine_steps", lambda engine: calls.append("steps"))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(warm_up, "check_memory", lambda plan, device: calls.append("check_memory"))
+    engine = LLMEngine.__new__(LLMEngine)
+    engine.memory_plan, engine.runner = None, type("Runner", (), {"device": "cuda:0"})()
+    engine.warm_up()
+    assert calls == ["steps", "empty_cache", "check_memory"]
