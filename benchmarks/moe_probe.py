@@ -106,20 +106,17 @@ def shared_apart_path(block: SparseMoE, x: torch.Tensor) -> torch.Tensor:
     """The fused path with the shared expert apart (SparseMoE's before the shared slot, and still its path where
     the sizes differ): the joined router + shared gate + shared gate/up GEMM, the shared SiLU + down, the routing
     kernel, the fused experts summing the gated shared output."""
-    E = block.gate.out_features
-    projected = linear(x, block.in_weight)  # [T, E + 1 + 2I_shared]
-    shared = (block.shared_expert.down(projected[:, E + 1:]), projected[:, E:E + 1])
-    ids, weights = moe.route(projected[:, :E], block.top_k, block.norm_topk_prob)
+    logits, gate, shared_gate_up = block.split_projection(linear(x, block.in_weight))
+    shared = (block.shared_expert.down(shared_gate_up), gate)
+    ids, weights = moe.route(logits, block.top_k, block.norm_topk_prob)
     return moe.experts(x, ids, weights, block.experts.gate_up_proj, block.experts.down_proj, shared)
 
 
 def slot_path(block: SparseMoE, operands: tuple, tiles: configs.MoeTiles, x: torch.Tensor) -> torch.Tensor:
     """The shared slot at any token count (SparseMoE takes it up to moe.SHARED_SLOT_MAX_TOKENS): the router + shared
     gate GEMM, then cuda.fused_moe."""
-    E = block.gate.out_features
-    projected = linear(x, block.in_weight[:E + 1])  # [T, E + 1]
-    return moe_cuda.fused_moe(x, projected[:, :E], block.top_k, block.norm_topk_prob, *operands, projected[:, E:],
-                              tiles)[0]
+    logits, gate, _ = block.split_projection(linear(x, block.router_weight))
+    return moe_cuda.fused_moe(x, logits, block.top_k, block.norm_topk_prob, *operands, gate, tiles)[0]
 
 
 def slot_operands(block: SparseMoE) -> tuple | None:
@@ -199,13 +196,12 @@ def time_layer(block: SparseMoE, tokens: int) -> dict:
                   "fused_launches": kernel_launches(functools.partial(apart, xs[0]))}
         operands = slot_operands(block)
         if operands is not None:
-            E = block.gate.out_features
-            projections = [linear(x, block.in_weight[:E + 1]) for x in xs]  # [T, E + 1] each
+            projections = [block.split_projection(linear(x, block.router_weight)) for x in xs]
             result["slot"] = graph_time_us([functools.partial(slot_path, block, operands, tiles, x) for x in xs])
             result["slot_launches"] = kernel_launches(functools.partial(slot_path, block, operands, tiles, xs[0]))
             result["slot_kernels"] = graph_time_us([functools.partial(
-                moe_cuda.fused_moe, x, p[:, :E], block.top_k, block.norm_topk_prob, *operands, p[:, E:], tiles)
-                for x, p in zip(xs, projections)])
+                moe_cuda.fused_moe, x, logits, block.top_k, block.norm_topk_prob, *operands, gate, tiles)
+                for x, (logits, gate, _) in zip(xs, projections)])
     return result
 
 
@@ -239,16 +235,16 @@ def sweep_bucket(block: SparseMoE, tokens: int, stacks: tuple | None = None
     gate_up, down = stacks or (experts.gate_up_proj, experts.down_proj)
     xs = [torch.randn(tokens, block.gate.in_features, device="cuda", dtype=torch.bfloat16) for _ in range(CALLS)]
     operands = slot_operands(block) if tokens <= moe.SHARED_SLOT_MAX_TOKENS and stacks is None else None
-    E = block.gate.out_features
     with torch.no_grad():
         routed = [moe.route(block.gate(x), block.top_k, block.norm_topk_prob) for x in xs]
-        projections = [linear(x, block.in_weight[:E + 1]) for x in xs] if operands is not None else []
+        projections = ([block.split_projection(linear(x, block.router_weight)) for x in xs] if operands is not None
+                       else [])
 
     def calls(tiles: configs.MoeTiles) -> list:
         """The calls of the path SparseMoE takes: fused_moe with the shared slot, else the fused experts."""
         if operands is not None:
-            return [functools.partial(moe_cuda.fused_moe, x, p[:, :E], block.top_k, block.norm_topk_prob, *operands,
-                                      p[:, E:], tiles) for x, p in zip(xs, projections)]
+            return [functools.partial(moe_cuda.fused_moe, x, logits, block.top_k, block.norm_topk_prob, *operands,
+                                      gate, tiles) for x, (logits, gate, _) in zip(xs, projections)]
         return [functools.partial(moe_cuda.fused_experts, x, ids, w, gate_up, down, tiles)
                 for x, (ids, w) in zip(xs, routed)]
 

@@ -40,13 +40,24 @@ class QuantLinear(nn.Module):
             self.weight = fuse_quantized([self.part()], self.in_features, self.device)
 
 
-def _concat_rows(linears) -> torch.Tensor:
-    fused = torch.cat([linear.weight.data for linear in linears])
+def fuse_linear_blocks(*blocks, row_multiple: int = 1) -> torch.Tensor:
+    """Plain linears' weights, block after block, each block followed by zero rows up to a multiple of
+    row_multiple (so that each block's outputs start at an aligned column): [rows, in_features]. Each linear's
+    weight becomes a view of its rows."""
+    parts, starts = [], []
     start = 0
-    for linear in linears:
-        rows = linear.weight.shape[0]
-        linear.weight = nn.Parameter(fused[start:start + rows], requires_grad=False)
-        start += rows
+    for block in blocks:
+        for linear in block:
+            parts.append(linear.weight.data)
+            starts.append((linear, start))
+            start += linear.weight.shape[0]
+        pad = -start % row_multiple
+        if pad:
+            parts.append(parts[-1].new_zeros(pad, parts[-1].shape[1]))
+            start += pad
+    fused = torch.cat(parts)
+    for linear, begin in starts:
+        linear.weight = nn.Parameter(fused[begin:begin + linear.weight.shape[0]], requires_grad=False)
     return fused
 
 
@@ -54,7 +65,7 @@ def fuse_linears(*linears: nn.Module):
     """Returns the fused weight [sum of out_features, in_features]. For plain linears a tensor, each linear's
     weight a view of it; with quantized ones a QuantWeight or a SplitWeight of row blocks."""
     if all(isinstance(linear, nn.Linear) for linear in linears):
-        return _concat_rows(linears)
+        return fuse_linear_blocks(linears)
     runs: list[list[nn.Module]] = []  # consecutive linears of one kind: plain, or quantized
     for linear in linears:
         if runs and isinstance(runs[-1][0], QuantLinear) == isinstance(linear, QuantLinear):
@@ -64,7 +75,7 @@ def fuse_linears(*linears: nn.Module):
     parts = []
     for run in runs:
         if isinstance(run[0], nn.Linear):
-            parts.append(_concat_rows(run))
+            parts.append(fuse_linear_blocks(run))
             continue
         weight = fuse_quantized([linear.part() for linear in run], run[0].in_features, run[0].device)
         if len(run) == 1:

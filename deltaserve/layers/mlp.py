@@ -20,7 +20,7 @@ block's output once (routed experts plus shared expert).
 import torch
 from torch import nn
 
-from deltaserve.layers.linear import fuse_linears, project
+from deltaserve.layers.linear import fuse_linear_blocks, fuse_linears, project
 from deltaserve.layers.quant.weight import QuantWeight, fuse_quantized
 from deltaserve.ops import moe
 from deltaserve.ops.linear import linear, silu_mul_linear
@@ -157,6 +157,9 @@ class QuantExperts(nn.Module):
         return self.gate_up_stack, self.down_stack
 
 
+JOIN_ROW_MULTIPLE = 16  # SparseMoE.fuse pads its joined router rows to this
+
+
 class SparseMoE(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
                  shared_intermediate_size: int, norm_topk_prob: bool, parallel: ParallelContext = SINGLE):
@@ -168,46 +171,57 @@ class SparseMoE(nn.Module):
         self.shared_expert = (SwiGLU(hidden_size, shared_intermediate_size, parallel, "shared_expert_intermediate_size")
                               if shared_intermediate_size else None)
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_intermediate_size else None
-        # [router | shared gate | shared gate/up] rows, set by fuse() where all are plain linears
+        # [router | shared gate | 0 | shared gate/up | 0] rows, set by fuse() where all are plain linears
         self.in_weight: torch.Tensor | None = None
-        # [router | shared gate] rows, set by fuse() where the two are plain linears (in_weight's first rows if set)
+        # [router | shared gate | 0] rows, set by fuse() where the two are plain linears (in_weight's first rows if set)
         self.router_weight: torch.Tensor | None = None
 
     def fuse(self) -> None:
         """After loading (before the shared expert's own fuse): the router, the shared expert's gate and its
-        gate/up projections, which all read x, become one [E + 1 + 2I_shared, H] weight, the parameters views of
-        its rows. Every step multiplies it once (one launch instead of three a layer), or, where the shared expert
-        runs as a slot of the fused experts (ops.moe.sparse_block), only its first E + 1 rows. With a
+        gate/up projections, which all read x, become one [R + 2I_shared, H] weight, the parameters views of its
+        rows, the router and the shared gate (E + 1 rows) padded with zero rows to R, a multiple of
+        JOIN_ROW_MULTIPLE (an odd row count leaves the product's output rows unaligned, and cuBLAS then takes its
+        slow alignment-1 kernels). Every step multiplies it once (one launch instead of three a layer), or, where
+        the shared expert runs as a slot of the fused experts (ops.moe.sparse_block), only its first R rows. With a
         quantized shared expert (the plain router and shared gate of Qwen's FP8 / AWQ checkpoints) the router and
-        the shared gate alone become one [E + 1, H] weight."""
+        the shared gate alone become one [R, H] weight."""
         if self.shared_expert is None:
             return
-        E = self.gate.out_features
-        linears = (self.gate, self.shared_expert_gate, self.shared_expert.gate_proj, self.shared_expert.up_proj)
-        if all(type(linear) is nn.Linear for linear in linears):
-            self.in_weight = fuse_linears(*linears)
-            self.shared_expert.gate_up_weight = self.in_weight[E + 1:]
-            self.router_weight = self.in_weight[:E + 1]
-        elif type(self.gate) is nn.Linear and type(self.shared_expert_gate) is nn.Linear:
-            self.router_weight = fuse_linears(self.gate, self.shared_expert_gate)
+        router = (self.gate, self.shared_expert_gate)
+        shared = (self.shared_expert.gate_proj, self.shared_expert.up_proj)
+        if all(type(linear) is nn.Linear for linear in router + shared):
+            self.in_weight = fuse_linear_blocks(router, shared, row_multiple=JOIN_ROW_MULTIPLE)
+            rows = -(-(self.gate.out_features + 1) // JOIN_ROW_MULTIPLE) * JOIN_ROW_MULTIPLE
+            self.router_weight = self.in_weight[:rows]
+            self.shared_expert.gate_up_weight = self.in_weight[rows:rows + 2 * shared[0].out_features]
+        elif all(type(linear) is nn.Linear for linear in router):
+            self.router_weight = fuse_linear_blocks(router, row_multiple=JOIN_ROW_MULTIPLE)
+
+    def split_projection(self, projected: torch.Tensor) -> tuple:
+        """x times in_weight ([T, R + 2I_shared]) or router_weight ([T, R]) -> (router logits [T, E], shared gate
+        logits [T, 1], the shared expert's gate/up [T, 2I_shared] or, from router_weight, None): views."""
+        E, rows = self.gate.out_features, self.router_weight.shape[0]
+        shared_gate_up = None
+        if projected.shape[1] > rows:
+            shared_gate_up = projected[:, rows:rows + self.shared_expert.gate_up_weight.shape[0]]
+        return projected[:, :E], projected[:, E:E + 1], shared_gate_up
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] -> [T, H]."""
-        E = self.gate.out_features
         if self.router_weight is not None and self.experts.fused_serves(x):
             gate_up, down = self.experts.stacks()
             shared_gate_up, shared_down = self.shared_expert.slot_weights()
             if moe.shared_slot_serves(x, gate_up, down, shared_gate_up, shared_down):
-                projected = linear(x, self.router_weight)  # [T, E + 1]: router logits | shared gate logit
-                return moe.sparse_block(x, projected[:, :E], self.top_k, self.norm_topk_prob, gate_up, down,
-                                        shared_gate_up, shared_down, projected[:, E:])
+                logits, gate, _ = self.split_projection(linear(x, self.router_weight))
+                return moe.sparse_block(x, logits, self.top_k, self.norm_topk_prob, gate_up, down, shared_gate_up,
+                                        shared_down, gate)
         # shared: (the shared expert's output [T, H], its gate logits [T, 1]), summed in by the experts' op
         if self.in_weight is not None:
-            projected = linear(x, self.in_weight)  # [T, E + 1 + 2I_shared]: router | shared gate | shared gate/up
-            logits, shared = projected[:, :E], (self.shared_expert.down(projected[:, E + 1:]), projected[:, E:E + 1])
+            logits, gate, shared_gate_up = self.split_projection(linear(x, self.in_weight))
+            shared = (self.shared_expert.down(shared_gate_up), gate)
         elif self.router_weight is not None:  # a quantized shared expert
-            projected = linear(x, self.router_weight)  # [T, E + 1]
-            logits, shared = projected[:, :E], (self.shared_expert(x), projected[:, E:E + 1])
+            logits, gate, _ = self.split_projection(linear(x, self.router_weight))
+            shared = (self.shared_expert(x), gate)
         else:
             logits = self.gate(x)  # [T, E]
             shared = None if self.shared_expert is None else (self.shared_expert(x), self.shared_expert_gate(x))

@@ -35,7 +35,7 @@ from safetensors.torch import load_file, save_file
 from deltaserve import LLM, SamplingParams
 from deltaserve.config import ModelConfig
 from deltaserve.layers.linear import QuantLinear
-from deltaserve.layers.mlp import QuantExperts
+from deltaserve.layers.mlp import JOIN_ROW_MULTIPLE, QuantExperts
 from deltaserve.layers.quant import SplitWeight, detect_weight_format
 from deltaserve.model.loader import load_model
 from deltaserve.ops.moe import quantized
@@ -266,7 +266,8 @@ def test_quantized_shared_expert_fits_the_experts_slot(family, options, sources,
     gate_up, down = block.experts.stacks()
     shared_gate_up, shared_down = block.shared_expert.slot_weights()
     assert quantized.slot_fits(gate_up, shared_gate_up) and quantized.slot_fits(down, shared_down)
-    assert block.in_weight is None and block.router_weight.shape == (config.num_experts + 1, config.hidden_size)
+    rows = -(-(config.num_experts + 1) // JOIN_ROW_MULTIPLE) * JOIN_ROW_MULTIPLE  # router | shared gate | zeros
+    assert block.in_weight is None and block.router_weight.shape == (rows, config.hidden_size)
 
 
 def test_quantized_modules_fuse_only_what_lines_up(sources, tmp_path):

@@ -10,7 +10,7 @@ from torch import nn
 
 triton = pytest.importorskip("triton")
 
-from deltaserve.layers.mlp import SparseMoE  # noqa: E402
+from deltaserve.layers.mlp import JOIN_ROW_MULTIPLE, SparseMoE  # noqa: E402
 from deltaserve.ops import moe  # noqa: E402
 from deltaserve.ops.moe import configs  # noqa: E402
 from deltaserve.ops.moe import cuda as moe_cuda  # noqa: E402
@@ -282,23 +282,28 @@ def joined_and_apart(block: SparseMoE, monkeypatch) -> tuple[torch.Tensor, torch
 
 def test_fused_in_projection_equals_separate_projections(monkeypatch):
     """SparseMoE.fuse joins the router, the shared gate and the shared gate/up into one weight (the parameters its
-    views), which steps on the fused experts multiply once: on the dyadic grid the block's output with it equals,
-    bitwise, its output with the three separate ones."""
+    views), which every step multiplies once: the router block padded with zero rows to a multiple of
+    JOIN_ROW_MULTIPLE (7 experts + the gate: 8 rows, then 8 zeros), the shared gate/up (40 rows, 8 zeros) after it;
+    on the dyadic grid the block's output with it equals, bitwise, its output with the three separate ones."""
     block = dyadic_block(9)
-    assert block.shared_expert.gate_up_weight.data_ptr() == block.in_weight[8:].data_ptr()  # a view, no copy
+    assert JOIN_ROW_MULTIPLE == 16 and block.router_weight.shape == (16, 40) and block.in_weight.shape == (64, 40)
+    assert block.shared_expert.gate_up_weight.data_ptr() == block.in_weight[16:].data_ptr()  # a view, no copy
     assert block.gate.weight.data_ptr() == block.in_weight.data_ptr()
+    assert block.shared_expert_gate.weight.data_ptr() == block.in_weight[7:].data_ptr()
+    assert not block.in_weight[8:16].any() and not block.in_weight[56:].any()
     joined, apart = joined_and_apart(block, monkeypatch)
     assert torch.equal(joined, apart)
 
 
 def test_router_and_shared_gate_join_beside_a_quantized_shared_expert(monkeypatch):
     """With a shared expert whose gate/up are not plain linears (a quantized checkpoint's), fuse joins only the
-    router and the shared gate, into one [E + 1, H] weight of which both are views; the output equals, bitwise,
-    the output with the two apart."""
+    router and the shared gate, into one weight of which both are views, padded with zero rows to
+    JOIN_ROW_MULTIPLE; the output equals, bitwise, the output with the two apart."""
     block = dyadic_block(12, stand_in_shared=True)
-    assert block.in_weight is None and block.router_weight.shape == (8, 40)
+    assert block.in_weight is None and block.router_weight.shape == (16, 40)
     assert block.gate.weight.data_ptr() == block.router_weight.data_ptr()  # views, no copy
     assert block.shared_expert_gate.weight.data_ptr() == block.router_weight[7:].data_ptr()
+    assert not block.router_weight[8:].any()
     joined, apart = joined_and_apart(block, monkeypatch)
     assert torch.equal(joined, apart)
 

@@ -174,12 +174,11 @@ def test_sparse_moe_launches_and_output_on_the_shared_slot(monkeypatch, tokens):
         launched = count_launches(monkeypatch)
         got = block(x)
     assert launched == SLOT_LAUNCHES
-    E = block.gate.out_features
     with torch.no_grad():
-        projected = block.in_weight[:E + 1] @ x.T  # [E + 1, T]
+        logits, gate, _ = block.split_projection(x @ block.router_weight.T)
     experts, shared = block.experts, block.shared_expert
-    bound = sparse_block_bound(x, projected[:E].T, 3, True, experts.gate_up_proj, experts.down_proj,
-                               shared.gate_up_weight, shared.down_proj.weight, projected[E:].T)
+    bound = sparse_block_bound(x, logits, 3, True, experts.gate_up_proj, experts.down_proj,
+                               shared.gate_up_weight, shared.down_proj.weight, gate)
     assert_within(got, want, bound.detach(), "SparseMoE on the shared slot vs torch")
 
 
