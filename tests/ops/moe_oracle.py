@@ -96,7 +96,7 @@ def combine_exact(y, pair_rows, topk_weights, shared=None) -> tuple[torch.Tensor
     if shared is not None:
         out, gate = shared
         gated = torch.sigmoid(gate.double()) * out.double()
-        exact, magnitude = exact + gated, magnitude + gated.abs()
+        exact = exact + gated
         bound = bound + gamma(k + 2, torch.float32) * gated.abs() + shared_bound(out, gate, torch.float32) / 2
     return exact, bound + unit_roundoff(y.dtype) * exact.abs()
 
