@@ -19,7 +19,7 @@ from torch import nn
 
 from deltaserve.config import ModelConfig
 from deltaserve.layers.batch import ForwardBatch, MidChunkSaves
-from deltaserve.layers.linear import fuse_linears
+from deltaserve.layers.linear import fuse_linears, split_columns
 from deltaserve.layers.norm import GatedRMSNorm
 from deltaserve.ops.conv1d import conv_decode, conv_prefill
 from deltaserve.ops.gdn import gdn_decode, gdn_gates, gdn_prefill
@@ -71,16 +71,18 @@ class GatedDeltaNet(nn.Module):
         """All input projections' rows (see `fuse`), applied by the decoder layer together with its norm."""
         return self.in_proj_weight
 
-    def _split_projection(self, proj: torch.Tensor):
-        """proj: [T, conv_dim + value_dim + 2 HV] -> qkv [T, conv_dim] (pre-conv q|k|v), z [T, HV, dv], b, a [T, HV]:
-        views of proj for Qwen3.5; Qwen3-Next's rows, interleaved per key head, are gathered."""
-        T, HV = proj.shape[0], self.num_v_heads
+    def _split_projection(self, proj):
+        """proj: [T, conv_dim + value_dim + 2 HV], or those columns as blocks (ops.linear.matmul_blocks) -> qkv
+        [T, conv_dim] (pre-conv q|k|v), z [T, HV, dv], b, a [T, HV]: views of proj for Qwen3.5; Qwen3-Next's rows,
+        interleaved per key head, are gathered."""
+        blocks = proj if isinstance(proj, tuple) else (proj,)
+        T, HV = blocks[0].shape[0], self.num_v_heads
         if not self.fused_inproj:  # rows [q|k|v | z | b | a]
-            qkv, z, b, a = proj.split([2 * self.key_dim + self.value_dim, self.value_dim, HV, HV], dim=-1)
+            qkv, z, b, a = split_columns(blocks, [2 * self.key_dim + self.value_dim, self.value_dim, HV, HV])
             return qkv, z.view(T, HV, self.v_dim), b, a
         # Qwen3-Next rows: [qkvz interleaved per key head | ba interleaved per key head]
         r = HV // self.num_k_heads  # value heads per key head
-        qkvz, ba = proj.split([2 * self.key_dim + 2 * self.value_dim, 2 * HV], dim=-1)
+        qkvz, ba = split_columns(blocks, [2 * self.key_dim + 2 * self.value_dim, 2 * HV])
         qkvz = qkvz.view(T, self.num_k_heads, 2 * self.k_dim + 2 * r * self.v_dim)
         q, k, v, z = qkvz.split([self.k_dim, self.k_dim, r * self.v_dim, r * self.v_dim], dim=-1)
         b, a = ba.reshape(T, self.num_k_heads, 2 * r).split([r, r], dim=-1)
@@ -136,9 +138,10 @@ class GatedDeltaNet(nn.Module):
         o[rows] = torch.where(plan.window_redo[:, None, None], redo, o[rows])
         return o
 
-    def forward(self, projected: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """projected: [T, conv_dim + value_dim + 2 HV], the output of `in_weight` -> [T, H]. Reads and writes
-        this batch's slots of the conv and recurrent state pools."""
+    def forward(self, projected, batch: ForwardBatch) -> torch.Tensor:
+        """projected: [T, conv_dim + value_dim + 2 HV], the output of `in_weight`, or its column blocks
+        (ops.linear.matmul_blocks) -> [T, H]. Reads and writes this batch's slots of the conv and recurrent state
+        pools."""
         qkv, z, b, a = self._split_projection(projected)
         o = self._conv_and_delta_rule(qkv, a, b, batch)
         # out_proj(norm(o, z)); z: a strided view of the projection (ops/linear fuses the two for batch-1 decode
@@ -149,16 +152,21 @@ class GatedDeltaNet(nn.Module):
     def warm_up_output_norm(self, max_tokens: int) -> None:
         """GPU start-up: run the gated output norm once for each of its kernel variants that steps of up to
         max_tokens tokens launch (it picks rows per program from the row count), on inputs laid out as
-        `forward`'s, so that serving compiles none of them."""
-        from deltaserve.ops.norm.cuda import gated_norm_warm_up_token_counts  # GPU only
+        `forward`'s, so that serving compiles none of them; before an FP8 out-projection also the variant that
+        writes its activation quantized (gated_norm_linear's, at the row counts whose product takes it)."""
+        from deltaserve.ops.norm.cuda import gated_norm_warm_up_token_counts, gated_rms_norm  # GPU only
 
         like = dict(dtype=self.norm.weight.dtype, device=self.norm.weight.device)  # the activations' (the model's)
         counts = gated_norm_warm_up_token_counts(self.num_v_heads, self.v_dim, max_tokens)  # 27B: 1 to 342
         projected = torch.zeros(max(counts), self.in_weight.shape[0], **like)
+        takes_quantized = getattr(self.out_proj.weight, "fp8_input_block", None)
         for tokens in counts:
             _, z, _, _ = self._split_projection(projected[:tokens])
             o = torch.zeros(tokens, self.num_v_heads, self.v_dim, **like)
             self.norm(o, z)
+            # a row count of this variant whose product may take it quantized (F.scaled_mm: a multiple of 4 rows)
+            if takes_quantized is not None and takes_quantized(tokens + -tokens % 4) == self.v_dim:
+                gated_rms_norm(o, z, self.norm.weight, self.norm.eps, quant_block=self.v_dim)
 
     def _conv_and_delta_rule(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                              batch: ForwardBatch) -> torch.Tensor:

@@ -84,6 +84,25 @@ def fuse_linears(*linears: nn.Module):
     return parts[0] if len(parts) == 1 else SplitWeight(tuple(parts))
 
 
+def split_columns(blocks: tuple[torch.Tensor, ...], sizes: list[int]) -> list[torch.Tensor]:
+    """Column blocks [T, n_i] of one product (ops.linear.matmul_blocks) split into pieces of `sizes` columns (summing
+    to all of them): each piece a view of the block that holds it, or, where a piece spans blocks, its columns
+    joined by a copy."""
+    if sum(sizes) != sum(block.shape[-1] for block in blocks):
+        raise ValueError(f"pieces of {sizes} columns do not split blocks of {[b.shape[-1] for b in blocks]}")
+    pieces, index, taken = [], 0, 0  # taken: the columns of blocks[index] in earlier pieces
+    for size in sizes:
+        parts = []
+        while size > 0:
+            width = min(size, blocks[index].shape[-1] - taken)
+            parts.append(blocks[index][..., taken:taken + width])
+            size, taken = size - width, taken + width
+            if taken == blocks[index].shape[-1]:
+                index, taken = index + 1, 0
+        pieces.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1))
+    return pieces
+
+
 def project(x: torch.Tensor, weight) -> torch.Tensor:
     """x: [T, K] -> x @ weight^T: F.linear for a plain tensor, a quantized weight's own product otherwise."""
     return F.linear(x, weight) if isinstance(weight, torch.Tensor) else weight.matmul(x)

@@ -32,12 +32,13 @@ from deltaserve.ops.linear import rms_norm_linear
 from deltaserve.worker.distributed import SINGLE, ParallelContext
 
 
-def norm_then_project(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor):
-    """weight @ norm(x + residual): [T, N], and the new residual x + residual (x itself when there is none yet,
-    in the first layer)."""
+def norm_then_project(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                      blocks: bool = False):
+    """weight @ norm(x + residual): [T, N] (blocks: as ops.linear.matmul_blocks's column blocks), and the new
+    residual x + residual (x itself when there is none yet, in the first layer)."""
     if residual is None:
-        return rms_norm_linear(x, norm.weight, norm.eps, weight), x
-    return rms_norm_linear(x, norm.weight, norm.eps, weight, residual)
+        return rms_norm_linear(x, norm.weight, norm.eps, weight, blocks=blocks), x
+    return rms_norm_linear(x, norm.weight, norm.eps, weight, residual, blocks=blocks)
 
 
 class DecoderLayer(nn.Module):
@@ -66,7 +67,9 @@ class DecoderLayer(nn.Module):
         with sample_seqs ([S] int64 sequence indices), only the rows of those sequences' last tokens, [S, H]:
         the mixer still writes every token's K/V or state, but attends and the MLP runs for those rows alone."""
         mixer = self.linear_attn if self.is_linear else self.self_attn
-        projected, residual = norm_then_project(self.input_layernorm, h, residual, mixer.in_weight)
+        # GDN splits its projection into q|k|v, z, b, a: a SplitWeight's blocks need no copy joining them
+        projected, residual = norm_then_project(self.input_layernorm, h, residual, mixer.in_weight,
+                                                blocks=self.is_linear)
         if sample_seqs is None:
             x = mixer(projected, batch)
         else:

@@ -128,10 +128,10 @@ def test_norm_and_silu_write_the_fp8_activation(dtype, m, residual):
         assert torch.equal(got.xq.view(torch.uint8), xq.view(torch.uint8)) and torch.equal(got.sx, sx)
 
 
-@pytest.mark.parametrize("kind", ["gemv", "skinny"])
+@pytest.mark.parametrize("kind", ["gemv", "skinny", "gemm"])
 def test_fp8_products_take_a_quantized_activation(kind):
-    """The FP8 GEMV and skinny kernel given the activation already quantized return what they return when they
-    quantize it themselves, bit for bit; a block or config that does not fit is refused by name."""
+    """The FP8 GEMV, skinny kernel and tiled GEMM given the activation already quantized return what they return
+    when they quantize it themselves, bit for bit; a block or config that does not fit is refused by name."""
     gen = torch.Generator().manual_seed(1)
     m = 1 if kind == "gemv" else 3
     w, x = fp8_weight(40, 256, (128, 128), gen), activations(m, 256, torch.bfloat16, gen)
@@ -139,6 +139,11 @@ def test_fp8_products_take_a_quantized_activation(kind):
     if kind == "gemv":
         config = dict(GEMV, block_n=8, block_k=256)
         assert torch.equal(cuda_gemv.gemv(act, w, config), cuda_gemv.gemv(x, w, config))
+    elif kind == "gemm":
+        config = dict(configs.tiled_config("fp8"), block_m=16, block_n=32, warps=4, stages=1)
+        assert torch.equal(cuda_fp8.gemm(act, w, config), cuda_fp8.gemm(x, w, config))
+        with pytest.raises(ValueError, match="multiple of 4 rows"):
+            cuda_fp8.torch_scaled_mm(act, w)
     else:
         config = dict(SKINNY[1], quant_x=0)
         assert torch.equal(cuda_fp8.skinny(act, w, config), cuda_fp8.skinny(x, w, config))
@@ -154,7 +159,7 @@ def test_fp8_products_take_a_quantized_activation(kind):
 def test_fp8_prologue_writes_the_activation_the_product_would_quantize(rows, monkeypatch):
     """ops.linear's norm, SiLU and gated-norm projections onto an FP8 QuantWeight (the GPU check patched): the
     prologue kernel writes the quantized activation and the product launches no quantize kernel, with the very
-    result of the unfused ops; an int4 weight and more rows than the decode kernels take keep the unfused path."""
+    result of the unfused ops; an int4 weight, and F.scaled_mm's row counts that it pads, keep the unfused path."""
     import deltaserve.ops.linear as linear
     from deltaserve.layers.quant.weight import QuantWeight
 
@@ -177,13 +182,59 @@ def test_fp8_prologue_writes_the_activation_the_product_would_quantize(rows, mon
                 linear.silu_mul_linear(gate_up, w), linear.gated_norm_linear(heads, gate, head_w, 1e-6, w))
     fused = both()
     assert quantizations == [] and w.fp8_input_block(rows) == 128
-    monkeypatch.setattr(linear, "_fp8_input_block", lambda x, weight: 0)
+    monkeypatch.setattr(linear, "_fp8_input_block", lambda *args, **kwargs: 0)
     unfused = both()
     assert len(quantizations) == 4
     assert torch.equal(fused[0], unfused[0]) and torch.equal(fused[2], unfused[2]) and torch.equal(fused[3], unfused[3])
     assert all(torch.equal(a, b) for a, b in zip(fused[1], unfused[1]))
-    assert w.fp8_input_block(65) is None
+    # above the decode kernels' rows: the tiled GEMM (w's 40 rows are no 128-row block) quantizes first at any row
+    # count, torch's F.scaled_mm at those it takes unpadded
+    assert w.fp8_input_block(65) == 128
+    w_torch = QuantWeight(fp8_weight(128, 256, (128, 128), gen), quant_gemm.fp8_block_linear)
+    assert w_torch.fp8_input_block(65) is None and w_torch.fp8_input_block(68) == 128
     assert QuantWeight(int4_weight(40, 256, 64, False, False, gen), quant_gemm.int4_linear).fp8_input_block(1) is None
+
+
+def test_split_weight_takes_the_norm_quantized_and_unquantized(monkeypatch):
+    """A SplitWeight of an FP8 part and a plain part (GDN's in-projection in Qwen's FP8 checkpoints) behind
+    ops.linear's RMS norm (the GPU check patched): the norm kernel writes the activation quantized for the FP8 part
+    and keeps it unquantized for the plain one, no quantize kernel runs, and the blocks are the unfused products
+    bit for bit; the SiLU and gated-norm prologues, which cannot keep it, leave the SplitWeight unfused."""
+    import deltaserve.ops.linear as linear
+    from deltaserve.layers.quant.weight import QuantWeight, SplitWeight
+    from deltaserve.ops.activation import cuda as activation_cuda
+    from deltaserve.ops.norm import cuda as norm_cuda
+
+    gen = torch.Generator().manual_seed(5)
+    fp8 = QuantWeight(fp8_weight(40, 256, (128, 128), gen), quant_gemm.fp8_block_linear)
+    plain = (torch.randn(8, 256, generator=gen) * 0.05).to(torch.float16)
+    split = SplitWeight((fp8, plain))
+    assert split.reads_unquantized and not SplitWeight((fp8, fp8)).reads_unquantized
+    x, res = activations(3, 256, torch.float16, gen), activations(3, 256, torch.float16, gen)
+    norm_w = (torch.randn(256, generator=gen) * 0.1).to(torch.float16)
+    monkeypatch.setattr(linear, "_on_gpu", lambda t: True)
+    monkeypatch.setattr(quant_gemm, "_kernels_serve", lambda t: True)
+    monkeypatch.setattr(configs, "tuned_table", lambda: {})
+    quantizations = []
+    real_quantize = cuda_fp8.quantize
+    monkeypatch.setattr(cuda_fp8, "quantize", lambda *a: quantizations.append(1) or real_quantize(*a))
+    blocks, h = linear.rms_norm_linear(x, norm_w, 1e-6, split, res, blocks=True)
+    joined, _ = linear.rms_norm_linear(x, norm_w, 1e-6, split, res)
+    assert quantizations == [] and split.fp8_input_block(3) == 128
+    normed, h_ref = norm_cuda.rms_norm(x, norm_w, 1e-6, res)
+    assert torch.equal(h, h_ref) and len(blocks) == 2
+    assert torch.equal(blocks[0], fp8.matmul(normed)) and torch.equal(blocks[1], linear.matmul(normed, plain))
+    assert torch.equal(joined, torch.cat(blocks, dim=-1))
+    kept = norm_cuda.rms_norm(x, norm_w, 1e-6, quant_block=128, keep_unquantized=True)
+    assert torch.equal(kept.unquantized, norm_cuda.rms_norm(x, norm_w, 1e-6))
+    with pytest.raises(ValueError, match="unquantized rows"):
+        split.matmul(norm_cuda.rms_norm(x, norm_w, 1e-6, quant_block=128))
+    gate_up = activations(3, 512, torch.float16, gen)
+    split_down = SplitWeight((QuantWeight(fp8_weight(40, 256, (128, 128), gen), quant_gemm.fp8_block_linear), plain))
+    quantizations.clear()
+    fused_down = linear.silu_mul_linear(gate_up, split_down)
+    assert quantizations == [1]  # its FP8 part quantized the SiLU's output itself
+    assert torch.equal(fused_down, split_down.matmul(activation_cuda.silu_and_mul(gate_up)))
 
 
 # ------------------------------------------------------------------------------------------------ int4

@@ -5,7 +5,9 @@ blocks could not become one weight (a bf16 block beside quantized ones, as GDN's
 in Qwen's FP8 checkpoints, or quantized blocks whose scales do not line up): its product is the parts' products
 side by side. Both have `.shape` ([N, K]), `.matmul(x)`, `.dequantize(dtype)` and `.nbytes`, and `ops.linear`
 dispatches any weight that is not a plain tensor to its `.matmul` after the prologue op (norm, SiLU, gated norm);
-an FP8 QuantWeight's `fp8_input_block` lets the norm or SiLU kernel hand it the activation quantized.
+an FP8 QuantWeight's `fp8_input_block` lets the norm or SiLU kernel hand it the activation quantized (a
+SplitWeight's too: the norm then keeps the unquantized rows for its other parts), and `SplitWeight.matmul_blocks`
+returns the parts' products without the copy that joins them.
 """
 
 from __future__ import annotations
@@ -38,14 +40,20 @@ class QuantWeight:
         """x: [M, K] (for FP8 also an ops.quant_gemm Fp8Activation) -> x @ W^T: [M, N] in x.dtype."""
         return self.op(x, self.prepared)
 
+    @property
+    def is_fp8(self) -> bool:
+        """Whether this is an FP8 block-scaled weight multiplied by its FP8 product (which may take an
+        Fp8Activation)."""
+        from deltaserve.ops import quant_gemm
+
+        return isinstance(self.prepared, quant_gemm.Fp8BlockWeight) and self.op is quant_gemm.fp8_block_linear
+
     def fp8_input_block(self, rows: int) -> int | None:
         """For an FP8 weight, the scale block of K in which its product at `rows` rows takes its activation
         already quantized (ops.quant_gemm.fp8_input_block); None otherwise."""
         from deltaserve.ops import quant_gemm
 
-        if isinstance(self.prepared, quant_gemm.Fp8BlockWeight) and self.op is quant_gemm.fp8_block_linear:
-            return quant_gemm.fp8_input_block(self.prepared, rows)
-        return None
+        return quant_gemm.fp8_input_block(self.prepared, rows) if self.is_fp8 else None
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return self.prepared.dequantize(dtype)
@@ -65,13 +73,40 @@ class SplitWeight:
     def nbytes(self) -> int:
         return sum(part.nbytes for part in self.parts)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [M, K] -> [M, sum n_i]."""
-        return torch.cat([matmul(x, part) for part in self.parts], dim=-1)
+    @property
+    def reads_unquantized(self) -> bool:
+        """Whether a part reads the activation unquantized (a plain or non-FP8 part): an Fp8Activation handed to
+        matmul must then hold it (its `unquantized`)."""
+        return not all(_is_fp8(part) for part in self.parts)
+
+    def fp8_input_block(self, rows: int) -> int | None:
+        """The scale block in which every FP8 part's product at `rows` rows takes its activation already quantized
+        (QuantWeight.fp8_input_block); None where some FP8 part does not, or there is none."""
+        blocks = {part.fp8_input_block(rows) for part in self.parts if _is_fp8(part)}
+        return blocks.pop() if len(blocks) == 1 and None not in blocks else None
+
+    def matmul(self, x) -> torch.Tensor:
+        """x: [M, K] (or an Fp8Activation, see matmul_blocks) -> [M, sum n_i]."""
+        return torch.cat(self.matmul_blocks(x), dim=-1)
+
+    def matmul_blocks(self, x) -> tuple[torch.Tensor, ...]:
+        """x: [M, K] -> the parts' products [M, n_i], not joined. x may be an Fp8Activation of the block
+        `fp8_input_block` named: the FP8 parts read it, the others its `unquantized`."""
+        from deltaserve.ops.quant_gemm.reference import Fp8Activation
+
+        if not isinstance(x, Fp8Activation):
+            return tuple(matmul(x, part) for part in self.parts)
+        if x.unquantized is None and self.reads_unquantized:
+            raise ValueError("a SplitWeight with a plain or non-FP8 part needs the Fp8Activation's unquantized rows")
+        return tuple(matmul(x if _is_fp8(part) else x.unquantized, part) for part in self.parts)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return torch.cat([part.to(dtype) if isinstance(part, torch.Tensor) else part.dequantize(dtype)
                           for part in self.parts])
+
+
+def _is_fp8(part) -> bool:
+    return isinstance(part, QuantWeight) and part.is_fp8
 
 
 def fuse_quantized(scheme_parts: list[tuple[Scheme, dict[str, torch.Tensor], int]], k: int, device):

@@ -9,8 +9,8 @@ an H200 for its row count: the prologue op and then the skinny tensor-core GEMM 
 the prologue op and cuBLAS. Elsewhere (the CPU, float32, larger batches) the unfused reference ops run.
 
 A weight that is not a plain tensor (a quantized one, layers/quant/weight.py) runs the prologue op and then its
-own `.matmul` (the ops.quant_gemm kernels); before an FP8 decode product the norm or SiLU kernel writes the
-activation quantized as that product reads it, so that its quantize kernel is not launched.
+own `.matmul` (the ops.quant_gemm kernels); before an FP8 product that would quantize its activation first the
+norm or SiLU kernel writes it quantized as that product reads it, so that its quantize kernel is not launched.
 """
 
 import torch
@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 from deltaserve.ops.linear import reference
 
-__all__ = ["gated_norm_linear", "linear", "matmul", "rms_norm_linear", "silu_mul_linear", "warm_up_skinny",
-           "skinny_warm_up_rows"]
+__all__ = ["gated_norm_linear", "linear", "matmul", "matmul_blocks", "rms_norm_linear", "silu_mul_linear",
+           "warm_up_skinny", "skinny_warm_up_rows"]
 
 
 def _on_gpu(x) -> bool:
@@ -66,28 +66,43 @@ def linear(x, weight):
     return matmul(x, weight)
 
 
-def _fp8_input_block(x, weight) -> int:
+def matmul_blocks(x, weight) -> tuple:
+    """x @ weight^T as column blocks: a SplitWeight's parts' products apart (no copy joins them), any other
+    weight's product as the one block."""
+    blocks = getattr(weight, "matmul_blocks", None)
+    return blocks(x) if blocks is not None else (matmul(x, weight),)
+
+
+def _fp8_input_block(x, weight, keeps_unquantized: bool = False) -> int:
     """The FP8 scale block of K in which `weight`'s product at x's rows (x.shape[0]) wants its activation already
-    quantized (an FP8 QuantWeight whose product would quantize it by a kernel of its own first); 0 otherwise."""
+    quantized (an FP8 QuantWeight, or a SplitWeight's FP8 parts, whose product would quantize it by a kernel of its
+    own first); 0 otherwise, and where other parts read the activation unquantized and the prologue cannot keep
+    it (keeps_unquantized)."""
     takes = getattr(weight, "fp8_input_block", None)
-    if takes is None or not _on_gpu(x):
+    if takes is None or not _on_gpu(x) or (getattr(weight, "reads_unquantized", False) and not keeps_unquantized):
         return 0
     return takes(x.shape[0]) or 0
 
 
-def rms_norm_linear(x, norm_weight, eps: float, weight, residual=None):
+def rms_norm_linear(x, norm_weight, eps: float, weight, residual=None, blocks: bool = False):
     """See `reference.rms_norm_linear`. Before an FP8 product that would quantize its activation first, the norm
-    kernel writes it quantized instead (one launch fewer)."""
+    kernel writes it quantized instead (one launch and a pass over the activation fewer; beside a SplitWeight's
+    plain part also unquantized). blocks: the product as `matmul_blocks`'s column blocks."""
+    product = matmul_blocks if blocks else matmul
     if _gemv_serves("rms_norm", x, weight):
         from deltaserve.ops.linear import cuda
-        return cuda.rms_norm_linear(x, norm_weight, eps, weight, residual)
-    if x.dim() == 2 and (block_k := _fp8_input_block(x, weight)):
+        out = cuda.rms_norm_linear(x, norm_weight, eps, weight, residual)
+        if not blocks:
+            return out
+        return ((out[0],), out[1]) if residual is not None else (out,)
+    if x.dim() == 2 and (block_k := _fp8_input_block(x, weight, keeps_unquantized=True)):
         from deltaserve.ops.norm import cuda as norm_cuda
+        keep = getattr(weight, "reads_unquantized", False)
         if residual is None:
-            return weight.matmul(norm_cuda.rms_norm(x, norm_weight, eps, quant_block=block_k))
-        act, h = norm_cuda.rms_norm(x, norm_weight, eps, residual, quant_block=block_k)
-        return weight.matmul(act), h
-    return reference.rms_norm_linear(x, norm_weight, eps, weight, residual, matmul=matmul)
+            return product(norm_cuda.rms_norm(x, norm_weight, eps, quant_block=block_k, keep_unquantized=keep), weight)
+        act, h = norm_cuda.rms_norm(x, norm_weight, eps, residual, quant_block=block_k, keep_unquantized=keep)
+        return product(act, weight), h
+    return reference.rms_norm_linear(x, norm_weight, eps, weight, residual, matmul=product)
 
 
 def silu_mul_linear(x, weight):

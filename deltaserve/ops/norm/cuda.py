@@ -25,12 +25,12 @@ _GATED_TILE = 2048
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, sx_ptr, D, x_stride, res_stride, y_stride, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, QUANT_BK: tl.constexpr = 0,
-                     PDL: tl.constexpr = False):
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, sx_ptr, y_kept_ptr, D, x_stride, res_stride, y_stride,
+                     eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, QUANT_BK: tl.constexpr = 0,
+                     KEEP_Y: tl.constexpr = False, PDL: tl.constexpr = False):
     """One row a program. QUANT_BK > 0: y_ptr takes the normed row's e4m3 codes and sx_ptr [D / QUANT_BK, rows]
     its scales per QUANT_BK columns (quant_gemm.cuda_fp8's activation quantization of the row rounded to x's
-    dtype), in place of the row."""
+    dtype), in place of the row; KEEP_Y: y_kept_ptr [rows, D] takes the row as well."""
     wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -45,6 +45,8 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, sx_ptr, D, x_str
     y = (xf * rstd * (1.0 + w)).to(x_ptr.dtype.element_ty)
     if QUANT_BK:
         store_fp8_row(y, y_ptr + row * y_stride, sx_ptr, row, tl.num_programs(0), D, BLOCK, QUANT_BK)
+        if KEEP_Y:
+            tl.store(y_kept_ptr + row * D + cols, y, mask=mask)
     else:
         tl.store(y_ptr + row * y_stride + cols, y, mask=mask)
 
@@ -95,26 +97,35 @@ def _warps(block: int) -> int:
     return 4 if block <= 2048 else 8 if block <= 8192 else 16
 
 
-def rms_norm(x, weight, eps, residual=None, quant_block: int = 0):
+def rms_norm(x, weight, eps, residual=None, quant_block: int = 0, keep_unquantized: bool = False):
     """See reference.rms_norm. quant_block > 0 (x [M, D]): the normed rows come back quantized for an FP8 product,
-    an Fp8Activation with scales per quant_block columns (what quant_gemm.fp8_input_block asked for), not as y."""
+    an Fp8Activation with scales per quant_block columns (what quant_gemm.fp8_input_block asked for), not as y;
+    keep_unquantized: with y as well, as its `unquantized` (for a product beside the FP8 one that reads it)."""
     shape, D = x.shape, x.shape[-1]
     x2 = _rows(x)
     if quant_block:
         y, sx = fp8_row_buffers(x2, quant_block)
     else:
         y = sx = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    kept = torch.empty(x2.shape, dtype=x.dtype, device=x.device) if quant_block and keep_unquantized else y
     block = max(triton.next_power_of_2(D), quant_block)  # whole scale groups a row
-    launch = dict(BLOCK=block, QUANT_BK=quant_block, num_warps=_warps(block), **pdl.launch_args(x.device))
+    launch = dict(BLOCK=block, QUANT_BK=quant_block, KEEP_Y=kept is not y, num_warps=_warps(block),
+                  **pdl.launch_args(x.device))
+
+    def result(y):
+        if not quant_block:
+            return y.view(shape)
+        return Fp8Activation(y, sx, quant_block, x.dtype, unquantized=kept if kept is not y else None)
+
     if residual is not None:
         r2 = _rows(residual)
         h = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-        _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, y, h, sx, D, x2.stride(0), r2.stride(0), y.stride(0), eps,
-                                         HAS_RESIDUAL=True, **launch)
-        return Fp8Activation(y, sx, quant_block, x.dtype) if quant_block else y.view(shape), h.view(shape)
-    _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, y, y, sx, D, x2.stride(0), 0, y.stride(0), eps,
+        _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, y, h, sx, kept, D, x2.stride(0), r2.stride(0), y.stride(0),
+                                         eps, HAS_RESIDUAL=True, **launch)
+        return result(y), h.view(shape)
+    _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, y, y, sx, kept, D, x2.stride(0), 0, y.stride(0), eps,
                                      HAS_RESIDUAL=False, **launch)
-    return Fp8Activation(y, sx, quant_block, x.dtype) if quant_block else y.view(shape)
+    return result(y)
 
 
 def _gated_block_rows(num_rows: int, block: int) -> int:

@@ -37,19 +37,26 @@ def _fp8_config(w: Fp8BlockWeight, rows: int) -> dict:
 
 def fp8_input_block(w: Fp8BlockWeight, rows: int) -> int | None:
     """The scale block of K (w's) in which the CUDA product at `rows` rows quantizes its activation by a kernel
-    of its own first (the GEMV, the skinny kernel with quant_x 0): the kernel before it may write the activation
-    so instead (an Fp8Activation) and save that launch. None where it does not (more rows, in-kernel quantization,
-    a block the kernels do not take)."""
+    of its own first (the GEMV, the skinny kernel with quant_x 0, the tiled GEMM, torch's F.scaled_mm at a row
+    count it takes): the kernel before it may write the activation so instead (an Fp8Activation) and save that
+    launch and a pass over the activation. None where it does not (in-kernel quantization, a block the kernels
+    do not take)."""
     from deltaserve.ops.quant_gemm import cuda_fp8
 
-    if rows < 1 or rows > configs.SKINNY_MAX_ROWS or not cuda_fp8.supports(w):
+    if rows < 1 or not cuda_fp8.supports(w):
         return None
-    return w.block_size[1] if _quantizes_first(_fp8_config(w, rows)) else None
+    return w.block_size[1] if _quantizes_first(_fp8_config(w, rows), w, rows) else None
 
 
-def _quantizes_first(config: dict) -> bool:
-    """Whether the FP8 kernel of `config` reads its activation quantized by cuda_fp8.quantize beforehand."""
-    return config["kind"] == "gemv" or (config["kind"] == "skinny" and not config.get("quant_x", 1))
+def _quantizes_first(config: dict, w: Fp8BlockWeight, rows: int) -> bool:
+    """Whether the FP8 product of `config` at `rows` rows reads its activation quantized by cuda_fp8.quantize
+    beforehand (torch's F.scaled_mm takes it so only at row counts it needs no padding for)."""
+    from deltaserve.ops.quant_gemm import cuda_fp8
+
+    kind = config["kind"]
+    if kind == "torch" and cuda_fp8.torch_supports(w):
+        return rows % cuda_fp8.TORCH_ROW_MULTIPLE == 0
+    return kind in ("gemv", "gemm", "torch") or (kind == "skinny" and not config.get("quant_x", 1))
 
 
 def fp8_block_linear(x, w: Fp8BlockWeight):
@@ -65,7 +72,7 @@ def fp8_block_linear(x, w: Fp8BlockWeight):
         if not _kernels_serve(x) or not cuda_fp8.supports(w):
             return reference.fp8_block_linear(x, w)
     config = _fp8_config(w, x.shape[0]) if cuda_fp8.supports(w) else None
-    if quantized and (config is None or not _quantizes_first(config) or x.xq.shape[1] != w.shape[1]
+    if quantized and (config is None or not _quantizes_first(config, w, x.shape[0]) or x.xq.shape[1] != w.shape[1]
                       or x.block_k != w.block_size[1]):
         raise ValueError(f"an activation quantized as {tuple(x.xq.shape)} in blocks of {x.block_k} does not "
                          f"fit the FP8 product of {tuple(w.shape)} at {x.shape[0]} rows")

@@ -9,8 +9,9 @@ does (the tensor cores' own FP8 accumulation never spans more than one block).
                        (rows padded to 16); QUANT_X quantizes the activation's K block in the prologue of every
                        program (no extra launch; each program re-reads x from L2), else it reads xq / s_x written
                        by `_quantize_kernel`; K may be split among SPLIT_K programs (partial sums added in order).
-  prefill              `_quantize_kernel` once, then `_gemm_kernel`: [BLOCK_M, BLOCK_N] output tiles, grouped along
-                       M for L2 reuse of the weight. Or torch's block-scaled F.scaled_mm where it measured faster.
+  prefill              `_quantize_kernel` once (or the norm / SiLU kernel before the product writes xq / s_x), then
+                       `_gemm_kernel`: [BLOCK_M, BLOCK_N] output tiles, grouped along M for L2 reuse of the weight.
+                       Or torch's block-scaled F.scaled_mm where it measured faster.
 Activation scales are stored K-group-major (s_x [G, M]), the layout F.scaled_mm wants for 1x128 scales.
 """
 
@@ -214,21 +215,26 @@ def skinny(x: torch.Tensor | Fp8Activation, w: Fp8BlockWeight, config: dict) -> 
     return out
 
 
-def gemm(x: torch.Tensor, w: Fp8BlockWeight, config: dict) -> torch.Tensor:
-    """x [M, K] -> [M, N] in x.dtype: the activation quantized by one kernel, then the tiled block-scaled GEMM.
-    config: block_m, block_n, group_m, warps, stages (block_k is the weight's scale block)."""
+def gemm(x: torch.Tensor | Fp8Activation, w: Fp8BlockWeight, config: dict) -> torch.Tensor:
+    """x [M, K] -> [M, N] in x.dtype: the activation quantized by one kernel (unless x is quantized already), then
+    the tiled block-scaled GEMM. config: block_m, block_n, group_m, warps, stages (block_k is the weight's scale
+    block)."""
     n, k = w.shape
     m = x.shape[0]
     bn_w, bk = w.block_size
-    xq, sx = quantize(x, bk)
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    xq, sx = quantized(x, bk)
+    out = torch.empty(m, n, dtype=x.dtype, device=xq.device)
     block_m, block_n = config["block_m"], config["block_n"]
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
     _gemm_kernel[grid](
         xq, sx, w.weight, w.scale_inv, out, m, n, k, triton.cdiv(k, bk), out.stride(0),
         BN_W=bn_w, BLOCK_M=block_m, BLOCK_N=block_n, BK=bk, GROUP_M=config["group_m"], EVEN_K=k % bk == 0,
-        num_warps=config["warps"], num_stages=config["stages"], **pdl.launch_args(x.device))
+        num_warps=config["warps"], num_stages=config["stages"], **pdl.launch_args(xq.device))
     return out
+
+
+# cuBLASLt takes the activation scales [M, K/128] (strides (1, M)) only with M a multiple of 4
+TORCH_ROW_MULTIPLE = 4
 
 
 def torch_supports(w: Fp8BlockWeight) -> bool:
@@ -238,20 +244,23 @@ def torch_supports(w: Fp8BlockWeight) -> bool:
             and n % 128 == 0 and k % 128 == 0)
 
 
-def torch_scaled_mm(x: torch.Tensor, w: Fp8BlockWeight) -> torch.Tensor:
+def torch_scaled_mm(x: torch.Tensor | Fp8Activation, w: Fp8BlockWeight) -> torch.Tensor:
     """The same product by torch's F.scaled_mm (cuBLASLt) with 1x128 activation and 128x128 weight scales: xq [M, K]
     row-major, s_x [M, K/128] with strides (1, M), W^T column-major, s_w [K/128 rounded up to 4, N/128] with strides
-    (1, that)."""
+    (1, that). x may be quantized already (an Fp8Activation of TORCH_ROW_MULTIPLE rows)."""
     F = torch.nn.functional
     n, k = w.shape
     m = x.shape[0]
-    if m % 4:  # cuBLASLt takes the activation scales [M, K/128] (strides (1, M)) only with M a multiple of 4
-        return torch_scaled_mm(F.pad(x, (0, 0, 0, -m % 4)), w)[:m]
-    xq, sx = quantize(x, 128)
+    if m % TORCH_ROW_MULTIPLE:
+        if isinstance(x, Fp8Activation):
+            raise ValueError(f"F.scaled_mm takes a quantized activation of a multiple of {TORCH_ROW_MULTIPLE} rows, "
+                             f"got {m}")
+        return torch_scaled_mm(F.pad(x, (0, 0, 0, -m % TORCH_ROW_MULTIPLE)), w)[:m]
+    xq, sx = quantized(x, 128)
     groups = k // 128
     sw = w.scale_inv  # [N/128, G]: its transpose has the strides wanted when G is a multiple of 4
     if groups % 4:
-        sw = torch.zeros(n // 128, -(-groups // 4) * 4, dtype=torch.float32, device=x.device)
+        sw = torch.zeros(n // 128, -(-groups // 4) * 4, dtype=torch.float32, device=xq.device)
         sw[:, :groups] = w.scale_inv
     return F.scaled_mm(xq, w.weight.t(), sx.t(), F.ScalingType.BlockWise1x128, sw.t(),
                        F.ScalingType.BlockWise128x128, output_dtype=x.dtype)

@@ -73,6 +73,9 @@ class Fp8Activation:
     sx: torch.Tensor  # [ceil(K/block_k), M] float32: the scales K-group-major, as cuda_fp8.quantize stores them
     block_k: int
     dtype: torch.dtype  # the unquantized activation's, which the product returns
+    # [M, K] in dtype: the activation itself, where a product beside the FP8 one reads it too (a SplitWeight's
+    # plain block, as GDN's in_proj_b/a beside the FP8 in_proj_qkv/z); None where none does
+    unquantized: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
