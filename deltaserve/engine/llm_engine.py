@@ -39,7 +39,7 @@ from deltaserve.sched_output import SchedulerOutput
 from deltaserve.structured.compiler import GrammarCompiler
 from deltaserve.structured.matcher import GrammarState, fill_bitmask
 from deltaserve.worker import warm_up
-from deltaserve.worker.model_runner import LaunchedStep
+from deltaserve.worker.model_runner import LaunchedStep, ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -122,11 +122,15 @@ class LLMEngine:
     def warm_up(self) -> None:
         """A few real steps of each kind before serving, so that no first request compiles a kernel
         (worker/warm_up.engine_steps); then the allocator's free cached blocks handed back (the warm-up's one-off
-        shapes leave them; with expandable segments their pages are unmapped, docs/memory.md) and the memory in
-        use logged against the budget."""
+        shapes leave them; with expandable segments their pages are unmapped, docs/memory.md), the memory in
+        use logged against the budget, and the budget made the runner's memory ceiling (its eager steps hand
+        back cached blocks above it)."""
         warm_up.engine_steps(self)
         torch.cuda.empty_cache()
-        warm_up.check_memory(self.memory_plan, torch.device(self.runner.device))
+        in_use = warm_up.check_memory(self.memory_plan, torch.device(self.runner.device))
+        if in_use is not None and isinstance(self.runner, ModelRunner):
+            # eager steps keep to the budget, or to what start-up left in use where that is more (warned above)
+            self.runner.memory_ceiling = max(self.memory_plan.budget_bytes, in_use)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (KV blocks and GDN checkpoints) and zero the hit counters, as vLLM's

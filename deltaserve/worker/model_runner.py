@@ -73,6 +73,10 @@ class ModelRunner:
         # the last launched step's samples: request id -> row, and the [S] token ids on the device
         self._last_samples: tuple[dict[str, int], torch.Tensor] = ({}, torch.empty(0, dtype=torch.int64))
         self.graphs: StepGraphs | None = None
+        # the device memory in use that an eager step may leave behind (set after start-up from the plan's budget,
+        # LLMEngine.warm_up): above it torch's allocator hands back the free blocks it caches (a long prompt's
+        # chunks free activations and take them again at other sizes, each size mapping memory of its own)
+        self.memory_ceiling: int | None = None
         self.parallel = model.parallel
         if device.type == "cuda":
             from deltaserve.ops import pdl  # GPU only (Triton)
@@ -169,6 +173,7 @@ class ModelRunner:
                 return LaunchedStep([], None)
             if sampling_rows:
                 logits = self.model.compute_logits(hidden)  # [S, V] float32
+            self._keep_memory_within_ceiling()
         save_checkpoints(self.model, scheduled)  # working slot -> new checkpoint (chunks ending at a boundary)
         if not sampling_rows:
             return LaunchedStep([], None)
@@ -177,6 +182,16 @@ class ModelRunner:
         if not defer_sample:
             self.sample(step)
         return step
+
+    def _keep_memory_within_ceiling(self) -> None:
+        """After an eager step's forward (the steps whose activations come from torch's allocator, not a graph's
+        pool): if the device holds more than memory_ceiling, hand back the allocator's free cached blocks (it waits
+        for the step: taken only then, after the long prompts' chunks that leave them)."""
+        if self.memory_ceiling is None:
+            return
+        free, total = torch.cuda.mem_get_info(self.device)
+        if total - free > self.memory_ceiling:
+            torch.cuda.empty_cache()
 
     def _through_stage(self, input_ids: torch.Tensor, forward) -> torch.Tensor | None:
         """This rank's pipeline stage: forward(intermediate), intermediate the previous stage's (h, residual)

@@ -97,15 +97,17 @@ def engine_steps(engine) -> None:
     logger.info("warm-up (the first use of each kind of step) took %.1f s", time.perf_counter() - start)
 
 
-def check_memory(plan: MemoryPlan, device: torch.device) -> None:
+def check_memory(plan: MemoryPlan, device: torch.device) -> int | None:
     """Log the device memory in use once start-up's steps have run, against the budget the caches were sized
-    from; a warning when it is over (see memory_report)."""
-    if plan.budget_bytes is None:  # a flag sized the cache, not a share of the device
-        return
+    from; a warning when it is over (see memory_report). Returns the bytes in use, None where no budget was
+    planned (a flag sized the cache, not a share of the device)."""
+    if plan.budget_bytes is None:
+        return None
     torch.cuda.synchronize(device)
     free, total = torch.cuda.mem_get_info(device)
     over, message = memory_report(total - free, plan.budget_bytes, total, plan.gpu_memory_utilization)
     (logger.warning if over else logger.info)("%s", message)
+    return total - free
 
 
 def memory_report(in_use: int, budget: int, total: int, utilization: float) -> tuple[bool, str]:
