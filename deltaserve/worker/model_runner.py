@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,9 @@ from deltaserve.worker.kv_cache import CacheShape, bind_caches
 from deltaserve.worker.state_copy import restore_checkpoints, save_checkpoints
 
 logger = logging.getLogger(__name__)
+
+# the shortest time between two hand-backs of torch's cached blocks above the memory ceiling (each waits for its step)
+MEMORY_TRIM_INTERVAL_S = 1.0
 
 
 def graphs_supported(model: HybridForCausalLM) -> bool:
@@ -77,6 +81,7 @@ class ModelRunner:
         # LLMEngine.warm_up): above it torch's allocator hands back the free blocks it caches (a long prompt's
         # chunks free activations and take them again at other sizes, each size mapping memory of its own)
         self.memory_ceiling: int | None = None
+        self._last_trim = -MEMORY_TRIM_INTERVAL_S  # time.monotonic() of the last hand-back
         self.parallel = model.parallel
         if device.type == "cuda":
             from deltaserve.ops import pdl  # GPU only (Triton)
@@ -185,13 +190,16 @@ class ModelRunner:
 
     def _keep_memory_within_ceiling(self) -> None:
         """After an eager step's forward (the steps whose activations come from torch's allocator, not a graph's
-        pool): if the device holds more than memory_ceiling, hand back the allocator's free cached blocks (it waits
-        for the step: taken only then, after the long prompts' chunks that leave them)."""
-        if self.memory_ceiling is None:
+        pool): if the device holds more than memory_ceiling, hand back the allocator's free cached blocks. That
+        waits for the step, and the next steps map again what they take: so at most once a
+        MEMORY_TRIM_INTERVAL_S, which a long prompt's chunks (a second or more each at 200K) all get, and steps
+        whose own working set crosses the ceiling pay rarely."""
+        if self.memory_ceiling is None or time.monotonic() - self._last_trim < MEMORY_TRIM_INTERVAL_S:
             return
         free, total = torch.cuda.mem_get_info(self.device)
         if total - free > self.memory_ceiling:
             torch.cuda.empty_cache()
+            self._last_trim = time.monotonic()
 
     def _through_stage(self, input_ids: torch.Tensor, forward) -> torch.Tensor | None:
         """This rank's pipeline stage: forward(intermediate), intermediate the previous stage's (h, residual)
