@@ -116,7 +116,8 @@ class LLMEngine:
         self.last_scheduled: SchedulerOutput | None = None  # what the latest step() launched (benchmarks read it)
         self._child_parent: dict[str, str] = {}
         self._grammar_compiler: GrammarCompiler | None = None  # built at the first structured-output request
-        if torch.device(self.runner.device).type == "cuda":
+        # in this process, or in the worker processes of -tp / -pp
+        if "cuda" in (torch.device(self.runner.device).type, getattr(self.runner, "workers_device_type", None)):
             self.warm_up()
 
     def warm_up(self) -> None:
@@ -124,11 +125,14 @@ class LLMEngine:
         (worker/warm_up.engine_steps); then the allocator's free cached blocks handed back (the warm-up's one-off
         shapes leave them; with expandable segments their pages are unmapped, docs/memory.md), the memory in
         use logged against the budget, and the budget made the runner's memory ceiling (its eager steps hand
-        back cached blocks above it)."""
+        back cached blocks above it): by each worker process for its GPU under -tp / -pp."""
         warm_up.engine_steps(self)
+        if not isinstance(self.runner, ModelRunner):  # -tp / -pp: each worker process does the rest for its GPU
+            self.runner.after_warm_up(self.memory_plan)
+            return
         torch.cuda.empty_cache()
         in_use = warm_up.check_memory(self.memory_plan, torch.device(self.runner.device))
-        if in_use is not None and isinstance(self.runner, ModelRunner):
+        if in_use is not None:
             # eager steps keep to the budget, or to what start-up left in use where that is more (warned above)
             self.runner.memory_ceiling = max(self.memory_plan.budget_bytes, in_use)
 

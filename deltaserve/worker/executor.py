@@ -136,6 +136,9 @@ def _worker_main(rank: int, spec: WorkerSpec, conn) -> None:
             kind, payload = pickle.loads(message)
             if kind == "stop":
                 break
+            if kind == "after_warm_up":
+                _after_warm_up(runner, payload)
+                continue
             if trace is not None:
                 trace.begin()
             scheduled, bitmask, masked = payload
@@ -154,10 +157,24 @@ def _worker_main(rank: int, spec: WorkerSpec, conn) -> None:
             dist.destroy_process_group()
 
 
+def _after_warm_up(runner, plan) -> None:
+    """A rank on a GPU once the engine's warm-up steps ran: as LLMEngine.warm_up does in one process, its free
+    cached blocks handed back, its memory logged against the plan's budget, the budget made its memory ceiling."""
+    from deltaserve.worker import warm_up
+
+    if runner.device.type != "cuda":
+        return
+    torch.cuda.empty_cache()
+    in_use = warm_up.check_memory(plan, runner.device)
+    if in_use is not None:
+        runner.memory_ceiling = max(plan.budget_bytes, in_use)
+
+
 class MultiprocExecutor:
     def __init__(self, spec: WorkerSpec):
         self.world_size = spec.tp_size * spec.pp_size
         self.device = torch.device("cpu")  # the engine's side; the workers hold the model and generators
+        self.workers_device_type = spec.device_type
         self._tp_size = spec.tp_size
         context = mp.get_context("spawn")
         self._conns, self._procs = [], []
@@ -226,15 +243,19 @@ class MultiprocExecutor:
             if proc.exitcode not in (None, 0):
                 raise self._fail(f"{self._describe(r)} died (exit code {proc.exitcode})")
 
-    def _send(self, step: ExecutorStep, bitmask: torch.Tensor | None = None, masked: list[int] = ()) -> None:
+    def _broadcast(self, kind: str, payload) -> None:
+        """One message to every rank, pickled once."""
         if self.failed is not None:
             raise RankFailed(self.failed)
-        data = pickle.dumps(("step", (step.scheduled, bitmask, list(masked))))
+        data = pickle.dumps((kind, payload))
         for rank, conn in enumerate(self._conns):
             try:
                 conn.send_bytes(data)
             except OSError as exc:
                 raise self._fail(f"{self._describe(rank)} cannot be reached: {exc}") from exc
+
+    def _send(self, step: ExecutorStep, bitmask: torch.Tensor | None = None, masked: list[int] = ()) -> None:
+        self._broadcast("step", (step.scheduled, bitmask, list(masked)))
         self._steps.append(step)
 
     def _read_until(self, step: ExecutorStep) -> None:
@@ -278,6 +299,11 @@ class MultiprocExecutor:
     def collect(self, step: ExecutorStep) -> ModelOutput:
         self._read_until(step)  # the reporter answers every step, in order
         return step.output
+
+    def after_warm_up(self, plan) -> None:
+        """Tell every rank that the engine's warm-up steps have run (see _after_warm_up); it takes the message
+        before any later step."""
+        self._broadcast("after_warm_up", plan)
 
     def shutdown(self) -> None:
         """Ask every worker to stop, then wait a little for each (a hung one is killed)."""

@@ -55,6 +55,21 @@ def test_pipeline_matches_single_process(tmp_path, arch):
             engine.runner.shutdown()
 
 
+def test_warm_up_runs_its_steps_through_the_stages(tmp_path):
+    """LLMEngine.warm_up under -pp 2, as a GPU start runs it (engine_steps, then the after-warm-up message each
+    rank takes; a no-op on the CPU): its steps go through the ranks and leave no request or cached prefix behind,
+    and the requests after it get the single process's tokens."""
+    path = build_checkpoint(tmp_path, "qwen3_5", config_overrides=SEVEN_LAYERS)
+    expected = _run(_engine(path, 1))
+    engine = _engine(path, 2)
+    try:
+        engine.warm_up()
+        assert not engine.has_unfinished() and engine.cache_manager.prefix_cache.num_checkpoints == 0
+        assert _run(engine) == expected
+    finally:
+        engine.runner.shutdown()
+
+
 def test_pipeline_stages_of_an_awq_checkpoint(tmp_path):
     # COMMAND_LINES.md's AWQ 27B over three pipeline stages: each stage loads its layers' packed int4 tensors
     source = build_checkpoint(tmp_path / "source", "qwen3_5", matrix_gain=0.5,
