@@ -11,7 +11,8 @@
 #          synthetic tokenizer (bench/vocab_tokenizer.py), driven by `deltaserve bench serve`; MODEL (default
 #          qwen3.5-27b), IN/OUT_LEN (1024/512), PROMPTS (256), CONCURRENCY (64), MAX_MODEL_LEN (4096) choose it;
 #          RUNS="1024:512:5:1 8192:1024:64:16:0.8" runs several (IN:OUT_LEN:PROMPTS:CONCURRENCY[:RANGE_RATIO])
-#          against one server start
+#          against one server start; BASE_TAR=.base.tar (`git archive REV -o .base.tar`, carried) runs them on
+#          that tree first, then on this one (OUTDIR/base, OUTDIR/new): a baseline on the same machine
 #   quant  the quantized GEMMs: their GPU tests, then benchmarks/quant_gemm_probe.py at Qwen3.5-27B's shapes (every
 #          kernel and tile, TB/s and TFLOP/s beside the limits) writing OUTDIR/quant_gemm_configs.json (for
 #          deltaserve/ops/quant_gemm/configs.json); ~6-7 min on an H200: the probe starts no shape after
@@ -105,6 +106,20 @@ if [ "$MODE" = structured ]; then
   python3 -m benchmarks.structured_overhead "$CONFIGS/${MODEL:-qwen3.5-27b}" --out "$OUT" 2>&1 \
     | tee "$OUT/structured_bench.log"
   exit "${PIPESTATUS[0]}"
+fi
+if [ "$MODE" = serve ] && [ -n "${BASE_TAR:-}" ]; then
+  # the same runs on an earlier tree first (a `git archive` tarball carried beside this one), then on this one:
+  # OUTDIR/base and OUTDIR/new, each with its server.log and serve_bench.log
+  out=$(cd "$OUT" && pwd)
+  rm -rf /tmp/deltaserve-base && mkdir -p /tmp/deltaserve-base || exit 1
+  tar xf "$BASE_TAR" -C /tmp/deltaserve-base || exit 1
+  (cd /tmp/deltaserve-base && BASE_TAR= bash tests/gpu/run.sh "$out/base" serve > /dev/null 2>&1) || status=1
+  BASE_TAR= bash tests/gpu/run.sh "$out/new" serve > /dev/null 2>&1 || status=1
+  for tree in base new; do
+    echo "== $tree"
+    grep -E "Median TTFT|Median TPOT|Total token throughput|Output token throughput" "$out/$tree/serve_bench.log"
+  done
+  exit $status
 fi
 if [ "$MODE" = serve ]; then
   model="$CONFIGS/${MODEL:-qwen3.5-27b}"
