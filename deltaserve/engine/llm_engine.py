@@ -39,7 +39,7 @@ from deltaserve.sched_output import SchedulerOutput
 from deltaserve.structured.compiler import GrammarCompiler
 from deltaserve.structured.matcher import GrammarState, fill_bitmask
 from deltaserve.worker import warm_up
-from deltaserve.worker.model_runner import LaunchedStep, ModelRunner
+from deltaserve.worker.model_runner import LaunchedStep
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ class LLMEngine:
         use logged against the budget, and the budget made the runner's memory ceiling (its eager steps hand
         back cached blocks above it): by each worker process for its GPU under -tp / -pp."""
         warm_up.engine_steps(self)
-        if not isinstance(self.runner, ModelRunner):  # -tp / -pp: each worker process does the rest for its GPU
+        if getattr(self.runner, "workers_device_type", None) is not None:  # -tp / -pp: each worker, for its GPU
             self.runner.after_warm_up(self.memory_plan)
             return
         torch.cuda.empty_cache()

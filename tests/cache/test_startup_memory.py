@@ -2,6 +2,7 @@
 compares what start-up left in use with the budget (worker/setup.py, worker/warm_up.py)."""
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -65,12 +66,22 @@ def test_an_overshoot_names_the_utilization_that_keeps_the_bytes_asked_for():
 
 def test_start_up_hands_back_the_warm_ups_cached_blocks_before_reporting(monkeypatch):
     """LLMEngine.warm_up: the steps, then torch's cache emptied (what their one-off shapes left reserved), then the
-    memory in use reported: the report sees what serving starts from."""
-    calls = []
+    memory in use reported: the report sees what serving starts from; the runner's memory ceiling is then the
+    budget, or what start-up left in use where that is more. Under -tp / -pp the workers do all but the steps."""
+    calls, in_use = [], [0]
     monkeypatch.setattr(warm_up, "engine_steps", lambda engine: calls.append("steps"))
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
-    monkeypatch.setattr(warm_up, "check_memory", lambda plan, device: calls.append("check_memory"))
+    monkeypatch.setattr(warm_up, "check_memory", lambda plan, device: calls.append("check_memory") or in_use[0])
     engine = LLMEngine.__new__(LLMEngine)
-    engine.memory_plan, engine.runner = None, type("Runner", (), {"device": "cuda:0"})()
+    engine.memory_plan = SimpleNamespace(budget_bytes=10 * GIB)
+    for used, ceiling in ((9 * GIB, 10 * GIB), (11 * GIB, 11 * GIB)):
+        calls.clear()
+        in_use[0], engine.runner = used, SimpleNamespace(device="cuda:0", memory_ceiling=None)
+        engine.warm_up()
+        assert calls == ["steps", "empty_cache", "check_memory"]
+        assert engine.runner.memory_ceiling == ceiling
+    calls.clear()
+    engine.runner = SimpleNamespace(device="cpu", workers_device_type="cuda",
+                                    after_warm_up=lambda plan: calls.append(("after_warm_up", plan)))
     engine.warm_up()
-    assert calls == ["steps", "empty_cache", "check_memory"]
+    assert calls == ["steps", ("after_warm_up", engine.memory_plan)]
