@@ -155,6 +155,7 @@ class GatedDeltaNet(nn.Module):
         `forward`'s, so that serving compiles none of them; before an FP8 out-projection also the variant that
         writes its activation quantized (gated_norm_linear's, at the row counts whose product takes it)."""
         from deltaserve.ops.norm.cuda import gated_norm_warm_up_token_counts, gated_rms_norm  # GPU only
+        from deltaserve.ops.quant_gemm.cuda_fp8 import TORCH_ROW_MULTIPLE
 
         like = dict(dtype=self.norm.weight.dtype, device=self.norm.weight.device)  # the activations' (the model's)
         counts = gated_norm_warm_up_token_counts(self.num_v_heads, self.v_dim, max_tokens)  # 27B: 1 to 342
@@ -164,8 +165,9 @@ class GatedDeltaNet(nn.Module):
             _, z, _, _ = self._split_projection(projected[:tokens])
             o = torch.zeros(tokens, self.num_v_heads, self.v_dim, **like)
             self.norm(o, z)
-            # a row count of this variant whose product may take it quantized (F.scaled_mm: a multiple of 4 rows)
-            if takes_quantized is not None and takes_quantized(tokens + -tokens % 4) == self.v_dim:
+            # a row count of this variant whose product may take it quantized (F.scaled_mm: whole multiples only)
+            multiple = tokens + -tokens % TORCH_ROW_MULTIPLE
+            if takes_quantized is not None and takes_quantized(multiple) == self.v_dim:
                 gated_rms_norm(o, z, self.norm.weight, self.norm.eps, quant_block=self.v_dim)
 
     def _conv_and_delta_rule(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
