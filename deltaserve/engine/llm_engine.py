@@ -40,6 +40,7 @@ from deltaserve.structured.compiler import GrammarCompiler
 from deltaserve.structured.matcher import GrammarState, fill_bitmask
 from deltaserve.worker import warm_up
 from deltaserve.worker.model_runner import LaunchedStep
+from deltaserve.worker.step_trace import EngineTrace
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +120,7 @@ class LLMEngine:
         # in this process, or in the worker processes of -tp / -pp
         if "cuda" in (torch.device(self.runner.device).type, getattr(self.runner, "workers_device_type", None)):
             self.warm_up()
+        self._trace = EngineTrace.from_env()  # after the warm-up: its steps are not served ones
 
     def warm_up(self) -> None:
         """A few real steps of each kind before serving, so that no first request compiles a kernel
@@ -281,7 +283,10 @@ class LLMEngine:
     def _launch(self, scheduled: SchedulerOutput) -> tuple[SchedulerOutput, LaunchedStep]:
         """Launch a non-empty step on the runner; constrained: some row samples under a grammar this step."""
         constrained = any(row.grammar is not None and row.sample for row in scheduled.sequences)
-        return scheduled, self.runner.launch(scheduled, constrained)
+        launched = self.runner.launch(scheduled, constrained)
+        if self._trace is not None:
+            self._trace.launched(len(scheduled.sequences), scheduled.num_tokens)
+        return scheduled, launched
 
     def _process_oldest(self, touched: dict[str, _Parent]) -> None:
         """Read back the oldest micro-batch, taken out first (as in step()). If that raises (a rank failed), its

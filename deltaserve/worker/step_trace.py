@@ -1,7 +1,11 @@
-"""A timeline of the steps each rank runs, for seeing pipeline stages overlap: with DELTASERVE_STEP_TRACE set to a
-directory, every worker appends one line per step to `rank<N>.tsv` there: the step's index (the same step has the
-same index on every rank, steps reach every rank in one order), then when the rank began and finished it, in
-nanoseconds of CLOCK_MONOTONIC (one clock for every process of the machine)."""
+"""Timelines of the steps, for seeing where serving time goes. With DELTASERVE_STEP_TRACE set to a directory:
+- every worker of -tp / -pp appends one line per step to `rank<N>.tsv` there: the step's index (the same step has
+  the same index on every rank, steps reach every rank in one order), then when the rank began and finished it;
+- the engine appends one line per launched step to `engine.tsv`: the index, when it was launched, its rows and its
+  tokens (a decode row is one token; more tokens than rows is a step with a prefill chunk). Under async scheduling a
+  step is launched once the one before the previous is read back, so over many steps the gaps between launches are
+  the steps' device times (`benchmarks/step_trace_summary.py` sums them by kind).
+Times are nanoseconds of CLOCK_MONOTONIC (one clock for every process of the machine)."""
 
 from __future__ import annotations
 
@@ -29,6 +33,27 @@ class StepTrace:
     def end(self) -> None:
         self._file.write(f"{self._index}\t{self._started}\t{time.monotonic_ns()}\n")
         self._index += 1
+
+
+class EngineTrace:
+    def __init__(self, path: Path):
+        self._file = path.open("a", buffering=1)
+        self._index = 0
+
+    @classmethod
+    def from_env(cls) -> EngineTrace | None:
+        folder = os.environ.get(ENV_VAR)
+        return cls(Path(folder) / "engine.tsv") if folder else None
+
+    def launched(self, rows: int, tokens: int) -> None:
+        self._file.write(f"{self._index}\t{time.monotonic_ns()}\t{rows}\t{tokens}\n")
+        self._index += 1
+
+
+def read_engine(folder: Path) -> list[tuple[int, int, int]]:
+    """The engine's (launched, rows, tokens) per step, in step order."""
+    lines = (Path(folder) / "engine.tsv").read_text().splitlines()
+    return [(int(at), int(rows), int(tokens)) for _, at, rows, tokens in (line.split("\t") for line in lines)]
 
 
 def read(folder: Path, rank: int) -> list[tuple[int, int]]:

@@ -11,8 +11,10 @@
 #          synthetic tokenizer (bench/vocab_tokenizer.py), driven by `deltaserve bench serve`; MODEL (default
 #          qwen3.5-27b), IN/OUT_LEN (1024/512), PROMPTS (256), CONCURRENCY (64), MAX_MODEL_LEN (4096) choose it;
 #          RUNS="1024:512:5:1 8192:1024:64:16:0.8" runs several (IN:OUT_LEN:PROMPTS:CONCURRENCY[:RANGE_RATIO])
-#          against one server start; BASE_TAR=.base.tar (`git archive REV -o .base.tar`, carried) runs them on
-#          that tree first, then on this one (OUTDIR/base, OUTDIR/new): a baseline on the same machine
+#          against one server start; SERVE_ARGS adds flags to `deltaserve serve` ("--quantization fp8");
+#          OUTDIR/step_summary.txt sums each run's steps by kind (benchmarks/step_trace_summary.py);
+#          BASE_TAR=.base.tar (`git archive REV -o .base.tar`, carried) runs them on that tree first, then on this
+#          one (OUTDIR/base, OUTDIR/new): a baseline on the same machine
 #   quant  the quantized GEMMs: their GPU tests, then benchmarks/quant_gemm_probe.py at Qwen3.5-27B's shapes (every
 #          kernel and tile, TB/s and TFLOP/s beside the limits) writing OUTDIR/quant_gemm_configs.json (for
 #          deltaserve/ops/quant_gemm/configs.json); ~6-7 min on an H200: the probe starts no shape after
@@ -124,8 +126,10 @@ fi
 if [ "$MODE" = serve ]; then
   model="$CONFIGS/${MODEL:-qwen3.5-27b}"
   python3 -m deltaserve.bench.vocab_tokenizer "$model" /tmp/vocab_tokenizer || exit 1
-  python3 -m deltaserve serve "$model" --load-format dummy --tokenizer /tmp/vocab_tokenizer --port 8000 \
-    --max-model-len "${MAX_MODEL_LEN:-4096}" > "$OUT/server.log" 2>&1 &
+  rm -rf /tmp/step_trace && mkdir -p /tmp/step_trace
+  DELTASERVE_STEP_TRACE=/tmp/step_trace python3 -m deltaserve serve "$model" --load-format dummy \
+    --tokenizer /tmp/vocab_tokenizer --port 8000 --max-model-len "${MAX_MODEL_LEN:-4096}" ${SERVE_ARGS:-} \
+    > "$OUT/server.log" 2>&1 &
   server=$!
   python3 - "$server" <<'WAIT' || { kill $server 2>/dev/null; tail -n 25 "$OUT/server.log"; exit 1; }
 import os, sys, time, httpx
@@ -144,16 +148,21 @@ while time.monotonic() < deadline:
 sys.exit("no /health answer within 900 s")
 WAIT
   # RUNS: several workloads against the one server, "IN:OUT_LEN:PROMPTS:CONCURRENCY[:RANGE_RATIO]" each
+  windows=()
   for run in ${RUNS:-${IN:-1024}:${OUT_LEN:-512}:${PROMPTS:-256}:${CONCURRENCY:-64}}; do
     IFS=: read -r in_len out_len prompts concurrency range_ratio <<< "$run"
+    began=$(python3 -c 'import time; print(time.monotonic_ns())')
     python3 -m deltaserve bench serve --base-url http://127.0.0.1:8000 --tokenizer /tmp/vocab_tokenizer \
       --dataset-name random --random-input-len "$in_len" --random-output-len "$out_len" \
       --num-prompts "$prompts" --max-concurrency "$concurrency" --random-range-ratio "${range_ratio:-0}" \
       --ignore-eos --temperature 0 2>&1 \
       | tee -a "$OUT/serve_bench.log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
+    windows+=(--window "$began:$(python3 -c 'import time; print(time.monotonic_ns())')")
   done
   kill -INT $server; wait $server
+  # where each run's time went, by kind of step (the engine's step trace)
+  python3 -m benchmarks.step_trace_summary /tmp/step_trace "${windows[@]}" > "$OUT/step_summary.txt" 2>&1
   exit $status
 fi
 if [ "$MODE" = ops ]; then

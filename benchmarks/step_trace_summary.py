@@ -1,0 +1,64 @@
+"""Where served time goes: the engine's step trace (DELTASERVE_STEP_TRACE, deltaserve/worker/step_trace.py) summed
+by kind of step. Decode steps (one token a row) are grouped by their rows; steps with a prefill chunk apart.
+
+    python -m benchmarks.step_trace_summary TRACE_DIR [--window START_NS:END_NS ...]
+
+Under async scheduling step i is launched once step i - 2 is read back, so step i's device time is taken as the
+gap between the launches of steps i + 1 and i + 2. Gaps over --idle-s are the engine waiting for requests and are
+left out. Each --window (CLOCK_MONOTONIC nanoseconds, as `time.monotonic_ns()` prints them) is summed apart: the
+runs of one server start.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from deltaserve.worker.step_trace import read_engine
+
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def summarize(steps: list[tuple[int, int, int]], idle_s: float) -> str:
+    """steps: (launched ns, rows, tokens) in order."""
+    kinds: dict[str, list[float]] = {}
+    tokens_in_prefill = 0
+    for i in range(len(steps) - 2):
+        gap = (steps[i + 2][0] - steps[i + 1][0]) / 1e9
+        if gap > idle_s:
+            continue
+        _, rows, tokens = steps[i]
+        if tokens > rows:
+            kind = "prefill chunk"
+            tokens_in_prefill += tokens
+        else:
+            bucket = next((b for b in ROW_BUCKETS if rows <= b), None)
+            kind = f"decode <= {bucket} rows" if bucket else f"decode > {ROW_BUCKETS[-1]} rows"
+        kinds.setdefault(kind, []).append(gap)
+    total = sum(sum(gaps) for gaps in kinds.values())
+    lines = [f"{len(steps)} steps, {total:.2f} s busy"]
+    for kind in sorted(kinds, key=lambda k: (k != "prefill chunk", len(k), k)):
+        gaps = kinds[kind]
+        lines.append(f"  {kind:>22}: {len(gaps):6d} steps {sum(gaps):8.2f} s ({100 * sum(gaps) / total:5.1f}%) "
+                     f"mean {1e3 * sum(gaps) / len(gaps):7.2f} ms")
+    if "prefill chunk" in kinds:
+        lines.append(f"  prefill chunks carried {tokens_in_prefill} tokens (prompt and decode rows together)")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("trace_dir", type=Path)
+    parser.add_argument("--window", action="append", default=[], help="START_NS:END_NS")
+    parser.add_argument("--idle-s", type=float, default=1.0)
+    args = parser.parse_args()
+    steps = read_engine(args.trace_dir)
+    windows = [tuple(int(x) for x in w.split(":")) for w in args.window] or [(0, 2**63)]
+    for start, end in windows:
+        inside = [step for step in steps if start <= step[0] < end]
+        print(f"window {start}:{end}" if args.window else "whole trace")
+        print(summarize(inside, args.idle_s))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""The engine's step trace (DELTASERVE_STEP_TRACE): one line per launched step with its rows and tokens, and
+benchmarks/step_trace_summary.py's sums by kind of step."""
+
+import pytest
+
+from benchmarks import step_trace_summary
+from deltaserve import LLM, SamplingParams
+from deltaserve.worker import step_trace
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def test_the_engine_writes_each_launched_steps_rows_and_tokens(ckpt_qwen3_5, tmp_path, monkeypatch):
+    monkeypatch.setenv(step_trace.ENV_VAR, str(tmp_path))
+    llm = LLM(str(ckpt_qwen3_5), max_num_seqs=4, max_num_batched_tokens=64, enable_prefix_caching=False)
+    prompts = [list(range(1, 1 + n)) for n in (50, 30, 7)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    steps = step_trace.read_engine(tmp_path)
+    launched = [at for at, _, _ in steps]
+    assert launched == sorted(launched)
+    # every prompt token and every decode token is in exactly one step: 87 prompt tokens, 4 more tokens each
+    assert sum(tokens for _, _, tokens in steps) == 87 + 3 * 4
+    assert all(tokens <= 64 for _, _, tokens in steps)  # the batched-token budget
+    assert steps[-1][1:] == (steps[-1][2], steps[-1][2])  # the last steps decode: a token a row
+    assert any(tokens > rows for _, rows, tokens in steps)
+
+
+def test_the_summary_takes_each_steps_time_from_the_launches_after_it():
+    ms = 1_000_000
+    # (launched ns, rows, tokens): a prefill chunk, then decode steps of 16 and 3 rows, then an idle gap
+    steps = [(0, 1, 8192), (10 * ms, 16, 16), (110 * ms, 16, 16), (120 * ms, 16, 16), (130 * ms, 3, 3),
+             (136 * ms, 3, 3), (5000 * ms, 1, 1)]
+    text = step_trace_summary.summarize(steps, idle_s=1.0)
+    lines = text.splitlines()
+    assert lines[0] == "7 steps, 0.13 s busy"
+    # step 0 took 110 - 10 ms; steps 1-2 (16 rows) 10 ms each; step 3 6 ms; step 4's gap is idle
+    assert "prefill chunk:      1 steps     0.10 s" in lines[1]
+    assert "decode <= 16 rows:      3 steps     0.03 s" in text and "mean    8.67 ms" in text
+    assert "decode <= 4 rows" not in text
+    assert "carried 8192 tokens" in lines[-1]
