@@ -118,9 +118,10 @@ class LLMEngine:
         self._child_parent: dict[str, str] = {}
         self._grammar_compiler: GrammarCompiler | None = None  # built at the first structured-output request
         # in this process, or in the worker processes of -tp / -pp
+        self._trace: EngineTrace | None = None  # set after the warm-up: its steps are not served ones
         if "cuda" in (torch.device(self.runner.device).type, getattr(self.runner, "workers_device_type", None)):
             self.warm_up()
-        self._trace = EngineTrace.from_env()  # after the warm-up: its steps are not served ones
+        self._trace = EngineTrace.from_env()
 
     def warm_up(self) -> None:
         """A few real steps of each kind before serving, so that no first request compiles a kernel

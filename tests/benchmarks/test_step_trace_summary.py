@@ -6,19 +6,24 @@ import pytest
 from benchmarks import step_trace_summary
 from deltaserve import LLM, SamplingParams
 from deltaserve.worker import step_trace
+from deltaserve.worker.model_runner import ModelRunner
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_the_engine_writes_each_launched_steps_rows_and_tokens(ckpt_qwen3_5, tmp_path, monkeypatch):
     monkeypatch.setenv(step_trace.ENV_VAR, str(tmp_path))
+    # start-up's warm-up steps as on a GPU (the multi-rank branch, its per-worker message a no-op): not traced
+    monkeypatch.setattr(ModelRunner, "workers_device_type", "cuda", raising=False)
+    monkeypatch.setattr(ModelRunner, "after_warm_up", lambda runner, plan: None, raising=False)
     llm = LLM(str(ckpt_qwen3_5), max_num_seqs=4, max_num_batched_tokens=64, enable_prefix_caching=False)
     prompts = [list(range(1, 1 + n)) for n in (50, 30, 7)]
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     steps = step_trace.read_engine(tmp_path)
     launched = [at for at, _, _ in steps]
     assert launched == sorted(launched)
-    # every prompt token and every decode token is in exactly one step: 87 prompt tokens, 4 more tokens each
+    # every prompt token and every decode token is in exactly one step, and nothing else (no warm-up step): 87
+    # prompt tokens, 4 more tokens each
     assert sum(tokens for _, _, tokens in steps) == 87 + 3 * 4
     assert all(tokens <= 64 for _, _, tokens in steps)  # the batched-token budget
     assert steps[-1][1:] == (steps[-1][2], steps[-1][2])  # the last steps decode: a token a row
