@@ -8,9 +8,12 @@ cannot blur the figures, and every byte is returned when it exits, even after ru
 Asserted, each within TOLERANCE (2%):
 - the KV pool, the GDN state pool and the weights the plan counts = the bytes of the tensors allocated;
 - after startup: device memory in use (total - free from torch.cuda.mem_get_info: the CUDA context, cuBLAS
-  workspaces and CUDA graphs included) + the activation headroom the plan holds back = the budget (0.95 x
-  device memory). The headroom (the profile step's peak, estimated offline at 2.9 GiB, mostly top-p sampling
-  of 256 rows of a 248K vocabulary) is free between steps, so the memory in use alone sits ~2% below the budget;
+  workspaces and CUDA graphs included) within the budget (0.95 x device memory), and below it by no more than
+  the activation headroom the plan holds back (the profile step's peak, estimated offline at 2.9 GiB, mostly
+  top-p sampling of 256 rows of a 248K vocabulary), which is free between steps. Not an equality: the blocks
+  torch keeps reserved but free after startup cannot be told apart into activation memory already held and
+  blocks the plan counted in its measured runtime overhead (on an H100, 2026-12-06: 2.25 GiB reserved-free after
+  startup, yet the request's 1.44 GiB peak grew the reservation by 1.76 GiB);
 - after one request of max_model_len - 16 random prompt tokens and 16 greedy tokens: memory in use = the budget.
 Also asserted: the request finishes with 16 tokens and no out-of-memory error, and its activation peak
 stays within the profiled one. Every figure is printed and, when DELTASERVE_GPU_OUT is set, written to
@@ -111,25 +114,19 @@ def checks(figures: dict) -> list[dict]:
     """The comparisons the test asserts: planned vs measured bytes, and the difference allowed."""
     plan, allocated = figures["plan"], figures["allocated"]
     budget = plan["budget_bytes"]
+    # (what, planned, measured, scale of the tolerance, bytes it may also fall short by)
     rows = [
-        ("KV pool: planned vs allocated", plan["kv_pool_bytes"], allocated["kv_pool"], plan["kv_pool_bytes"]),
+        ("KV pool: planned vs allocated", plan["kv_pool_bytes"], allocated["kv_pool"], plan["kv_pool_bytes"], 0),
         ("GDN state pool: planned vs allocated", plan["state_pool_bytes"], allocated["state_pool"],
-         plan["state_pool_bytes"]),
-        ("weights: planned vs allocated", plan["weight_bytes"], allocated["weights"], plan["weight_bytes"]),
-        ("budget vs in use after startup + activation headroom", budget,
-         figures["after_startup"]["in_use"] + activation_still_to_reserve(figures), budget),
-        ("budget vs in use after the request", budget, figures["after_request"]["in_use"], budget),
+         plan["state_pool_bytes"], 0),
+        ("weights: planned vs allocated", plan["weight_bytes"], allocated["weights"], plan["weight_bytes"], 0),
+        ("budget vs in use after startup (short by at most the activation headroom)", budget,
+         figures["after_startup"]["in_use"], budget, plan["activation_bytes"]),
+        ("budget vs in use after the request", budget, figures["after_request"]["in_use"], budget, 0),
     ]
-    return [dict(what=what, planned=planned, measured=measured, allowed=int(TOLERANCE * scale),
-                 ok=abs(measured - planned) <= TOLERANCE * scale) for what, planned, measured, scale in rows]
-
-
-def activation_still_to_reserve(figures: dict) -> int:
-    """Bytes of the planned activation peak that the allocator does not hold yet after startup: startup's own
-    forward passes (the profile, cuDNN plans) leave blocks reserved but free, counted in in_use already."""
-    startup = figures["after_startup"]
-    cached_free = startup["torch_reserved"] - startup["torch_allocated"]
-    return max(0, figures["plan"]["activation_bytes"] - cached_free)
+    return [dict(what=what, planned=planned, measured=measured, below=int(TOLERANCE * scale) + short,
+                 above=int(TOLERANCE * scale), ok=-(TOLERANCE * scale + short) <= measured - planned <= TOLERANCE * scale)
+            for what, planned, measured, scale, short in rows]
 
 
 def size(value) -> str:
@@ -153,7 +150,7 @@ def report(figures: dict) -> str:
     for check in figures["checks"]:
         change = (check["measured"] - check["planned"]) / check["planned"]
         lines.append(f"  {check['what']}: {check['planned']:,} vs {check['measured']:,} ({change:+.2%}, allowed "
-                     f"+-{size(check['allowed'])}){'' if check['ok'] else '  FAILS'}")
+                     f"-{size(check['below'])} / +{size(check['above'])}){'' if check['ok'] else '  FAILS'}")
     in_use = figures["after_startup"]["in_use"] / plan["budget_bytes"]
     lines.append(f"  in use after startup alone: {in_use:.2%} of the budget")
     return "\n".join(lines)
