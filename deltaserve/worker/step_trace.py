@@ -36,6 +36,8 @@ class StepTrace:
 
 
 class EngineTrace:
+    """The engine's line per launched step (`engine.tsv`): index, launch time, rows, tokens."""
+
     def __init__(self, path: Path):
         self._file = path.open("a", buffering=1)
         self._index = 0
