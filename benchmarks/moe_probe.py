@@ -56,8 +56,13 @@ TILE_SWEEP = [configs.Tile(bn, bk, warps, stages)
               for bn, bk, (warps, stages) in itertools.product((16, 32, 64, 128), (64, 128, 256), ((4, 3), (4, 4), (8, 4)))
               if bn * bk <= 16384]
 QUANT_BLOCK_K = 128  # the FP8 scale block and the int4 group the quantized stacks are made with
-# the one-token GEMV kernels' tiles tried at bucket 1 (stages do not apply: no tl.dot, nothing pipelined)
-GEMV_SWEEP = [configs.Tile(bn, bk, warps, 1) for bn, bk, warps in itertools.product((4, 8, 16), (128, 256, 512), (2, 4, 8))]
+# the one-token GEMV kernels' tiles tried at bucket 1 (stages do not apply: no tl.dot, nothing pipelined). Their K
+# loop's loads are not pipelined, so a program has one K step's bytes in flight: K steps up to a whole 2,048-wide
+# row too (fewer rows a program there, or its [BLOCK_N, BLOCK_K] float32 accumulators spill; the sweep skips
+# tiles that fail to build)
+GEMV_SWEEP = [configs.Tile(bn, bk, warps, 1)
+              for bn, bk, warps in itertools.product((4, 8, 16), (128, 256, 512, 1024, 2048), (2, 4, 8))
+              if bn * bk <= 16384]
 GEMV_START = configs.Tile(8, 256, 4, 1)
 
 
