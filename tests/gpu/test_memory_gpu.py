@@ -12,8 +12,7 @@ Asserted, each within TOLERANCE (2%):
   the activation headroom the plan holds back (the profile step's peak, estimated offline at 2.9 GiB, mostly
   top-p sampling of 256 rows of a 248K vocabulary), which is free between steps. Not an equality: the blocks
   torch keeps reserved but free after startup cannot be told apart into activation memory already held and
-  blocks the plan counted in its measured runtime overhead (on an H100, 2026-12-06: 2.25 GiB reserved-free after
-  startup, yet the request's 1.44 GiB peak grew the reservation by 1.76 GiB);
+  blocks the plan counted in its measured runtime overhead (docs/memory.md, 'Measured on the H200');
 - after one request of max_model_len - 16 random prompt tokens and 16 greedy tokens: memory in use = the budget.
 Also asserted: the request finishes with 16 tokens and no out-of-memory error, and its activation peak
 stays within the profiled one. Every figure is printed and, when DELTASERVE_GPU_OUT is set, written to
