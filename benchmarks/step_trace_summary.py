@@ -21,7 +21,7 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 def summarize(steps: list[tuple[int, int, int]], idle_s: float) -> str:
     """steps: (launched ns, rows, tokens) in order."""
-    kinds: dict[str, list[float]] = {}
+    kinds: dict[str, list[tuple[float, int]]] = {}  # kind -> (seconds, rows) of each step
     tokens_in_prefill = 0
     for i in range(len(steps) - 2):
         gap = (steps[i + 2][0] - steps[i + 1][0]) / 1e9
@@ -34,13 +34,14 @@ def summarize(steps: list[tuple[int, int, int]], idle_s: float) -> str:
         else:
             bucket = next((b for b in ROW_BUCKETS if rows <= b), None)
             kind = f"decode <= {bucket} rows" if bucket else f"decode > {ROW_BUCKETS[-1]} rows"
-        kinds.setdefault(kind, []).append(gap)
-    total = sum(sum(gaps) for gaps in kinds.values())
+        kinds.setdefault(kind, []).append((gap, rows))
+    total = sum(gap for timed in kinds.values() for gap, _ in timed)
     lines = [f"{len(steps)} steps, {total:.2f} s busy"]
     for kind in sorted(kinds, key=lambda k: (k != "prefill chunk", len(k), k)):
-        gaps = kinds[kind]
-        lines.append(f"  {kind:>22}: {len(gaps):6d} steps {sum(gaps):8.2f} s ({100 * sum(gaps) / total:5.1f}%) "
-                     f"mean {1e3 * sum(gaps) / len(gaps):7.2f} ms")
+        seconds = sum(gap for gap, _ in kinds[kind])
+        count, rows = len(kinds[kind]), sum(rows for _, rows in kinds[kind])
+        lines.append(f"  {kind:>22}: {count:6d} steps {seconds:8.2f} s ({100 * seconds / total:5.1f}%) "
+                     f"mean {1e3 * seconds / count:7.2f} ms, {rows / count:6.1f} rows")
     if "prefill chunk" in kinds:
         lines.append(f"  prefill chunks carried {tokens_in_prefill} tokens (prompt and decode rows together)")
     return "\n".join(lines)

@@ -40,6 +40,7 @@ def test_the_summary_takes_each_steps_time_from_the_launches_after_it():
     assert lines[0] == "7 steps, 0.13 s busy"
     # step 0 took 110 - 10 ms; steps 1-2 (16 rows) 10 ms each; step 3 6 ms; step 4's gap is idle
     assert "prefill chunk:      1 steps     0.10 s" in lines[1]
-    assert "decode <= 16 rows:      3 steps     0.03 s" in text and "mean    8.67 ms" in text
+    assert "decode <= 16 rows:      3 steps     0.03 s" in text and "mean    8.67 ms,   16.0 rows" in text
+    assert "mean  100.00 ms,    1.0 rows" in lines[1]
     assert "decode <= 4 rows" not in text
     assert "carried 8192 tokens" in lines[-1]
