@@ -47,14 +47,20 @@ def summarize(steps: list[tuple[int, int, int]], idle_s: float) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("trace_dir", type=Path)
     parser.add_argument("--window", action="append", default=[], help="START_NS:END_NS")
     parser.add_argument("--idle-s", type=float, default=1.0)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    windows = []
+    for window in args.window:
+        start, _, end = window.partition(":")
+        if not (start.isdigit() and end.isdigit()):
+            parser.error(f"--window takes START_NS:END_NS (two integers), got {window!r}")
+        windows.append((int(start), int(end)))
     steps = read_engine(args.trace_dir)
-    windows = [tuple(int(x) for x in w.split(":")) for w in args.window] or [(0, 2**63)]
+    windows = windows or [(0, 2**63)]
     for start, end in windows:
         inside = [step for step in steps if start <= step[0] < end]
         print(f"window {start}:{end}" if args.window else "whole trace")

@@ -44,3 +44,12 @@ def test_the_summary_takes_each_steps_time_from_the_launches_after_it():
     assert "mean  100.00 ms,    1.0 rows" in lines[1]
     assert "decode <= 4 rows" not in text
     assert "carried 8192 tokens" in lines[-1]
+
+
+def test_a_malformed_window_is_refused_by_name(tmp_path, capsys):
+    (tmp_path / "engine.tsv").write_text("0\t5\t1\t1\n")
+    with pytest.raises(SystemExit):
+        step_trace_summary.main([str(tmp_path), "--window", "12:x"])
+    assert "--window takes START_NS:END_NS (two integers), got '12:x'" in capsys.readouterr().err
+    step_trace_summary.main([str(tmp_path), "--window", "0:10"])
+    assert "window 0:10\n1 steps" in capsys.readouterr().out
