@@ -15,7 +15,8 @@ counted from the calls' routing) over 4.8 TB/s (the H200's nominal HBM bandwidth
 the experts' intermediate size, a second line times the layer with the shared expert a slot of the fused kernels
 and the routing inside them (the router + shared gate GEMM, then cuda.fused_moe: SparseMoE's path up to
 moe.SHARED_SLOT_MAX_TOKENS tokens), and fused_moe alone. Each path's CUDA kernels per layer call are counted (torch.profiler, eager).
-`--sweep` then tunes the fused kernels' tiles per token bucket of --tokens, on the path SparseMoE takes at it
+`--sweep` then tunes the fused kernels' tiles per token bucket of --tokens (quantized formats: prompt-chunk buckets
+such as 512 and 8192 too), on the path SparseMoE takes at it
 (kernel A's over its candidates with kernel B's default, then kernel B's with A's best, then BLOCK_M; at one token
 the GEMV kernels' tiles alike, kept where they beat the tensor-core ones), starting no bucket after --budget-s
 seconds, and merges the winners into --out (copy to deltaserve/ops/moe/configs.json to ship them).
@@ -275,8 +276,9 @@ def sweep_bucket(block: SparseMoE, tokens: int, stacks: tuple | None = None
         t = timed(candidate)
         if t < best_time:
             best_time, best = t, candidate
-    for block_m in (16, 32, 64):
-        if block_m < best.block_m:
+    # decode: BLOCK_M below the default (an expert has at most `tokens` pairs); prompt chunks: around it
+    for block_m in (16, 32, 64) if tokens <= configs.FUSED_MAX_TOKENS else (32, 128):
+        if block_m < best.block_m or tokens > configs.FUSED_MAX_TOKENS:
             candidate = best._replace(block_m=block_m)
             t = timed(candidate)
             if t < best_time:
@@ -365,7 +367,8 @@ def sweep(args, block: SparseMoE, token_counts: list[int], stacks: tuple | None 
     bucket."""
     E, two_i, H = (stacks[0] if stacks else block.experts.gate_up_proj).shape
     start, table = time.monotonic(), {}
-    buckets = sorted({configs.row_bucket(t) for t in token_counts if t <= configs.FUSED_MAX_TOKENS})
+    # plain experts run the fused kernels on decode batches only; quantized ones on prompt chunks too
+    buckets = sorted({configs.row_bucket(t) for t in token_counts if t <= configs.FUSED_MAX_TOKENS or stacks})
     for bucket in buckets:
         if time.monotonic() - start > args.budget_s:
             print(f"budget of {args.budget_s:.0f} s spent: buckets from {bucket} not swept", flush=True)

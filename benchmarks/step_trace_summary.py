@@ -5,8 +5,10 @@ by kind of step. Decode steps (one token a row) are grouped by their rows; steps
 
 Under async scheduling step i is launched once step i - 2 is read back, so step i's device time is taken as the
 gap between the launches of steps i + 1 and i + 2. Gaps over --idle-s are the engine waiting for requests and are
-left out. Each --window (CLOCK_MONOTONIC nanoseconds, as `time.monotonic_ns()` prints them) is summed apart: the
-runs of one server start.
+left out. Where the trace has the read-backs (engine_collect.tsv), each kind also gets the mean time the host
+waited for its steps' samples: a step's time less that wait is host work the device did not hide (the device
+idled for it, or the step was bound by the host). Each --window (CLOCK_MONOTONIC nanoseconds, as
+`time.monotonic_ns()` prints them) is summed apart: the runs of one server start.
 """
 
 from __future__ import annotations
@@ -14,14 +16,16 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from deltaserve.worker.step_trace import read_engine
+from deltaserve.worker.step_trace import read_collects, read_engine
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
-def summarize(steps: list[tuple[int, int, int]], idle_s: float) -> str:
-    """steps: (launched ns, rows, tokens) in order."""
+def summarize(steps: list[tuple[int, int, int]], idle_s: float, waits: list[float | None] | None = None) -> str:
+    """steps: (launched ns, rows, tokens) in order; waits: each step's read-back wait in seconds (None: not read
+    back), or None for a trace without them."""
     kinds: dict[str, list[tuple[float, int]]] = {}  # kind -> (seconds, rows) of each step
+    kind_waits: dict[str, list[float]] = {}  # kind -> read-back waits of its timed steps
     tokens_in_prefill = 0
     for i in range(len(steps) - 2):
         gap = (steps[i + 2][0] - steps[i + 1][0]) / 1e9
@@ -35,13 +39,18 @@ def summarize(steps: list[tuple[int, int, int]], idle_s: float) -> str:
             bucket = next((b for b in ROW_BUCKETS if rows <= b), None)
             kind = f"decode <= {bucket} rows" if bucket else f"decode > {ROW_BUCKETS[-1]} rows"
         kinds.setdefault(kind, []).append((gap, rows))
+        if waits is not None and waits[i] is not None:
+            kind_waits.setdefault(kind, []).append(waits[i])
     total = sum(gap for timed in kinds.values() for gap, _ in timed)
     lines = [f"{len(steps)} steps, {total:.2f} s busy"]
     for kind in sorted(kinds, key=lambda k: (k != "prefill chunk", len(k), k)):
         seconds = sum(gap for gap, _ in kinds[kind])
         count, rows = len(kinds[kind]), sum(rows for _, rows in kinds[kind])
-        lines.append(f"  {kind:>22}: {count:6d} steps {seconds:8.2f} s ({100 * seconds / total:5.1f}%) "
-                     f"mean {1e3 * seconds / count:7.2f} ms, {rows / count:6.1f} rows")
+        line = (f"  {kind:>22}: {count:6d} steps {seconds:8.2f} s ({100 * seconds / total:5.1f}%) "
+                f"mean {1e3 * seconds / count:7.2f} ms, {rows / count:6.1f} rows")
+        if kind_waits.get(kind):
+            line += f", read-back waited {1e3 * sum(kind_waits[kind]) / len(kind_waits[kind]):7.2f} ms"
+        lines.append(line)
     if "prefill chunk" in kinds:
         lines.append(f"  prefill chunks carried {tokens_in_prefill} tokens (prompt and decode rows together)")
     return "\n".join(lines)
@@ -60,11 +69,14 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"--window takes START_NS:END_NS (two integers), got {window!r}")
         windows.append((int(start), int(end)))
     steps = read_engine(args.trace_dir)
+    collects = read_collects(args.trace_dir)
+    waits = [(collects[i][1] - collects[i][0]) / 1e9 if i in collects else None for i in range(len(steps))]
     windows = windows or [(0, 2**63)]
     for start, end in windows:
-        inside = [step for step in steps if start <= step[0] < end]
+        inside = [i for i, step in enumerate(steps) if start <= step[0] < end]
         print(f"window {start}:{end}" if args.window else "whole trace")
-        print(summarize(inside, args.idle_s))
+        print(summarize([steps[i] for i in inside], args.idle_s,
+                        [waits[i] for i in inside] if collects else None))
 
 
 if __name__ == "__main__":

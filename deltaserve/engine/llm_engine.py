@@ -286,7 +286,7 @@ class LLMEngine:
         constrained = any(row.grammar is not None and row.sample for row in scheduled.sequences)
         launched = self.runner.launch(scheduled, constrained)
         if self._trace is not None:
-            self._trace.launched(len(scheduled.sequences), scheduled.num_tokens)
+            self._trace.launched(launched, len(scheduled.sequences), scheduled.num_tokens)
         return scheduled, launched
 
     def _process_oldest(self, touched: dict[str, _Parent]) -> None:
@@ -342,7 +342,10 @@ class LLMEngine:
 
     def _process(self, scheduled: SchedulerOutput, launched: LaunchedStep, touched: dict[str, _Parent]) -> None:
         """Read back a launched step's samples and record them (parents that got tokens go into `touched`)."""
+        began = time.monotonic_ns()
         model_output = self.runner.collect(launched)
+        if self._trace is not None:
+            self._trace.collected(launched, began)
         updated = self.scheduler.update_from_output(scheduled, model_output)
         now = time.monotonic()
         for request in updated:

@@ -229,13 +229,19 @@ class SparseMoE(nn.Module):
         return self.experts(x, ids, weights, shared)
 
     @torch.no_grad()
-    def warm_up_fused(self) -> None:
-        """GPU start-up: a forward at every token bucket of the fused experts' tile table (each bucket's tiles
-        are a kernel variant; nothing else the kernels take varies with the batch), and one past the table (the
-        default tiles of larger batches, which quantized experts run fused too), so that no eager step compiles
-        one while serving."""
-        for rows in (*moe.ROW_BUCKETS, moe.FUSED_MAX_TOKENS + 1):
-            x = torch.zeros(rows, self.gate.in_features, dtype=self.gate.weight.dtype, device=self.gate.weight.device)
-            if not self.experts.fused_serves(x):
-                return
-            self(x)
+    def warm_up_fused(self, max_rows: int) -> None:
+        """GPU start-up: a forward at every token bucket of the fused experts' tile table up to max_rows (a step's
+        token budget; each bucket's tiles are a kernel variant, nothing else the kernels take varies with the
+        batch; quantized experts run prompt chunks fused too), so that no eager step compiles one while serving.
+        A prompt-chunk bucket runs at an odd size too: Triton compiles another variant where its integer arguments
+        (the rows, pairs and blocks) are not multiples of 16, and eager chunks come in every size."""
+        for bucket in moe.ALL_BUCKETS:
+            for rows in (bucket,) if bucket <= moe.FUSED_MAX_TOKENS else (bucket - 1, bucket):
+                rows = min(rows, max_rows)
+                x = torch.zeros(rows, self.gate.in_features, dtype=self.gate.weight.dtype,
+                                device=self.gate.weight.device)
+                if not self.experts.fused_serves(x):
+                    return
+                self(x)
+                if rows == max_rows:
+                    return

@@ -4,7 +4,10 @@
 - the engine appends one line per launched step to `engine.tsv`: the index, when it was launched, its rows and its
   tokens (a decode row is one token; more tokens than rows is a step with a prefill chunk). Under async scheduling a
   step is launched once the one before the previous is read back, so over many steps the gaps between launches are
-  the steps' device times (`benchmarks/step_trace_summary.py` sums them by kind).
+  the steps' device times (`benchmarks/step_trace_summary.py` sums them by kind);
+- and one line per step read back to `engine_collect.tsv`: the index, when the read-back began and when it returned.
+  The host blocked that long on the device: a step whose read-back waits is bound by the device, one whose
+  read-back returns at once by the host.
 Times are nanoseconds of CLOCK_MONOTONIC (one clock for every process of the machine)."""
 
 from __future__ import annotations
@@ -36,26 +39,45 @@ class StepTrace:
 
 
 class EngineTrace:
-    """The engine's line per launched step (`engine.tsv`): index, launch time, rows, tokens."""
+    """The engine's line per launched step (`engine.tsv`: index, launch time, rows, tokens) and per step read back
+    (`engine_collect.tsv`: index, read-back began, returned)."""
 
-    def __init__(self, path: Path):
-        self._file = path.open("a", buffering=1)
+    def __init__(self, folder: Path):
+        self._file = (folder / "engine.tsv").open("a", buffering=1)
+        self._collect_file = (folder / "engine_collect.tsv").open("a", buffering=1)
         self._index = 0
+        self._indices: dict[int, int] = {}  # id of a launched step not read back yet -> its index
 
     @classmethod
     def from_env(cls) -> EngineTrace | None:
         folder = os.environ.get(ENV_VAR)
-        return cls(Path(folder) / "engine.tsv") if folder else None
+        return cls(Path(folder)) if folder else None
 
-    def launched(self, rows: int, tokens: int) -> None:
+    def launched(self, step: object, rows: int, tokens: int) -> None:
+        self._indices[id(step)] = self._index
         self._file.write(f"{self._index}\t{time.monotonic_ns()}\t{rows}\t{tokens}\n")
         self._index += 1
 
+    def collected(self, step: object, began_ns: int) -> None:
+        """`step` (as passed to launched) was read back from began_ns until now."""
+        index = self._indices.pop(id(step), None)
+        if index is not None:
+            self._collect_file.write(f"{index}\t{began_ns}\t{time.monotonic_ns()}\n")
+
 
 def read_engine(folder: Path) -> list[tuple[int, int, int]]:
-    """The engine's (launched, rows, tokens) per step, in step order."""
+    """The engine's (launched, rows, tokens) per step, in step order (a step's index is its position)."""
     lines = (Path(folder) / "engine.tsv").read_text().splitlines()
     return [(int(at), int(rows), int(tokens)) for _, at, rows, tokens in (line.split("\t") for line in lines)]
+
+
+def read_collects(folder: Path) -> dict[int, tuple[int, int]]:
+    """The engine's step index -> (read-back began, returned) ns; empty for a trace without the file."""
+    path = Path(folder) / "engine_collect.tsv"
+    if not path.exists():
+        return {}
+    lines = path.read_text().splitlines()
+    return {int(index): (int(began), int(ended)) for index, began, ended in (line.split("\t") for line in lines)}
 
 
 def read(folder: Path, rank: int) -> list[tuple[int, int]]:

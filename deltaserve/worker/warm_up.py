@@ -41,7 +41,7 @@ def after_capture(model: HybridForCausalLM, device: torch.device, max_num_batche
     warm_up_skinny(model.projection_weights())
     moe_blocks = [module for module in model.modules() if isinstance(module, SparseMoE)]
     if moe_blocks:  # every MoE layer launches the same variants
-        moe_blocks[0].warm_up_fused()
+        moe_blocks[0].warm_up_fused(max_num_batched_tokens)
     if model.gdn_layers:  # every GDN layer launches the same variants
         model.gdn_layers[0].warm_up_output_norm(max_num_batched_tokens)
     attention = model.attention_layers[0]  # every attention layer launches the same variants

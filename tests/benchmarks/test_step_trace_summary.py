@@ -28,6 +28,10 @@ def test_the_engine_writes_each_launched_steps_rows_and_tokens(ckpt_qwen3_5, tmp
     assert all(tokens <= 64 for _, _, tokens in steps)  # the batched-token budget
     assert steps[-1][1:] == (steps[-1][2], steps[-1][2])  # the last steps decode: a token a row
     assert any(tokens > rows for _, rows, tokens in steps)
+    # every launched step is read back once, after its launch
+    collects = step_trace.read_collects(tmp_path)
+    assert sorted(collects) == list(range(len(steps)))
+    assert all(launched[i] <= began <= ended for i, (began, ended) in collects.items())
 
 
 def test_the_summary_takes_each_steps_time_from_the_launches_after_it():
@@ -44,6 +48,16 @@ def test_the_summary_takes_each_steps_time_from_the_launches_after_it():
     assert "mean  100.00 ms,    1.0 rows" in lines[1]
     assert "decode <= 4 rows" not in text
     assert "carried 8192 tokens" in lines[-1]
+    assert "read-back" not in text
+
+
+def test_the_summary_gives_each_kinds_mean_read_back_wait():
+    ms = 1_000_000
+    steps = [(0, 16, 16), (10 * ms, 16, 16), (20 * ms, 2, 2), (30 * ms, 2, 2), (40 * ms, 2, 2)]
+    # step 1 was never read back (None): the 16-row mean is step 0's alone
+    text = step_trace_summary.summarize(steps, idle_s=1.0, waits=[0.008, None, 0.001, 0.003, 0.0])
+    assert "decode <= 16 rows:      2 steps" in text and "read-back waited    8.00 ms" in text
+    assert "decode <= 2 rows:      1 steps" in text and "read-back waited    1.00 ms" in text
 
 
 def test_a_malformed_window_is_refused_by_name(tmp_path, capsys):

@@ -176,6 +176,7 @@ def test_tile_table_is_valid_and_checked(tmp_path, monkeypatch):
     for shape in ("256:8:2048:512", "256:8:3072:1024", "512:10:2048:512"):  # 35B-A3B, 122B-A10B, Qwen3-Next
         assert all(f"{shape}:{bucket}" in shipped for bucket in configs.ROW_BUCKETS), shape
     assert configs.tiles_for(7, 3, 40, 24, 5) == configs.default_tiles(5)
+    assert [configs.row_bucket(r) for r in (64, 65, 512, 513, 8192, 20000)] == [64, 128, 512, 2048, 8192, 8192]
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"7:3:40:24:3": configs.tiles_entry(SMALL)}))  # 3 is not a bucket
     monkeypatch.setenv(configs.ENV_VAR, str(bad))
@@ -312,8 +313,15 @@ def test_warm_up_runs_every_bucket_where_the_fused_path_serves(monkeypatch):
     block = sparse_moe(20, True, seed=11)
     rows = []
     monkeypatch.setattr(moe, "experts", lambda x, *args: rows.append(x.shape[0]) or torch.zeros_like(x))
-    block.warm_up_fused()
+    block.warm_up_fused(8192)
     assert rows == []  # the CPU: the fused path does not serve, nothing runs
     monkeypatch.setattr(moe, "fused_serves", lambda x, gate_up, down: True)
-    block.warm_up_fused()
-    assert rows == [*configs.ROW_BUCKETS, configs.FUSED_MAX_TOKENS + 1]  # and the default tiles past the table
+    block.warm_up_fused(16384)  # the last bucket's tiles serve every larger chunk
+    assert rows == [*configs.ROW_BUCKETS, 127, 128, 511, 512, 2047, 2048, 8191, 8192]  # chunks at an odd size too
+    rows.clear()
+    block.warm_up_fused(1000)  # up to the step's token budget: bucket 2048's tiles at its largest chunk
+    assert rows == [*configs.ROW_BUCKETS, 127, 128, 511, 512, 1000]
+    rows.clear()
+    monkeypatch.setattr(moe, "fused_serves", lambda x, gate_up, down: x.shape[0] <= configs.FUSED_MAX_TOKENS)
+    block.warm_up_fused(8192)  # plain experts: the decode buckets only
+    assert rows == list(configs.ROW_BUCKETS)

@@ -26,11 +26,11 @@ up to SHARED_SLOT_MAX_TOKENS tokens: above one token it measured slower than the
 import torch
 
 from deltaserve.ops.moe import quantized, reference
-from deltaserve.ops.moe.configs import FUSED_MAX_TOKENS, ROW_BUCKETS, tiles_for
+from deltaserve.ops.moe.configs import ALL_BUCKETS, FUSED_MAX_TOKENS, ROW_BUCKETS, tiles_for
 from deltaserve.ops.moe.quantized import QUANTIZED_EXPERTS
 from deltaserve.ops.moe.reference import grouped_experts
 
-__all__ = ["FUSED_MAX_TOKENS", "ROW_BUCKETS", "experts", "fused_serves", "grouped_experts", "route", "sparse_block",
+__all__ = ["ALL_BUCKETS", "FUSED_MAX_TOKENS", "ROW_BUCKETS", "experts", "fused_serves", "grouped_experts", "route", "sparse_block",
            "SHARED_SLOT_MAX_TOKENS", "shared_slot_serves"]
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16)

@@ -2,8 +2,8 @@
 benchmarks.moe_probe`) and the default for shapes and buckets it does not name.
 
 Keys are "E:k:H:I:rows": experts, top-k, hidden size, (this rank's) expert intermediate size, and the bucket of the
-batch's token count (ROW_BUCKETS); quantized experts' keys lead with their format ("fp8:E:k:H:I:rows", "int4:...",
-"nvfp4:...").
+batch's token count (ROW_BUCKETS, decode; PREFILL_BUCKETS, the prompt chunks that quantized experts also run on these
+kernels); quantized experts' keys lead with their format ("fp8:E:k:H:I:rows", "int4:...", "nvfp4:...").
 Values are dicts:
   {"block_m": pairs of one expert a program takes (a power of two >= 16),
    "gate_up": [BLOCK_N, BLOCK_K, warps, stages],   kernel A over an expert's [2I, H] gate/up rows
@@ -27,10 +27,12 @@ from deltaserve.ops.tuned_table import read_tuned_table
 
 CONFIGS_FILE = Path(__file__).with_name("configs.json")
 ENV_VAR = "DELTASERVE_MOE_CONFIGS"
-# Token-count buckets of the table; the fused path serves batches up to the last one (decode), larger ones run the
-# grouped matmul.
+# Token-count buckets of the table; plain experts run the fused path up to the last one (decode), larger batches on
+# the grouped matmul. Quantized experts run it at every size: PREFILL_BUCKETS too, the last one taking any larger.
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 FUSED_MAX_TOKENS = ROW_BUCKETS[-1]
+PREFILL_BUCKETS = (128, 512, 2048, 8192)
+ALL_BUCKETS = ROW_BUCKETS + PREFILL_BUCKETS
 
 
 class Tile(NamedTuple):
@@ -50,8 +52,8 @@ class MoeTiles(NamedTuple):
 
 
 def row_bucket(rows: int) -> int:
-    """The table's bucket of a batch of 1 <= rows <= FUSED_MAX_TOKENS tokens."""
-    return next(bucket for bucket in ROW_BUCKETS if rows <= bucket)
+    """The table's bucket of a batch of rows >= 1 tokens (the last bucket takes every larger batch)."""
+    return next((bucket for bucket in ALL_BUCKETS if rows <= bucket), ALL_BUCKETS[-1])
 
 
 WEIGHT_FORMATS = ("bf16", "fp8", "int4", "nvfp4")  # bf16: plain 16-bit weights, keys without a prefix
@@ -67,9 +69,9 @@ def check_entry(where: str, key: str, entry) -> None:
     parts = key.split(":")
     if parts and parts[0] in WEIGHT_FORMATS[1:]:
         parts = parts[1:]
-    if len(parts) != 5 or not all(p.isdigit() for p in parts) or int(parts[4]) not in ROW_BUCKETS:
+    if len(parts) != 5 or not all(p.isdigit() for p in parts) or int(parts[4]) not in ALL_BUCKETS:
         raise ValueError(f"{where}: key {key!r} is not \"[fp8:|int4:|nvfp4:]E:k:H:I:rows\" with rows one of "
-                         f"{ROW_BUCKETS}")
+                         f"{ALL_BUCKETS}")
     block_m = entry.get("block_m") if isinstance(entry, dict) else None
     if not (isinstance(block_m, int) and block_m >= 16 and block_m & (block_m - 1) == 0):
         raise ValueError(f"{where}: entry {key!r}: block_m must be a power of two >= 16, got {block_m!r}")
@@ -98,8 +100,8 @@ def default_tiles(rows: int) -> MoeTiles:
     most once, so at most `rows`), so each selected expert's weights are read by one row of programs. At one
     token of 35B-A3B: kernel A 8 experts x I / 32 = 128 programs, each two [32, H] tiles (gate and up), kernel B
     8 x H / 64 = 256 programs.
-    Above FUSED_MAX_TOKENS (a direct call; the dispatch sends such batches to the grouped matmul) BLOCK_M stays 64 and
-    a popular expert takes several blocks."""
+    Above FUSED_MAX_TOKENS (quantized experts' prompt chunks; plain experts take the grouped matmul there) BLOCK_M
+    stays 64 and a popular expert takes several blocks."""
     block_m = min(64, max(16, 1 << (max(rows, 1) - 1).bit_length()))
     return MoeTiles(block_m, Tile(32, 128, 4, 4), Tile(64, 128, 4, 4))
 
@@ -107,8 +109,6 @@ def default_tiles(rows: int) -> MoeTiles:
 def tiles_for(num_experts: int, top_k: int, hidden: int, intermediate: int, rows: int,
               fmt: str = "bf16") -> MoeTiles:
     """The tuned tiles of this shape and weight format (WEIGHT_FORMATS) at `rows` tokens, else the default."""
-    if rows > FUSED_MAX_TOKENS:
-        return default_tiles(rows)
     entry = tuned_table().get(table_key(num_experts, top_k, hidden, intermediate, rows, fmt))
     if entry is None:
         return default_tiles(rows)

@@ -76,6 +76,7 @@ from deltaserve.ops.quant_gemm.cuda_gemv import NVFP4 as CUDA_GEMV_NVFP4
 from deltaserve.ops.quant_gemm.cuda_weight_only import _CODES
 
 ALIGN_CHUNK = 32  # pairs (and blocks) the align kernel compares at once: [ALIGN_CHUNK, BLOCK_E] one-hot tiles
+ALIGN_WARPS = 4  # the align kernel's one program
 COMBINE_BLOCK = 1024
 FIXED_ONE = tl.constexpr(2.0**52)  # the routing softmax sums exp(x - max) <= 1 in this fixed point: exactly, in any order
 
@@ -643,11 +644,13 @@ def _route_rows_per_step(num_experts: int) -> int:
 
 
 def align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
-          routing: tuple[torch.Tensor, torch.Tensor, bool] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          routing: tuple[torch.Tensor, torch.Tensor, bool] | None = None, chunk: int = ALIGN_CHUNK,
+          num_warps: int = ALIGN_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
     """topk_ids [T, k] -> (sorted_pairs [T*k] int32: the pairs t*k + j sorted by (expert, pair); block_table
     [3, num_blocks] int32: per block its expert, its first position in sorted_pairs and its rows, 0 past the last
     block). One launch of _align_kernel, no host sync. routing: (logits [T, E], topk_weights [T, k] float32,
-    renormalize): the same launch first routes the tokens into topk_ids (int32) and topk_weights."""
+    renormalize): the same launch first routes the tokens into topk_ids (int32) and topk_weights. chunk (a power
+    of two) and num_warps: the kernel's shape (benchmarks/align_probe.py times them)."""
     T, top_k = topk_ids.shape
     pairs, blocks = T * top_k, num_blocks(num_experts, T, top_k, block_m)
     sorted_pairs = torch.empty(pairs, dtype=torch.int32, device=topk_ids.device)
@@ -658,7 +661,7 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
                         topk_weights, T, num_experts, logits.stride(0), ROUTE=routing is not None,
                         RENORMALIZE=renormalize, ROUTE_ROWS=_route_rows_per_step(num_experts), TOP_K=top_k,
                         BLOCK_TOP_K=triton.next_power_of_2(top_k), BLOCK_M=block_m,
-                        BLOCK_E=triton.next_power_of_2(num_experts), CHUNK=ALIGN_CHUNK,
+                        BLOCK_E=triton.next_power_of_2(num_experts), CHUNK=chunk, num_warps=num_warps,
                         **pdl.launch_args(topk_ids.device))
     return sorted_pairs, block_table
 

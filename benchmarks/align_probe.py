@@ -1,0 +1,66 @@
+"""The fused MoE path's grouping launch (ops/moe/cuda.align) by its shape: pairs compared at once (CHUNK) and warps.
+
+    python -m benchmarks.align_probe [CONFIG_DIR] [--tokens 2,4,8,16,32,64] [--chunks 16,32,64,128]
+        [--warps 1,2,4,8,16]
+
+For the MoE shape of the model in CONFIG_DIR (default Qwen3.5-35B-A3B), at each token count: the align kernel
+grouping given ids ("ids", as fused_experts after the routing kernel) and routing them first from the router's
+logits ("routed", as SparseMoE's decode path), each CHUNK x warps, inside CUDA graphs (benchmarks/timing.py); the
+routing kernel alone beside them. The kernel is one program, so at 16 tokens (128 pairs) its ~10 us a layer is
+~0.4 ms of a 35B-A3B decode step (docs/performance.md): this finds the shape that takes least.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import torch
+
+from benchmarks.timing import graph_time_us
+from deltaserve.config import ModelConfig
+from deltaserve.model_configs import CONFIGS_DIR
+from deltaserve.ops.moe import configs
+from deltaserve.ops.moe import cuda as moe_cuda
+
+CALLS = 16  # calls per graph, each on its own logits
+
+
+def time_token_count(num_experts: int, top_k: int, hidden: int, intermediate: int, tokens: int,
+                     chunks: list[int], warps: list[int]) -> list[str]:
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    logits = [torch.randn(tokens, num_experts, device="cuda", generator=gen) for _ in range(CALLS)]
+    routed = [moe_cuda.route(x, top_k, True) for x in logits]
+    block_m = configs.tiles_for(num_experts, top_k, hidden, intermediate, tokens).block_m
+    route_us = graph_time_us([functools.partial(moe_cuda.route, x, top_k, True) for x in logits])
+    lines = [f"tokens {tokens} ({tokens * top_k} pairs, BLOCK_M {block_m}): routing kernel {route_us:.1f} us"]
+    for chunk in chunks:
+        for num_warps in warps:
+            ids_us = graph_time_us([functools.partial(moe_cuda.align, ids, num_experts, block_m, chunk=chunk,
+                                                      num_warps=num_warps) for ids, _ in routed])
+            routed_us = graph_time_us([functools.partial(moe_cuda.align, ids, num_experts, block_m,
+                                                         (x, weights, True), chunk=chunk, num_warps=num_warps)
+                                       for x, (ids, weights) in zip(logits, routed)])
+            lines.append(f"  chunk {chunk:4d} warps {num_warps:2d}: ids {ids_us:6.1f} us, routed {routed_us:6.1f} us")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", nargs="?", default=str(CONFIGS_DIR / "qwen3.5-35b-a3b"))
+    parser.add_argument("--tokens", default="2,4,8,16,32,64")
+    parser.add_argument("--chunks", default="16,32,64,128")
+    parser.add_argument("--warps", default="1,2,4,8,16")
+    args = parser.parse_args(argv)
+    cfg = ModelConfig.from_pretrained(args.model)
+    chunks = [int(c) for c in args.chunks.split(",")]
+    warps = [int(w) for w in args.warps.split(",")]
+    print(f"{torch.cuda.get_device_name()}; E {cfg.num_experts}, k {cfg.num_experts_per_tok}")
+    for tokens in (int(t) for t in args.tokens.split(",")):
+        print("\n".join(time_token_count(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size,
+                                         cfg.moe_intermediate_size, tokens, chunks, warps)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
