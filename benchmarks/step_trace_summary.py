@@ -4,10 +4,12 @@ by kind of step. Decode steps (one token a row) are grouped by their rows; steps
     python -m benchmarks.step_trace_summary TRACE_DIR [--window START_NS:END_NS ...]
 
 Under async scheduling step i is launched once step i - 2 is read back, so step i's device time is taken as the
-gap between the launches of steps i + 1 and i + 2. Gaps over --idle-s are the engine waiting for requests and are
-left out. Where the trace has the read-backs (engine_collect.tsv), each kind also gets the mean time the host
-waited for its steps' samples: a step's time less that wait is host work the device did not hide (the device
-idled for it, or the step was bound by the host). Each --window (CLOCK_MONOTONIC nanoseconds, as
+gap between the launches of steps i + 1 and i + 2. Where the trace has the read-backs (engine_collect.tsv), a step's
+time is instead the gap between its read-back's return and the previous step's: the device runs the steps in order,
+so that is its time on the device (and any idle time before it), whether or not a launch blocked the host (a sync
+inside a prompt chunk's launch shifts the launches, not the read-backs). Each kind then also gets the mean time the
+host waited in its read-backs: a step's time less that is host work the device did not hide. Gaps over --idle-s are
+the engine waiting for requests and are left out. Each --window (CLOCK_MONOTONIC nanoseconds, as
 `time.monotonic_ns()` prints them) is summed apart: the runs of one server start.
 """
 
@@ -21,14 +23,22 @@ from deltaserve.worker.step_trace import read_collects, read_engine
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
-def summarize(steps: list[tuple[int, int, int]], idle_s: float, waits: list[float | None] | None = None) -> str:
-    """steps: (launched ns, rows, tokens) in order; waits: each step's read-back wait in seconds (None: not read
-    back), or None for a trace without them."""
+def summarize(steps: list[tuple[int, int, int]], idle_s: float,
+              collects: list[tuple[int, int] | None] | None = None) -> str:
+    """steps: (launched ns, rows, tokens) in order; collects: each step's read-back (began ns, returned ns), None
+    where it was not read back, or None for a trace without them."""
     kinds: dict[str, list[tuple[float, int]]] = {}  # kind -> (seconds, rows) of each step
     kind_waits: dict[str, list[float]] = {}  # kind -> read-back waits of its timed steps
     tokens_in_prefill = 0
-    for i in range(len(steps) - 2):
-        gap = (steps[i + 2][0] - steps[i + 1][0]) / 1e9
+    for i in range(len(steps)):
+        if collects is not None:
+            if i == 0 or collects[i] is None or collects[i - 1] is None:
+                continue
+            gap = (collects[i][1] - collects[i - 1][1]) / 1e9
+        elif i + 2 < len(steps):
+            gap = (steps[i + 2][0] - steps[i + 1][0]) / 1e9
+        else:
+            continue
         if gap > idle_s:
             continue
         _, rows, tokens = steps[i]
@@ -39,8 +49,8 @@ def summarize(steps: list[tuple[int, int, int]], idle_s: float, waits: list[floa
             bucket = next((b for b in ROW_BUCKETS if rows <= b), None)
             kind = f"decode <= {bucket} rows" if bucket else f"decode > {ROW_BUCKETS[-1]} rows"
         kinds.setdefault(kind, []).append((gap, rows))
-        if waits is not None and waits[i] is not None:
-            kind_waits.setdefault(kind, []).append(waits[i])
+        if collects is not None:
+            kind_waits.setdefault(kind, []).append((collects[i][1] - collects[i][0]) / 1e9)
     total = sum(gap for timed in kinds.values() for gap, _ in timed)
     lines = [f"{len(steps)} steps, {total:.2f} s busy"]
     for kind in sorted(kinds, key=lambda k: (k != "prefill chunk", len(k), k)):
@@ -70,13 +80,12 @@ def main(argv: list[str] | None = None) -> None:
         windows.append((int(start), int(end)))
     steps = read_engine(args.trace_dir)
     collects = read_collects(args.trace_dir)
-    waits = [(collects[i][1] - collects[i][0]) / 1e9 if i in collects else None for i in range(len(steps))]
     windows = windows or [(0, 2**63)]
     for start, end in windows:
         inside = [i for i, step in enumerate(steps) if start <= step[0] < end]
         print(f"window {start}:{end}" if args.window else "whole trace")
         print(summarize([steps[i] for i in inside], args.idle_s,
-                        [waits[i] for i in inside] if collects else None))
+                        [collects.get(i) for i in inside] if collects else None))
 
 
 if __name__ == "__main__":

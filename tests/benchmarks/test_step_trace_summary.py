@@ -51,13 +51,20 @@ def test_the_summary_takes_each_steps_time_from_the_launches_after_it():
     assert "read-back" not in text
 
 
-def test_the_summary_gives_each_kinds_mean_read_back_wait():
+def test_with_read_backs_a_steps_time_runs_from_the_previous_read_back():
     ms = 1_000_000
-    steps = [(0, 16, 16), (10 * ms, 16, 16), (20 * ms, 2, 2), (30 * ms, 2, 2), (40 * ms, 2, 2)]
-    # step 1 was never read back (None): the 16-row mean is step 0's alone
-    text = step_trace_summary.summarize(steps, idle_s=1.0, waits=[0.008, None, 0.001, 0.003, 0.0])
-    assert "decode <= 16 rows:      2 steps" in text and "read-back waited    8.00 ms" in text
-    assert "decode <= 2 rows:      1 steps" in text and "read-back waited    1.00 ms" in text
+    # a prefill chunk whose launch blocked the host (steps 2-3 launched late), then decode steps of 16 and 2 rows
+    steps = [(0, 16, 16), (1 * ms, 1, 8192), (95 * ms, 16, 16), (96 * ms, 16, 16), (106 * ms, 2, 2),
+             (110 * ms, 2, 2)]
+    collects = [(2 * ms, 10 * ms), (11 * ms, 100 * ms), (100 * ms, 110 * ms), None, (115 * ms, 120 * ms),
+                (120 * ms, 125 * ms)]
+    text = step_trace_summary.summarize(steps, idle_s=1.0, collects=collects)
+    # step 0 has no read-back before it; step 3 was not read back, so neither it nor step 4 (no previous) is timed
+    assert text.splitlines()[0] == "6 steps, 0.10 s busy"
+    assert "prefill chunk:      1 steps     0.09 s" in text and "mean   90.00 ms" in text  # 100 - 10 ms
+    assert "read-back waited   89.00 ms" in text
+    assert "decode <= 16 rows:      1 steps" in text and "mean   10.00 ms" in text
+    assert "decode <= 2 rows:      1 steps" in text and "mean    5.00 ms,    2.0 rows, read-back waited    5.00" in text
 
 
 def test_a_malformed_window_is_refused_by_name(tmp_path, capsys):
