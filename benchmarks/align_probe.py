@@ -4,10 +4,10 @@
         [--warps 1,2,4,8,16]
 
 For the MoE shape of the model in CONFIG_DIR (default Qwen3.5-35B-A3B), at each token count: the align kernel
-grouping given ids ("ids", as fused_experts after the routing kernel) and routing them first from the router's
-logits ("routed", as SparseMoE's decode path), each CHUNK x warps, inside CUDA graphs (benchmarks/timing.py); the
-routing kernel alone beside them. The kernel is one program, so at 16 tokens (128 pairs) its ~10 us a layer is
-~0.4 ms of a 35B-A3B decode step (docs/performance.md): this finds the shape that takes least.
+grouping given ids ("ids", as fused_experts after the routing kernel) and with the routing kernel before it from
+the router's logits ("routed", as fused_moe), each CHUNK x warps, inside CUDA graphs (benchmarks/timing.py); the
+routing kernel alone beside them. When the kernel was one program it took 20-22 us at 16 tokens and 51-64 us at 64
+on an H100, ~0.8 and ~2.5 ms of a 35B-A3B decode step (docs/performance.md): this times it and finds its shape.
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ the experts' intermediate size, a second line times the layer with the shared ex
 and the routing inside them (the router + shared gate GEMM, then cuda.fused_moe: SparseMoE's path up to
 moe.SHARED_SLOT_MAX_TOKENS tokens), and fused_moe alone. Each path's CUDA kernels per layer call are counted (torch.profiler, eager).
 `--sweep` then tunes the fused kernels' tiles per token bucket of --tokens (quantized formats: prompt-chunk buckets
-such as 512 and 8192 too), on the path SparseMoE takes at it
+such as 512 and 8192 too, where the dequantized experts' grouped matmul is timed beside the tiles and marked
+"grouped" where it wins), on the path SparseMoE takes at it
 (kernel A's over its candidates with kernel B's default, then kernel B's with A's best, then BLOCK_M; at one token
 the GEMV kernels' tiles alike, kept where they beat the tensor-core ones), starting no bucket after --budget-s
 seconds, and merges the winners into --out (copy to deltaserve/ops/moe/configs.json to ship them).
@@ -40,7 +41,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.gemv_probe import write_table
 from benchmarks.quant_gemm_probe import make_weight
-from benchmarks.timing import graph_time_us
+from benchmarks.timing import eager_time_us, graph_time_us
 from deltaserve.config import ModelConfig
 from deltaserve.layers.mlp import SparseMoE
 from deltaserve.model_configs import CONFIGS_DIR
@@ -48,7 +49,7 @@ from deltaserve.ops import moe
 from deltaserve.ops.linear import linear
 from deltaserve.ops.moe import configs, reference
 from deltaserve.ops.moe import cuda as moe_cuda
-from deltaserve.ops.moe import quantized
+from deltaserve.ops.moe import dequantized, quantized
 
 HBM_BYTES_PER_S = 4.8e12  # H200 nominal
 CALLS = 16  # calls per graph, each on its own inputs
@@ -228,6 +229,9 @@ def time_quantized(block: SparseMoE, stacks: tuple, tokens: int, kernels: bool =
             calls = [functools.partial(moe_cuda.fused_experts, x, ids, w, gate_up, down, tiles)
                      for x, (ids, w) in zip(xs, routed)]
             result[name] = graph_time_us(calls)
+        if configs.row_bucket(tokens) in configs.GROUPED_BUCKETS:  # the dequantized groups' grouped matmul, eagerly
+            result["grouped"] = eager_time_us([functools.partial(dequantized.grouped_experts, x, ids, w, gate_up, down)
+                                               for x, (ids, w) in zip(xs, routed)])
         if kernels:
             print_kernel_times(f"T={tokens}, table's tiles", calls)
     return result
@@ -283,6 +287,12 @@ def sweep_bucket(block: SparseMoE, tokens: int, stacks: tuple | None = None
             t = timed(candidate)
             if t < best_time:
                 best_time, best = t, candidate
+    if stacks is not None and configs.row_bucket(tokens) in configs.GROUPED_BUCKETS:  # or the dequantized groups
+        grouped_time = eager_time_us([functools.partial(dequantized.grouped_experts, x, ids, w, gate_up, down)
+                                      for x, (ids, w) in zip(xs, routed)])
+        print(f"    dequantized groups' grouped matmul {grouped_time:.1f} us, tiles {best_time:.1f} us", flush=True)
+        if grouped_time < best_time:
+            best_time, best = grouped_time, best._replace(grouped=True)
     if tokens == 1:  # the GEMV kernels: kernel A's tiles with B's start, then B's with A's best
         rows = configs.MoeTiles(16, GEMV_START, GEMV_START, gemv=True)
         rows_time = timed(rows)
@@ -357,8 +367,9 @@ def quantized_main(args, block: SparseMoE, token_counts: list[int]) -> int:
           f"{HBM_BYTES_PER_S / 1e12:.1f} TB/s", flush=True)
     for tokens in token_counts:
         r = time_quantized(block, stacks, tokens, args.kernels)
-        print(f"T={tokens:>3}: fused experts, default tiles {r['default']:6.1f} us, table's {r['table']:6.1f} us | "
-              f"limit {r['limit']:6.1f} us (table's at {r['limit'] / r['table']:.0%})", flush=True)
+        grouped = f", dequantized groups' grouped matmul {r['grouped']:6.1f} us" if "grouped" in r else ""
+        print(f"T={tokens:>3}: fused experts, default tiles {r['default']:6.1f} us, table's {r['table']:6.1f} us{grouped}"
+              f" | limit {r['limit']:6.1f} us (table's at {r['limit'] / r['table']:.0%})", flush=True)
     return sweep(args, block, token_counts, stacks) if args.sweep else 0
 
 

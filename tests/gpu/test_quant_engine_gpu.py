@@ -73,6 +73,37 @@ def test_quantized_gpu_model_matches_cpu_reference(family, options, arch, source
     assert agreement >= 0.9 and rel <= 0.05
 
 
+# GPTQ's tiny checkpoint has act order, which the stacks do not take (its experts run the dequantized reference)
+@pytest.mark.parametrize("family, options", [f for f in FAMILIES if f[0] != "gptq"], ids=family_id)
+def test_prompt_chunks_on_dequantized_expert_groups_match_cpu_reference(family, options, sources, tmp_path,
+                                                                        monkeypatch, capsys):
+    """The MoE checkpoint with every prompt chunk's experts on the dequantized groups' grouped matmul (ops/moe/
+    dequantized.py, which the tile table gives only to chunks above 2,048 tokens: forced here for the 100- and
+    137-token chunks, and one expert a group), against the CPU reference by the parity criteria above."""
+    from deltaserve.ops import moe
+    from deltaserve.ops.moe import dequantized
+    from tests.model.quant_checkpoints import quantize_checkpoint
+
+    shipped = moe.tiles_for
+    monkeypatch.setattr(moe, "tiles_for", lambda *shape: shipped(*shape)._replace(grouped=shape[4] > 64))
+    monkeypatch.setattr(dequantized, "SCRATCH_BYTES", 1)
+    calls = []
+    grouped = dequantized.grouped_experts
+    monkeypatch.setattr(dequantized, "grouped_experts", lambda *args: calls.append(1) or grouped(*args))
+    path = quantize_checkpoint(sources["qwen3_5_moe"], tmp_path, family, **options).path
+    ids = prompt(300, 1)
+    chunks = [1, 100, 137, 40]
+    ref = chunked_logits(path, torch.float32, "cpu", ids, chunks)
+    bf16 = chunked_logits(path, torch.bfloat16, "cuda", ids, chunks)
+    assert calls  # the chunks took the groups
+    agreement = (ref.argmax(-1) == bf16.argmax(-1)).float().mean().item()
+    rel = ((ref - bf16).abs().mean() / ref.abs().mean()).item()
+    with capsys.disabled():
+        print(f"\n[quant gpu parity, dequantized groups] {family} {options}: bf16 top-1 agreement {agreement:.4f}, "
+              f"mean|diff|/mean|logit| {rel:.4f}")
+    assert agreement >= 0.9 and rel <= 0.05
+
+
 @pytest.mark.parametrize("family, options", FAMILIES, ids=family_id)
 def test_quantized_cuda_graphs_equal_eager_token_for_token(family, options, sources, tmp_path):
     from deltaserve import LLM, SamplingParams

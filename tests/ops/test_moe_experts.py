@@ -120,15 +120,20 @@ def test_combine_rejects_a_strided_output_or_short_pair_rows():
 
 
 @pytest.mark.parametrize("block_m", [16, 32])
-@pytest.mark.parametrize("tokens,experts,top_k", [(1, 7, 1), (33, 11, 8), (20, 5, 5)])
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 7, 1), (33, 11, 8), (20, 5, 5), (40, 64, 8)])
 def test_align_groups_pairs_by_expert(tokens, experts, top_k, block_m):
     """sorted_pairs is the permutation sorted by (expert, pair); the blocks cover each expert's pairs in order,
-    <= BLOCK_M each, and the rest of the table has 0 rows."""
+    <= BLOCK_M each, and the rest of the table has 0 rows. (33, 11, 8): 9 programs of pairs; (40, 64, 8): several
+    programs of blocks too (84 at BLOCK_M 16)."""
     gen = torch.Generator().manual_seed(tokens + experts)
     ids, _ = random_routing(tokens, experts, top_k, gen)
     flat = ids.reshape(-1)
     pairs = flat.numel()
     sorted_pairs, table = moe_cuda.align(ids, experts, block_m)
+    # the kernel's shape (align_probe's sweep) changes nothing
+    for chunk, warps in ((16, 2), (64, 8)):
+        other = moe_cuda.align(ids, experts, block_m, chunk=chunk, num_warps=warps)
+        assert torch.equal(other[0], sorted_pairs) and torch.equal(other[1], table)
     assert table.shape == (3, moe_cuda.num_blocks(experts, tokens, top_k, block_m))
     want = sorted(range(pairs), key=lambda p: (int(flat[p]), p))
     assert sorted_pairs.tolist() == want
@@ -196,14 +201,25 @@ def test_tile_table_is_valid_and_checked(tmp_path, monkeypatch):
                                     ("fp8:7:3:40:24:1", {**fp8_rows, "down": [48, 128, 4, 1]}, "powers of two"),
                                     ("fp8:7:3:40:24:1", {**fp8_rows, "down": [256, 128, 4, 1]}, "divide the 128-row"),
                                     ("fp8:7:3:40:24:1", {**fp8_rows, "down": [8, 64, 4, 1]}, "whole 128-column"),
-                                    ("7:3:40:24:1", {**rows, "gemv": 0}, "BLOCK_N >= 16")):  # tl.dot's least side
+                                    ("7:3:40:24:1", {**rows, "gemv": 0}, "BLOCK_N >= 16"),  # tl.dot's least side
+                                    # the dequantized groups: a quantized format's prompt chunks only
+                                    ("7:3:40:24:512", {**configs.tiles_entry(SMALL), "grouped": 1}, "grouped must"),
+                                    ("int4:7:3:40:24:64", {**configs.tiles_entry(SMALL), "grouped": 1}, "grouped must"),
+                                    ("int4:7:3:40:24:512", {**configs.tiles_entry(SMALL), "grouped": 1}, "grouped must"),
+                                    ("int4:7:3:40:24:8192", {**configs.tiles_entry(SMALL), "grouped": 2}, "grouped must")):
             bad.write_text(json.dumps({key: entry}))
             configs.tuned_table.cache_clear()
             with pytest.raises(ValueError, match=message):
                 configs.tuned_table()
-        bad.write_text(json.dumps({"7:3:40:24:1": rows}))
+        grouped = SMALL._replace(grouped=True)
+        assert configs.tiles_entry(grouped)["grouped"] == 1 and "grouped" not in configs.tiles_entry(SMALL)
+        bad.write_text(json.dumps({"7:3:40:24:1": rows, "int4:7:3:40:24:8192": configs.tiles_entry(grouped)}))
         configs.tuned_table.cache_clear()
         assert configs.tiles_for(7, 3, 40, 24, 1) == ROWS
+        assert configs.tiles_for(7, 3, 40, 24, 30000, "int4") == grouped  # the last bucket takes larger chunks
+        assert not configs.tiles_for(7, 3, 40, 24, 2048, "int4").grouped
+        # chunks up to the largest chunk graph (1,024 tokens) are captured: their buckets never take the groups
+        assert configs.GROUPED_BUCKETS == (8192,)
     finally:
         configs.tuned_table.cache_clear()
 

@@ -1,7 +1,8 @@
 """The fused MoE kernels on stacked quantized experts (ops/moe/quantized.py: FP8 block-scaled W8A8, int4 W4A16
 with and without zero points, NVFP4 weight-only) against the float64 value of their semantics
 (tests/ops/moe_oracle.py), in Triton's CPU interpreter: float32 and bf16 activations, one token, several, and more than a block holds; a partial FP8 K
-block; the stacking and its fallbacks; QuantExperts on the CPU (the dequantized reference). The compiled kernels:
+block; the stacking and its fallbacks; QuantExperts on the CPU (the dequantized reference); the prompt chunks' grouped
+matmul on dequantized groups of experts (dequantized.py). The compiled kernels:
 tests/gpu/test_moe_gpu.py."""
 
 import pytest
@@ -12,6 +13,7 @@ if torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from deltaserve.ops.moe import cuda as moe_cuda  # noqa: E402
+from deltaserve.ops.moe import dequantized  # noqa: E402
 from deltaserve.ops.moe import quantized  # noqa: E402
 from deltaserve.ops.moe.configs import MoeTiles, Tile  # noqa: E402
 from deltaserve.ops.quant_gemm import reference as ref  # noqa: E402
@@ -182,3 +184,59 @@ def test_fp8_gate_and_up_must_not_share_a_scale_block():
     with pytest.raises(ValueError, match="128-row scale block"):
         moe_cuda.fused_experts(torch.zeros(1, 128), torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1), gate_up,
                                down, SMALL)
+
+
+@pytest.mark.parametrize("fmt,H,inter", FORMATS)
+def test_grouped_experts_match_their_semantics_in_any_grouping(fmt, H, inter):
+    """A prompt chunk's path (dequantized.grouped_experts): experts dequantized a group at a time into the grouped
+    matmul, float32 activations, within the fused kernels' bound of the format's value (FP8's activations rounded
+    as the kernels quantize them); one expert a group and all in one give the same bits (the groups cut the sorted
+    pairs, never a pair's sum). FP8's down projection (N = H = 200) has a partial scale block: dequantized per expert."""
+    gen = torch.Generator().manual_seed(H * 3 + inter)
+    gate_up, down = (quantized.stack(part) for part in experts(fmt, 5, H, inter, gen))
+    x = (torch.randn(20, H, generator=gen) * torch.logspace(-1, 0.5, H)).float()
+    ids = torch.stack([torch.randperm(5, generator=gen)[:2] for _ in range(20)])
+    weights = torch.rand(20, 2, generator=gen) + 0.1
+    one_each = dequantized.grouped_experts(x, ids, weights, gate_up, down, scratch_bytes=1)
+    all_at_once = dequantized.grouped_experts(x, ids, weights, gate_up, down, scratch_bytes=1 << 30)
+    assert torch.equal(one_each, all_at_once)
+    want, bound = quantized_experts_exact(x, ids, weights, gate_up, down, torch.float32)
+    err = (one_each.double() - want).abs()
+    assert (err <= bound).all(), f"{fmt}: error {(err / bound).max():.3g} x its bound"
+    assert (bound < 0.5 * want.abs()).double().mean() > 0.5
+
+
+@pytest.mark.parametrize("fmt,H,inter", FORMATS)
+def test_dequantized_groups_are_the_reference_weights(fmt, H, inter):
+    """A group's one dequantize launch (FP8: cuda_fp8.dequantize, a scale block a program) gives each expert's
+    reference dequantization: bitwise, except NVFP4 in float32, whose kernel multiplies code, scale and scale_2 in
+    another order (two float32 roundings apart: 2 x 2^-24 of the value)."""
+    gen = torch.Generator().manual_seed(H + 2 * inter)
+    for stack in (quantized.stack(part) for part in experts(fmt, 4, H, inter, gen)):
+        for dtype in (torch.bfloat16, torch.float32):
+            got = dequantized._dequantized(stack, 1, 4, dtype)
+            want = torch.stack([stack.expert(e).dequantize(dtype) for e in range(1, 4)])
+            if fmt == "nvfp4" and dtype == torch.float32:
+                assert ((got - want).abs() <= 2 * 2.0**-24 * want.abs()).all()
+            else:
+                assert torch.equal(got, want), (fmt, tuple(stack.shape), dtype)
+
+
+def test_the_table_sends_a_grouped_bucket_to_the_dequantized_experts(monkeypatch):
+    """ops.moe.experts on stacked experts: a bucket whose entry says "grouped" takes dequantized.grouped_experts, the
+    others the fused kernels."""
+    from deltaserve.ops import moe
+
+    gen = torch.Generator().manual_seed(9)
+    gate_up, down = (quantized.stack(part) for part in experts("int4", 5, 128, 64, gen))
+    x = torch.randn(7, 128, generator=gen)
+    ids = torch.stack([torch.randperm(5, generator=gen)[:2] for _ in range(7)])
+    weights = torch.rand(7, 2, generator=gen)
+    calls = []
+    monkeypatch.setattr(moe, "fused_serves", lambda *args: True)  # the CPU: as on a GPU
+    monkeypatch.setattr(dequantized, "grouped_experts", lambda *args: calls.append("grouped") or x)
+    monkeypatch.setattr(moe_cuda, "fused_experts", lambda *args: calls.append("fused") or x)
+    for grouped in (True, False):
+        monkeypatch.setattr(moe, "tiles_for", lambda *args, grouped=grouped: SMALL._replace(grouped=grouped))
+        moe.experts(x, ids, weights, gate_up, down)
+    assert calls == ["grouped", "fused"]

@@ -10,8 +10,9 @@ stacked weights the experts run the fused kernels of `cuda.py` (tiles from `conf
 float32, prefill-sized batches) the plain-torch `reference.py`: sort by expert + torch's grouped matmul, then (on
 CUDA in one launch, `cuda.combine`) each token's k outputs weighted and summed with the gated shared expert. Quantized
 experts stacked by `quantized.stack` (FP8 block-scaled W8A8, int4 W4A16, NVFP4 weight-only) run the same fused
-kernels with the weight format as a parameter, at every batch size; layers/mlp.QuantExperts dequantizes them for the
-reference where the kernels do not serve (the CPU, float32).
+kernels with the weight format as a parameter, at every batch size, except the prompt chunks whose tile-table bucket
+says "grouped" (`dequantized.py`: groups of experts dequantized into torch's grouped matmul); layers/mlp.QuantExperts
+dequantizes them for the reference where the kernels do not serve (the CPU, float32).
 
 `sparse_block` is the block after its router in the fewest launches: where the shared expert has the routed experts'
 intermediate size (Qwen3.5-35B-A3B, 122B-A10B, Qwen3-Next: `shared_slot_serves`) and their format (plain, or the
@@ -71,9 +72,11 @@ def experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     shared: (the shared expert's output [T, H], its gate logits [T, 1]) or None.
     Returns sum_j w_j expert_{id_j}(x) (+ sigmoid(gate) * shared): [T, H] in x.dtype."""
     if fused_serves(x, gate_up, down):
-        from deltaserve.ops.moe import cuda
+        from deltaserve.ops.moe import cuda, dequantized
         E, two_i, H = gate_up.shape
         tiles = tiles_for(E, topk_ids.shape[1], H, two_i // 2, x.shape[0], quantized.format_name(gate_up))
+        if tiles.grouped:  # an eager prompt chunk the table sends to the dequantized groups (configs.GROUPED_BUCKETS)
+            return dequantized.grouped_experts(x, topk_ids, topk_weights, gate_up, down, shared)
         return cuda.fused_experts(x, topk_ids, topk_weights, gate_up, down, tiles, shared)
     if isinstance(gate_up, QUANTIZED_EXPERTS):
         raise ValueError(f"stacked {quantized.format_name(gate_up)} experts run on the fused kernels only (a CUDA "

@@ -1,5 +1,5 @@
-"""Tiles of the fused MoE kernels: the tuned table (configs.json, measured on an H200 by `python -m
-benchmarks.moe_probe`) and the default for shapes and buckets it does not name.
+"""Tiles of the fused MoE kernels: the tuned table (configs.json, measured by `python -m benchmarks.moe_probe` on an
+H200; its prompt-chunk buckets on an H100) and the default for shapes and buckets it does not name.
 
 Keys are "E:k:H:I:rows": experts, top-k, hidden size, (this rank's) expert intermediate size, and the bucket of the
 batch's token count (ROW_BUCKETS, decode; PREFILL_BUCKETS, the prompt chunks that quantized experts also run on these
@@ -8,9 +8,12 @@ Values are dicts:
   {"block_m": pairs of one expert a program takes (a power of two >= 16),
    "gate_up": [BLOCK_N, BLOCK_K, warps, stages],   kernel A over an expert's [2I, H] gate/up rows
    "down": [BLOCK_N, BLOCK_K, warps, stages],      kernel B over its [H, I] down rows
-   "gemv": 0 or 1}                                 optional, rows bucket 1 only: 1 runs the one-token GEMV
+   "gemv": 0 or 1,                                 optional, rows bucket 1 only: 1 runs the one-token GEMV
                                                    kernels with these tiles instead of the tensor-core ones
                                                    (FP8: BLOCK_N divides 128, BLOCK_K a multiple of 128)
+   "grouped": 0 or 1}                              optional, quantized formats' GROUPED_BUCKETS only: 1
+                                                   dequantizes the experts a group at a time into torch's
+                                                   grouped matmul (dequantized.py) instead of these tiles
 (The tile kernels: FP8 and int4 take their own BLOCK_K, the scale block or the group, whatever the entry says;
 NVFP4 the largest power of two <= the entry's that divides the K it steps over. The GEMV kernels: int4 and NVFP4
 the largest power of two <= the entry's that divides K and holds whole groups.)
@@ -23,6 +26,7 @@ import functools
 from pathlib import Path
 from typing import NamedTuple
 
+from deltaserve.graph_sizes import CHUNK_GRAPH_TOKENS
 from deltaserve.ops.tuned_table import read_tuned_table
 
 CONFIGS_FILE = Path(__file__).with_name("configs.json")
@@ -33,6 +37,10 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 FUSED_MAX_TOKENS = ROW_BUCKETS[-1]
 PREFILL_BUCKETS = (128, 512, 2048, 8192)
 ALL_BUCKETS = ROW_BUCKETS + PREFILL_BUCKETS
+# The buckets whose every chunk runs eagerly, above the largest single-chunk CUDA graph: the only ones that may take
+# the dequantized groups (dequantized.py), which read their row ranges on the host (no graph can hold that).
+GROUPED_BUCKETS = tuple(bucket for smaller, bucket in zip(ALL_BUCKETS, ALL_BUCKETS[1:])
+                        if bucket in PREFILL_BUCKETS and smaller >= CHUNK_GRAPH_TOKENS[-1])
 
 
 class Tile(NamedTuple):
@@ -49,6 +57,7 @@ class MoeTiles(NamedTuple):
     gate_up: Tile
     down: Tile
     gemv: bool = False  # one token: kernels A and B as GEMVs on the CUDA cores (rows bucket 1 only)
+    grouped: bool = False  # a prompt chunk on quantized experts: dequantized groups and the grouped matmul
 
 
 def row_bucket(rows: int) -> int:
@@ -78,6 +87,11 @@ def check_entry(where: str, key: str, entry) -> None:
     gemv = entry.get("gemv", 0)
     if gemv not in (0, 1) or isinstance(gemv, bool) or (gemv and int(parts[4]) != 1):
         raise ValueError(f"{where}: entry {key!r}: gemv must be 0 or 1, and 1 only at rows 1, got {gemv!r}")
+    grouped = entry.get("grouped", 0)
+    if grouped not in (0, 1) or isinstance(grouped, bool) or (grouped and (int(parts[4]) not in GROUPED_BUCKETS
+                                                                           or key.split(":")[0] not in WEIGHT_FORMATS[1:])):
+        raise ValueError(f"{where}: entry {key!r}: grouped must be 0 or 1, and 1 only for a quantized format's "
+                         f"bucket of eager prompt chunks {GROUPED_BUCKETS}, got {grouped!r}")
     least_n = 1 if gemv else 16  # tl.dot's least side; the GEMV takes any power of two
     for kernel in ("gate_up", "down"):
         tile = entry.get(kernel)
@@ -112,10 +126,11 @@ def tiles_for(num_experts: int, top_k: int, hidden: int, intermediate: int, rows
     entry = tuned_table().get(table_key(num_experts, top_k, hidden, intermediate, rows, fmt))
     if entry is None:
         return default_tiles(rows)
-    return MoeTiles(entry["block_m"], Tile(*entry["gate_up"]), Tile(*entry["down"]), bool(entry.get("gemv", 0)))
+    return MoeTiles(entry["block_m"], Tile(*entry["gate_up"]), Tile(*entry["down"]), bool(entry.get("gemv", 0)),
+                    bool(entry.get("grouped", 0)))
 
 
 def tiles_entry(tiles: MoeTiles) -> dict:
     """The table's JSON entry of `tiles`."""
     entry = {"block_m": tiles.block_m, "gate_up": list(tiles.gate_up), "down": list(tiles.down)}
-    return {**entry, "gemv": 1} if tiles.gemv else entry
+    return {**entry, **({"gemv": 1} if tiles.gemv else {}), **({"grouped": 1} if tiles.grouped else {})}

@@ -21,11 +21,12 @@ once whatever the batch. Compared with a per-pair GEMV (no padding, but one weig
 tensor-core tile costs nothing at these sizes (the MMA units idle for want of bytes) and keeps the read-once
 property at 64 tokens, where 35B-A3B's 512 pairs fall on ~220 of 256 experts.
 
-The grouping runs on the device without a host sync, so a step captures into a CUDA graph: _align_kernel (one
-program) counts the pairs per expert, lays the pairs out sorted by (expert, pair index) and writes a block table
-(expert, first sorted pair, valid rows) for a grid sized by the worst case, min(E, T*k) blocks (plus T*k //
-BLOCK_M where BLOCK_M < T); blocks past the real count have 0 rows and exit. A single token (batch-1 decode)
-needs no grouping, its k experts being distinct: block j is its pair j, and the align launch is skipped.
+The grouping runs on the device without a host sync, so a step captures into a CUDA graph: _align_kernel counts the
+pairs per expert (in every program: no program waits for another), lays the pairs out sorted by (expert, pair
+index), a chunk of them a program, and writes a block table (expert, first sorted pair, valid rows) for a grid
+sized by the worst case, min(E, T*k) blocks (plus T*k // BLOCK_M where BLOCK_M < T); blocks past the real count
+have 0 rows and exit. A single token (batch-1 decode) needs no grouping, its k experts being distinct: block j is
+its pair j, and the align launch is skipped.
 
 Kernel A: act[pair] = silu(x_t @ Wg^T) * (x_t @ Wu^T), gate_up stacked [E, 2I, H] with the gate rows first,
 float32 accumulators, act rounded once to x's dtype: [T*k, I]. Kernel B: y[pair] = w_pair * (act[pair] @ Wd^T),
@@ -46,10 +47,10 @@ fused_moe: the shared expert as one more slot. Where it has the routed experts' 
 pairs T*k .. T*k + T - 1 of act and y, taken by cdiv(T, BLOCK_M) blocks after the routed ones (its own weight
 pointers, the routed experts' row strides), kernel B weighting them by sigmoid(gate) and the combine adding row
 T*k + t after the k routed ones. Its routing runs in kernel A at one token (every program routes the token, its
-block b taking the b-th expert; program (0, 0) writes the ids and weights kernel B reads) and in the align kernel
-above (ROUTE_ROWS tokens a step, then a barrier before the grouping reads the ids). The routing's sums do not
-depend on the tile's shape or warps (the softmax's in fixed point, the k weights' in order), so kernel A, the align
-kernel and the routing kernel give the same bits, and a token alone (kernel A) equals itself in a batch (align).
+block b taking the b-th expert; program (0, 0) writes the ids and weights kernel B reads) and in the routing kernel
+above one token (before the align kernel). The routing's sums do not depend on the tile's shape or warps (the
+softmax's in fixed point, the k weights' in order), so kernel A and the routing kernel give the same bits, and a
+token alone (kernel A) equals itself in a batch.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ from deltaserve.ops.quant_gemm.cuda_gemv import NVFP4 as CUDA_GEMV_NVFP4
 from deltaserve.ops.quant_gemm.cuda_weight_only import _CODES
 
 ALIGN_CHUNK = 32  # pairs (and blocks) the align kernel compares at once: [ALIGN_CHUNK, BLOCK_E] one-hot tiles
-ALIGN_WARPS = 4  # the align kernel's one program
+ALIGN_WARPS = 4  # a program of the align kernel
 COMBINE_BLOCK = 1024
 FIXED_ONE = tl.constexpr(2.0**52)  # the routing softmax sums exp(x - max) <= 1 in this fixed point: exactly, in any order
 
@@ -88,7 +89,7 @@ def _top_k(x, lane_ok, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.c
     -> (ids [R, BK] int32, weights [R, BK] float32; lanes >= k hold 0). Each round is one reduction (the largest
     remaining logit and, among equal ones, the lowest index); every step is elementwise, exact (max, the softmax
     sum in 2^-52 fixed point) or in a fixed order (the k-term sum), so the result does not depend on R, on the warps
-    or on the kernel it is inlined in: the routing kernel, kernel A and the align kernel agree bitwise."""
+    or on the kernel it is inlined in: the routing kernel and kernel A agree bitwise."""
     es = tl.arange(0, BLOCK_E)[None, :]
     js = tl.arange(0, BLOCK_K)[None, :]
     top = tl.max(x, axis=1)  # [R]
@@ -157,47 +158,45 @@ def _check_routing(logits: torch.Tensor, top_k: int) -> None:
                          f"1 <= top_k ({top_k}) <= E")
 
 
-@triton.jit(do_not_specialize=["num_pairs", "num_blocks", "T"])
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _align_kernel(topk_ids, sorted_pairs, block_expert, block_first, block_rows, num_pairs, num_blocks,
-                  logits, topk_weights, T, E, stride_logits, ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr,
-                  ROUTE_ROWS: tl.constexpr, TOP_K: tl.constexpr, BLOCK_TOP_K: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
-    """Grid (1,). ROUTE: first the routing of the T tokens from logits [T, :E] into topk_ids, topk_weights [T*k]
-    (as the routing kernel), ROUTE_ROWS tokens at a time. Then topk_ids [P] (pair p = t*k + j) -> sorted_pairs
-    [P]: the pairs sorted by (expert, p); and per block b < num_blocks: block_expert [b], block_first [b] (its first
-    position in sorted_pairs) and block_rows [b] (its pairs, <= BLOCK_M; 0 past the last block). Every output
-    element is written exactly once."""
+    """Grid (cdiv(num_pairs, CHUNK) + cdiv(num_blocks, CHUNK),): topk_ids [P] (pair p = t*k + j) -> sorted_pairs [P]:
+    the pairs sorted by (expert, p); and per block b < num_blocks: block_expert [b], block_first [b] (its first
+    position in sorted_pairs) and block_rows [b] (its pairs, <= BLOCK_M; 0 past the last block). Every program
+    counts the pairs of each expert (all of them, and those before its own chunk); program c < cdiv(P, CHUNK) then
+    places the pairs of chunk c, each later one writes CHUNK entries of the block table. Every output element is
+    written exactly once."""
     wait_for_previous_kernel(PDL)
-    if ROUTE:
-        for t0 in range(0, T, ROUTE_ROWS):
-            _route_rows(logits, topk_ids, topk_weights, t0, T, E, stride_logits, ROUTE_ROWS, TOP_K, BLOCK_E,
-                        BLOCK_TOP_K, RENORMALIZE, True)
-        tl.debug_barrier()  # the ids this program's threads wrote, visible to all of them
+    c = tl.program_id(0)
+    pair_programs = tl.cdiv(num_pairs, CHUNK)
+    own_start = c * CHUNK  # this program's pairs (block programs: past every pair, so `before` is unused)
     es = tl.arange(0, BLOCK_E)
     cs = tl.arange(0, CHUNK)
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)  # pairs per expert
+    before = tl.zeros([BLOCK_E], dtype=tl.int32)  # pairs per expert in the chunks before this program's
     for start in range(0, num_pairs, CHUNK):
         ids = tl.load(topk_ids + start + cs, mask=start + cs < num_pairs, other=-1)  # [C]
-        counts += tl.sum((ids[:, None] == es[None, :]).to(tl.int32), axis=0)
+        hits = tl.sum((ids[:, None] == es[None, :]).to(tl.int32), axis=0)  # [BE]
+        counts += hits
+        before += tl.where(start < own_start, hits, 0)
     pair_end = tl.cumsum(counts, axis=0)  # [BE] end of each expert's pairs in sorted_pairs
     pair_begin = pair_end - counts
-    blocks = (counts + BLOCK_M - 1) // BLOCK_M
-    block_end = tl.cumsum(blocks, axis=0)  # [BE] end of each expert's blocks
-    block_begin = block_end - blocks
-    # each pair's sorted position: its expert's next free position + earlier pairs of that expert in its chunk
-    next_free = pair_begin
-    for start in range(0, num_pairs, CHUNK):
-        ps = start + cs
+    if c < pair_programs:
+        # a pair's sorted position: its expert's first, the expert's pairs in earlier chunks, the earlier ones in its
+        ps = own_start + cs
         ids = tl.load(topk_ids + ps, mask=ps < num_pairs, other=-1)  # [C]
         hit = ids[:, None] == es[None, :]  # [C, BE]
-        base = tl.sum(tl.where(hit, next_free[None, :], 0), axis=1)  # [C]
+        base = tl.sum(tl.where(hit, (pair_begin + before)[None, :], 0), axis=1)  # [C]
         earlier = (ids[:, None] == ids[None, :]) & (cs[None, :] < cs[:, None])  # [C, C]: q < p, same expert
         rank = tl.sum(earlier.to(tl.int32), axis=1)
         tl.store(sorted_pairs + base + rank, ps, mask=ps < num_pairs)
-        next_free += tl.sum(hit.to(tl.int32), axis=0)
-    # block b belongs to the expert whose block range holds it: the count of experts ending at or before b
-    for start in range(0, num_blocks, CHUNK):
-        bs = start + cs  # [C]
+    else:
+        blocks = (counts + BLOCK_M - 1) // BLOCK_M
+        block_end = tl.cumsum(blocks, axis=0)  # [BE] end of each expert's blocks
+        block_begin = block_end - blocks
+        # block b belongs to the expert whose block range holds it: the count of experts ending at or before b
+        bs = (c - pair_programs) * CHUNK + cs  # [C]
         expert = tl.sum((block_end[None, :] <= bs[:, None]).to(tl.int32), axis=1)  # [C]; BLOCK_E past the last
         own = expert[:, None] == es[None, :]  # [C, BE]
         first = (tl.sum(tl.where(own, pair_begin[None, :], 0), axis=1)
@@ -638,31 +637,28 @@ def num_blocks(num_experts: int, tokens: int, top_k: int, block_m: int) -> int:
     return min(num_experts, pairs) + (0 if block_m >= tokens else pairs // block_m)
 
 
-def _route_rows_per_step(num_experts: int) -> int:
-    """Tokens the align kernel routes at once: [rows, BLOCK_E] tiles of about 4096 logits."""
-    return max(1, min(16, 4096 // triton.next_power_of_2(num_experts)))
-
-
 def align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
           routing: tuple[torch.Tensor, torch.Tensor, bool] | None = None, chunk: int = ALIGN_CHUNK,
           num_warps: int = ALIGN_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
     """topk_ids [T, k] -> (sorted_pairs [T*k] int32: the pairs t*k + j sorted by (expert, pair); block_table
     [3, num_blocks] int32: per block its expert, its first position in sorted_pairs and its rows, 0 past the last
     block). One launch of _align_kernel, no host sync. routing: (logits [T, E], topk_weights [T, k] float32,
-    renormalize): the same launch first routes the tokens into topk_ids (int32) and topk_weights. chunk (a power
+    renormalize): the routing kernel first routes the tokens into topk_ids (int32) and topk_weights. chunk (a power
     of two) and num_warps: the kernel's shape (benchmarks/align_probe.py times them)."""
     T, top_k = topk_ids.shape
     pairs, blocks = T * top_k, num_blocks(num_experts, T, top_k, block_m)
     sorted_pairs = torch.empty(pairs, dtype=torch.int32, device=topk_ids.device)
     block_table = torch.empty(3, blocks, dtype=torch.int32, device=topk_ids.device)
-    logits, topk_weights, renormalize = routing if routing is not None else (topk_ids, topk_ids, False)
-    ids = topk_ids if routing is not None else topk_ids.reshape(-1).to(torch.int32)
-    _align_kernel[(1,)](ids, sorted_pairs, block_table[0], block_table[1], block_table[2], pairs, blocks, logits,
-                        topk_weights, T, num_experts, logits.stride(0), ROUTE=routing is not None,
-                        RENORMALIZE=renormalize, ROUTE_ROWS=_route_rows_per_step(num_experts), TOP_K=top_k,
-                        BLOCK_TOP_K=triton.next_power_of_2(top_k), BLOCK_M=block_m,
-                        BLOCK_E=triton.next_power_of_2(num_experts), CHUNK=chunk, num_warps=num_warps,
-                        **pdl.launch_args(topk_ids.device))
+    if routing is not None:
+        logits, topk_weights, renormalize = routing
+        _route_kernel[(T,)](logits, topk_ids, topk_weights, num_experts, logits.stride(0), TOP_K=top_k,
+                            BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_K=triton.next_power_of_2(top_k),
+                            RENORMALIZE=renormalize, **pdl.launch_args(logits.device))
+    ids = topk_ids.reshape(-1).to(torch.int32)  # the routing kernel's buffer itself where it routed
+    grid = (triton.cdiv(pairs, chunk) + triton.cdiv(blocks, chunk),)
+    _align_kernel[grid](ids, sorted_pairs, block_table[0], block_table[1], block_table[2], pairs, blocks,
+                        BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts), CHUNK=chunk,
+                        num_warps=num_warps, **pdl.launch_args(topk_ids.device))
     return sorted_pairs, block_table
 
 
@@ -761,7 +757,7 @@ def fused_moe(x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bo
     strides: plain tensors, or with stacked quantized experts prepared weights that quantized.slot_fits);
     shared_gate [T, 1] logits. Returns (out [T, H] = sum_j w_j expert_{id_j}(x) + sigmoid(gate) *
     shared(x) in x.dtype, topk_ids [T, k] int32, topk_weights [T, k] float32, as `route`). Launches: one token,
-    kernel A (which routes) -> kernel B -> combine; more, the align kernel (which routes) first."""
+    kernel A (which routes) -> kernel B -> combine; more, the routing kernel and the align kernel first."""
     T, H = x.shape
     E, two_i, _ = gate_up.shape
     _check_routing(logits, top_k)
@@ -798,7 +794,7 @@ def _run_experts(x, gate_up, down, tiles: MoeTiles, ids, weights, top_k: int, ro
     pairs = T * top_k
     one_token = T == 1
     logits, renormalize = routing if routing is not None else (x, False)
-    route_in_a = routing is not None and one_token  # kernel A routes the token; else the align kernel does
+    route_in_a = routing is not None and one_token  # kernel A routes the token; else the routing kernel (align)
     if one_token:  # block j = pair j = expert ids [j]: nothing to group, no align launch
         sorted_pairs, block_table, routed_blocks = ids, ids.expand(3, top_k), top_k  # of the table only row 0 is read
     else:

@@ -155,6 +155,33 @@ def _gemm_kernel(
              mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _dequant_kernel(weight, scale_inv, out, N, K, stride_sn, BN: tl.constexpr, BK: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    """Grid (cdiv(N, BN), cdiv(K, BK)), one scale block a program: out [N, K] = weight * its block's scale, in
+    float32, rounded once to out's dtype."""
+    wait_for_previous_kernel(PDL)
+    ns = tl.program_id(0) * BN + tl.arange(0, BN)
+    ks = tl.program_id(1) * BK + tl.arange(0, BK)
+    ok = (ns < N)[:, None] & (ks < K)[None, :]
+    offsets = ns[:, None].to(tl.int64) * K + ks[None, :]
+    w = tl.load(weight + offsets, mask=ok, other=0.0).to(tl.float32)
+    s = tl.load(scale_inv + tl.program_id(0) * stride_sn + tl.program_id(1))
+    tl.store(out + offsets, (w * s).to(out.dtype.element_ty), mask=ok)
+
+
+def dequantize(w: Fp8BlockWeight, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """[N, K] in dtype (reference Fp8BlockWeight.dequantize's numbers); into `out` (a contiguous [N, K] tensor of
+    dtype) when given."""
+    n, k = w.shape
+    bn, bk = w.block_size
+    out = torch.empty(n, k, dtype=dtype, device=w.weight.device) if out is None else out
+    _dequant_kernel[(triton.cdiv(n, bn), triton.cdiv(k, bk))](
+        w.weight, w.scale_inv, out, n, k, w.scale_inv.stride(0), BN=bn, BK=bk, num_warps=4,
+        **pdl.launch_args(w.weight.device))
+    return out
+
+
 def supports(w: Fp8BlockWeight) -> bool:
     """Whether the kernels take this weight: a scale block of K that tl.dot can take whole (16..256, a power of
     two) and unit-stride contiguous tensors."""
