@@ -61,6 +61,12 @@ def test_quantized_gpu_model_matches_cpu_reference(family, options, arch, source
     from tests.model.quant_checkpoints import quantize_checkpoint
 
     path = quantize_checkpoint(sources[arch], tmp_path, family, **options).path
+    assert_gpu_matches_cpu_reference(path, f"{family} {options} {arch}", capsys)
+
+
+def assert_gpu_matches_cpu_reference(path, label: str, capsys) -> None:
+    """The checkpoint's logits in bf16 on the GPU against float32 on the CPU, a prompt in chunks then decode steps:
+    top-1 agreement >= 0.9 and mean |diff| <= 5% of the mean |logit|."""
     ids = prompt(300, 1)
     chunks = [1, 100, 137, 40]  # crosses GDN chunks (64) and KV blocks (16); then 22 decode steps
     ref = chunked_logits(path, torch.float32, "cpu", ids, chunks)
@@ -68,8 +74,7 @@ def test_quantized_gpu_model_matches_cpu_reference(family, options, arch, source
     agreement = (ref.argmax(-1) == bf16.argmax(-1)).float().mean().item()
     rel = ((ref - bf16).abs().mean() / ref.abs().mean()).item()
     with capsys.disabled():
-        print(f"\n[quant gpu parity] {family} {options} {arch}: bf16 top-1 agreement {agreement:.4f}, "
-              f"mean|diff|/mean|logit| {rel:.4f}")
+        print(f"\n[quant gpu parity] {label}: bf16 top-1 agreement {agreement:.4f}, mean|diff|/mean|logit| {rel:.4f}")
     assert agreement >= 0.9 and rel <= 0.05
 
 
@@ -91,17 +96,8 @@ def test_prompt_chunks_on_dequantized_expert_groups_match_cpu_reference(family, 
     grouped = dequantized.grouped_experts
     monkeypatch.setattr(dequantized, "grouped_experts", lambda *args: calls.append(1) or grouped(*args))
     path = quantize_checkpoint(sources["qwen3_5_moe"], tmp_path, family, **options).path
-    ids = prompt(300, 1)
-    chunks = [1, 100, 137, 40]
-    ref = chunked_logits(path, torch.float32, "cpu", ids, chunks)
-    bf16 = chunked_logits(path, torch.bfloat16, "cuda", ids, chunks)
+    assert_gpu_matches_cpu_reference(path, f"{family} {options} qwen3_5_moe, dequantized groups", capsys)
     assert calls  # the chunks took the groups
-    agreement = (ref.argmax(-1) == bf16.argmax(-1)).float().mean().item()
-    rel = ((ref - bf16).abs().mean() / ref.abs().mean()).item()
-    with capsys.disabled():
-        print(f"\n[quant gpu parity, dequantized groups] {family} {options}: bf16 top-1 agreement {agreement:.4f}, "
-              f"mean|diff|/mean|logit| {rel:.4f}")
-    assert agreement >= 0.9 and rel <= 0.05
 
 
 @pytest.mark.parametrize("family, options", FAMILIES, ids=family_id)
