@@ -330,6 +330,24 @@ def test_dummy_weights_are_seeded_finite_and_give_finite_logits(tiny_checkpoint)
     assert torch.equal(logits, last_token_logits(again, ids))
 
 
+@pytest.mark.parametrize("shape", [(256, 4096), (200, 130)])  # K a multiple of 4 (codes drawn as words) or not
+def test_dummy_fp8_weights_are_finite_codes_of_row_mean_square_about_one_over_k(shape):
+    from deltaserve.layers.quant.fp8 import DUMMY_CODES, Fp8BlockScheme
+
+    tensors = Fp8BlockScheme().dummy(shape, torch.Generator().manual_seed(3), "cpu")
+    assert tensors["weight"].shape == shape and tensors["weight"].dtype == torch.float8_e4m3fn
+    assert tensors["weight_scale_inv"].shape == (-(-shape[0] // 128), -(-shape[1] // 128))
+    assert DUMMY_CODES.view(torch.float8_e4m3fn).float().isfinite().all()
+    w = tensors["weight"].float() * tensors["weight_scale_inv"][0, 0]
+    assert torch.isfinite(w).all() and w.unique().numel() > 64  # codes spread over the table's 100 values
+    assert abs(w.mean().item()) < 0.05 / shape[1] ** 0.5  # symmetric about 0
+    # each row's mean square is a mean of K iid squares of the table's codes: within 5 standard errors of 1/K
+    squares = DUMMY_CODES.view(torch.float8_e4m3fn).float().pow(2)
+    spread = (squares.std(unbiased=False) / squares.mean()).item()  # ~1.4 (a normal's square: sqrt(2))
+    mean_square = w.pow(2).mean(1) * shape[1]
+    assert ((mean_square - 1).abs() <= 5 * spread / shape[1] ** 0.5).all()
+
+
 def test_dummy_weights_fill_norms_at_identity(make_checkpoint):
     model = dummy(ModelConfig.from_pretrained(make_checkpoint("qwen3_5")), 0)
     for name, param in model.named_parameters():

@@ -28,6 +28,12 @@ from deltaserve.ops.quant_gemm import fp8_block_linear, fp8_block_quantize, prep
 from deltaserve.ops.quant_gemm.reference import quantize_activation
 
 BLOCK = (128, 128)  # (rows of N, columns of K) per weight scale: the only block size Qwen publishes
+# --load-format dummy: a random byte picks one of 256 e4m3 codes, those of the normal distribution's 256 quantiles
+# (x 100, inside e4m3's range): weights of about the normal draw's distribution, drawn as bytes (drawing normal
+# floats and quantizing them took ~47 s of 35B-A3B's start on an H100 host)
+DUMMY_CODES = (torch.special.ndtri((torch.arange(256, dtype=torch.float64) + 0.5) / 256) * 100).float() \
+    .to(torch.float8_e4m3fn).view(torch.uint8)
+DUMMY_CODE_RMS = DUMMY_CODES.view(torch.float8_e4m3fn).float().pow(2).mean().sqrt().item()
 ONLINE_KEPT_BF16 = ("linear_attn.in_proj_a", "linear_attn.in_proj_b", "linear_attn.in_proj_ba")
 
 
@@ -70,8 +76,15 @@ class Fp8BlockScheme(Scheme):
         return QuantWeight(prepare_fp8_block(weight, scale, BLOCK), fp8_block_linear)
 
     def dummy(self, shape, generator, device):
-        w = torch.randn(shape, generator=generator, device=device) / math.sqrt(shape[1])
-        weight, scale = fp8_block_quantize(w, BLOCK)
+        """Random DUMMY_CODES, scaled so that a row's mean square is about 1/K (as a normal draw over sqrt(K))."""
+        n, k = shape
+        if k % 4 == 0:  # four codes a random int32 word: a quarter of the draws
+            words = torch.randint(-2**31, 2**31, (n, k // 4), generator=generator, device=device, dtype=torch.int32)
+            codes = words.view(torch.uint8)
+        else:
+            codes = torch.randint(0, 256, shape, generator=generator, device=device, dtype=torch.uint8)
+        scale = torch.full(_scale_shape(shape), 1 / (DUMMY_CODE_RMS * math.sqrt(k)), device=device)
+        weight = torch.take(DUMMY_CODES.to(codes.device), codes.long()).view(torch.float8_e4m3fn)
         return {"weight": weight, "weight_scale_inv": scale}
 
     def matrix_bytes(self, n, k):
