@@ -29,8 +29,8 @@ from deltaserve.ops.quant_gemm.reference import quantize_activation
 
 BLOCK = (128, 128)  # (rows of N, columns of K) per weight scale: the only block size Qwen publishes
 # --load-format dummy: a random byte picks one of 256 e4m3 codes, those of the normal distribution's 256 quantiles
-# (x 100, inside e4m3's range): weights of about the normal draw's distribution, drawn as bytes (drawing normal
-# floats and quantizing them took ~47 s of 35B-A3B's start on an H100 host)
+# (x 100, inside e4m3's range): about a normal draw's distribution, for a fraction of the host's time that drawing
+# normal floats and quantizing them per block takes
 DUMMY_CODES = (torch.special.ndtri((torch.arange(256, dtype=torch.float64) + 0.5) / 256) * 100).float() \
     .to(torch.float8_e4m3fn).view(torch.uint8)
 DUMMY_CODE_RMS = DUMMY_CODES.view(torch.float8_e4m3fn).float().pow(2).mean().sqrt().item()

@@ -31,8 +31,8 @@ from deltaserve.ops.moe.configs import ALL_BUCKETS, FUSED_MAX_TOKENS, ROW_BUCKET
 from deltaserve.ops.moe.quantized import QUANTIZED_EXPERTS
 from deltaserve.ops.moe.reference import grouped_experts
 
-__all__ = ["ALL_BUCKETS", "FUSED_MAX_TOKENS", "ROW_BUCKETS", "experts", "fused_serves", "grouped_experts", "route", "sparse_block",
-           "SHARED_SLOT_MAX_TOKENS", "shared_slot_serves"]
+__all__ = ["ALL_BUCKETS", "FUSED_MAX_TOKENS", "ROW_BUCKETS", "experts", "fused_serves", "grouped_experts", "route",
+           "sparse_block", "SHARED_SLOT_MAX_TOKENS", "shared_slot_serves"]
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16)
 MAX_EXPERTS = 1024  # the routing and align kernels hold one row of every expert in registers

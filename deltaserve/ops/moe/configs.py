@@ -88,8 +88,9 @@ def check_entry(where: str, key: str, entry) -> None:
     if gemv not in (0, 1) or isinstance(gemv, bool) or (gemv and int(parts[4]) != 1):
         raise ValueError(f"{where}: entry {key!r}: gemv must be 0 or 1, and 1 only at rows 1, got {gemv!r}")
     grouped = entry.get("grouped", 0)
-    if grouped not in (0, 1) or isinstance(grouped, bool) or (grouped and (int(parts[4]) not in GROUPED_BUCKETS
-                                                                           or key.split(":")[0] not in WEIGHT_FORMATS[1:])):
+    quantized = key.split(":")[0] in WEIGHT_FORMATS[1:]
+    if grouped not in (0, 1) or isinstance(grouped, bool) or (grouped and not (quantized and
+                                                                               int(parts[4]) in GROUPED_BUCKETS)):
         raise ValueError(f"{where}: entry {key!r}: grouped must be 0 or 1, and 1 only for a quantized format's "
                          f"bucket of eager prompt chunks {GROUPED_BUCKETS}, got {grouped!r}")
     least_n = 1 if gemv else 16  # tl.dot's least side; the GEMV takes any power of two
