@@ -8,8 +8,9 @@ gap between the launches of steps i + 1 and i + 2. Where the trace has the read-
 time is instead the gap between its read-back's return and the previous step's: the device runs the steps in order,
 so that is its time on the device (and any idle time before it), whether or not a launch blocked the host (a sync
 inside a prompt chunk's launch shifts the launches, not the read-backs). Each kind then also gets the mean time the
-host waited in its read-backs: a step's time less that is host work the device did not hide. Gaps over --idle-s are
-the engine waiting for requests and are left out. Each --window (CLOCK_MONOTONIC nanoseconds, as
+host waited in its read-backs: a step's time less that is the host's work between the two read-backs, which the
+device hid while it still ran the step (a wait well above 0) and which set the pace where the wait is near 0. Gaps
+over --idle-s are the engine waiting for requests and are left out. Each --window (CLOCK_MONOTONIC nanoseconds, as
 `time.monotonic_ns()` prints them) is summed apart: the runs of one server start.
 """
 
