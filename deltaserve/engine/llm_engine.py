@@ -342,7 +342,7 @@ class LLMEngine:
 
     def _process(self, scheduled: SchedulerOutput, launched: LaunchedStep, touched: dict[str, _Parent]) -> None:
         """Read back a launched step's samples and record them (parents that got tokens go into `touched`)."""
-        began = time.monotonic_ns()
+        began = time.monotonic_ns() if self._trace is not None else 0
         model_output = self.runner.collect(launched)
         if self._trace is not None:
             self._trace.collected(launched, began)
