@@ -44,10 +44,10 @@ ROWS = (1, 8, 16, 32, 64, 512, 8192)
 # holds, follow), K split ("auto": ~2 programs per SM, configs.gemv_split_k; "auto*4" four times that). At one
 # row int4's weight loads stream through shared memory stages - 1 steps ahead (stages 1: loaded where used; NVFP4's
 # kernel measured no gain from it); its dp4a kernel takes x as 16-bit fixed point (_int4_dp4a_row_kernel). The
-# dp4a tiles at stages 1 are those whose loop ptxas compiles to <= 1.5 instructions a weight without a layout
-# conversion through shared memory (<= 2 barriers a step), >= 128 B of a row a step (the read probe's floor).
-# NVFP4's dp4a kernel (_nvfp4_dp4a_row_kernel): the tiles of 3.0-3.5 instructions a weight in `sass_probe --kernel
-# nvfp4-dp4a` (its few-rows kernel at one row: 6.1).
+# dp4a kernels (int4's and NVFP4's) take block_k >= 1024 x warps, where a thread holds 4 words of every row and
+# x's parts serve them all: their loops compile to 1.2-1.4 (int4) and 2.6 (NVFP4) instructions a weight with no
+# layout conversion through shared memory (`sass_probe --kernel int4-dp4a|nvfp4-dp4a`; narrower steps: 1.5-1.8 and
+# 2.9-3.5 with 12-18 barriers a step); 32 rows take all 255 registers.
 GEMV_SWEEP = {("fp8", 1): [dict(block_n=8, block_k=1024, warps=4, stages=1),
                            dict(block_n=16, block_k=512, warps=4, stages=1),
                            dict(block_n=16, block_k=1024, warps=8, stages=1)],
@@ -55,16 +55,17 @@ GEMV_SWEEP = {("fp8", 1): [dict(block_n=8, block_k=1024, warps=4, stages=1),
                             for bn, bk, w, stages in ((32, 128, 2, 4), (128, 128, 8, 3), (32, 256, 2, 4),
                                                       (16, 512, 2, 4), (32, 512, 4, 3))]
                            + [dict(block_n=bn, block_k=bk, split_k=split, warps=w, stages=stages, dp4a=1)
-                              for bn, bk, w, stages in ((16, 512, 2, 3), (64, 512, 4, 1), (128, 512, 8, 1),
-                                                        (32, 512, 4, 1), (64, 256, 4, 1), (128, 256, 8, 1),
-                                                        (16, 512, 4, 1))
+                              for bn, bk, w, stages in ((16, 512, 2, 3), (4, 1024, 1, 1), (8, 1024, 1, 1),
+                                                        (16, 1024, 1, 1), (4, 1024, 1, 2), (8, 1024, 1, 2),
+                                                        (8, 2048, 2, 1), (16, 2048, 2, 1))
                               for split in ("auto", "auto*4")],
               ("nvfp4", 1): [dict(block_n=bn, block_k=bk, warps=w, stages=1)
                              for bn, bk, w in ((16, 1024, 4), (32, 1024, 4), (16, 2048, 4), (8, 4096, 4),
                                                (8, 2048, 4), (32, 1024, 8))]
-                            + [dict(block_n=bn, block_k=bk, split_k="auto", warps=w, stages=stages, dp4a=1)
-                               for bn, bk, w, stages in ((8, 1024, 2, 1), (16, 1024, 4, 1), (16, 512, 2, 3),
-                                                         (16, 512, 2, 1), (32, 512, 4, 1))],
+                            + [dict(block_n=bn, block_k=bk, split_k=split, warps=w, stages=stages, dp4a=1)
+                               for bn, bk, w, stages in ((8, 1024, 2, 1), (4, 1024, 1, 1), (8, 1024, 1, 1),
+                                                         (16, 1024, 1, 1), (8, 1024, 1, 2), (8, 2048, 2, 1))
+                               for split in ("auto", "auto*4")],
               ("weight_only", 8): [dict(block_n=8, block_k=512, warps=4, stages=1),
                                    dict(block_n=16, block_k=256, warps=4, stages=1),
                                    dict(block_n=4, block_k=1024, warps=4, stages=1)]}

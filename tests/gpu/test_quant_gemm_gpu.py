@@ -135,13 +135,14 @@ def test_gemv_tiles(fmt, weights):
             u_w, _ = weight_rounding(fmt, "gemv")
             check(fmt, x, w, cuda_gemv.gemv(x, w, tile), f"{fmt} gemv {tile} N={n} K={k} M={m}", u_w=u_w)
             if fmt != "fp8" and m == 1:  # the dp4a kernels: x in 16-bit fixed point, the codes dotted in int32
-                dp4a = dict(tile, dp4a=1) if fmt == "int4" else dict(tile, block_k=512, dp4a=1, split_k=2)
                 y64, _ = oracle.weight_only_exact(x, w)
-                if fmt == "int4":
-                    bound = oracle.int4_dp4a_bound(x, w, y64, cuda_gemv._row_steps(k, w.group_size, dp4a)[1])
-                else:
-                    bound = oracle.nvfp4_dp4a_bound(x, w, y64, cuda_gemv._row_steps(k, 16, dp4a)[1])
-                oracle.assert_within(cuda_gemv.gemv(x, w, dp4a), y64, bound, f"{fmt} gemv {dp4a} N={n} K={k}")
+                # a narrow step (threads across rows), then one a warp's threads span (each holds 8 rows)
+                for dp4a in (dict(tile, block_k=512, dp4a=1, split_k=2),
+                             dict(block_n=8, block_k=1024, warps=1, stages=1, dp4a=1, split_k=2)):
+                    group = w.group_size if fmt == "int4" else cuda_gemv.NVFP4_GROUP
+                    splits = cuda_gemv._row_steps(k, group, dp4a)[1]
+                    bound = (oracle.int4_dp4a_bound if fmt == "int4" else oracle.nvfp4_dp4a_bound)(x, w, y64, splits)
+                    oracle.assert_within(cuda_gemv.gemv(x, w, dp4a), y64, bound, f"{fmt} gemv {dp4a} N={n} K={k}")
 
 
 @pytest.mark.parametrize("tile", GEMM_TILES)

@@ -168,6 +168,13 @@ def _split4(x4):
 
 
 @triton.jit
+def _quads(t, ROWS: tl.constexpr, GROUPS: tl.constexpr, QUADS: tl.constexpr):
+    """A step's words [ROWS, GROUPS * QUADS * 4] (or [GROUPS * QUADS * 4] when ROWS is 1) viewed as [ROWS, GROUPS,
+    QUADS, 4]: a group's word quads, 4 consecutive words each."""
+    return tl.reshape(t, [ROWS, GROUPS, QUADS, 4])
+
+
+@triton.jit
 def _bytes4(b0, b1, b2, b3):
     """The low bytes of four int32 tensors packed into one int32 tensor, b0 lowest."""
     return (b0 & 0xFF) | ((b1 & 0xFF) << 8) | ((b2 & 0xFF) << 16) | ((b3 & 0xFF) << 24)
@@ -215,8 +222,11 @@ def _int4_dp4a_row_kernel(
     with x as _x_parts_kernel left it (parts, x_scale, v_sum). A word's nibbles are masked into two words of
     bytes (nibbles 0 2 4 6 and 1 3 5 7) and dotted with x's hi and lo bytes by dp4a: 7 instructions for 8 weights,
     summed in int32 over the 4 words a thread holds (exact: |sum| < 2^24). Per row and group:
-    sum_k (q_k - z) x_k = 2^E (sum_k q_k v_k - z v_sum), times the group's scale, summed in float32. Tiles
-    [BLOCK_N, groups, word quads, 4]; the words and x's parts stream through shared memory STAGES - 1 steps ahead,
+    sum_k (q_k - z) x_k = 2^E (sum_k q_k v_k - z v_sum), times the group's scale, summed in float32. A step's
+    words are loaded as [BLOCK_N, words] (4 consecutive words a thread, the threads along K) and viewed as
+    [BLOCK_N, groups, word quads, 4]: where the step's word quads cover the program's threads (block_k >= 1024 x
+    warps) a thread holds its 4 words in every row and each of x's parts it loads serves all BLOCK_N rows (no
+    layout conversion through shared memory). The words stream through shared memory STAGES - 1 steps ahead,
     the scales, zero points and x's group scales and sums load one step ahead into registers (loaded where used,
     each step would wait out a memory latency)."""
     wait_for_previous_kernel(PDL)
@@ -224,9 +234,10 @@ def _int4_dp4a_row_kernel(
     QUADS: tl.constexpr = WPG // 4  # word quads a group
     ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     n_ok = ns < N
+    STEP_WORDS: tl.constexpr = GROUPS_PER_STEP * WPG
     gs = tl.arange(0, GROUPS_PER_STEP)  # [GPS]
-    quad_words = tl.arange(0, QUADS)[:, None] * 4 + tl.arange(0, 4)[None, :]  # [QUADS, 4]
-    w_rows = words + ns[:, None, None, None].to(tl.int64) * stride_wn  # [BN, 1, 1, 1]
+    ks = tl.arange(0, STEP_WORDS)  # [SW]
+    w_step = words + ns[:, None].to(tl.int64) * stride_wn + ks[None, :]  # [BN, SW]
     s_rows = ns[:, None].to(tl.int64) * stride_sn  # [BN, 1]
     acc = tl.zeros([BLOCK_N, GROUPS_PER_STEP, QUADS], dtype=tl.float32)
     zero_acc = tl.zeros([BLOCK_N, GROUPS_PER_STEP, 1], dtype=tl.float32)
@@ -238,17 +249,16 @@ def _int4_dp4a_row_kernel(
         g_next = tl.minimum(g0 + GROUPS_PER_STEP, g_last) + gs  # [GPS]
         s_next, z_next = _int4_row_scales(scale, zero, s_rows, n_ok, g_next, HAS_ZERO, EVEN_N)
         xs_next, v_next = tl.load(x_scale + g_next), tl.load(v_sum + g_next)
-        word_ids = (g0 + gs)[:, None, None] * WPG + quad_words[None, :, :]  # [GPS, QUADS, 4]
         if EVEN_N:
-            word = tl.load(w_rows + word_ids[None])  # [BN, GPS, QUADS, 4]
+            word = tl.load(w_step + g0 * WPG)  # [BN, SW]
         else:
-            word = tl.load(w_rows + word_ids[None], mask=n_ok[:, None, None, None], other=0)
-        x_words = parts + word_ids[None]  # [1, GPS, QUADS, 4]
-        hi_even = _split4(tl.load(x_words))
-        hi_odd = _split4(tl.load(x_words + K_WORDS))
-        lo_even = _split4(tl.load(x_words + 2 * K_WORDS))
-        lo_odd = _split4(tl.load(x_words + 3 * K_WORDS))
-        w4 = _split4(word)
+            word = tl.load(w_step + g0 * WPG, mask=n_ok[:, None], other=0)
+        x_words = parts + g0 * WPG + ks  # [SW]
+        hi_even = _split4(_quads(tl.load(x_words), 1, GROUPS_PER_STEP, QUADS))
+        hi_odd = _split4(_quads(tl.load(x_words + K_WORDS), 1, GROUPS_PER_STEP, QUADS))
+        lo_even = _split4(_quads(tl.load(x_words + 2 * K_WORDS), 1, GROUPS_PER_STEP, QUADS))
+        lo_odd = _split4(_quads(tl.load(x_words + 3 * K_WORDS), 1, GROUPS_PER_STEP, QUADS))
+        w4 = _split4(_quads(word, BLOCK_N, GROUPS_PER_STEP, QUADS))  # [BN, GPS, QUADS] each
         dot_hi = tl.zeros([BLOCK_N, GROUPS_PER_STEP, QUADS], dtype=tl.int32)
         dot_lo = tl.zeros([BLOCK_N, GROUPS_PER_STEP, QUADS], dtype=tl.int32)
         for i in tl.static_range(4):
@@ -287,14 +297,17 @@ def _nvfp4_dp4a_row_kernel(
     bytes 12 + 2 e2m1 (0..24): the positive codes from one table (the negative ones, sign bit set, come out 0), the
     negative ones from another with the sign bits flipped, ORed; dp4a dots them with x's hi and lo bytes, and per
     group of 16 columns sum 2 e2m1(q) v = that dot - 12 v_sum exactly in int32, times the group's scale and 2^E
-    (float32), summed in float32; the row's scale_2 / 2 at the end. Tiles [BLOCK_N, groups, 2 words]; the words and
-    x's parts stream through shared memory STAGES - 1 steps ahead, the scales and x's group scales and sums load one
-    step ahead into registers. The tables (E2M1_POSITIVE, E2M1_NEGATIVE) come at run time, as registers."""
+    (float32), summed in float32; the row's scale_2 / 2 at the end. A step's words are loaded as [BLOCK_N, words]
+    (4 consecutive words a thread, the threads along K: with block_k >= 1024 x warps each of x's parts a thread
+    loads serves all BLOCK_N rows) and viewed as [BLOCK_N, groups, 2 words]; they stream through shared memory
+    STAGES - 1 steps ahead, the scales and x's group scales and sums load one step ahead into registers. The tables (E2M1_POSITIVE, E2M1_NEGATIVE) come at run time, as registers."""
     wait_for_previous_kernel(PDL)
     ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     n_ok = ns < N
+    STEP_WORDS: tl.constexpr = 2 * GROUPS_PER_STEP
     gs = tl.arange(0, GROUPS_PER_STEP)  # [GPS]
-    w_rows = words + ns[:, None, None].to(tl.int64) * stride_wn  # [BN, 1, 1]
+    ks = tl.arange(0, STEP_WORDS)  # [SW]
+    w_step = words + ns[:, None].to(tl.int64) * stride_wn + ks[None, :]  # [BN, SW]
     s_rows = ns[:, None].to(tl.int64) * stride_sn  # [BN, 1]
     acc = tl.zeros([BLOCK_N, GROUPS_PER_STEP], dtype=tl.float32)
     g_first = tl.program_id(1) * GROUPS_PER_SPLIT
@@ -305,17 +318,17 @@ def _nvfp4_dp4a_row_kernel(
         g_next = tl.minimum(g0 + GROUPS_PER_STEP, g_last) + gs  # [GPS]
         s_next = _nvfp4_row_scales(scale, s_rows, n_ok, g_next, EVEN_N)
         xs_next, v_next = tl.load(x_scale + g_next), tl.load(v_sum + g_next)
-        word_ids = (g0 + gs)[:, None] * 2 + tl.arange(0, 2)[None, :]  # [GPS, 2]: a group's two words
         if EVEN_N:
-            word = tl.load(w_rows + word_ids[None])  # [BN, GPS, 2]
+            word = tl.load(w_step + g0 * 2)  # [BN, SW]
         else:
-            word = tl.load(w_rows + word_ids[None], mask=n_ok[:, None, None], other=0)
-        x_words = parts + word_ids[None]  # [1, GPS, 2]
-        hi_low = tl.split(tl.load(x_words))  # x's hi bytes of columns 0-3 of each word, then of 4-7, lo bytes alike
-        hi_high = tl.split(tl.load(x_words + K_WORDS))
-        lo_low = tl.split(tl.load(x_words + 2 * K_WORDS))
-        lo_high = tl.split(tl.load(x_words + 3 * K_WORDS))
-        w2 = tl.split(word)  # [BN, GPS] each
+            word = tl.load(w_step + g0 * 2, mask=n_ok[:, None], other=0)
+        x_words = parts + g0 * 2 + ks  # [SW]
+        # x's hi bytes of columns 0-3 of each word, then of 4-7, lo bytes alike: [1, GPS] each
+        hi_low = tl.split(tl.reshape(tl.load(x_words), [1, GROUPS_PER_STEP, 2]))
+        hi_high = tl.split(tl.reshape(tl.load(x_words + K_WORDS), [1, GROUPS_PER_STEP, 2]))
+        lo_low = tl.split(tl.reshape(tl.load(x_words + 2 * K_WORDS), [1, GROUPS_PER_STEP, 2]))
+        lo_high = tl.split(tl.reshape(tl.load(x_words + 3 * K_WORDS), [1, GROUPS_PER_STEP, 2]))
+        w2 = tl.split(tl.reshape(word, [BLOCK_N, GROUPS_PER_STEP, 2]))  # a group's two words: [BN, GPS] each
         dot_hi = tl.zeros([BLOCK_N, GROUPS_PER_STEP], dtype=tl.int32)
         dot_lo = tl.zeros([BLOCK_N, GROUPS_PER_STEP], dtype=tl.int32)
         for i in tl.static_range(2):
