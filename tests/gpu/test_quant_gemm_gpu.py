@@ -293,6 +293,38 @@ def test_fp8_prologues_write_the_activation_the_product_reads(weights, capsys):
         print(f"\n[fp8 prologues] products that did not repeat their own bits (inputs compared): {unrepeatable}")
 
 
+@pytest.mark.parametrize("fmt", ["int4", "nvfp4"])
+def test_prologues_write_the_dp4a_parts_the_product_reads(fmt, weights):
+    """On the H200, in bf16, one row: ops.linear's RMS norm, SiLU and gated-norm projections onto 27B's int4 / NVFP4
+    gate/up, down and GDN out-projection, where the table runs the dp4a GEMVs: the prologue writes the row's
+    fixed-point parts (those _x_parts_kernel makes of the row it wrote, bit for bit), the product reads them (no
+    parts launch of its own) and returns what it returns making them itself."""
+    import deltaserve.ops.linear as linear
+    from deltaserve.layers.quant.weight import QuantWeight
+    from deltaserve.ops.activation import cuda as activation_cuda
+    from deltaserve.ops.norm import cuda as norm_cuda
+
+    op = quant_gemm.int4_linear if fmt == "int4" else quant_gemm.nvfp4_linear
+    (n_up, k_up), (n_down, k_down), _, (n_out, k_out) = projections()[:4]
+    up, down, out = (QuantWeight(weights[(fmt, n, k)], op) for n, k in ((n_up, k_up), (n_down, k_down), (n_out, k_out)))
+    spec = up.dp4a_input(1)
+    assert spec is not None and down.dp4a_input(1) == spec and out.dp4a_input(1) == spec, "the table's dp4a tiles"
+    x, res, gate_up = activations(1, k_up), activations(1, k_up, seed=4), activations(1, 2 * k_down, seed=5)
+    heads, gate = (activations(1, k_out, seed=s).view(1, k_out // 128, 128) for s in (7, 8))
+    norm_w, head_w = activations(1, k_up, seed=3)[0] * 0.1, activations(1, 128, seed=6)[0] * 0.1
+    written = [norm_cuda.rms_norm(x, norm_w, 1e-6, res, dp4a=spec)[0],
+               activation_cuda.silu_and_mul(gate_up, dp4a=spec),
+               norm_cuda.gated_rms_norm(heads, gate, head_w, 1e-6, dp4a=spec)]
+    for act in written:
+        for mine, theirs in zip((act.parts, act.x_scale, act.v_sum), cuda_gemv.x_parts(act.x, *spec, {})):
+            assert torch.equal(mine, theirs)
+    fused = [linear.rms_norm_linear(x, norm_w, 1e-6, up, res)[0], linear.silu_mul_linear(gate_up, down),
+             linear.gated_norm_linear(heads, gate, head_w, 1e-6, out)]
+    for name, weight, act, got in zip(("gate/up", "down", "GDN out"), (up, down, out), written, fused):
+        assert torch.equal(got, weight.matmul(act)), name
+        assert torch.equal(got, weight.matmul(act.x)), f"{name}: the product making its own parts"
+
+
 def test_warm_up_compiles_every_variant(weights):
     """warm_up runs every row count, and reserves the weight-only prefill's scratch for the largest weight (a
     later "cublas" product writes its bf16 copy there, not into memory of its own)."""

@@ -400,6 +400,108 @@ def test_nvfp4_one_row_dp4a(dtype, per_row, block_k, split_k, steps):
     oracle.assert_within(got, y64, oracle.nvfp4_dp4a_bound(x, w, y64, steps[1]), "nvfp4 dp4a gemv")
 
 
+DP4A_FORMATS = [("int4", 128, False), ("int4", 32, False), ("nvfp4", 16, True)]  # format, group, low_high
+
+
+@pytest.mark.parametrize("fmt,group,low_high", DP4A_FORMATS)
+@pytest.mark.parametrize("residual", [False, True])
+def test_prologues_write_the_dp4a_parts(fmt, group, low_high, residual):
+    """The RMS norm, silu_and_mul and gated RMS norm kernels asked for a row's fixed-point parts (a Dp4aActivation)
+    write the row as without and the parts that _x_parts_kernel makes of that row, bit for bit: a norm row of 384
+    columns (a 512-wide block: masked groups past it), silu's 2,304 (a second column block, partly masked), the
+    gated norm's 3 heads of 128 (a program a head). fp16: the interpreter has no bf16 arithmetic."""
+    from deltaserve.ops.activation import cuda as activation_cuda
+    from deltaserve.ops.norm import cuda as norm_cuda
+
+    gen = torch.Generator().manual_seed(group + residual)
+    dtype = torch.float16
+    x, w = activations(1, 384, dtype, gen), (torch.randn(384, generator=gen) * 0.1).to(dtype)
+    res = activations(1, 384, dtype, gen) if residual else None
+    plain = norm_cuda.rms_norm(x, w, 1e-6, res)
+    written = norm_cuda.rms_norm(x, w, 1e-6, res, dp4a=(group, low_high))
+    if residual:
+        (plain, h), (written, h_written) = plain, written
+        assert torch.equal(h, h_written)
+    gate_up = activations(1, 2 * 2304, dtype, gen)
+    heads, gate = (activations(1, 3 * 128, dtype, gen).view(1, 3, 128) for _ in range(2))
+    head_w = (torch.randn(128, generator=gen) * 0.1).to(dtype)
+    cases = [("norm", written, plain),
+             ("silu", activation_cuda.silu_and_mul(gate_up, dp4a=(group, low_high)),
+              activation_cuda.silu_and_mul(gate_up)),
+             ("gated norm", norm_cuda.gated_rms_norm(heads, gate, head_w, 1e-6, dp4a=(group, low_high)),
+              norm_cuda.gated_rms_norm(heads, gate, head_w, 1e-6).reshape(1, 3 * 128))]
+    for name, got, row in cases:
+        assert isinstance(got, ref.Dp4aActivation) and (got.group, got.low_high) == (group, low_high), name
+        # the norm's variant may sum its squares in another order: its row within a rounding of the plain one's
+        assert torch.equal(got.x, row) or name == "norm" and torch.allclose(got.x, row, rtol=2.0**-10, atol=0), name
+        for mine, theirs in zip((got.parts, got.x_scale, got.v_sum), cuda_gemv.x_parts(got.x, group, low_high, {})):
+            assert torch.equal(mine, theirs), name
+    with pytest.raises(ValueError, match="one unquantized row"):
+        norm_cuda.rms_norm(activations(2, 384, dtype, gen), w, 1e-6, dp4a=(group, low_high))
+    with pytest.raises(ValueError, match="one token"):
+        norm_cuda.gated_rms_norm(heads.expand(2, 3, 128), gate.expand(2, 3, 128), head_w, 1e-6, dp4a=(group, False))
+
+
+@pytest.mark.parametrize("fmt,group,low_high", DP4A_FORMATS)
+def test_projections_read_the_parts_their_prologue_wrote(fmt, group, low_high, monkeypatch):
+    """ops.linear's norm, SiLU and gated-norm projections onto an int4 / NVFP4 QuantWeight whose one-row product
+    runs a dp4a kernel (the GPU check patched, the table naming dp4a tiles): the prologue writes the parts and
+    _x_parts_kernel is not launched, the result that of the plain op then the product, bit for bit. A SplitWeight
+    of such a part and a plain one (GDN's in-projection) gives its plain part the row; one with a second such part
+    not on a dp4a tile asks for none. A float-kernel tile, or two rows, reads no parts."""
+    import deltaserve.ops.linear as linear
+    from deltaserve.layers.quant.weight import QuantWeight, SplitWeight
+    from deltaserve.ops.activation import cuda as activation_cuda
+    from deltaserve.ops.norm import cuda as norm_cuda
+
+    gen = torch.Generator().manual_seed(group)
+    dtype = torch.float16
+
+    def weight(n, k):
+        if fmt == "int4":
+            return QuantWeight(int4_weight(n, k, group, False, False, gen), quant_gemm.int4_linear)
+        return QuantWeight(nvfp4_weight(n, k, True, gen), quant_gemm.nvfp4_linear)
+
+    up, down, out = weight(40, 256), weight(24, 512), weight(16, 384)
+    dp4a = dict(kind="gemv", block_n=8, block_k=128, split_k=2, warps=1, stages=1, dp4a=1)
+    table = {f"{fmt}:{n}:{k}:1": dp4a for n, k in ((40, 256), (24, 512), (16, 384))}
+    monkeypatch.setattr(linear, "_on_gpu", lambda t: True)
+    monkeypatch.setattr(quant_gemm, "_kernels_serve", lambda t: True)
+    monkeypatch.setattr(configs, "tuned_table", lambda: table)
+    launches = []
+    real_x_parts = cuda_gemv.x_parts
+    monkeypatch.setattr(cuda_gemv, "x_parts", lambda *a: launches.append(1) or real_x_parts(*a))
+    assert up.dp4a_input(1) == (group, low_high) and up.dp4a_input(2) is None
+    x, res = activations(1, 256, dtype, gen), activations(1, 256, dtype, gen)
+    norm_w = (torch.randn(256, generator=gen) * 0.1).to(dtype)
+    plain = (torch.randn(8, 256, generator=gen) * 0.05).to(dtype)
+    split = SplitWeight((up, plain))
+    assert split.dp4a_input(1) == (group, low_high)
+    assert SplitWeight((up, weight(8, 256))).dp4a_input(1) is None  # a part on a kernel that reads no parts
+    y, h = linear.rms_norm_linear(x, norm_w, 1e-6, up, res)
+    blocks, _ = linear.rms_norm_linear(x, norm_w, 1e-6, split, res, blocks=True)
+    gate_up = activations(1, 1024, dtype, gen)
+    y_down = linear.silu_mul_linear(gate_up, down)
+    heads, gate = (activations(1, 384, dtype, gen).view(1, 3, 128) for _ in range(2))
+    head_w = (torch.randn(128, generator=gen) * 0.1).to(dtype)
+    y_out = linear.gated_norm_linear(heads, gate, head_w, 1e-6, out)
+    assert launches == []
+    normed = norm_cuda.rms_norm(x, norm_w, 1e-6, res, dp4a=(group, low_high))[0].x  # the row the prologue wrote
+    assert torch.equal(h, norm_cuda.rms_norm(x, norm_w, 1e-6, res)[1])
+    assert torch.equal(y, up.matmul(normed)) and torch.equal(blocks[0], y)
+    assert torch.equal(blocks[1], linear.matmul(normed, plain))
+    assert torch.equal(y_down, down.matmul(activation_cuda.silu_and_mul(gate_up)))
+    assert torch.equal(y_out, out.matmul(norm_cuda.gated_rms_norm(heads, gate, head_w, 1e-6).reshape(1, 384)))
+    assert len(launches) == 3  # the three quantized products above made their own parts
+    table.update({key: dict(dp4a, dp4a=0) for key in table} if fmt == "int4" else {})
+    if fmt == "int4":  # the float one-row kernel reads the row
+        assert up.dp4a_input(1) is None
+        launches.clear()
+        assert torch.equal(linear.rms_norm_linear(x, norm_w, 1e-6, up, res)[0], up.matmul(normed)) and not launches
+        assert torch.equal(up.matmul(norm_cuda.rms_norm(x, norm_w, 1e-6, dp4a=(group, low_high))),
+                           up.matmul(norm_cuda.rms_norm(x, norm_w, 1e-6)))
+
+
 def test_prmt_looks_bytes_up_as_ptx_does():
     """The interpreter's prmt (the kernels' PTX elsewhere) against the PTX manual's default mode, every selector
     nibble: byte (nibble & 7) of the table, or its top bit repeated where the nibble's bit 3 is set."""

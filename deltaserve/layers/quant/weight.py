@@ -6,8 +6,9 @@ in Qwen's FP8 checkpoints, or quantized blocks whose scales do not line up): its
 side by side. Both have `.shape` ([N, K]), `.matmul(x)`, `.dequantize(dtype)` and `.nbytes`, and `ops.linear`
 dispatches any weight that is not a plain tensor to its `.matmul` after the prologue op (norm, SiLU, gated norm);
 an FP8 QuantWeight's `fp8_input_block` lets the norm or SiLU kernel hand it the activation quantized (a
-SplitWeight's too: the norm then keeps the unquantized rows for its other parts), and `SplitWeight.matmul_blocks`
-returns the parts' products without the copy that joins them.
+SplitWeight's too: the norm then keeps the unquantized rows for its other parts), an int4 / NVFP4 one's `dp4a_input`
+lets it hand one row with the fixed-point parts its dp4a GEMV reads, and `SplitWeight.matmul_blocks` returns the
+parts' products without the copy that joins them.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ class QuantWeight:
         return self.prepared.nbytes
 
     def matmul(self, x) -> torch.Tensor:
-        """x: [M, K] (for FP8 also an ops.quant_gemm Fp8Activation) -> x @ W^T: [M, N] in x.dtype."""
+        """x: [M, K] (for FP8 also an ops.quant_gemm Fp8Activation, for int4 / NVFP4 a Dp4aActivation) -> x @ W^T:
+        [M, N] in x.dtype."""
         return self.op(x, self.prepared)
 
     @property
@@ -54,6 +56,20 @@ class QuantWeight:
         from deltaserve.ops import quant_gemm
 
         return quant_gemm.fp8_input_block(self.prepared, rows) if self.is_fp8 else None
+
+    @property
+    def takes_dp4a(self) -> bool:
+        """Whether this is an int4 / NVFP4 weight multiplied by its op (which may take a Dp4aActivation)."""
+        from deltaserve.ops import quant_gemm
+
+        return self.op in (quant_gemm.int4_linear, quant_gemm.nvfp4_linear)
+
+    def dp4a_input(self, rows: int) -> tuple[int, bool] | None:
+        """For an int4 / NVFP4 weight, (group, low_high) of the fixed-point parts its product at `rows` rows reads
+        (ops.quant_gemm.dp4a_input); None otherwise."""
+        from deltaserve.ops import quant_gemm
+
+        return quant_gemm.dp4a_input(self.prepared, rows) if self.takes_dp4a else None
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return self.prepared.dequantize(dtype)
@@ -85,15 +101,24 @@ class SplitWeight:
         blocks = {part.fp8_input_block(rows) for part in self.parts if _is_fp8(part)}
         return blocks.pop() if len(blocks) == 1 and None not in blocks else None
 
+    def dp4a_input(self, rows: int) -> tuple[int, bool] | None:
+        """The fixed-point parts (group, low_high) that the int4 / NVFP4 parts' products at `rows` rows read, where
+        they all read the same (QuantWeight.dp4a_input; the other parts read the row itself); None otherwise."""
+        specs = {part.dp4a_input(rows) for part in self.parts if _takes_dp4a(part)}
+        return specs.pop() if len(specs) == 1 and None not in specs else None
+
     def matmul(self, x) -> torch.Tensor:
         """x: [M, K] (or an Fp8Activation, see matmul_blocks) -> [M, sum n_i]."""
         return torch.cat(self.matmul_blocks(x), dim=-1)
 
     def matmul_blocks(self, x) -> tuple[torch.Tensor, ...]:
         """x: [M, K] -> the parts' products [M, n_i], not joined. x may be an Fp8Activation of the block
-        `fp8_input_block` named: the FP8 parts read it, the others its `unquantized`."""
-        from deltaserve.ops.quant_gemm.reference import Fp8Activation
+        `fp8_input_block` named: the FP8 parts read it, the others its `unquantized`; or a Dp4aActivation: the int4
+        / NVFP4 parts read it, the others its row."""
+        from deltaserve.ops.quant_gemm.reference import Dp4aActivation, Fp8Activation
 
+        if isinstance(x, Dp4aActivation):
+            return tuple(matmul(x if _takes_dp4a(part) else x.x, part) for part in self.parts)
         if not isinstance(x, Fp8Activation):
             return tuple(matmul(x, part) for part in self.parts)
         if x.unquantized is None and self.reads_unquantized:
@@ -107,6 +132,10 @@ class SplitWeight:
 
 def _is_fp8(part) -> bool:
     return isinstance(part, QuantWeight) and part.is_fp8
+
+
+def _takes_dp4a(part) -> bool:
+    return isinstance(part, QuantWeight) and part.takes_dp4a
 
 
 def fuse_quantized(scheme_parts: list[tuple[Scheme, dict[str, torch.Tensor], int]], k: int, device):

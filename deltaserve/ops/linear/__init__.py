@@ -10,7 +10,8 @@ the prologue op and cuBLAS. Elsewhere (the CPU, float32, larger batches) the unf
 
 A weight that is not a plain tensor (a quantized one, layers/quant/weight.py) runs the prologue op and then its
 own `.matmul` (the ops.quant_gemm kernels); before an FP8 product that would quantize its activation first the
-norm or SiLU kernel writes it quantized as that product reads it, so that its quantize kernel is not launched.
+norm or SiLU kernel writes it quantized as that product reads it, so that its quantize kernel is not launched, and
+before a one-row int4 / NVFP4 product on a dp4a kernel it writes the row's fixed-point parts besides the row.
 """
 
 import torch
@@ -84,6 +85,14 @@ def _fp8_input_block(x, weight, keeps_unquantized: bool = False) -> int:
     return takes(x.shape[0]) or 0
 
 
+def _dp4a_input(x, weight, rows: int) -> tuple[int, bool] | None:
+    """The fixed-point parts (group, low_high) that `weight`'s product at `rows` rows reads (an int4 / NVFP4
+    QuantWeight, or a SplitWeight's such parts, on a one-row dp4a kernel), which the prologue kernel may write;
+    None otherwise."""
+    takes = getattr(weight, "dp4a_input", None)
+    return takes(rows) if takes is not None and _on_gpu(x) else None
+
+
 def rms_norm_linear(x, norm_weight, eps: float, weight, residual=None, blocks: bool = False):
     """See `reference.rms_norm_linear`. Before an FP8 product that would quantize its activation first, the norm
     kernel writes it quantized instead (one launch and a pass over the activation fewer; beside a SplitWeight's
@@ -102,6 +111,12 @@ def rms_norm_linear(x, norm_weight, eps: float, weight, residual=None, blocks: b
             return product(norm_cuda.rms_norm(x, norm_weight, eps, quant_block=block_k, keep_unquantized=keep), weight)
         act, h = norm_cuda.rms_norm(x, norm_weight, eps, residual, quant_block=block_k, keep_unquantized=keep)
         return product(act, weight), h
+    if x.dim() == 2 and (parts := _dp4a_input(x, weight, x.shape[0])):
+        from deltaserve.ops.norm import cuda as norm_cuda
+        if residual is None:
+            return product(norm_cuda.rms_norm(x, norm_weight, eps, dp4a=parts), weight)
+        act, h = norm_cuda.rms_norm(x, norm_weight, eps, residual, dp4a=parts)
+        return product(act, weight), h
     return reference.rms_norm_linear(x, norm_weight, eps, weight, residual, matmul=product)
 
 
@@ -113,6 +128,9 @@ def silu_mul_linear(x, weight):
     if x.dim() == 2 and (block_k := _fp8_input_block(x, weight)):
         from deltaserve.ops.activation import cuda as activation_cuda
         return weight.matmul(activation_cuda.silu_and_mul(x, quant_block=block_k))
+    if x.dim() == 2 and (parts := _dp4a_input(x, weight, x.shape[0])):
+        from deltaserve.ops.activation import cuda as activation_cuda
+        return weight.matmul(activation_cuda.silu_and_mul(x, dp4a=parts))
     return reference.silu_mul_linear(x, weight, matmul=matmul)
 
 
@@ -125,7 +143,17 @@ def gated_norm_linear(x, gate, norm_weight, eps: float, weight):
     if x.dim() == 3 and _fp8_input_block(x, weight) == x.shape[-1]:
         from deltaserve.ops.norm import cuda as norm_cuda
         return weight.matmul(norm_cuda.gated_rms_norm(x, gate, norm_weight, eps, quant_block=x.shape[-1]))
+    if x.dim() == 3 and (parts := _dp4a_input(x, weight, x.shape[0])) and _gated_parts_fit(x, parts[0]):
+        from deltaserve.ops.norm import cuda as norm_cuda
+        return weight.matmul(norm_cuda.gated_rms_norm(x, gate, norm_weight, eps, dp4a=parts))
     return reference.gated_norm_linear(x, gate, norm_weight, eps, weight, matmul=matmul)
+
+
+def _gated_parts_fit(x, group: int) -> bool:
+    """Whether the gated norm writes fixed-point parts in groups of `group` for x [T, H, D]: one token, D a power
+    of two that the group divides."""
+    d = x.shape[-1]
+    return x.shape[0] == 1 and d & (d - 1) == 0 and d % group == 0
 
 
 def skinny_warm_up_rows() -> list[int]:

@@ -17,7 +17,8 @@ from deltaserve.ops import pdl
 from deltaserve.ops.pdl import wait_for_previous_kernel
 from deltaserve.ops.quant_gemm.cuda_fp8 import (FP8_AMAX_FLOOR, FP8_MAX, fp8_row_buffers, quantize_block,
                                                 store_fp8_row)
-from deltaserve.ops.quant_gemm.reference import Fp8Activation
+from deltaserve.ops.quant_gemm.cuda_gemv import store_x_parts, x_parts_buffers
+from deltaserve.ops.quant_gemm.reference import Dp4aActivation, Fp8Activation
 
 # Elements per gated-norm program: 16 rows of 128, 16 per thread for 4 warps; rows of 2048 or more go one a
 # program, as rms_norm's do.
@@ -25,12 +26,15 @@ _GATED_TILE = 2048
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, sx_ptr, y_kept_ptr, D, x_stride, res_stride, y_stride,
-                     eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, QUANT_BK: tl.constexpr = 0,
-                     KEEP_Y: tl.constexpr = False, PDL: tl.constexpr = False):
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, sx_ptr, y_kept_ptr, parts_ptr, x_scale_ptr, v_sum_ptr,
+                     D, x_stride, res_stride, y_stride, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+                     QUANT_BK: tl.constexpr = 0, KEEP_Y: tl.constexpr = False, PARTS_GROUP: tl.constexpr = 0,
+                     PARTS_LOW_HIGH: tl.constexpr = False, PDL: tl.constexpr = False):
     """One row a program. QUANT_BK > 0: y_ptr takes the normed row's e4m3 codes and sx_ptr [D / QUANT_BK, rows]
     its scales per QUANT_BK columns (quant_gemm.cuda_fp8's activation quantization of the row rounded to x's
-    dtype), in place of the row; KEEP_Y: y_kept_ptr [rows, D] takes the row as well."""
+    dtype), in place of the row; KEEP_Y: y_kept_ptr [rows, D] takes the row as well. PARTS_GROUP > 0 (one row, D a
+    multiple of it): parts_ptr, x_scale_ptr, v_sum_ptr take the row's fixed-point parts for the dp4a GEMVs
+    (cuda_gemv.store_x_parts) besides the row."""
     wait_for_previous_kernel(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -49,14 +53,20 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, sx_ptr, y_kept_p
             tl.store(y_kept_ptr + row * D + cols, y, mask=mask)
     else:
         tl.store(y_ptr + row * y_stride + cols, y, mask=mask)
+    if PARTS_GROUP:  # the columns past D are 0, in groups past D / PARTS_GROUP, which are not stored
+        store_x_parts(tl.reshape(y.to(tl.float32), [BLOCK // PARTS_GROUP, PARTS_GROUP]), parts_ptr, x_scale_ptr,
+                      v_sum_ptr, 0, D // PARTS_GROUP, D // 8, BLOCK // PARTS_GROUP, PARTS_GROUP, PARTS_LOW_HIGH)
 
 
 @triton.jit(do_not_specialize=["num_rows"])  # the step's token count: one compiled variant for every step
-def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, y_ptr, sx_ptr, num_rows, heads, D, x_tok_stride, x_head_stride,
-                           g_tok_stride, g_head_stride, eps, BLOCK_ROWS: tl.constexpr, BLOCK: tl.constexpr,
-                           QUANT: tl.constexpr = False, PDL: tl.constexpr = False):
+def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, y_ptr, sx_ptr, parts_ptr, x_scale_ptr, v_sum_ptr, num_rows, heads, D,
+                           x_tok_stride, x_head_stride, g_tok_stride, g_head_stride, eps, BLOCK_ROWS: tl.constexpr,
+                           BLOCK: tl.constexpr, QUANT: tl.constexpr = False, PARTS_GROUP: tl.constexpr = 0,
+                           PARTS_LOW_HIGH: tl.constexpr = False, PDL: tl.constexpr = False):
     """Rows r of [T * H, D] (token r // H, head r % H), BLOCK_ROWS per program; y is contiguous. QUANT (D = BLOCK,
-    the FP8 product's scale block): y_ptr takes the rows' e4m3 codes and sx_ptr [H, T] a scale a row."""
+    the FP8 product's scale block): y_ptr takes the rows' e4m3 codes and sx_ptr [H, T] a scale a row. PARTS_GROUP
+    (one token, D = BLOCK a multiple of it): parts_ptr, x_scale_ptr, v_sum_ptr take the fixed-point parts of the
+    token's [H * D] row for the dp4a GEMVs (cuda_gemv.store_x_parts) besides the rows."""
     wait_for_previous_kernel(PDL)
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # [BLOCK_ROWS]
     cols = tl.arange(0, BLOCK)  # [BLOCK]
@@ -79,6 +89,11 @@ def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, y_ptr, sx_ptr, num_rows, heads, 
         tl.store(sx_ptr + head * (num_rows // heads) + tok, s, mask=rows < num_rows)
     else:
         tl.store(y_ptr + rows[:, None] * D + cols[None, :], y, mask=mask)
+    if PARTS_GROUP:  # this program's rows (heads) are groups tl.program_id(0) * GROUPS .. of the token's row
+        GROUPS: tl.constexpr = BLOCK_ROWS * BLOCK // PARTS_GROUP
+        store_x_parts(tl.reshape(y.to(tl.float32), [GROUPS, PARTS_GROUP]), parts_ptr, x_scale_ptr, v_sum_ptr,
+                      tl.program_id(0) * GROUPS, num_rows * BLOCK // PARTS_GROUP, num_rows * BLOCK // 8, GROUPS,
+                      PARTS_GROUP, PARTS_LOW_HIGH)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -97,22 +112,31 @@ def _warps(block: int) -> int:
     return 4 if block <= 2048 else 8 if block <= 8192 else 16
 
 
-def rms_norm(x, weight, eps, residual=None, quant_block: int = 0, keep_unquantized: bool = False):
+def rms_norm(x, weight, eps, residual=None, quant_block: int = 0, keep_unquantized: bool = False,
+             dp4a: tuple[int, bool] | None = None):
     """See reference.rms_norm. quant_block > 0 (x [M, D]): the normed rows come back quantized for an FP8 product,
     an Fp8Activation with scales per quant_block columns (what quant_gemm.fp8_input_block asked for), not as y;
-    keep_unquantized: with y as well, as its `unquantized` (for a product beside the FP8 one that reads it)."""
+    keep_unquantized: with y as well, as its `unquantized` (for a product beside the FP8 one that reads it).
+    dp4a (group, low_high; x [1, D]): y comes back with its fixed-point parts, a Dp4aActivation (what
+    quant_gemm.dp4a_input asked for)."""
     shape, D = x.shape, x.shape[-1]
     x2 = _rows(x)
+    if dp4a and (quant_block or x2.shape[0] != 1 or D % dp4a[0]):
+        raise ValueError(f"fixed-point parts are written for one unquantized row whose {D} columns the group "
+                         f"{dp4a[0]} divides, got rows of {tuple(x.shape)} and quant_block {quant_block}")
     if quant_block:
         y, sx = fp8_row_buffers(x2, quant_block)
     else:
         y = sx = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     kept = torch.empty(x2.shape, dtype=x.dtype, device=x.device) if quant_block and keep_unquantized else y
+    parts = x_parts_buffers(D, dp4a[0], x.device) if dp4a else (y, y, y)
     block = max(triton.next_power_of_2(D), quant_block)  # whole scale groups a row
-    launch = dict(BLOCK=block, QUANT_BK=quant_block, KEEP_Y=kept is not y, num_warps=_warps(block),
-                  **pdl.launch_args(x.device))
+    launch = dict(BLOCK=block, QUANT_BK=quant_block, KEEP_Y=kept is not y, PARTS_GROUP=dp4a[0] if dp4a else 0,
+                  PARTS_LOW_HIGH=bool(dp4a and dp4a[1]), num_warps=_warps(block), **pdl.launch_args(x.device))
 
     def result(y):
+        if dp4a:
+            return Dp4aActivation(y, *parts, *dp4a)
         if not quant_block:
             return y.view(shape)
         return Fp8Activation(y, sx, quant_block, x.dtype, unquantized=kept if kept is not y else None)
@@ -120,10 +144,10 @@ def rms_norm(x, weight, eps, residual=None, quant_block: int = 0, keep_unquantiz
     if residual is not None:
         r2 = _rows(residual)
         h = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-        _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, y, h, sx, kept, D, x2.stride(0), r2.stride(0), y.stride(0),
-                                         eps, HAS_RESIDUAL=True, **launch)
+        _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, y, h, sx, kept, *parts, D, x2.stride(0), r2.stride(0),
+                                         y.stride(0), eps, HAS_RESIDUAL=True, **launch)
         return result(y), h.view(shape)
-    _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, y, y, sx, kept, D, x2.stride(0), 0, y.stride(0), eps,
+    _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, y, y, sx, kept, *parts, D, x2.stride(0), 0, y.stride(0), eps,
                                      HAS_RESIDUAL=False, **launch)
     return result(y)
 
@@ -146,26 +170,35 @@ def gated_norm_warm_up_token_counts(heads: int, dim: int, max_tokens: int) -> li
     return sorted(first_of_variant.values())
 
 
-def gated_rms_norm(x, gate, weight, eps, quant_block: int = 0):
+def gated_rms_norm(x, gate, weight, eps, quant_block: int = 0, dp4a: tuple[int, bool] | None = None):
     """See reference.gated_rms_norm. x, gate: [T, H, D] with unit last strides, read in place whatever their
     token and head strides (other ranks as rows of D). Returns y contiguous in x's shape; with quant_block = D
-    (x [T, H, D]) the rows as [T, H * D] quantized for an FP8 product instead, an Fp8Activation of scale block D."""
+    (x [T, H, D]) the rows as [T, H * D] quantized for an FP8 product instead, an Fp8Activation of scale block D;
+    with dp4a (group, low_high; x [1, H, D], D a power of two the group divides) the row [1, H * D] with its
+    fixed-point parts, a Dp4aActivation (what quant_gemm.dp4a_input asked for)."""
     if gate.shape != x.shape:
         raise ValueError(f"gate must have x's shape {tuple(x.shape)}, got {tuple(gate.shape)}")
     D = x.shape[-1]
     if quant_block and (quant_block != D or x.dim() != 3):
         raise ValueError(f"quantized rows need x [T, H, D] with D = the scale block {quant_block}, got "
                          f"{tuple(x.shape)}")
+    if dp4a and (quant_block or x.dim() != 3 or x.shape[0] != 1 or D & (D - 1) or D % dp4a[0]):
+        raise ValueError(f"fixed-point parts are written for one token's unquantized heads [1, H, D], D a power of "
+                         f"two the group {dp4a[0]} divides, got {tuple(x.shape)} and quant_block {quant_block}")
     x3, g3 = _heads(x), _heads(gate)
     num_rows = x3.shape[0] * x3.shape[1]
     if quant_block:
         y, sx = fp8_row_buffers(x3.reshape(x3.shape[0], -1), quant_block)
     else:
         y = sx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    parts = x_parts_buffers(num_rows * D, dp4a[0], x.device) if dp4a else (y, y, y)
     block = triton.next_power_of_2(D)
     block_rows = _gated_block_rows(num_rows, block)
     _gated_rms_norm_kernel[(triton.cdiv(num_rows, block_rows),)](
-        x3, g3, weight, y, sx, num_rows, x3.shape[1], D, x3.stride(0), x3.stride(1), g3.stride(0), g3.stride(1),
-        eps, BLOCK_ROWS=block_rows, BLOCK=block, QUANT=bool(quant_block), num_warps=_warps(block_rows * block),
-        **pdl.launch_args(x.device))
+        x3, g3, weight, y, sx, *parts, num_rows, x3.shape[1], D, x3.stride(0), x3.stride(1), g3.stride(0),
+        g3.stride(1), eps, BLOCK_ROWS=block_rows, BLOCK=block, QUANT=bool(quant_block),
+        PARTS_GROUP=dp4a[0] if dp4a else 0, PARTS_LOW_HIGH=bool(dp4a and dp4a[1]),
+        num_warps=_warps(block_rows * block), **pdl.launch_args(x.device))
+    if dp4a:
+        return Dp4aActivation(y.view(1, num_rows * D), *parts, *dp4a)
     return Fp8Activation(y, sx, quant_block, x.dtype) if quant_block else y

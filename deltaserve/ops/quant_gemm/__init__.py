@@ -13,12 +13,12 @@ plain-torch reference runs.
 import torch
 
 from deltaserve.ops.quant_gemm import configs, reference
-from deltaserve.ops.quant_gemm.reference import (Fp8BlockWeight, Int4Weight, Nvfp4Weight, fp8_block_quantize,
-                                                 prepare_fp8_block, prepare_int4, prepare_nvfp4)
+from deltaserve.ops.quant_gemm.reference import (Dp4aActivation, Fp8BlockWeight, Int4Weight, Nvfp4Weight,
+                                                 fp8_block_quantize, prepare_fp8_block, prepare_int4, prepare_nvfp4)
 
-__all__ = ["Fp8BlockWeight", "Int4Weight", "Nvfp4Weight", "fp8_block_linear", "fp8_block_quantize", "fp8_input_block",
-           "int4_linear", "nvfp4_linear", "prepare_fp8_block", "prepare_int4", "prepare_nvfp4", "warm_up",
-           "warm_up_rows"]
+__all__ = ["Dp4aActivation", "Fp8BlockWeight", "Int4Weight", "Nvfp4Weight", "dp4a_input", "fp8_block_linear",
+           "fp8_block_quantize", "fp8_input_block", "int4_linear", "nvfp4_linear", "prepare_fp8_block", "prepare_int4",
+           "prepare_nvfp4", "warm_up", "warm_up_rows"]
 
 
 def _kernels_serve(x: torch.Tensor) -> bool:
@@ -87,13 +87,27 @@ def fp8_block_linear(x, w: Fp8BlockWeight):
     return cuda_fp8.gemm(x, w, config)
 
 
-def _weight_only(fmt: str, x, w):
+def dp4a_input(w, rows: int) -> tuple[int, bool] | None:
+    """(group, low_high) of the fixed-point parts of x (a Dp4aActivation) that the CUDA product of an int4 / NVFP4
+    weight at `rows` rows reads, making them by a kernel of its own first where they do not come with x (the
+    one-row dp4a GEMVs): the kernel before it may write them instead and save that launch. None where it reads
+    none."""
+    from deltaserve.ops.quant_gemm import cuda_gemv
+
+    if rows != 1 or not isinstance(w, (Int4Weight, Nvfp4Weight)):
+        return None
+    config = configs.config_for("int4" if isinstance(w, Int4Weight) else "nvfp4", *w.shape, rows)
+    return cuda_gemv.dp4a_input(w, config, rows) if config["kind"] == "gemv" else None
+
+
+def _weight_only(fmt: str, x, w, written: Dp4aActivation | None = None):
+    """x's product on the CUDA kernels the table names; written: x with its fixed-point parts (for a dp4a GEMV)."""
     from deltaserve.ops.quant_gemm import cuda_gemv, cuda_weight_only
 
     config = configs.config_for(fmt, *w.shape, x.shape[0])
     if config["kind"] == "gemv":
         if cuda_gemv.supports(w, config, x.shape[0]):
-            return cuda_gemv.gemv(x, w, config)
+            return cuda_gemv.gemv(written if written is not None else x, w, config)
         config = configs.skinny_config(*w.shape)
     if config["kind"] == "skinny":
         return cuda_weight_only.skinny(x, w, config)
@@ -103,15 +117,19 @@ def _weight_only(fmt: str, x, w):
 
 
 def int4_linear(x, w: Int4Weight):
-    """x [M, K] -> x @ dequant(w)^T [M, N] in x.dtype; see reference.int4_linear."""
+    """x [M, K] -> x @ dequant(w)^T [M, N] in x.dtype; see reference.int4_linear. x may be a Dp4aActivation (its
+    parts read where `dp4a_input` named them)."""
+    written, x = (x, x.x) if isinstance(x, Dp4aActivation) else (None, x)
     reference.check_input(x, w.shape[1])
-    return _weight_only("int4", x, w) if _kernels_serve(x) else reference.int4_linear(x, w)
+    return _weight_only("int4", x, w, written) if _kernels_serve(x) else reference.int4_linear(x, w)
 
 
 def nvfp4_linear(x, w: Nvfp4Weight):
-    """x [M, K] -> x @ dequant(w)^T [M, N] in x.dtype; see reference.nvfp4_linear."""
+    """x [M, K] -> x @ dequant(w)^T [M, N] in x.dtype; see reference.nvfp4_linear. x may be a Dp4aActivation, as
+    for int4_linear."""
+    written, x = (x, x.x) if isinstance(x, Dp4aActivation) else (None, x)
     reference.check_input(x, w.shape[1])
-    return _weight_only("nvfp4", x, w) if _kernels_serve(x) else reference.nvfp4_linear(x, w)
+    return _weight_only("nvfp4", x, w, written) if _kernels_serve(x) else reference.nvfp4_linear(x, w)
 
 
 def warm_up_rows() -> list[int]:

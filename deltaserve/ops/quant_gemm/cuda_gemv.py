@@ -41,7 +41,7 @@ import triton.language as tl
 
 from deltaserve.ops import pdl
 from deltaserve.ops.pdl import wait_for_previous_kernel
-from deltaserve.ops.quant_gemm.reference import Fp8Activation, Fp8BlockWeight, Int4Weight
+from deltaserve.ops.quant_gemm.reference import Dp4aActivation, Fp8Activation, Fp8BlockWeight, Int4Weight
 
 INT4: tl.constexpr = tl.constexpr(0)
 NVFP4: tl.constexpr = tl.constexpr(1)
@@ -181,35 +181,47 @@ def _bytes4(b0, b1, b2, b3):
 
 
 @triton.jit
-def _x_parts_kernel(x, parts, x_scale, v_sum, K_WORDS, GROUP: tl.constexpr, LOW_HIGH: tl.constexpr = False,
-                    PDL: tl.constexpr = False):
-    """Grid (K / GROUP,): group g of x [K] as 16-bit fixed point for the dp4a row kernels. x_scale[g] = 2^E, E the
-    group's floor(log2 max |x|) - 14 (at least -114: smaller groups round to ~0); v = round(x / 2^E) (|v| <= 32767),
-    split v = 256 hi + lo, hi's bytes signed and lo's not; parts [4, K/8] int32: per word j of the packed weight
-    (columns 8j .. 8j+7) the hi bytes of its even columns 8j, 8j+2, 8j+4, 8j+6 (row 0), of its odd ones (row 1), the
-    lo bytes alike (rows 2, 3), as dp4a pairs them with a word's nibbles 0 2 4 6 and 1 3 5 7 (int4); LOW_HIGH
-    (NVFP4): columns 8j .. 8j+3 in rows 0 and 2, 8j+4 .. 8j+7 in rows 1 and 3, as prmt makes bytes of a word's
-    nibbles 0-3 and 4-7; v_sum[g] = sum of v."""
-    wait_for_previous_kernel(PDL)
+def store_x_parts(xf, parts, x_scale, v_sum, g0, num_groups, K_WORDS, GROUPS: tl.constexpr, GROUP: tl.constexpr,
+                  LOW_HIGH: tl.constexpr):
+    """Groups g0 .. g0 + GROUPS - 1 of x (xf [GROUPS, GROUP] float32; groups from num_groups on not stored) as
+    16-bit fixed point for the dp4a row kernels. x_scale[g] = 2^E, E the group's floor(log2 max |x|) - 14 (at least
+    -114: smaller groups round to ~0); v = round(x / 2^E) (|v| <= 32767), split v = 256 hi + lo, hi's bytes signed
+    and lo's not; parts [4, K/8] int32: per word j of the packed weight (columns 8j .. 8j+7) the hi bytes of its
+    even columns 8j, 8j+2, 8j+4, 8j+6 (row 0), of its odd ones (row 1), the lo bytes alike (rows 2, 3), as dp4a
+    pairs them with a word's nibbles 0 2 4 6 and 1 3 5 7 (int4); LOW_HIGH (NVFP4): columns 8j .. 8j+3 in rows 0 and
+    2, 8j+4 .. 8j+7 in rows 1 and 3, as prmt makes bytes of a word's nibbles 0-3 and 4-7; v_sum[g] = sum of v.
+    Elementwise but for the max and the integer sum, so a group's outputs do not depend on GROUPS or the caller:
+    _x_parts_kernel and the norm / SiLU kernels that write them (Dp4aActivation) give the same bits."""
     WPG: tl.constexpr = GROUP // 8
-    g = tl.program_id(0)
-    xf = tl.load(x + g * GROUP + tl.arange(0, GROUP)).to(tl.float32)  # [GROUP]
-    top = tl.max(tl.abs(xf), axis=0)
+    top = tl.max(tl.abs(xf), axis=1)  # [GROUPS]
     e = tl.maximum(((top.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -100) - X_FRACTION_BITS
     inv = ((127 - e) << 23).to(tl.float32, bitcast=True)  # 2^-E, exact
-    v = tl.minimum(tl.floor(xf * inv + 0.5), 32767.0).to(tl.int32)  # [GROUP]
-    tl.store(x_scale + g, ((127 + e) << 23).to(tl.float32, bitcast=True))
-    tl.store(v_sum + g, tl.sum(v, axis=0))
-    c0, c1, c2, c3, c4, c5, c6, c7 = _split8(tl.reshape(v, [WPG, 8]))  # [WPG] each: column i of every word
+    v = tl.minimum(tl.floor(xf * inv[:, None] + 0.5), 32767.0).to(tl.int32)  # [GROUPS, GROUP]
+    gs = g0 + tl.arange(0, GROUPS)  # [GROUPS]
+    g_ok = gs < num_groups
+    tl.store(x_scale + gs, ((127 + e) << 23).to(tl.float32, bitcast=True), mask=g_ok)
+    tl.store(v_sum + gs, tl.sum(v, axis=1), mask=g_ok)
+    c0, c1, c2, c3, c4, c5, c6, c7 = _split8(tl.reshape(v, [GROUPS, WPG, 8]))  # [GROUPS, WPG]: column i of each word
     if LOW_HIGH:
         first, second = (c0, c1, c2, c3), (c4, c5, c6, c7)
     else:
         first, second = (c0, c2, c4, c6), (c1, c3, c5, c7)
-    out = parts + g * WPG + tl.arange(0, WPG)
-    tl.store(out, _bytes4(first[0] >> 8, first[1] >> 8, first[2] >> 8, first[3] >> 8))
-    tl.store(out + K_WORDS, _bytes4(second[0] >> 8, second[1] >> 8, second[2] >> 8, second[3] >> 8))
-    tl.store(out + 2 * K_WORDS, _bytes4(first[0], first[1], first[2], first[3]))
-    tl.store(out + 3 * K_WORDS, _bytes4(second[0], second[1], second[2], second[3]))
+    out = parts + gs[:, None] * WPG + tl.arange(0, WPG)[None, :]  # [GROUPS, WPG]
+    ok = g_ok[:, None]
+    tl.store(out, _bytes4(first[0] >> 8, first[1] >> 8, first[2] >> 8, first[3] >> 8), mask=ok)
+    tl.store(out + K_WORDS, _bytes4(second[0] >> 8, second[1] >> 8, second[2] >> 8, second[3] >> 8), mask=ok)
+    tl.store(out + 2 * K_WORDS, _bytes4(first[0], first[1], first[2], first[3]), mask=ok)
+    tl.store(out + 3 * K_WORDS, _bytes4(second[0], second[1], second[2], second[3]), mask=ok)
+
+
+@triton.jit
+def _x_parts_kernel(x, parts, x_scale, v_sum, K_WORDS, GROUP: tl.constexpr, LOW_HIGH: tl.constexpr = False,
+                    PDL: tl.constexpr = False):
+    """Grid (K / GROUP,): group g of x [K] as store_x_parts writes it."""
+    wait_for_previous_kernel(PDL)
+    g = tl.program_id(0)
+    xf = tl.load(x + g * GROUP + tl.arange(0, GROUP)).to(tl.float32)  # [GROUP]
+    store_x_parts(tl.reshape(xf, [1, GROUP]), parts, x_scale, v_sum, g, g + 1, K_WORDS, 1, GROUP, LOW_HIGH)
 
 
 @triton.jit
@@ -573,13 +585,17 @@ def _row_steps(k: int, group: int, config: dict) -> tuple[int, int] | None:
     return per_step, split
 
 
-def gemv(x: torch.Tensor | Fp8Activation, w, config: dict) -> torch.Tensor:
+def gemv(x: torch.Tensor | Fp8Activation | Dp4aActivation, w, config: dict) -> torch.Tensor:
     """x [M, K] -> [M, N] in x.dtype, M <= MAX_ROWS (FP8: one row; `supports(w, config, M)` first; the rows
     padded to a power of two: variants for 1, 2, 4, 8). config:
     block_n, block_k, warps, stages. Act order (int4 g_idx) gathers x's columns first. FP8 also takes x already
-    quantized (an Fp8Activation of the weight's scale block)."""
+    quantized (an Fp8Activation of the weight's scale block); int4 and NVFP4 a row with its fixed-point parts (a
+    Dp4aActivation), which the dp4a kernels read where they fit (`dp4a_input`) and the others ignore."""
     from deltaserve.ops.quant_gemm import cuda_fp8
 
+    written = None
+    if isinstance(x, Dp4aActivation):
+        written, x = (x if dp4a_input(w, config, x.shape[0]) == (x.group, x.low_high) else None), x.x
     n, k = w.shape
     m = x.shape[0]
     device = x.xq.device if isinstance(x, Fp8Activation) else x.device
@@ -601,10 +617,10 @@ def gemv(x: torch.Tensor | Fp8Activation, w, config: dict) -> torch.Tensor:
         if w.perm is not None:
             x = x.index_select(1, w.perm)
         if m == 1:
-            return _int4_row(x, w, config, out, launch)
+            return _int4_row(x, w, config, out, launch, written)
     else:
         if m == 1 and config.get("dp4a"):
-            return _nvfp4_dp4a_row(x, w, config, out, launch)
+            return _nvfp4_dp4a_row(x, w, config, out, launch, written)
         fmt, words, group, zero, scale_2 = NVFP4, w.packed.view(torch.int32), NVFP4_GROUP, None, w.scale_2
     block_k = _block_k(k, config["block_k"], group)
     _weight_only_gemv_kernel[grid](
@@ -615,10 +631,37 @@ def gemv(x: torch.Tensor | Fp8Activation, w, config: dict) -> torch.Tensor:
     return out
 
 
-def _int4_row(x: torch.Tensor, w: Int4Weight, config: dict, out: torch.Tensor, launch: dict) -> torch.Tensor:
+def dp4a_input(w, config: dict, rows: int) -> tuple[int, bool] | None:
+    """(group, low_high) of the fixed-point parts (a Dp4aActivation) that the product of w at `rows` rows by
+    `config` reads: one row of int4 without act order or of NVFP4 on a dp4a kernel; None where none does."""
+    if rows != 1 or not config.get("dp4a") or not supports(w, config, rows):
+        return None
+    if isinstance(w, Int4Weight):
+        return (w.group_size, False) if w.perm is None else None
+    return (NVFP4_GROUP, True) if not isinstance(w, Fp8BlockWeight) else None
+
+
+def x_parts(x: torch.Tensor, group: int, low_high: bool, launch: dict) -> tuple[torch.Tensor, ...]:
+    """(parts [4, K/8] int32, x_scale [K/group] float32, v_sum [K/group] int32) of the row x [1, K] by
+    _x_parts_kernel."""
+    k = x.shape[1]
+    parts, x_scale, v_sum = x_parts_buffers(k, group, x.device)
+    _x_parts_kernel[(k // group,)](x, parts, x_scale, v_sum, k // 8, GROUP=group, LOW_HIGH=low_high, **launch)
+    return parts, x_scale, v_sum
+
+
+def x_parts_buffers(k: int, group: int, device) -> tuple[torch.Tensor, ...]:
+    """Empty (parts, x_scale, v_sum) for a row of k columns in fixed-point groups of `group`."""
+    return (torch.empty(4, k // 8, dtype=torch.int32, device=device),
+            torch.empty(k // group, dtype=torch.float32, device=device),
+            torch.empty(k // group, dtype=torch.int32, device=device))
+
+
+def _int4_row(x: torch.Tensor, w: Int4Weight, config: dict, out: torch.Tensor, launch: dict,
+              written: Dp4aActivation | None = None) -> torch.Tensor:
     """out [1, N] = x [1, K] (columns in the packed order) @ dequant(w)^T by _int4_row_kernel, or with config's
-    "dp4a" by _x_parts_kernel and _int4_dp4a_row_kernel; split K sums its float32 partials in order by a
-    further kernel."""
+    "dp4a" by _int4_dp4a_row_kernel on x's parts (written's, else _x_parts_kernel's); split K sums its float32
+    partials in order by a further kernel."""
     n, k = w.shape
     group = w.group_size
     per_step, split = _row_steps(k, group, config)
@@ -630,11 +673,8 @@ def _int4_row(x: torch.Tensor, w: Int4Weight, config: dict, out: torch.Tensor, l
                   **launch)
     zero = w.zero if w.zero is not None else w.scale
     if config.get("dp4a"):
-        groups = k // group
-        parts = torch.empty(4, k // 8, dtype=torch.int32, device=x.device)
-        x_scale = torch.empty(groups, dtype=torch.float32, device=x.device)
-        v_sum = torch.empty(groups, dtype=torch.int32, device=x.device)
-        _x_parts_kernel[(groups,)](x, parts, x_scale, v_sum, k // 8, GROUP=group, **launch)
+        parts, x_scale, v_sum = ((written.parts, written.x_scale, written.v_sum) if written is not None
+                                 else x_parts(x, group, False, launch))
         _int4_dp4a_row_kernel[grid](
             parts, x_scale, v_sum, w.packed, w.scale, zero, out, partial, n, k // 8, k // group // split,
             w.packed.stride(0), w.scale.stride(0), **common)
@@ -645,18 +685,18 @@ def _int4_row(x: torch.Tensor, w: Int4Weight, config: dict, out: torch.Tensor, l
     return _summed_splits(partial, out, split, launch)
 
 
-def _nvfp4_dp4a_row(x: torch.Tensor, w, config: dict, out: torch.Tensor, launch: dict) -> torch.Tensor:
-    """out [1, N] = x [1, K] @ dequant(w)^T for NVFP4 by _x_parts_kernel (groups of 16, LOW_HIGH) and
-    _nvfp4_dp4a_row_kernel; split K sums its float32 partials in order by a further kernel."""
+def _nvfp4_dp4a_row(x: torch.Tensor, w, config: dict, out: torch.Tensor, launch: dict,
+                    written: Dp4aActivation | None = None) -> torch.Tensor:
+    """out [1, N] = x [1, K] @ dequant(w)^T for NVFP4 by _nvfp4_dp4a_row_kernel on x's parts (groups of 16,
+    LOW_HIGH: written's, else _x_parts_kernel's); split K sums its float32 partials in order by a further
+    kernel."""
     n, k = w.shape
     groups = k // NVFP4_GROUP
     per_step, split = _row_steps(k, NVFP4_GROUP, config)
     block_n = config["block_n"]
     words = w.packed.view(torch.int32)  # [N, K/8]: nibble i of word j is column 8j + i
-    parts = torch.empty(4, k // 8, dtype=torch.int32, device=x.device)
-    x_scale = torch.empty(groups, dtype=torch.float32, device=x.device)
-    v_sum = torch.empty(groups, dtype=torch.int32, device=x.device)
-    _x_parts_kernel[(groups,)](x, parts, x_scale, v_sum, k // 8, GROUP=NVFP4_GROUP, LOW_HIGH=True, **launch)
+    parts, x_scale, v_sum = ((written.parts, written.x_scale, written.v_sum) if written is not None
+                             else x_parts(x, NVFP4_GROUP, True, launch))
     partial = torch.empty(split, n, dtype=torch.float32, device=x.device) if split > 1 else out
     _nvfp4_dp4a_row_kernel[(triton.cdiv(n, block_n), split)](
         parts, x_scale, v_sum, words, w.scale, w.scale_2, out, partial, n, k // 8, groups // split, words.stride(0),

@@ -83,6 +83,24 @@ class Fp8Activation:
 
 
 @dataclass(frozen=True)
+class Dp4aActivation:
+    """One row of activation with x's 16-bit fixed-point parts, as the one-row dp4a GEMVs of int4 and NVFP4 read
+    them (ops.quant_gemm.cuda_gemv.store_x_parts), written by the kernel before the product (a norm or silu_and_mul)
+    instead of a kernel of their own."""
+
+    x: torch.Tensor  # [1, K] 16-bit: the activation itself (other products, and other kernels, read it)
+    parts: torch.Tensor  # [4, K/8] int32: hi / lo bytes of the fixed point, in the weight words' nibble order
+    x_scale: torch.Tensor  # [K/group] float32: 2^E of each group
+    v_sum: torch.Tensor  # [K/group] int32: each group's sum of the fixed-point values
+    group: int  # columns a fixed-point group (int4's group size, NVFP4's 16)
+    low_high: bool  # the parts' column order: NVFP4's (columns 0-3, 4-7 of a word) rather than int4's (even, odd)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.x.shape)
+
+
+@dataclass(frozen=True)
 class Fp8BlockWeight:
     weight: torch.Tensor  # [N, K] float8_e4m3fn, contiguous
     scale_inv: torch.Tensor  # [ceil(N/bn), ceil(K/bk)] float32, contiguous: W = weight * scale_inv[n // bn, k // bk]
