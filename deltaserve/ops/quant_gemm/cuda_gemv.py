@@ -10,7 +10,8 @@ serves all M rows of x (M FMAs a weight: the tensor-core skinny kernels take ove
 takes a kernel of its own (_int4_row_kernel): [BLOCK_N, groups, words] tiles in which a thread holds words of
 several rows, so that each x column it loads serves them all, and K split over a second grid axis, the float32
 partials summed in order after; or, where the table says "dp4a", _int4_dp4a_row_kernel, which dots the nibbles
-with x in 16-bit fixed point as integers (dp4a) after _x_parts_kernel has packed x so. NVFP4 at one row runs the
+with x in 16-bit fixed point as integers (dp4a) after _x_parts_kernel has packed x so (or the norm / SiLU kernel
+before the product did: a Dp4aActivation, store_x_parts in both). NVFP4 at one row runs the
 few-rows kernel, or with "dp4a" _nvfp4_dp4a_row_kernel: its codes looked up as bytes 12 + 2 e2m1 by prmt and
 dotted with x in the same fixed point (per 16 columns), 12 sum(v) taken off per group.
 
