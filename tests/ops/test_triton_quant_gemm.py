@@ -477,6 +477,7 @@ def test_projections_read_the_parts_their_prologue_wrote(fmt, group, low_high, m
     plain = (torch.randn(8, 256, generator=gen) * 0.05).to(dtype)
     split = SplitWeight((up, plain))
     assert split.dp4a_input(1) == (group, low_high)
+    table[f"{fmt}:8:256:1"] = dict(kind="gemv", block_n=8, block_k=128, warps=1, stages=1)  # the float kernels
     assert SplitWeight((up, weight(8, 256))).dp4a_input(1) is None  # a part on a kernel that reads no parts
     y, h = linear.rms_norm_linear(x, norm_w, 1e-6, up, res)
     blocks, _ = linear.rms_norm_linear(x, norm_w, 1e-6, split, res, blocks=True)

@@ -86,14 +86,11 @@ def default_config(fmt: str, n: int, k: int, rows: int) -> dict:
     well); up to 64 rows the skinny kernels, K split on narrow weights so that ~2 programs run per SM, FP8's
     activation quantized by its own kernel first; above, torch's block-scaled F.scaled_mm for FP8 and the
     dequantized weight through cuBLAS for int4 / NVFP4."""
-    if rows == 1 and fmt == "int4":  # the float kernel's best tiles at 27B's shapes (H200, 2026-12-04)
-        if n >= 32 * 264:  # wide: 32 rows on 2 warps put >= 2 programs on each SM without a K split
-            return {"kind": "gemv", "block_n": 32, "block_k": 128, "split_k": gemv_split_k(n, k, 32), "warps": 2,
-                    "stages": 4}
-        return {"kind": "gemv", "block_n": 128, "block_k": 128, "split_k": gemv_split_k(n, k, 128), "warps": 8,
-                "stages": 3}
-    if rows == 1 and (fmt != "fp8" or n <= 8192):  # fp8: [8, 1024] float32 products a program, as the bf16 GEMV
-        return {"kind": "gemv", "block_n": 8 if fmt == "fp8" else 16, "block_k": 1024, "warps": 4, "stages": 1}
+    if rows == 1 and fmt != "fp8":  # the dp4a kernels, which won at every 27B shape (H100, 2026-12-06)
+        return {"kind": "gemv", "block_n": 8, "block_k": 1024, "split_k": dp4a_split_k(n, k), "warps": 1,
+                "stages": 1, "dp4a": 1}
+    if rows == 1 and n <= 8192:  # fp8: [8, 1024] float32 products a program, as the bf16 GEMV
+        return {"kind": "gemv", "block_n": 8, "block_k": 1024, "warps": 4, "stages": 1}
     if rows <= 8 and fmt != "fp8":  # [rows, 8, 64] float32 sums a program
         return {"kind": "gemv", "block_n": 8, "block_k": 512, "warps": 4, "stages": 1}
     if rows <= SKINNY_MAX_ROWS:
@@ -105,6 +102,12 @@ def auto_split_k(n: int, k: int, block_n: int, block_k: int = 128) -> int:
     """K splits of the skinny kernel that put ~2 programs on each of an H200's 132 SMs (at most 8, each split
     at least 4 K blocks long)."""
     return max(1, min(8, 264 // -(-n // block_n), k // (4 * block_k)))
+
+
+def dp4a_split_k(n: int, k: int) -> int:
+    """K splits of the default one-row dp4a GEMV (8 rows a one-warp program) that put ~8 programs on each of an
+    H200's 132 SMs (at most 8, each split at least 1,024 columns long)."""
+    return max(1, min(8, 8 * 132 // -(-n // 8), k // 1024))
 
 
 def gemv_split_k(n: int, k: int, block_n: int) -> int:
