@@ -432,7 +432,8 @@ def test_prologues_write_the_dp4a_parts(fmt, group, low_high, residual):
               norm_cuda.gated_rms_norm(heads, gate, head_w, 1e-6).reshape(1, 3 * 128))]
     for name, got, row in cases:
         assert isinstance(got, ref.Dp4aActivation) and (got.group, got.low_high) == (group, low_high), name
-        # the norm's variant may sum its squares in another order: its row within a rounding of the plain one's
+        # the norm's variant may sum its squares in another order (float32, ~1e-7 of rstd): a value may round to
+        # the neighbouring fp16, at most one ulp, 2^-10 of it
         assert torch.equal(got.x, row) or name == "norm" and torch.allclose(got.x, row, rtol=2.0**-10, atol=0), name
         for mine, theirs in zip((got.parts, got.x_scale, got.v_sum), cuda_gemv.x_parts(got.x, group, low_high, {})):
             assert torch.equal(mine, theirs), name

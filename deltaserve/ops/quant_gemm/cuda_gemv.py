@@ -562,8 +562,8 @@ def supports(w, config: dict, rows: int = 1) -> bool:
     if isinstance(w, Fp8BlockWeight):
         bn, bk = w.block_size
         return rows == 1 and bn % config["block_n"] == 0 and config["block_k"] % bk == 0
-    if isinstance(w, Int4Weight) and rows == 1:  # the dp4a kernel takes a group of whole word quads
-        return _row_steps(k, w.group_size, config) is not None and (not config.get("dp4a") or w.group_size >= 32)
+    if isinstance(w, Int4Weight) and rows == 1:
+        return _row_steps(k, w.group_size, config) is not None
     if rows == 1 and config.get("dp4a"):  # NVFP4's dp4a row kernel: whole groups of 16 a step
         return _row_steps(k, NVFP4_GROUP, config) is not None
     group = w.group_size if isinstance(w, Int4Weight) else NVFP4_GROUP
