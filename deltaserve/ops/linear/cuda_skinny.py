@@ -5,7 +5,8 @@ that leave the GPU short of loads in flight (docs/performance.md, 'Decode GEMMs'
 weight is the wide side of a tensor-core product (W tile [BLOCK_N, BLOCK_K] times x^T tile [BLOCK_K, BLOCK_M], the
 rows padded to 16, tl.dot's least), its loads pipelined over num_stages, either pointer loads or (a sixth config
 entry of 1) the Hopper tensor-memory accelerator's bulk tile copies (TMA); K may be split among SPLIT_K programs
-whose float32 partial sums a second kernel adds in a fixed order, so the result does not depend on timing. The
+whose float32 partial sums the tile's last program adds in a fixed order (ops/split_k.py), so the result does not
+depend on timing. The
 table `skinny_configs.json` (measured by `python -m benchmarks.batch_probe`) names the tile per (N, K, row
 bucket) and holds only the shapes where the kernel beat cuBLAS (and, at one row, the fused GEMV of cuda.py) by 2%.
 A fused RMS-norm / silu-mul prologue (each program re-reads and normalises the activation) and Stream-K tiling
@@ -23,6 +24,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from deltaserve.ops import pdl
 from deltaserve.ops.pdl import wait_for_previous_kernel
+from deltaserve.ops.split_k import store_split, tile_counters
 
 
 # Rows (sequences) up to which the kernel may serve; larger batches run cuBLAS.
@@ -58,13 +60,14 @@ def config_for(n: int, k: int, rows: int) -> tuple[int, ...] | None:
 
 
 @triton.jit
-def _store_block(acc, out, partial, ms, ns, ok, pid_k, M, N, stride_out_m, SPLIT_K: tl.constexpr):
-    """Store the [BN, BM] float32 sum of output columns ns [BN] and rows ms [BM] (where ok): into out (its dtype)
-    when K is not split, else into partial [SPLIT_K, M, N] at split pid_k."""
+def _store_block(acc, out, partial, counters, ms, ns, ok, M, N, stride_out_m, SPLIT_K: tl.constexpr):
+    """Store the [BN, BM] float32 sum of output columns ns [BN] and rows ms [BM] (where ok) into out (its dtype):
+    directly when K is not split, else through partial [SPLIT_K, M, N] (split_k.store_split)."""
+    out_block = out + ms[None, :] * stride_out_m + ns[:, None]  # [BN, BM]
     if SPLIT_K == 1:
-        tl.store(out + ms[None, :] * stride_out_m + ns[:, None], acc.to(out.dtype.element_ty), mask=ok)
+        tl.store(out_block, acc.to(out.dtype.element_ty), mask=ok)
     else:
-        tl.store(partial + (pid_k * M + ms[None, :]).to(tl.int64) * N + ns[:, None], acc, mask=ok)
+        store_split(acc, out_block, partial + ms[None, :].to(tl.int64) * N + ns[:, None], ok, M * N, counters)
 
 
 # Specialised by Triton on the row count (a variant for M == 1, for M % 16 == 0 and for the rest: two per tile
@@ -72,7 +75,7 @@ def _store_block(acc, out, partial, ms, ns, ok, pid_k, M, N, stride_out_m, SPLIT
 # (`batch_probe --compare-specialization`: docs/performance.md, 'Decode GEMMs').
 @triton.jit
 def _skinny_kernel(
-    x, weight, out, partial, M, N, K, k_iters, stride_x_m, stride_w_n, stride_out_m,
+    x, weight, out, partial, counters, M, N, K, k_iters, stride_x_m, stride_w_n, stride_out_m,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False,
 ):
@@ -97,12 +100,12 @@ def _skinny_kernel(
             w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         xt = tl.load(x_cols + ks[:, None], mask=k_ok[:, None] & m_ok[None, :], other=0.0)  # [BK, BM]
         acc = tl.dot(w, xt, acc, input_precision=PRECISION)  # [BN, BM]
-    _store_block(acc, out, partial, ms, ns, m_ok[None, :] & n_ok[:, None], pid_k, M, N, stride_out_m, SPLIT_K)
+    _store_block(acc, out, partial, counters, ms, ns, m_ok[None, :] & n_ok[:, None], M, N, stride_out_m, SPLIT_K)
 
 
 @triton.jit
 def _skinny_tma_kernel(
-    x_desc, w_desc, out, partial, M, N, k_iters, stride_out_m,
+    x_desc, w_desc, out, partial, counters, M, N, k_iters, stride_out_m,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     PRECISION: tl.constexpr, PDL: tl.constexpr = False,
 ):
@@ -120,25 +123,13 @@ def _skinny_tma_kernel(
         acc = tl.dot(w, x.T, acc, input_precision=PRECISION)  # [BN, BM]
     ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output columns = weight rows
     ms = tl.arange(0, BLOCK_M)  # [BM]
-    _store_block(acc, out, partial, ms, ns, (ms[None, :] < M) & (ns[:, None] < N), pid_k, M, N, stride_out_m,
+    _store_block(acc, out, partial, counters, ms, ns, (ms[None, :] < M) & (ns[:, None] < N), M, N, stride_out_m,
                  SPLIT_K)
 
 
 def _tma_ready(t: torch.Tensor) -> bool:
     """Whether TMA can copy tiles of the 2-D tensor t: 16-byte aligned base and row stride."""
     return t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
-
-
-@triton.jit
-def _sum_splits_kernel(partial, out, total, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    """out [M * N] = the sum of partial [SPLIT_K, M * N] over its first axis, in order."""
-    wait_for_previous_kernel(PDL)
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < total
-    acc = tl.load(partial + offs, mask=ok, other=0.0)
-    for s in tl.static_range(1, SPLIT_K):
-        acc += tl.load(partial + s * total + offs, mask=ok, other=0.0)
-    tl.store(out + offs, acc.to(out.dtype.element_ty), mask=ok)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, ...]) -> torch.Tensor:
@@ -160,25 +151,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, ...]) -> to
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     partial = torch.empty(split_k, M, N, dtype=torch.float32, device=x.device) if split_k > 1 else out
     grid = (triton.cdiv(N, block_n), split_k)
+    tiles = tile_counters(x.device, grid[0])
     k_iters = triton.cdiv(K, split_k * block_k)
     launch = pdl.launch_args(x.device)
     if use_tma:
         x_desc = TensorDescriptor.from_tensor(x, [block_m, block_k])
         w_desc = TensorDescriptor.from_tensor(weight, [block_n, block_k])
         _skinny_tma_kernel[grid](
-            x_desc, w_desc, out, partial, M, N, k_iters, out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
+            x_desc, w_desc, out, partial, tiles, M, N, k_iters, out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_K=block_k, SPLIT_K=split_k, PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
             **launch,
         )
     else:
         _skinny_kernel[grid](
-            x, weight, out, partial, M, N, K, k_iters, x.stride(0), weight.stride(0), out.stride(0),
+            x, weight, out, partial, tiles, M, N, K, k_iters, x.stride(0), weight.stride(0), out.stride(0),
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
             EVEN_N=N % block_n == 0, EVEN_K=K % (block_k * split_k) == 0,
             PRECISION=precision, num_warps=num_warps, num_stages=num_stages, **launch,
         )
-    if split_k > 1:
-        block = 1024
-        _sum_splits_kernel[(triton.cdiv(M * N, block),)](partial, out, M * N, SPLIT_K=split_k, BLOCK=block,
-                                                         **launch)
     return out

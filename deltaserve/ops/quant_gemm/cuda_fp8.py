@@ -8,7 +8,8 @@ does (the tensor cores' own FP8 accumulation never spans more than one block).
   decode (1..64 rows)  `_skinny_kernel`: the weight is the wide side, W tile [BLOCK_N, bk] x xq^T [bk, BLOCK_M]
                        (rows padded to 16); QUANT_X quantizes the activation's K block in the prologue of every
                        program (no extra launch; each program re-reads x from L2), else it reads xq / s_x written
-                       by `_quantize_kernel`; K may be split among SPLIT_K programs (partial sums added in order).
+                       by `_quantize_kernel`; K may be split among SPLIT_K programs (the tile's last program adds
+                       their partial sums in order: ops/split_k.py).
   prefill              `_quantize_kernel` once (or the norm / SiLU kernel before the product writes xq / s_x), then
                        `_gemm_kernel`: [BLOCK_M, BLOCK_N] output tiles, grouped along M for L2 reuse of the weight.
                        Or torch's block-scaled F.scaled_mm where it measured faster.
@@ -22,10 +23,10 @@ import triton
 import triton.language as tl
 
 from deltaserve.ops import pdl
-from deltaserve.ops.linear.cuda_skinny import _sum_splits_kernel
 from deltaserve.ops.pdl import wait_for_previous_kernel
 from deltaserve.ops.quant_gemm.cuda_tiles import grouped_tile
 from deltaserve.ops.quant_gemm.reference import ACT_AMAX_FLOOR, E4M3_MAX, Fp8Activation, Fp8BlockWeight
+from deltaserve.ops.split_k import store_split, tile_counters
 
 FP8_AMAX_FLOOR: tl.constexpr = tl.constexpr(ACT_AMAX_FLOOR)  # the activation quantization's, for store_fp8_row
 FP8_MAX: tl.constexpr = tl.constexpr(E4M3_MAX)
@@ -79,7 +80,7 @@ def fp8_row_buffers(x2: torch.Tensor, bk: int) -> tuple[torch.Tensor, torch.Tens
 # ops/linear/cuda_skinny.
 @triton.jit(do_not_specialize=["G", "k_iters"])
 def _skinny_kernel(
-    x, xq, sx, w, ws, out, partial, M, N, K, G, k_iters, stride_xm, stride_out_m,
+    x, xq, sx, w, ws, out, partial, counters, M, N, K, G, k_iters, stride_xm, stride_out_m,
     BN_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
     QUANT_X: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, FLOOR: tl.constexpr, QMAX: tl.constexpr,
     PDL: tl.constexpr = False,
@@ -116,10 +117,11 @@ def _skinny_kernel(
         part = tl.dot(wt, tl.trans(xt))  # [BN, BM], one K block from zero
         acc += part * (s_x[None, :] * s_w[:, None])
     ok = m_ok[None, :] & n_ok[:, None]
+    out_block = out + ms[None, :] * stride_out_m + ns[:, None]  # [BN, BM]
     if not SPLIT:
-        tl.store(out + ms[None, :] * stride_out_m + ns[:, None], acc.to(out.dtype.element_ty), mask=ok)
+        tl.store(out_block, acc.to(out.dtype.element_ty), mask=ok)
     else:
-        tl.store(partial + (pid_k * M + ms[None, :]).to(tl.int64) * N + ns[:, None], acc, mask=ok)
+        store_split(acc, out_block, partial + ms[None, :].to(tl.int64) * N + ns[:, None], ok, M * N, counters)
 
 
 @triton.jit(do_not_specialize=["G"])
@@ -231,14 +233,12 @@ def skinny(x: torch.Tensor | Fp8Activation, w: Fp8BlockWeight, config: dict) -> 
     # x itself is read only when quant_x; else a tensor of its dtype stands in (the launch the warm-up compiled)
     x_in, stride_xm = (x, x.stride(0)) if isinstance(x, torch.Tensor) else (out, k)
     launch = pdl.launch_args(device)
-    _skinny_kernel[(triton.cdiv(n, block_n), split_k)](
-        x_in, xq, sx, w.weight, w.scale_inv, out, partial, m, n, k, groups, k_iters, stride_xm, out.stride(0),
-        BN_W=bn_w, BLOCK_M=block_m, BLOCK_N=block_n, BK=bk, SPLIT=split_k > 1, QUANT_X=quant_x,
-        EVEN_N=n % block_n == 0, EVEN_K=k % bk == 0 and groups % split_k == 0, FLOOR=ACT_AMAX_FLOOR, QMAX=E4M3_MAX,
-        num_warps=config["warps"], num_stages=config["stages"], **launch)
-    if split_k > 1:
-        block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, block),)](partial, out, m * n, SPLIT_K=split_k, BLOCK=block, **launch)
+    grid = (triton.cdiv(n, block_n), split_k)
+    _skinny_kernel[grid](
+        x_in, xq, sx, w.weight, w.scale_inv, out, partial, tile_counters(device, grid[0]), m, n, k, groups, k_iters,
+        stride_xm, out.stride(0), BN_W=bn_w, BLOCK_M=block_m, BLOCK_N=block_n, BK=bk, SPLIT=split_k > 1,
+        QUANT_X=quant_x, EVEN_N=n % block_n == 0, EVEN_K=k % bk == 0 and groups % split_k == 0, FLOOR=ACT_AMAX_FLOOR,
+        QMAX=E4M3_MAX, num_warps=config["warps"], num_stages=config["stages"], **launch)
     return out
 
 

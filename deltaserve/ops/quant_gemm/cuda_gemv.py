@@ -9,11 +9,12 @@ compute-bound). Grid (cdiv(N, BLOCK_N),): every program streams BLOCK_N whole we
 serves all M rows of x (M FMAs a weight: the tensor-core skinny kernels take over as M grows). One row of int4
 takes a kernel of its own (_int4_row_kernel): [BLOCK_N, groups, words] tiles in which a thread holds words of
 several rows, so that each x column it loads serves them all, and K split over a second grid axis, the float32
-partials summed in order after; or, where the table says "dp4a", _int4_dp4a_row_kernel, which dots the nibbles
-with x in 16-bit fixed point as integers (dp4a) after _x_parts_kernel has packed x so (or the norm / SiLU kernel
-before the product did: a Dp4aActivation, store_x_parts in both). NVFP4 at one row runs the
-few-rows kernel, or with "dp4a" _nvfp4_dp4a_row_kernel: its codes looked up as bytes 12 + 2 e2m1 by prmt and
-dotted with x in the same fixed point (per 16 columns), 12 sum(v) taken off per group.
+partials summed in order by the tile's last program (ops/split_k.py); or, where the table says "dp4a",
+_int4_dp4a_row_kernel, which dots the nibbles with x in 16-bit fixed point as integers (dp4a) after
+_x_parts_kernel has packed x so (or the norm / SiLU kernel before the product did: a Dp4aActivation, store_x_parts
+in both). NVFP4 at one row runs the few-rows kernel, or with "dp4a" _nvfp4_dp4a_row_kernel: its codes looked up
+as bytes 12 + 2 e2m1 by prmt and dotted with x in the same fixed point (per 16 columns), 12 sum(v) taken off per
+group.
 
   int4   a word holds columns 8j .. 8j+7 (nibble i: bits 4i..4i+3); the nibbles of its low half, masked in place
          and ORed into the bits of 2048.0, are the floats 2048 + q * 16^(i-3) exactly (2048's ulp is 2^-12);
@@ -42,6 +43,7 @@ import triton.language as tl
 
 from deltaserve.ops import pdl
 from deltaserve.ops.pdl import wait_for_previous_kernel
+from deltaserve.ops.split_k import store_split, tile_counters
 from deltaserve.ops.quant_gemm.reference import Dp4aActivation, Fp8Activation, Fp8BlockWeight, Int4Weight
 
 INT4: tl.constexpr = tl.constexpr(0)
@@ -227,11 +229,13 @@ def _x_parts_kernel(x, parts, x_scale, v_sum, K_WORDS, GROUP: tl.constexpr, LOW_
 
 @triton.jit
 def _int4_dp4a_row_kernel(
-    parts, x_scale, v_sum, words, scale, zero, out, partial, N, K_WORDS, GROUPS_PER_SPLIT, stride_wn, stride_sn,
+    parts, x_scale, v_sum, words, scale, zero, out, partial, counters, N, K_WORDS, GROUPS_PER_SPLIT, stride_wn,
+    stride_sn,
     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS_PER_STEP: tl.constexpr, HAS_ZERO: tl.constexpr,
     SPLIT: tl.constexpr, EVEN_N: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    """Grid (cdiv(N, BLOCK_N), splits): out [N] (or partial [splits, N] float32 when SPLIT) = x [K] @ dequant(W)^T
+    """Grid (cdiv(N, BLOCK_N), splits): out [N] = x [K] @ dequant(W)^T (SPLIT: through
+    float32 partials [splits, N], split_k.store_split)
     with x as _x_parts_kernel left it (parts, x_scale, v_sum). A word's nibbles are masked into two words of
     bytes (nibbles 0 2 4 6 and 1 3 5 7) and dotted with x's hi and lo bytes by dp4a: 7 instructions for 8 weights,
     summed in int32 over the 4 words a thread holds (exact: |sum| < 2^24). Per row and group:
@@ -285,7 +289,7 @@ def _int4_dp4a_row_kernel(
         s, z, xs, v = s_next, z_next, xs_next, v_next
     y = tl.sum(tl.sum(acc, axis=2), axis=1) - tl.sum(tl.sum(zero_acc, axis=2), axis=1)  # [BN]
     if SPLIT:
-        tl.store(partial + tl.program_id(1) * N + ns, y, mask=n_ok)
+        store_split(y, out + ns, partial + ns, n_ok, N, counters)
     else:
         tl.store(out + ns, y.to(out.dtype.element_ty), mask=n_ok)
 
@@ -300,11 +304,12 @@ def _nvfp4_row_scales(scale, s_rows, n_ok, groups, EVEN_N: tl.constexpr):
 
 @triton.jit
 def _nvfp4_dp4a_row_kernel(
-    parts, x_scale, v_sum, words, scale, scale_2, out, partial, N, K_WORDS, GROUPS_PER_SPLIT, stride_wn, stride_sn,
-    pos_lo, pos_hi, neg_lo, neg_hi, BLOCK_N: tl.constexpr, GROUPS_PER_STEP: tl.constexpr, SPLIT: tl.constexpr,
-    EVEN_N: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False,
+    parts, x_scale, v_sum, words, scale, scale_2, out, partial, counters, N, K_WORDS, GROUPS_PER_SPLIT, stride_wn,
+    stride_sn, pos_lo, pos_hi, neg_lo, neg_hi, BLOCK_N: tl.constexpr, GROUPS_PER_STEP: tl.constexpr,
+    SPLIT: tl.constexpr, EVEN_N: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    """Grid (cdiv(N, BLOCK_N), splits): out [N] (or partial [splits, N] float32 when SPLIT) = x [K] @ dequant(W)^T
+    """Grid (cdiv(N, BLOCK_N), splits): out [N] = x [K] @ dequant(W)^T (SPLIT: through
+    float32 partials [splits, N], split_k.store_split)
     for NVFP4 (words: the packed bytes as int32 [N, K/8], scale [N, K/16] e4m3, scale_2 [N]) with x as
     _x_parts_kernel (LOW_HIGH, groups of 16) left it (parts, x_scale, v_sum). prmt looks a word's nibbles up as the
     bytes 12 + 2 e2m1 (0..24): the positive codes from one table (the negative ones, sign bit set, come out 0), the
@@ -313,7 +318,8 @@ def _nvfp4_dp4a_row_kernel(
     (float32), summed in float32; the row's scale_2 / 2 at the end. A step's words are loaded as [BLOCK_N, words]
     (4 consecutive words a thread, the threads along K: with block_k >= 1024 x warps each of x's parts a thread
     loads serves all BLOCK_N rows) and viewed as [BLOCK_N, groups, 2 words]; they stream through shared memory
-    STAGES - 1 steps ahead, the scales and x's group scales and sums load one step ahead into registers. The tables (E2M1_POSITIVE, E2M1_NEGATIVE) come at run time, as registers."""
+    STAGES - 1 steps ahead, the scales and x's group scales and sums load one step ahead into registers. The
+    tables (E2M1_POSITIVE, E2M1_NEGATIVE) come at run time, as registers."""
     wait_for_previous_kernel(PDL)
     ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     n_ok = ns < N
@@ -355,18 +361,19 @@ def _nvfp4_dp4a_row_kernel(
         s, xs, v = s_next, xs_next, v_next
     y = tl.sum(acc, axis=1) * (tl.load(scale_2 + ns, mask=n_ok, other=0.0) * 0.5)  # [BN]
     if SPLIT:
-        tl.store(partial + tl.program_id(1) * N + ns, y, mask=n_ok)
+        store_split(y, out + ns, partial + ns, n_ok, N, counters)
     else:
         tl.store(out + ns, y.to(out.dtype.element_ty), mask=n_ok)
 
 
 @triton.jit
 def _int4_row_kernel(
-    x, words, scale, zero, out, partial, N, GROUPS_PER_SPLIT, stride_wn, stride_sn, magic, shift,
+    x, words, scale, zero, out, partial, counters, N, GROUPS_PER_SPLIT, stride_wn, stride_sn, magic, shift,
     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS_PER_STEP: tl.constexpr, HAS_ZERO: tl.constexpr,
     SPLIT: tl.constexpr, EVEN_N: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    """Grid (cdiv(N, BLOCK_N), splits): out [N] (or partial [splits, N] float32 when SPLIT) = x [K] @ dequant(W)^T
+    """Grid (cdiv(N, BLOCK_N), splits): out [N] = x [K] @ dequant(W)^T (SPLIT: through
+    float32 partials [splits, N], split_k.store_split)
     over the program's GROUPS_PER_SPLIT groups of K. words [N, K/8] int32, scale [N, K/GROUP], zero [N, K/GROUP]
     uint8. Tiles [BLOCK_N, groups, words of a group]: a thread holds a few words of several rows, so that each x
     column it loads serves all of them; the scale and zero point load once per row and group. The words stream
@@ -411,7 +418,7 @@ def _int4_row_kernel(
         s, z = s_next, z_next
     y = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BN]
     if SPLIT:
-        tl.store(partial + tl.program_id(1) * N + ns, y, mask=n_ok)
+        store_split(y, out + ns, partial + ns, n_ok, N, counters)
     else:
         tl.store(out + ns, y.to(out.dtype.element_ty), mask=n_ok)
 
@@ -662,13 +669,14 @@ def _int4_row(x: torch.Tensor, w: Int4Weight, config: dict, out: torch.Tensor, l
               written: Dp4aActivation | None = None) -> torch.Tensor:
     """out [1, N] = x [1, K] (columns in the packed order) @ dequant(w)^T by _int4_row_kernel, or with config's
     "dp4a" by _int4_dp4a_row_kernel on x's parts (written's, else _x_parts_kernel's); split K sums its float32
-    partials in order by a further kernel."""
+    partials in order in the tile's last program."""
     n, k = w.shape
     group = w.group_size
     per_step, split = _row_steps(k, group, config)
     block_n = config["block_n"]
-    partial = torch.empty(split, n, dtype=torch.float32, device=x.device) if split > 1 else out
     grid = (triton.cdiv(n, block_n), split)
+    partial = torch.empty(split, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    tiles = tile_counters(x.device, grid[0])
     common = dict(GROUP=group, BLOCK_N=block_n, GROUPS_PER_STEP=per_step, HAS_ZERO=w.zero is not None,
                   SPLIT=split > 1, EVEN_N=n % block_n == 0, STAGES=config["stages"], num_warps=config["warps"],
                   **launch)
@@ -677,41 +685,32 @@ def _int4_row(x: torch.Tensor, w: Int4Weight, config: dict, out: torch.Tensor, l
         parts, x_scale, v_sum = ((written.parts, written.x_scale, written.v_sum) if written is not None
                                  else x_parts(x, group, False, launch))
         _int4_dp4a_row_kernel[grid](
-            parts, x_scale, v_sum, w.packed, w.scale, zero, out, partial, n, k // 8, k // group // split,
+            parts, x_scale, v_sum, w.packed, w.scale, zero, out, partial, tiles, n, k // 8, k // group // split,
             w.packed.stride(0), w.scale.stride(0), **common)
     else:
         _int4_row_kernel[grid](
-            x, w.packed, w.scale, zero, out, partial, n, k // group // split, w.packed.stride(0), w.scale.stride(0),
-            MAGIC_2048.value, 12, **common)
-    return _summed_splits(partial, out, split, launch)
+            x, w.packed, w.scale, zero, out, partial, tiles, n, k // group // split, w.packed.stride(0),
+            w.scale.stride(0), MAGIC_2048.value, 12, **common)
+    return out
 
 
 def _nvfp4_dp4a_row(x: torch.Tensor, w, config: dict, out: torch.Tensor, launch: dict,
                     written: Dp4aActivation | None = None) -> torch.Tensor:
     """out [1, N] = x [1, K] @ dequant(w)^T for NVFP4 by _nvfp4_dp4a_row_kernel on x's parts (groups of 16,
-    LOW_HIGH: written's, else _x_parts_kernel's); split K sums its float32 partials in order by a further
-    kernel."""
+    LOW_HIGH: written's, else _x_parts_kernel's); split K sums its float32 partials in order in the tile's last
+    program."""
     n, k = w.shape
     groups = k // NVFP4_GROUP
     per_step, split = _row_steps(k, NVFP4_GROUP, config)
     block_n = config["block_n"]
+    grid = (triton.cdiv(n, block_n), split)
     words = w.packed.view(torch.int32)  # [N, K/8]: nibble i of word j is column 8j + i
     parts, x_scale, v_sum = ((written.parts, written.x_scale, written.v_sum) if written is not None
                              else x_parts(x, NVFP4_GROUP, True, launch))
     partial = torch.empty(split, n, dtype=torch.float32, device=x.device) if split > 1 else out
-    _nvfp4_dp4a_row_kernel[(triton.cdiv(n, block_n), split)](
-        parts, x_scale, v_sum, words, w.scale, w.scale_2, out, partial, n, k // 8, groups // split, words.stride(0),
-        w.scale.stride(0), *E2M1_POSITIVE.value, *E2M1_NEGATIVE.value, BLOCK_N=block_n, GROUPS_PER_STEP=per_step,
-        SPLIT=split > 1, EVEN_N=n % block_n == 0, STAGES=config["stages"], num_warps=config["warps"], **launch)
-    return _summed_splits(partial, out, split, launch)
-
-
-def _summed_splits(partial: torch.Tensor, out: torch.Tensor, split: int, launch: dict) -> torch.Tensor:
-    """out [1, N] = the sum of partial [split, N] (float32) in split order, or out itself where K was not split
-    (the row kernels then wrote it)."""
-    from deltaserve.ops.linear.cuda_skinny import _sum_splits_kernel
-
-    if split > 1:
-        n, block = partial.shape[1], 1024
-        _sum_splits_kernel[(triton.cdiv(n, block),)](partial, out, n, SPLIT_K=split, BLOCK=block, **launch)
+    _nvfp4_dp4a_row_kernel[grid](
+        parts, x_scale, v_sum, words, w.scale, w.scale_2, out, partial, tile_counters(x.device, grid[0]), n, k // 8,
+        groups // split, words.stride(0), w.scale.stride(0), *E2M1_POSITIVE.value, *E2M1_NEGATIVE.value,
+        BLOCK_N=block_n, GROUPS_PER_STEP=per_step, SPLIT=split > 1, EVEN_N=n % block_n == 0, STAGES=config["stages"],
+        num_warps=config["warps"], **launch)
     return out

@@ -4,7 +4,8 @@ dequantized in registers (cuda_dequant.py) and multiplied on the 16-bit tensor c
   decode (1..64 rows)  `_skinny_kernel`: W tile [BLOCK_N, BLOCK_K] x x^T tile [BLOCK_K, BLOCK_M] (rows padded to
                        16); int4 takes one scale group per K step (BLOCK_K = the group) as exact codes and applies
                        zero and scale to the float32 product; NVFP4 dequantizes with its scales. K may be split
-                       among SPLIT_K programs whose partial sums a second kernel adds in order.
+                       among SPLIT_K programs whose partial sums the tile's last program adds in order
+                       (ops/split_k.py).
   prefill              `_gemm_kernel`: [BLOCK_M, BLOCK_N] output tiles of x @ dequant(W tile)^T, grouped along M for
                        L2 reuse; or `dequantize` the whole weight into a bf16 scratch buffer and cuBLAS (the
                        "cublas" kind: one buffer of the largest weight's N * K * 2 bytes, `reserve_scratch`).
@@ -18,11 +19,11 @@ import triton
 import triton.language as tl
 
 from deltaserve.ops import pdl
-from deltaserve.ops.linear.cuda_skinny import _sum_splits_kernel
 from deltaserve.ops.pdl import wait_for_previous_kernel
 from deltaserve.ops.quant_gemm.cuda_tiles import grouped_tile
 from deltaserve.ops.quant_gemm.cuda_dequant import INT4, NVFP4, int4_codes, int4_tile, nvfp4_tile
 from deltaserve.ops.quant_gemm.reference import Int4Weight, Nvfp4Weight
+from deltaserve.ops.split_k import store_split, tile_counters
 
 # (bit pattern, offset) of the exact int4 codes per activation dtype: OFFSET + q = the 16-bit number CODE_BASE | q
 _CODES = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0), torch.float32: (0, 0.0)}
@@ -42,7 +43,8 @@ def _weight_tile(packed, scale, zero, scale_2, ns, n_ok, k0, stride_pn, stride_s
 
 @triton.jit(do_not_specialize=["k_iters"])
 def _skinny_kernel(
-    x, packed, scale, zero, scale_2, out, partial, M, N, k_iters, stride_xm, stride_out_m, stride_pn, stride_sn,
+    x, packed, scale, zero, scale_2, out, partial, counters, M, N, k_iters, stride_xm, stride_out_m, stride_pn,
+    stride_sn,
     FORMAT: tl.constexpr, GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, CODE_BASE: tl.constexpr,
     CODE_OFFSET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BK: tl.constexpr,
     SPLIT: tl.constexpr, EVEN_N: tl.constexpr, PDL: tl.constexpr = False,
@@ -77,10 +79,11 @@ def _skinny_kernel(
             wt = nvfp4_tile(packed, scale, scale_2, ns, n_ok, k0, stride_pn, stride_sn, BK, not EVEN_N, dtype)
             acc = tl.dot(wt, xt, acc)
     ok = m_ok[None, :] & n_ok[:, None]
+    out_block = out + ms[None, :] * stride_out_m + ns[:, None]  # [BN, BM]
     if not SPLIT:
-        tl.store(out + ms[None, :] * stride_out_m + ns[:, None], acc.to(out.dtype.element_ty), mask=ok)
+        tl.store(out_block, acc.to(out.dtype.element_ty), mask=ok)
     else:
-        tl.store(partial + (pid_k * M + ms[None, :]).to(tl.int64) * N + ns[:, None], acc, mask=ok)
+        store_split(acc, out_block, partial + ms[None, :].to(tl.int64) * N + ns[:, None], ok, M * N, counters)
 
 
 @triton.jit
@@ -159,14 +162,13 @@ def skinny(x: torch.Tensor, w, config: dict) -> torch.Tensor:
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     partial = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
     launch = pdl.launch_args(x.device)
-    _skinny_kernel[(triton.cdiv(n, block_n), split_k)](
-        x, packed, scale, zero, scale_2, out, partial, m, n, blocks // split_k, x.stride(0), out.stride(0),
+    grid = (triton.cdiv(n, block_n), split_k)
+    _skinny_kernel[grid](
+        x, packed, scale, zero, scale_2, out, partial, tile_counters(x.device, grid[0]), m, n, blocks // split_k,
+        x.stride(0), out.stride(0),
         packed.stride(0), scale.stride(0), FORMAT=fmt, GROUP=group, HAS_ZERO=fmt == INT4 and w.zero is not None,
         CODE_BASE=code_base, CODE_OFFSET=code_offset, BLOCK_M=block_m, BLOCK_N=block_n, BK=block_k,
         SPLIT=split_k > 1, EVEN_N=n % block_n == 0, num_warps=config["warps"], num_stages=config["stages"], **launch)
-    if split_k > 1:
-        block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, block),)](partial, out, m * n, SPLIT_K=split_k, BLOCK=block, **launch)
     return out
 
 

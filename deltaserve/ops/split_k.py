@@ -1,0 +1,52 @@
+"""Split-K products that finish their own sums: the last program of a tile adds the tile's partials.
+
+A decode product whose output is too small to fill the GPU splits K over a second grid axis. Each program writes
+its float32 partial sums; then it counts itself in on its tile's counter (one int32 per tile along grid axis 0),
+and the program that arrives last adds every split's partial in split order, writes the output and sets the
+counter back to zero for the next launch. The sum is the same, bit for bit, as a second kernel adding them in
+order, and the step has one launch fewer per product.
+
+The order of memory: every thread's partial is stored before the barrier, after which one thread counts the
+program in with release semantics at GPU scope; the last program's count acquires, so the other programs'
+partials are visible to its reads (loaded through L2, `.cg`). This is the serial split-K of CUTLASS's semaphore.
+Launches of one device share its counters: the engine runs its products on one stream, one after another.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_COUNTERS_MIN = 1 << 16  # tiles: more than any product's grid axis 0 at the shipped tiles
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The device's zeroed int32 tile counters, at least `tiles` of them (each back at zero after every launch
+    that used it). Made before any graph is captured (the warm-up runs every shape first)."""
+    held = _counters.get(device)
+    if held is None or held.numel() < tiles:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"split-K counters for {tiles} tiles requested during CUDA graph capture on {device}")
+        held = torch.zeros(max(_COUNTERS_MIN, triton.next_power_of_2(tiles)), dtype=torch.int32, device=device)
+        _counters[device] = held
+    return held
+
+
+@triton.jit
+def store_split(acc, out_ptrs, partial_ptrs, mask, split_stride, counters):
+    """Store this program's partial sums acc (float32) at partial_ptrs + split * split_stride (split: grid axis
+    1); the last of the tile's splits to arrive (the tile: grid axis 0) writes their sum in split order at
+    out_ptrs (out's dtype) and resets the tile's counter."""
+    split = tl.program_id(1)
+    splits = tl.num_programs(1)
+    tl.store(partial_ptrs + split * split_stride, acc, mask=mask)
+    tl.debug_barrier()  # every thread's partial is stored before the program counts itself in
+    counter = counters + tl.program_id(0)
+    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == splits - 1:
+        total = tl.load(partial_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+        for s in range(1, splits):
+            total += tl.load(partial_ptrs + s * split_stride, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(out_ptrs, total.to(out_ptrs.dtype.element_ty), mask=mask)
+        tl.store(counter, 0)
