@@ -3,17 +3,18 @@ the GDN decode kernel's tiles at a batch of many sequences, and the GDN recurren
 
     python -m benchmarks.batch_probe [CONFIG_DIR] [--out deltaserve/ops/linear/skinny_configs.json]
 
-For every projection of a decode step of the model in CONFIG_DIR (default: the published Qwen3.5-27B shape),
-inside CUDA graphs as decode runs them, each call on another copy of the weight so that none is served from L2:
-at one row, the prologue op and then the skinny kernel against the best of the fused GEMV
-(ops/linear/configs.json) and the prologue op + cuBLAS; at 16, 32 and 64 rows, the prologue op + the skinny
-kernel against the prologue op + cuBLAS (`--only N:K` for one shape). Writes the table cuda_skinny.py reads (the
-best tile where it won by 2%, else null) and prints each result with its bandwidth; then times the GDN decode step over (block_v, num_warps), and the recurrent prefill of one
-sequence of 16 and 128 tokens (CHUNK_TILE in ops/gdn/cuda.py). `--rows "" --gdn-batches "" --gdn-chunks ""
---compare-specialization 64` times the tuned skinny tiles at 64 rows with and without Triton's specialisation on
-the row count, and nothing else; `--diagnose 16,64` (with the same empty lists) splits the skinny GEMM's time at
-those row counts into weight streaming, dots and activation loads; `--prefill-rows 8192` times the projections
-of a prefill chunk on cuBLAS and on cuBLASLt.
+For every projection of a decode step of the model in CONFIG_DIR (default: the published Qwen3.5-27B shape), inside
+CUDA graphs as decode runs them, each call on another copy of the weight so that none is served from L2: at one row,
+the prologue op and then the skinny kernel against the best of the fused GEMV (ops/linear/configs.json) and the
+prologue op + cuBLAS; at 16, 32 and 64 rows, the prologue op + the skinny kernel against the prologue op + cuBLAS
+(`--only N:K` for one shape). Writes the table cuda_skinny.py reads (the best tile where it won by 2%, else null)
+and prints each result with its bandwidth; then times the GDN decode step over (block_v, num_warps), and the
+recurrent prefill of one sequence of 16 and 128 tokens (CHUNK_TILE in ops/gdn/cuda.py). `--rows "" --gdn-batches ""
+--gdn-chunks "" --compare-specialization 64` times the tuned skinny tiles at 64 rows with and without Triton's
+specialisation on the row count, and nothing else; `--diagnose 16,64` (with the same empty lists) splits the skinny
+GEMM's time at those row counts into weight streaming, dots and activation loads; `--prefill-rows 8192` times the
+projections of a prefill chunk on cuBLAS and on cuBLASLt; `--small` adds the small bf16 products that the quantized
+checkpoints keep (GDN's [b|a], the MoE router joined with the shared gate) of every shipped config, at one row.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import triton.language as tl
 from benchmarks.gemv_probe import COPIES_BYTES, decode_projections, inputs, probe_parser, write_table
 from benchmarks.timing import graph_time_us
 from deltaserve.config import ModelConfig
+from deltaserve.layers.mlp import JOIN_ROW_MULTIPLE
+from deltaserve.model_configs import CONFIGS_DIR
 from deltaserve.ops.gdn import cuda as gdn_cuda
 from deltaserve.ops.linear import cuda as gemv_cuda
 from deltaserve.ops.linear import cuda_skinny, reference
@@ -47,14 +50,18 @@ SWEEP = [(128, 128, 1, 4, 4), (128, 128, 1, 8, 4), (64, 128, 1, 4, 3), (64, 128,
          (32, 128, 1, 4, 4, 1), (32, 128, 1, 4, 6, 1), (32, 256, 1, 4, 3, 1)]
 GDN_SWEEP = [(bv, warps) for bv, warps in itertools.product((16, 32, 64, 128), (1, 2, 4, 8))
              if 8 <= 128 * bv // (32 * warps) <= 128]
+# The small bf16 products of the quantized checkpoints (GDN's [b|a], a MoE layer's joined router and shared gate:
+# 64-528 rows): narrow column blocks, K split so that enough programs stream them
+SMALL_SWEEP = [(block_n, block_k, split, 4, 3) for block_n in (16, 32) for block_k in (128, 256)
+               for split in (1, 2, 4, 8)]
 # 1% of noise between two graph timings of the same kernel; a tile must win by more than this
 MIN_GAIN = 0.98
 
 
-def best_tile(calls_for) -> tuple[float, tuple, list]:
-    """(microseconds, tile, top 3) of the fastest tile of SWEEP; calls_for(tile) -> the graph's calls."""
+def best_tile(calls_for, sweep=SWEEP) -> tuple[float, tuple, list]:
+    """(microseconds, tile, top 3) of the fastest tile of `sweep`; calls_for(tile) -> the graph's calls."""
     results = []
-    for tile in SWEEP:
+    for tile in sweep:
         try:
             results.append((graph_time_us(calls_for(tile)), tile))
         except Exception as exc:  # a tile Triton cannot build (shared memory): skip it
@@ -92,6 +99,38 @@ def probe_one_row(cfg: ModelConfig, device) -> dict:
         print(f"rows 1 {prologue:>10} N={n:>6} K={k:>6} ({megabytes:.0f} MB): fused GEMV or unfused "
               f"{baseline:.1f} us ({megabytes / baseline:.2f} TB/s); op + skinny {best_time:.1f} us "
               f"({megabytes / best_time:.2f} TB/s) {best}; top: {top}", flush=True)
+    return table
+
+
+def small_products() -> list[tuple[int, int]]:
+    """(N, K) of the bf16 products that quantized checkpoints keep and decode runs apart, over every shipped
+    config: GDN's in-projection [b|a] (beside the quantized [q|k|v|z]) and a MoE layer's router joined with the
+    shared-expert gate (layers/mlp.py pads it to JOIN_ROW_MULTIPLE rows)."""
+    shapes = set()
+    for path in sorted(CONFIGS_DIR.iterdir()):
+        if not (path / "config.json").is_file():
+            continue
+        cfg = ModelConfig.from_pretrained(path)
+        shapes.add((2 * cfg.gdn_num_v_heads, cfg.hidden_size))
+        if cfg.num_experts:
+            shapes.add((-(-(cfg.num_experts + 1) // JOIN_ROW_MULTIPLE) * JOIN_ROW_MULTIPLE, cfg.hidden_size))
+    return sorted(shapes)
+
+
+def probe_small_products(device) -> dict:
+    """Bucket 1 of small_products(): the skinny GEMM over SMALL_SWEEP against cuBLAS (the fused GEMV's table
+    names none of these shapes)."""
+    table = {}
+    for n, k in small_products():
+        weights, call = inputs("none", n, k, 0, device)
+        megabytes = 2 * n * k / 1e6
+        cublas = graph_time_us([functools.partial(call, _plain, w) for w in weights])
+        best_time, best, top = best_tile(lambda tile: [
+            functools.partial(call, _plain, w, matmul=functools.partial(cuda_skinny.linear, config=tile))
+            for w in weights], SMALL_SWEEP)
+        table[f"{n}:{k}:1"] = list(best) if best_time < MIN_GAIN * cublas else None
+        print(f"rows 1 small N={n:>4} K={k:>5} ({megabytes:.2f} MB): cuBLAS {cublas:.1f} us ({megabytes / cublas:.2f} "
+              f"TB/s); skinny {best_time:.1f} us ({megabytes / best_time:.2f} TB/s) {best}; top: {top}", flush=True)
     return table
 
 
@@ -366,6 +405,9 @@ def main(argv: list[str] | None = None) -> int:
                              "apart")
     parser.add_argument("--prefill-rows", default="",
                         help="comma-separated chunk sizes: the prefill projections on cuBLAS and cuBLASLt")
+    parser.add_argument("--small", action="store_true",
+                        help="also the small bf16 products of the quantized checkpoints (GDN's [b|a], the MoE "
+                             "router and shared gate) of every shipped config, at one row")
     parser.add_argument("--diagnose", default="",
                         help="comma-separated row counts: split the skinny GEMM's time into weight streaming, dots "
                              "and activation loads")
@@ -386,6 +428,10 @@ def main(argv: list[str] | None = None) -> int:
     for rows in counts["--rows"]:  # --rows "" probes the GDN kernels alone
         table = probe_one_row(cfg, device) if rows == 1 else probe_rows(cfg, rows, device, args.only)
         write_table(args.out, table)  # after each bucket: a run cut short keeps what it measured
+        print(json.dumps(table), flush=True)
+    if args.small:
+        table = probe_small_products(device)
+        write_table(args.out, table)
         print(json.dumps(table), flush=True)
     probes = (("--gdn-batches", probe_gdn_decode), ("--gdn-chunks", probe_gdn_chunk),
               ("--compare-specialization", probe_row_specialization), ("--diagnose", diagnose_rows),

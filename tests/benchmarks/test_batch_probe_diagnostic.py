@@ -49,3 +49,10 @@ def test_bad_probe_flags_are_refused_by_name(argv, message, capsys, ckpt_qwen3_5
     with pytest.raises(SystemExit):
         batch_probe.main([str(ckpt_qwen3_5), *argv])
     assert message in capsys.readouterr().err
+
+
+def test_small_products_are_the_plain_blocks_quantized_checkpoints_keep():
+    """--small probes what the quantized configs run in bf16 apart: 27B's GDN [b|a] (48 value heads, hidden 5,120)
+    and 35B-A3B's router joined with the shared gate (256 experts + 1, padded to 272 rows, hidden 2,048)."""
+    shapes = batch_probe.small_products()
+    assert (96, 5120) in shapes and (64, 2048) in shapes and (272, 2048) in shapes

@@ -34,7 +34,8 @@
 #   tune   the tables this GPU should ship: fla-core's pinned kernel configurations as OUTDIR/fla_configs.tgz
 #          (unpack into deltaserve/ops/gdn/fla_configs/) and the skinny GEMM's tiles as OUTDIR/skinny_configs.json
 #          (for deltaserve/ops/linear/); TUNE=fla makes fla's alone (~2 min), TUNE=skinny the skinny table alone
-#          (~3 min), then a GDN layer's recurrent step and out-proj together and apart (`--gdn-tail 64`)
+#          (~3 min), then a GDN layer's recurrent step and out-proj together and apart (`--gdn-tail 64`);
+#          TUNE=small the small bf16 products of the quantized checkpoints alone (batch_probe --small, ~2 min)
 # Wheels the machine lacks (fla-core, the server stack, xgrammar) are installed from .whl/ when present
 # (scripts/gpu_wheels.sh); the published configs are the ones shipped in deltaserve/model_configs/.
 set -uo pipefail
@@ -59,13 +60,18 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/dev
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)' >> "$OUT/device.txt" 2>&1
 status=0
 if [ "$MODE" = tune ]; then
-  if [ "${TUNE:-all}" != skinny ]; then
+  if [ "${TUNE:-all}" != skinny ] && [ "${TUNE:-all}" != small ]; then
     rm -rf /tmp/fla_configs
     python3 -m benchmarks.fla_tune "$CONFIGS/qwen3.5-27b" --out /tmp/fla_configs 2>&1 | tee "$OUT/tune.log"
     tar czf "$OUT/fla_configs.tgz" -C /tmp/fla_configs .
   fi
   [ "${TUNE:-all}" = fla ] && exit 0
   cp deltaserve/ops/linear/skinny_configs.json "$OUT/skinny_configs.json"
+  if [ "${TUNE:-all}" = small ]; then
+    python3 -m benchmarks.batch_probe "$CONFIGS/qwen3.5-27b" --rows "" --gdn-batches "" --gdn-chunks "" --small \
+      --out "$OUT/skinny_configs.json" 2>&1 | tee "$OUT/tune.log"
+    exit 0
+  fi
   python3 -m benchmarks.batch_probe "$CONFIGS/qwen3.5-27b" --gdn-batches "" --gdn-chunks "" --gdn-tail 64 \
     --out "$OUT/skinny_configs.json" 2>&1 | tee -a "$OUT/tune.log"
   exit 0
