@@ -161,7 +161,7 @@ def candidates(fmt: str, n: int, k: int, rows: int, w) -> list[tuple[dict, objec
         entry = dict(kind="gemv", **tile)
         if not cuda_gemv.supports(w, entry, rows):
             continue
-        if rows == 1 and "split_k" in entry:  # the split the kernel runs (a divisor of its K steps): no tile twice
+        if rows == 1 and "split_k" in entry:  # the split the kernel runs (at most its K steps): no tile twice
             entry["split_k"] = cuda_gemv._row_steps(k, getattr(w, "group_size", cuda_gemv.NVFP4_GROUP), entry)[1]
         if all(entry != seen for seen, _ in out):
             out.append((entry, lambda x, w, e=entry: cuda_gemv.gemv(x, w, e)))

@@ -107,17 +107,18 @@ def compile_gemv(kernel: str = "int4-row", arch: int = 90, block_n: int | None =
         constants = {"BLOCK_N": block_n, "GROUPS_PER_STEP": max(1, block_k // 16), "SPLIT": False, "EVEN_N": True,
                      "STAGES": stages, "PDL": False}
         types = {"parts": "*i32", "x_scale": "*fp32", "v_sum": "*i32", "words": "*i32", "scale": "*fp8e4nv",
-                 "scale_2": "*fp32", "out": "*bf16", "partial": "*fp32"}
+                 "scale_2": "*fp32", "out": "*bf16", "partial": "*fp32", "counters": "*i32"}
         tables = (*cuda_gemv.E2M1_POSITIVE.value, *cuda_gemv.E2M1_NEGATIVE.value)
-        ints = {"N": 34816, "K_WORDS": 640, "GROUPS_PER_SPLIT": 320, "stride_wn": 640, "stride_sn": 320,
+        ints = {"N": 34816, "K_WORDS": 640, "STEPS": 320 // constants["GROUPS_PER_STEP"], "stride_wn": 640,
+                "stride_sn": 320,
                 **dict(zip(("pos_lo", "pos_hi", "neg_lo", "neg_hi"), tables))}
         return _compile(cuda_gemv._nvfp4_dp4a_row_kernel, constants, types, ints, arch, num_warps or tile["warps"],
                         stages)
     constants = {"GROUP": 128, "BLOCK_N": block_n, "GROUPS_PER_STEP": max(1, block_k // 128), "HAS_ZERO": True,
                  "SPLIT": False, "EVEN_N": True, "STAGES": stages, "PDL": False}
     types = {"x": "*bf16", "parts": "*i32", "x_scale": "*fp32", "v_sum": "*i32", "words": "*i32",
-             "scale": "*bf16", "zero": "*u8", "out": "*bf16", "partial": "*fp32"}
-    ints = {"N": 34816, "K_WORDS": 640, "GROUPS_PER_SPLIT": 40, "stride_wn": 640, "stride_sn": 40,
+             "scale": "*bf16", "zero": "*u8", "out": "*bf16", "partial": "*fp32", "counters": "*i32"}
+    ints = {"N": 34816, "K_WORDS": 640, "STEPS": 40 // constants["GROUPS_PER_STEP"], "stride_wn": 640, "stride_sn": 40,
             "magic": cuda_gemv.MAGIC_2048.value, "shift": 12}
     fn = cuda_gemv._int4_row_kernel if kernel == "int4-row" else cuda_gemv._int4_dp4a_row_kernel
     return _compile(fn, constants, types, ints, arch, num_warps or tile["warps"], stages)

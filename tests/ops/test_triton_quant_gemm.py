@@ -330,10 +330,10 @@ def test_int4_gemv(dtype, m, g, n, block_k, symmetric, act_order):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("symmetric,act_order", [(False, False), (True, False), (False, True)])
-@pytest.mark.parametrize("block_k,split_k,steps", [(64, 3, (2, 3)), (64, 5, (2, 4)), (32, 1, (1, 1)), (512, 8, (8, 3))])
+@pytest.mark.parametrize("block_k,split_k,steps", [(64, 3, (2, 3)), (64, 5, (2, 5)), (32, 1, (1, 1)), (512, 8, (8, 3))])
 def test_int4_one_row_split_k(dtype, symmetric, act_order, block_k, split_k, steps):
-    """The one-row kernel over 24 groups of 32: several groups a K step, K split in 3 or 4 (5 asked: the largest
-    split dividing the steps), the partials summed in order; N = 40 leaves a partial row block."""
+    """The one-row kernel over 24 groups of 32: several groups a K step, K split in 3 or 5 (12 steps: splits of 2
+    and 3 steps), or 8 asked of 3 steps (3), the partials summed in order; N = 40 leaves a partial row block."""
     gen = torch.Generator().manual_seed(block_k + split_k)
     w, x = int4_weight(40, 768, 32, symmetric, act_order, gen), activations(1, 768, dtype, gen)
     config = dict(GEMV, block_k=block_k, split_k=split_k)
@@ -379,14 +379,14 @@ def test_nvfp4_gemv(dtype, m, n, k, per_row):
 
 @pytest.mark.parametrize("dtype,per_row,block_k,split_k,steps",
                          [(dtype, per_row, *config) for dtype in DTYPES for per_row in (False, True)
-                          for config in ((64, 3, (4, 3)), (256, 2, (4, 1)))]
+                          for config in ((64, 3, (4, 3)), (256, 2, (4, 2)))]
                          + [(torch.bfloat16, True, 16, 1, (1, 1))])  # one group a step (12 interpreted steps: once)
 def test_nvfp4_one_row_dp4a(dtype, per_row, block_k, split_k, steps):
     """The dp4a one-row NVFP4 kernel (x as 16-bit fixed point per 16 columns, prmt's byte lookup of the e2m1 codes,
     positive and negative apart) over 192 columns: all 16 codes in all 8 nibble positions (random bytes), subnormal
-    e4m3 scales, K split in 3 (16 groups a step asked of 12 take 4, and 2 splits of 3 steps none), N = 40 leaving a
-    partial row block. The first group is
-    zero; column 16, the largest of its group, is 2 - 2^-23 (in float32 the fixed point's clamp)."""
+    e4m3 scales, K split in 3 (16 groups a step asked of 12 take 4), or in 2 uneven splits (of 1 and 2 steps), N =
+    40 leaving a partial row block. The first group is zero; column 16, the largest of its group, is 2 - 2^-23 (in
+    float32 the fixed point's clamp)."""
     gen = torch.Generator().manual_seed(block_k + split_k + per_row)
     w, x = nvfp4_weight(40, 192, per_row, gen), activations(1, 192, dtype, gen)
     x[0, :16] = 0.0
@@ -658,7 +658,7 @@ def test_table_entries_are_checked(tmp_path, monkeypatch):
 @pytest.mark.parametrize("fmt", ["fp8", "int4", "nvfp4"])
 def test_default_configs_are_valid_entries(fmt):
     """The defaults for shapes the table does not name (wide and narrow, long and short K) are entries the table
-    checker takes, and a GEMV default is one the GEMV takes (the int4 one-row split a divisor of the K steps)."""
+    checker takes, and a GEMV default is one the GEMV takes (the int4 one-row kernel's K steps)."""
     for n, k in [(34816, 5120), (5120, 17408), (2048, 4096), (12288, 2048), (512, 2048)]:
         for rows in (1, 2, 8, 16, 64, 512, 8192):
             entry = configs.default_config(fmt, n, k, rows)

@@ -228,23 +228,33 @@ def _x_parts_kernel(x, parts, x_scale, v_sum, K_WORDS, GROUP: tl.constexpr, LOW_
 
 
 @triton.jit
+def _split_groups(STEPS, GROUPS_PER_STEP: tl.constexpr):
+    """(first group, the last step's first group) of this program's split (grid axis 1) of K's STEPS steps of
+    GROUPS_PER_STEP groups: split s of S takes steps [s * STEPS // S, (s + 1) * STEPS // S), so the splits differ
+    by at most one step and none is empty (S <= STEPS)."""
+    split, splits = tl.program_id(1), tl.num_programs(1)
+    first = split * STEPS // splits
+    end = (split + 1) * STEPS // splits
+    return first * GROUPS_PER_STEP, (end - 1) * GROUPS_PER_STEP
+
+
+@triton.jit
 def _int4_dp4a_row_kernel(
-    parts, x_scale, v_sum, words, scale, zero, out, partial, counters, N, K_WORDS, GROUPS_PER_SPLIT, stride_wn,
+    parts, x_scale, v_sum, words, scale, zero, out, partial, counters, N, K_WORDS, STEPS, stride_wn,
     stride_sn,
     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS_PER_STEP: tl.constexpr, HAS_ZERO: tl.constexpr,
     SPLIT: tl.constexpr, EVEN_N: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    """Grid (cdiv(N, BLOCK_N), splits): out [N] = x [K] @ dequant(W)^T (SPLIT: through
-    float32 partials [splits, N], split_k.store_split)
-    with x as _x_parts_kernel left it (parts, x_scale, v_sum). A word's nibbles are masked into two words of
-    bytes (nibbles 0 2 4 6 and 1 3 5 7) and dotted with x's hi and lo bytes by dp4a: 7 instructions for 8 weights,
-    summed in int32 over the 4 words a thread holds (exact: |sum| < 2^24). Per row and group:
-    sum_k (q_k - z) x_k = 2^E (sum_k q_k v_k - z v_sum), times the group's scale, summed in float32. A step's
-    words are loaded as [BLOCK_N, words] (4 consecutive words a thread, the threads along K) and viewed as
-    [BLOCK_N, groups, word quads, 4]: where the step's word quads cover the program's threads (block_k >= 1024 x
-    warps) a thread holds its 4 words in every row and each of x's parts it loads serves all BLOCK_N rows (no
-    layout conversion through shared memory). The words stream through shared memory STAGES - 1 steps ahead,
-    the scales, zero points and x's group scales and sums load one step ahead into registers (loaded where used,
+    """Grid (cdiv(N, BLOCK_N), splits): out [N] = x [K] @ dequant(W)^T (SPLIT: through float32 partials [splits, N],
+    split_k.store_split) over the program's share of K's steps (_split_groups), with x as _x_parts_kernel left it
+    (parts, x_scale, v_sum). A word's nibbles are masked into two words of bytes (nibbles 0 2 4 6 and 1 3 5 7) and
+    dotted with x's hi and lo bytes by dp4a: 7 instructions for 8 weights, summed in int32 over the 4 words a thread
+    holds (exact: |sum| < 2^24). Per row and group: sum_k (q_k - z) x_k = 2^E (sum_k q_k v_k - z v_sum), times the
+    group's scale, summed in float32. A step's words are loaded as [BLOCK_N, words] (4 consecutive words a thread, the
+    threads along K) and viewed as [BLOCK_N, groups, word quads, 4]: where the step's word quads cover the program's
+    threads (block_k >= 1024 x warps) a thread holds its 4 words in every row and each of x's parts it loads serves all
+    BLOCK_N rows (no layout conversion through shared memory). The words stream through shared memory STAGES - 1 steps
+    ahead, the scales, zero points and x's group scales and sums load one step ahead into registers (loaded where used,
     each step would wait out a memory latency)."""
     wait_for_previous_kernel(PDL)
     WPG: tl.constexpr = GROUP // 8  # words a group
@@ -258,8 +268,7 @@ def _int4_dp4a_row_kernel(
     s_rows = ns[:, None].to(tl.int64) * stride_sn  # [BN, 1]
     acc = tl.zeros([BLOCK_N, GROUPS_PER_STEP, QUADS], dtype=tl.float32)
     zero_acc = tl.zeros([BLOCK_N, GROUPS_PER_STEP, 1], dtype=tl.float32)
-    g_first = tl.program_id(1) * GROUPS_PER_SPLIT
-    g_last = g_first + GROUPS_PER_SPLIT - GROUPS_PER_STEP  # the last step's first group
+    g_first, g_last = _split_groups(STEPS, GROUPS_PER_STEP)
     s, z = _int4_row_scales(scale, zero, s_rows, n_ok, g_first + gs, HAS_ZERO, EVEN_N)
     xs, v = tl.load(x_scale + g_first + gs), tl.load(v_sum + g_first + gs)  # [GPS]
     for g0 in tl.range(g_first, g_last + 1, GROUPS_PER_STEP, num_stages=STAGES):
@@ -304,22 +313,21 @@ def _nvfp4_row_scales(scale, s_rows, n_ok, groups, EVEN_N: tl.constexpr):
 
 @triton.jit
 def _nvfp4_dp4a_row_kernel(
-    parts, x_scale, v_sum, words, scale, scale_2, out, partial, counters, N, K_WORDS, GROUPS_PER_SPLIT, stride_wn,
+    parts, x_scale, v_sum, words, scale, scale_2, out, partial, counters, N, K_WORDS, STEPS, stride_wn,
     stride_sn, pos_lo, pos_hi, neg_lo, neg_hi, BLOCK_N: tl.constexpr, GROUPS_PER_STEP: tl.constexpr,
     SPLIT: tl.constexpr, EVEN_N: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    """Grid (cdiv(N, BLOCK_N), splits): out [N] = x [K] @ dequant(W)^T (SPLIT: through
-    float32 partials [splits, N], split_k.store_split)
-    for NVFP4 (words: the packed bytes as int32 [N, K/8], scale [N, K/16] e4m3, scale_2 [N]) with x as
-    _x_parts_kernel (LOW_HIGH, groups of 16) left it (parts, x_scale, v_sum). prmt looks a word's nibbles up as the
-    bytes 12 + 2 e2m1 (0..24): the positive codes from one table (the negative ones, sign bit set, come out 0), the
-    negative ones from another with the sign bits flipped, ORed; dp4a dots them with x's hi and lo bytes, and per
-    group of 16 columns sum 2 e2m1(q) v = that dot - 12 v_sum exactly in int32, times the group's scale and 2^E
-    (float32), summed in float32; the row's scale_2 / 2 at the end. A step's words are loaded as [BLOCK_N, words]
-    (4 consecutive words a thread, the threads along K: with block_k >= 1024 x warps each of x's parts a thread
-    loads serves all BLOCK_N rows) and viewed as [BLOCK_N, groups, 2 words]; they stream through shared memory
-    STAGES - 1 steps ahead, the scales and x's group scales and sums load one step ahead into registers. The
-    tables (E2M1_POSITIVE, E2M1_NEGATIVE) come at run time, as registers."""
+    """Grid (cdiv(N, BLOCK_N), splits): out [N] = x [K] @ dequant(W)^T (SPLIT: through float32 partials [splits, N],
+    split_k.store_split) over the program's share of K's steps (_split_groups), for NVFP4 (words: the packed bytes as
+    int32 [N, K/8], scale [N, K/16] e4m3, scale_2 [N]) with x as _x_parts_kernel (LOW_HIGH, groups of 16) left it
+    (parts, x_scale, v_sum). prmt looks a word's nibbles up as the bytes 12 + 2 e2m1 (0..24): the positive codes from
+    one table (the negative ones, sign bit set, come out 0), the negative ones from another with the sign bits flipped,
+    ORed; dp4a dots them with x's hi and lo bytes, and per group of 16 columns sum 2 e2m1(q) v = that dot - 12 v_sum
+    exactly in int32, times the group's scale and 2^E (float32), summed in float32; the row's scale_2 / 2 at the end. A
+    step's words are loaded as [BLOCK_N, words] (4 consecutive words a thread, the threads along K: with block_k >= 1024
+    x warps each of x's parts a thread loads serves all BLOCK_N rows) and viewed as [BLOCK_N, groups, 2 words]; they
+    stream through shared memory STAGES - 1 steps ahead, the scales and x's group scales and sums load one step ahead
+    into registers. The tables (E2M1_POSITIVE, E2M1_NEGATIVE) come at run time, as registers."""
     wait_for_previous_kernel(PDL)
     ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     n_ok = ns < N
@@ -329,8 +337,7 @@ def _nvfp4_dp4a_row_kernel(
     w_step = words + ns[:, None].to(tl.int64) * stride_wn + ks[None, :]  # [BN, SW]
     s_rows = ns[:, None].to(tl.int64) * stride_sn  # [BN, 1]
     acc = tl.zeros([BLOCK_N, GROUPS_PER_STEP], dtype=tl.float32)
-    g_first = tl.program_id(1) * GROUPS_PER_SPLIT
-    g_last = g_first + GROUPS_PER_SPLIT - GROUPS_PER_STEP  # the last step's first group
+    g_first, g_last = _split_groups(STEPS, GROUPS_PER_STEP)
     s = _nvfp4_row_scales(scale, s_rows, n_ok, g_first + gs, EVEN_N)
     xs, v = tl.load(x_scale + g_first + gs), tl.load(v_sum + g_first + gs)  # [GPS]
     for g0 in tl.range(g_first, g_last + 1, GROUPS_PER_STEP, num_stages=STAGES):
@@ -368,19 +375,18 @@ def _nvfp4_dp4a_row_kernel(
 
 @triton.jit
 def _int4_row_kernel(
-    x, words, scale, zero, out, partial, counters, N, GROUPS_PER_SPLIT, stride_wn, stride_sn, magic, shift,
+    x, words, scale, zero, out, partial, counters, N, STEPS, stride_wn, stride_sn, magic, shift,
     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS_PER_STEP: tl.constexpr, HAS_ZERO: tl.constexpr,
     SPLIT: tl.constexpr, EVEN_N: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    """Grid (cdiv(N, BLOCK_N), splits): out [N] = x [K] @ dequant(W)^T (SPLIT: through
-    float32 partials [splits, N], split_k.store_split)
-    over the program's GROUPS_PER_SPLIT groups of K. words [N, K/8] int32, scale [N, K/GROUP], zero [N, K/GROUP]
-    uint8. Tiles [BLOCK_N, groups, words of a group]: a thread holds a few words of several rows, so that each x
-    column it loads serves all of them; the scale and zero point load once per row and group. The words stream
-    through shared memory STAGES - 1 steps ahead (Triton's pipelining, asked of the loop: by itself it pipelines
-    only loads that feed a dot); the scales and zero points, too narrow to copy asynchronously, load one step
-    ahead into registers. magic (2048.0's bits) and shift (12) come at run time: as immediates the compiler
-    splits each mask-or into two instructions."""
+    """Grid (cdiv(N, BLOCK_N), splits): out [N] = x [K] @ dequant(W)^T (SPLIT: through float32 partials [splits, N],
+    split_k.store_split) over the program's share of K's STEPS steps (_split_groups). words [N, K/8] int32, scale [N,
+    K/GROUP], zero [N, K/GROUP] uint8. Tiles [BLOCK_N, groups, words of a group]: a thread holds a few words of several
+    rows, so that each x column it loads serves all of them; the scale and zero point load once per row and group. The
+    words stream through shared memory STAGES - 1 steps ahead (Triton's pipelining, asked of the loop: by itself it
+    pipelines only loads that feed a dot); the scales and zero points, too narrow to copy asynchronously, load one step
+    ahead into registers. magic (2048.0's bits) and shift (12) come at run time: as immediates the compiler splits each
+    mask-or into two instructions."""
     wait_for_previous_kernel(PDL)
     WPG: tl.constexpr = GROUP // 8  # words a group
     ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
@@ -390,8 +396,7 @@ def _int4_row_kernel(
     w_rows = words + ns[:, None, None].to(tl.int64) * stride_wn  # [BN, 1, 1]
     s_rows = ns[:, None].to(tl.int64) * stride_sn  # [BN, 1]
     acc = tl.zeros([BLOCK_N, GROUPS_PER_STEP, WPG], dtype=tl.float32)
-    g_first = tl.program_id(1) * GROUPS_PER_SPLIT
-    g_last = g_first + GROUPS_PER_SPLIT - GROUPS_PER_STEP  # the last step's first group
+    g_first, g_last = _split_groups(STEPS, GROUPS_PER_STEP)
     s, z = _int4_row_scales(scale, zero, s_rows, n_ok, g_first + gs, HAS_ZERO, EVEN_N)
     for g0 in tl.range(g_first, g_last + 1, GROUPS_PER_STEP, num_stages=STAGES):
         # the next step's scales (the last step's again at the end: cached, and never past the split)
@@ -579,18 +584,16 @@ def supports(w, config: dict, rows: int = 1) -> bool:
 
 def _row_steps(k: int, group: int, config: dict) -> tuple[int, int] | None:
     """(groups a K step, K splits) of the one-row int4 kernels and NVFP4's dp4a kernel (group 16): block_k // group
-    groups a step (a power of two, at least 1) and up to config's split_k splits (default 1), both dividing K's
-    groups; None if the group is not a power of two of at least 8 columns or no step divides K."""
+    groups a step (a power of two, at least 1, dividing K's groups) and config's split_k splits (default 1), at
+    most one a step (splits differ by at most one step: _split_groups); None if the group is not a power of two of
+    at least 8 columns or does not divide K."""
     if group < 8 or group & (group - 1) or k % group:
         return None
     groups = k // group
     per_step = triton.next_power_of_2(max(1, config["block_k"] // group))
     while per_step > 1 and groups % per_step:
         per_step //= 2
-    split = max(1, min(config.get("split_k", 1), groups // per_step))
-    while groups % (split * per_step):
-        split -= 1
-    return per_step, split
+    return per_step, max(1, min(config.get("split_k", 1), groups // per_step))
 
 
 def gemv(x: torch.Tensor | Fp8Activation | Dp4aActivation, w, config: dict) -> torch.Tensor:
@@ -685,11 +688,11 @@ def _int4_row(x: torch.Tensor, w: Int4Weight, config: dict, out: torch.Tensor, l
         parts, x_scale, v_sum = ((written.parts, written.x_scale, written.v_sum) if written is not None
                                  else x_parts(x, group, False, launch))
         _int4_dp4a_row_kernel[grid](
-            parts, x_scale, v_sum, w.packed, w.scale, zero, out, partial, tiles, n, k // 8, k // group // split,
+            parts, x_scale, v_sum, w.packed, w.scale, zero, out, partial, tiles, n, k // 8, k // group // per_step,
             w.packed.stride(0), w.scale.stride(0), **common)
     else:
         _int4_row_kernel[grid](
-            x, w.packed, w.scale, zero, out, partial, tiles, n, k // group // split, w.packed.stride(0),
+            x, w.packed, w.scale, zero, out, partial, tiles, n, k // group // per_step, w.packed.stride(0),
             w.scale.stride(0), MAGIC_2048.value, 12, **common)
     return out
 
@@ -710,7 +713,7 @@ def _nvfp4_dp4a_row(x: torch.Tensor, w, config: dict, out: torch.Tensor, launch:
     partial = torch.empty(split, n, dtype=torch.float32, device=x.device) if split > 1 else out
     _nvfp4_dp4a_row_kernel[grid](
         parts, x_scale, v_sum, words, w.scale, w.scale_2, out, partial, tile_counters(x.device, grid[0]), n, k // 8,
-        groups // split, words.stride(0), w.scale.stride(0), *E2M1_POSITIVE.value, *E2M1_NEGATIVE.value,
+        groups // per_step, words.stride(0), w.scale.stride(0), *E2M1_POSITIVE.value, *E2M1_NEGATIVE.value,
         BLOCK_N=block_n, GROUPS_PER_STEP=per_step, SPLIT=split > 1, EVEN_N=n % block_n == 0, STAGES=config["stages"],
         num_warps=config["warps"], **launch)
     return out
