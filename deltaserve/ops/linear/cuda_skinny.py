@@ -1,16 +1,15 @@
 """Triton GEMM for decode batches (1 to SKINNY_MAX_ROWS rows): y [M, N] = x [M, K] @ W [N, K]^T.
 
 A decode step is bound by reading the weights once (27B: ~50 GB), but cuBLAS picks tiles for such skinny products
-that leave the GPU short of loads in flight (docs/performance.md, 'Decode GEMMs'). Here the
-weight is the wide side of a tensor-core product (W tile [BLOCK_N, BLOCK_K] times x^T tile [BLOCK_K, BLOCK_M], the
-rows padded to 16, tl.dot's least), its loads pipelined over num_stages, either pointer loads or (a sixth config
-entry of 1) the Hopper tensor-memory accelerator's bulk tile copies (TMA); K may be split among SPLIT_K programs
-whose float32 partial sums the tile's last program adds in a fixed order (ops/split_k.py), so the result does not
-depend on timing. The
-table `skinny_configs.json` (measured by `python -m benchmarks.batch_probe`) names the tile per (N, K, row
-bucket) and holds only the shapes where the kernel beat cuBLAS (and, at one row, the fused GEMV of cuda.py) by 2%.
-A fused RMS-norm / silu-mul prologue (each program re-reads and normalises the activation) and Stream-K tiling
-lost (docs/performance.md, 'Decode GEMMs').
+that leave the GPU short of loads in flight (docs/performance.md, 'Decode GEMMs'). Here the weight is the wide side
+of a tensor-core product (W tile [BLOCK_N, BLOCK_K] times x^T tile [BLOCK_K, BLOCK_M], the rows padded to 16,
+tl.dot's least), its loads pipelined over num_stages, either pointer loads or (a sixth config entry of 1) the Hopper
+tensor-memory accelerator's bulk tile copies (TMA); K may be split among SPLIT_K programs whose float32 partial sums
+the tile's last program adds in a fixed order (ops/split_k.py), so the result does not depend on timing. The table
+`skinny_configs.json` (measured by `python -m benchmarks.batch_probe`) names the tile per (N, K, row bucket) and
+holds only the shapes where the kernel beat cuBLAS (and, at one row, the fused GEMV of cuda.py) by 2%. A fused
+RMS-norm / silu-mul prologue (each program re-reads and normalises the activation) and Stream-K tiling lost
+(docs/performance.md, 'Decode GEMMs').
 """
 
 import functools

@@ -43,8 +43,8 @@ import triton.language as tl
 
 from deltaserve.ops import pdl
 from deltaserve.ops.pdl import wait_for_previous_kernel
-from deltaserve.ops.split_k import store_split, tile_counters
 from deltaserve.ops.quant_gemm.reference import Dp4aActivation, Fp8Activation, Fp8BlockWeight, Int4Weight
+from deltaserve.ops.split_k import store_split, tile_counters
 
 INT4: tl.constexpr = tl.constexpr(0)
 NVFP4: tl.constexpr = tl.constexpr(1)
@@ -240,8 +240,7 @@ def _split_groups(STEPS, GROUPS_PER_STEP: tl.constexpr):
 
 @triton.jit
 def _int4_dp4a_row_kernel(
-    parts, x_scale, v_sum, words, scale, zero, out, partial, counters, N, K_WORDS, STEPS, stride_wn,
-    stride_sn,
+    parts, x_scale, v_sum, words, scale, zero, out, partial, counters, N, K_WORDS, STEPS, stride_wn, stride_sn,
     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS_PER_STEP: tl.constexpr, HAS_ZERO: tl.constexpr,
     SPLIT: tl.constexpr, EVEN_N: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False,
 ):
