@@ -35,15 +35,15 @@ def tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
 
 
 @triton.jit
-def store_split(acc, out_ptrs, partial_ptrs, mask, split_stride, counters):
+def store_split(acc, out_ptrs, partial_ptrs, mask, split_stride, counters, tile):
     """Store this program's partial sums acc (float32) at partial_ptrs + split * split_stride (split: grid axis
-    1); the last of the tile's splits to arrive (the tile: grid axis 0) writes their sum in split order at
-    out_ptrs (out's dtype) and resets the tile's counter."""
+    1); the last of the tile's splits to arrive (tile: the output tile's index, counters[tile] its counter) writes
+    their sum in split order at out_ptrs (out's dtype) and resets the counter."""
     split = tl.program_id(1)
     splits = tl.num_programs(1)
     tl.store(partial_ptrs + split * split_stride, acc, mask=mask)
     tl.debug_barrier()  # every thread's partial is stored before the program counts itself in
-    counter = counters + tl.program_id(0)
+    counter = counters + tile
     if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == splits - 1:
         total = tl.load(partial_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
         for s in range(1, splits):

@@ -25,7 +25,7 @@ def _splits_kernel(values, out, partial, counters, M, N, BLOCK_N: tl.constexpr, 
     ok = (ns[:, None] < N) & (ms[None, :] < M)  # [BN, BM]
     tile = ms[None, :] * N + ns[:, None]
     acc = tl.load(values + tl.program_id(1) * M * N + tile, mask=ok, other=0.0)
-    split_k.store_split(acc, out + tile, partial + tile, ok, M * N, counters)
+    split_k.store_split(acc, out + tile, partial + tile, ok, M * N, counters, tl.program_id(0))
 
 
 @pytest.mark.parametrize("splits", [2, 3, 7])

@@ -24,6 +24,7 @@ from deltaserve.ops.quant_gemm import reference as ref  # noqa: E402
 from tests.ops import quant_gemm_oracle as oracle  # noqa: E402
 from tests.ops.interpreter import (patch_interpreter_bf16_dot, patch_interpreter_float_rounding,  # noqa: E402
                                    patch_interpreter_index)
+from tests.tolerance import gamma, unit_roundoff  # noqa: E402
 
 patch_interpreter_index()
 patch_interpreter_float_rounding()
@@ -398,6 +399,35 @@ def test_nvfp4_one_row_dp4a(dtype, per_row, block_k, split_k, steps):
     got = cuda_gemv.gemv(x, w, config)
     assert got.dtype == dtype and got.shape == (1, 40)
     oracle.assert_within(got, y64, oracle.nvfp4_dp4a_bound(x, w, y64, steps[1]), "nvfp4 dp4a gemv")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fmt", ["int4", "nvfp4"])
+def test_dp4a_row_kernels_take_a_plain_tail_block(dtype, fmt):
+    """The dp4a one-row kernels' first TAIL_ROWS programs multiply a 16-bit block beside the quantized product (as
+    GDN's [b|a] beside [q|k|v|z]): the product's bits are those of its launch alone (K split unevenly: int4 20
+    steps in 3, NVFP4 17 in 2), and the block's 7 rows (K: a 1,024-column load and a partial one) are within a
+    float32 dot's bound of float64, rounded once to x's dtype. A row without its parts is refused."""
+    gen = torch.Generator().manual_seed(7 + len(fmt))
+    if fmt == "int4":
+        k, group, low_high = 1280, 32, False
+        w, config = int4_weight(24, k, group, False, False, gen), dict(GEMV, block_k=64, split_k=3, dp4a=1)
+    else:
+        k, group, low_high = 1088, 16, True
+        w, config = nvfp4_weight(24, k, True, gen), dict(GEMV, block_k=64, split_k=2, dp4a=1)
+    x = activations(1, k, dtype, gen)
+    written = ref.Dp4aActivation(x, *cuda_gemv.x_parts(x, group, low_high, {}), group, low_high)
+    plain = (torch.randn(7, k, generator=gen) * 0.05).to(dtype)
+    alone = cuda_gemv.gemv(written, w, config)
+    got, tail_out = cuda_gemv.gemv(written, w, config, tail=plain)
+    assert torch.equal(got, alone)
+    expected = x.double() @ plain.double().T  # [1, 7]
+    magnitudes = x.double().abs() @ plain.double().abs().T
+    dot = gamma(k + 1, torch.float32) * magnitudes  # the products (exact but for float32's) and the sum
+    u = unit_roundoff(dtype) if dtype != torch.float32 else 0.0
+    oracle.assert_within(tail_out, expected, dot * (1 + u) + u * expected.abs(), f"{fmt} tail")
+    with pytest.raises(ValueError, match="tail block"):
+        cuda_gemv.gemv(x, w, config, tail=plain)
 
 
 DP4A_FORMATS = [("int4", 128, False), ("int4", 32, False), ("nvfp4", 16, True)]  # format, group, low_high

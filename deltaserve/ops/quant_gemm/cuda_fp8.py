@@ -121,7 +121,7 @@ def _skinny_kernel(
     if not SPLIT:
         tl.store(out_block, acc.to(out.dtype.element_ty), mask=ok)
     else:
-        store_split(acc, out_block, partial + ms[None, :].to(tl.int64) * N + ns[:, None], ok, M * N, counters)
+        store_split(acc, out_block, partial + ms[None, :].to(tl.int64) * N + ns[:, None], ok, M * N, counters, tl.program_id(0))
 
 
 @triton.jit(do_not_specialize=["G"])

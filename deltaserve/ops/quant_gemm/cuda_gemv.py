@@ -228,6 +228,21 @@ def _x_parts_kernel(x, parts, x_scale, v_sum, K_WORDS, GROUP: tl.constexpr, LOW_
 
 
 @triton.jit
+def _plain_row(x, w, out, row, stride_wn, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out [row] = x [K] . w [row, :K] (16-bit), a float32 sum rounded to out's dtype: a plain block's row computed
+    by a program of a quantized product's launch (its TAIL_ROWS). The K blocks are unrolled, so that their loads
+    are all in flight at once."""
+    acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+    w_row = w + row.to(tl.int64) * stride_wn
+    for k0 in tl.static_range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        acc += tl.load(w_row + ks, mask=k_ok, other=0.0).to(tl.float32) * tl.load(x + ks, mask=k_ok,
+                                                                                   other=0.0).to(tl.float32)
+    tl.store(out + row, tl.sum(acc, axis=0).to(out.dtype.element_ty))
+
+
+@triton.jit
 def _split_groups(STEPS, GROUPS_PER_STEP: tl.constexpr):
     """(first group, the last step's first group) of this program's split (grid axis 1) of K's STEPS steps of
     GROUPS_PER_STEP groups: split s of S takes steps [s * STEPS // S, (s + 1) * STEPS // S), so the splits differ
@@ -241,8 +256,9 @@ def _split_groups(STEPS, GROUPS_PER_STEP: tl.constexpr):
 @triton.jit
 def _int4_dp4a_row_kernel(
     parts, x_scale, v_sum, words, scale, zero, out, partial, counters, N, K_WORDS, STEPS, stride_wn, stride_sn,
-    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS_PER_STEP: tl.constexpr, HAS_ZERO: tl.constexpr,
-    SPLIT: tl.constexpr, EVEN_N: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False,
+    tail_x, tail_w, tail_out, stride_tn, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS_PER_STEP: tl.constexpr,
+    HAS_ZERO: tl.constexpr, SPLIT: tl.constexpr, EVEN_N: tl.constexpr, STAGES: tl.constexpr,
+    TAIL_ROWS: tl.constexpr = 0, TAIL_K: tl.constexpr = 0, PDL: tl.constexpr = False,
 ):
     """Grid (cdiv(N, BLOCK_N), splits): out [N] = x [K] @ dequant(W)^T (SPLIT: through float32 partials [splits, N],
     split_k.store_split) over the program's share of K's steps (_split_groups), with x as _x_parts_kernel left it
@@ -254,11 +270,19 @@ def _int4_dp4a_row_kernel(
     threads (block_k >= 1024 x warps) a thread holds its 4 words in every row and each of x's parts it loads serves all
     BLOCK_N rows (no layout conversion through shared memory). The words stream through shared memory STAGES - 1 steps
     ahead, the scales, zero points and x's group scales and sums load one step ahead into registers (loaded where used,
-    each step would wait out a memory latency)."""
+    each step would wait out a memory latency). With TAIL_ROWS, the first TAIL_ROWS programs compute tail_out
+    [TAIL_ROWS] = tail_x [K] @ tail_w^T instead (a 16-bit block of rows that reads the same input: GDN's [b|a] beside
+    its quantized [q|k|v|z]), one row each (_plain_row), so that it takes no launch of its own."""
     wait_for_previous_kernel(PDL)
+    if TAIL_ROWS:
+        if tl.program_id(0) < TAIL_ROWS:
+            if tl.program_id(1) == 0:
+                _plain_row(tail_x, tail_w, tail_out, tl.program_id(0), stride_tn, TAIL_K, 1024)
+            return
+    tile = tl.program_id(0) - TAIL_ROWS
     WPG: tl.constexpr = GROUP // 8  # words a group
     QUADS: tl.constexpr = WPG // 4  # word quads a group
-    ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    ns = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     n_ok = ns < N
     STEP_WORDS: tl.constexpr = GROUPS_PER_STEP * WPG
     gs = tl.arange(0, GROUPS_PER_STEP)  # [GPS]
@@ -297,7 +321,7 @@ def _int4_dp4a_row_kernel(
         s, z, xs, v = s_next, z_next, xs_next, v_next
     y = tl.sum(tl.sum(acc, axis=2), axis=1) - tl.sum(tl.sum(zero_acc, axis=2), axis=1)  # [BN]
     if SPLIT:
-        store_split(y, out + ns, partial + ns, n_ok, N, counters)
+        store_split(y, out + ns, partial + ns, n_ok, N, counters, tile)
     else:
         tl.store(out + ns, y.to(out.dtype.element_ty), mask=n_ok)
 
@@ -313,8 +337,9 @@ def _nvfp4_row_scales(scale, s_rows, n_ok, groups, EVEN_N: tl.constexpr):
 @triton.jit
 def _nvfp4_dp4a_row_kernel(
     parts, x_scale, v_sum, words, scale, scale_2, out, partial, counters, N, K_WORDS, STEPS, stride_wn,
-    stride_sn, pos_lo, pos_hi, neg_lo, neg_hi, BLOCK_N: tl.constexpr, GROUPS_PER_STEP: tl.constexpr,
-    SPLIT: tl.constexpr, EVEN_N: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False,
+    stride_sn, pos_lo, pos_hi, neg_lo, neg_hi, tail_x, tail_w, tail_out, stride_tn, BLOCK_N: tl.constexpr,
+    GROUPS_PER_STEP: tl.constexpr, SPLIT: tl.constexpr, EVEN_N: tl.constexpr, STAGES: tl.constexpr,
+    TAIL_ROWS: tl.constexpr = 0, TAIL_K: tl.constexpr = 0, PDL: tl.constexpr = False,
 ):
     """Grid (cdiv(N, BLOCK_N), splits): out [N] = x [K] @ dequant(W)^T (SPLIT: through float32 partials [splits, N],
     split_k.store_split) over the program's share of K's steps (_split_groups), for NVFP4 (words: the packed bytes as
@@ -326,9 +351,18 @@ def _nvfp4_dp4a_row_kernel(
     step's words are loaded as [BLOCK_N, words] (4 consecutive words a thread, the threads along K: with block_k >= 1024
     x warps each of x's parts a thread loads serves all BLOCK_N rows) and viewed as [BLOCK_N, groups, 2 words]; they
     stream through shared memory STAGES - 1 steps ahead, the scales and x's group scales and sums load one step ahead
-    into registers. The tables (E2M1_POSITIVE, E2M1_NEGATIVE) come at run time, as registers."""
+    into registers. The tables (E2M1_POSITIVE, E2M1_NEGATIVE) come at run time, as registers. With TAIL_ROWS, the first
+    TAIL_ROWS programs compute tail_out [TAIL_ROWS] = tail_x [K] @ tail_w^T instead (a 16-bit block of rows that reads
+    the same input: GDN's [b|a] beside its quantized [q|k|v|z]), one row each (_plain_row), so that it takes no launch
+    of its own."""
     wait_for_previous_kernel(PDL)
-    ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    if TAIL_ROWS:
+        if tl.program_id(0) < TAIL_ROWS:
+            if tl.program_id(1) == 0:
+                _plain_row(tail_x, tail_w, tail_out, tl.program_id(0), stride_tn, TAIL_K, 1024)
+            return
+    tile = tl.program_id(0) - TAIL_ROWS
+    ns = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     n_ok = ns < N
     STEP_WORDS: tl.constexpr = 2 * GROUPS_PER_STEP
     gs = tl.arange(0, GROUPS_PER_STEP)  # [GPS]
@@ -367,7 +401,7 @@ def _nvfp4_dp4a_row_kernel(
         s, xs, v = s_next, xs_next, v_next
     y = tl.sum(acc, axis=1) * (tl.load(scale_2 + ns, mask=n_ok, other=0.0) * 0.5)  # [BN]
     if SPLIT:
-        store_split(y, out + ns, partial + ns, n_ok, N, counters)
+        store_split(y, out + ns, partial + ns, n_ok, N, counters, tile)
     else:
         tl.store(out + ns, y.to(out.dtype.element_ty), mask=n_ok)
 
@@ -422,7 +456,7 @@ def _int4_row_kernel(
         s, z = s_next, z_next
     y = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BN]
     if SPLIT:
-        store_split(y, out + ns, partial + ns, n_ok, N, counters)
+        store_split(y, out + ns, partial + ns, n_ok, N, counters, tl.program_id(0))
     else:
         tl.store(out + ns, y.to(out.dtype.element_ty), mask=n_ok)
 
@@ -595,17 +629,22 @@ def _row_steps(k: int, group: int, config: dict) -> tuple[int, int] | None:
     return per_step, max(1, min(config.get("split_k", 1), groups // per_step))
 
 
-def gemv(x: torch.Tensor | Fp8Activation | Dp4aActivation, w, config: dict) -> torch.Tensor:
+def gemv(x: torch.Tensor | Fp8Activation | Dp4aActivation, w, config: dict, tail: torch.Tensor | None = None):
     """x [M, K] -> [M, N] in x.dtype, M <= MAX_ROWS (FP8: one row; `supports(w, config, M)` first; the rows
     padded to a power of two: variants for 1, 2, 4, 8). config:
     block_n, block_k, warps, stages. Act order (int4 g_idx) gathers x's columns first. FP8 also takes x already
     quantized (an Fp8Activation of the weight's scale block); int4 and NVFP4 a row with its fixed-point parts (a
-    Dp4aActivation), which the dp4a kernels read where they fit (`dp4a_input`) and the others ignore."""
+    Dp4aActivation), which the dp4a kernels read where they fit (`dp4a_input`) and the others ignore. tail: a
+    16-bit [NT, K] block multiplied in the same launch (only by a dp4a kernel reading x's parts: x a Dp4aActivation
+    that `dp4a_input` names); the result is then (x @ W^T [1, N], x @ tail^T [1, NT])."""
     from deltaserve.ops.quant_gemm import cuda_fp8
 
     written = None
     if isinstance(x, Dp4aActivation):
         written, x = (x if dp4a_input(w, config, x.shape[0]) == (x.group, x.low_high) else None), x.x
+    if tail is not None and written is None:
+        raise ValueError("a tail block is multiplied only by a dp4a kernel reading the row's parts (a Dp4aActivation "
+                         "that dp4a_input names)")
     n, k = w.shape
     m = x.shape[0]
     device = x.xq.device if isinstance(x, Fp8Activation) else x.device
@@ -627,10 +666,10 @@ def gemv(x: torch.Tensor | Fp8Activation | Dp4aActivation, w, config: dict) -> t
         if w.perm is not None:
             x = x.index_select(1, w.perm)
         if m == 1:
-            return _int4_row(x, w, config, out, launch, written)
+            return _int4_row(x, w, config, out, launch, written, tail)
     else:
         if m == 1 and config.get("dp4a"):
-            return _nvfp4_dp4a_row(x, w, config, out, launch, written)
+            return _nvfp4_dp4a_row(x, w, config, out, launch, written, tail)
         fmt, words, group, zero, scale_2 = NVFP4, w.packed.view(torch.int32), NVFP4_GROUP, None, w.scale_2
     block_k = _block_k(k, config["block_k"], group)
     _weight_only_gemv_kernel[grid](
@@ -668,10 +707,10 @@ def x_parts_buffers(k: int, group: int, device) -> tuple[torch.Tensor, ...]:
 
 
 def _int4_row(x: torch.Tensor, w: Int4Weight, config: dict, out: torch.Tensor, launch: dict,
-              written: Dp4aActivation | None = None) -> torch.Tensor:
+              written: Dp4aActivation | None = None, tail: torch.Tensor | None = None):
     """out [1, N] = x [1, K] (columns in the packed order) @ dequant(w)^T by _int4_row_kernel, or with config's
-    "dp4a" by _int4_dp4a_row_kernel on x's parts (written's, else _x_parts_kernel's); split K sums its float32
-    partials in order in the tile's last program."""
+    "dp4a" by _int4_dp4a_row_kernel on x's parts (written's, else _x_parts_kernel's), with tail's rows (gemv);
+    split K sums its float32 partials in order in the tile's last program."""
     n, k = w.shape
     group = w.group_size
     per_step, split = _row_steps(k, group, config)
@@ -686,21 +725,22 @@ def _int4_row(x: torch.Tensor, w: Int4Weight, config: dict, out: torch.Tensor, l
     if config.get("dp4a"):
         parts, x_scale, v_sum = ((written.parts, written.x_scale, written.v_sum) if written is not None
                                  else x_parts(x, group, False, launch))
-        _int4_dp4a_row_kernel[grid](
+        tail_args, tail_out, tail_constexprs = _tail(x, tail)
+        _int4_dp4a_row_kernel[(grid[0] + tail_constexprs.get("TAIL_ROWS", 0), split)](
             parts, x_scale, v_sum, w.packed, w.scale, zero, out, partial, tiles, n, k // 8, k // group // per_step,
-            w.packed.stride(0), w.scale.stride(0), **common)
-    else:
-        _int4_row_kernel[grid](
-            x, w.packed, w.scale, zero, out, partial, tiles, n, k // group // per_step, w.packed.stride(0),
-            w.scale.stride(0), MAGIC_2048.value, 12, **common)
+            w.packed.stride(0), w.scale.stride(0), *tail_args, **common, **tail_constexprs)
+        return out if tail is None else (out, tail_out)
+    _int4_row_kernel[grid](
+        x, w.packed, w.scale, zero, out, partial, tiles, n, k // group // per_step, w.packed.stride(0),
+        w.scale.stride(0), MAGIC_2048.value, 12, **common)
     return out
 
 
 def _nvfp4_dp4a_row(x: torch.Tensor, w, config: dict, out: torch.Tensor, launch: dict,
-                    written: Dp4aActivation | None = None) -> torch.Tensor:
+                    written: Dp4aActivation | None = None, tail: torch.Tensor | None = None):
     """out [1, N] = x [1, K] @ dequant(w)^T for NVFP4 by _nvfp4_dp4a_row_kernel on x's parts (groups of 16,
-    LOW_HIGH: written's, else _x_parts_kernel's); split K sums its float32 partials in order in the tile's last
-    program."""
+    LOW_HIGH: written's, else _x_parts_kernel's), with tail's rows (gemv); split K sums its float32 partials in
+    order in the tile's last program."""
     n, k = w.shape
     groups = k // NVFP4_GROUP
     per_step, split = _row_steps(k, NVFP4_GROUP, config)
@@ -710,9 +750,23 @@ def _nvfp4_dp4a_row(x: torch.Tensor, w, config: dict, out: torch.Tensor, launch:
     parts, x_scale, v_sum = ((written.parts, written.x_scale, written.v_sum) if written is not None
                              else x_parts(x, NVFP4_GROUP, True, launch))
     partial = torch.empty(split, n, dtype=torch.float32, device=x.device) if split > 1 else out
-    _nvfp4_dp4a_row_kernel[grid](
+    tail_args, tail_out, tail_constexprs = _tail(x, tail)
+    _nvfp4_dp4a_row_kernel[(grid[0] + tail_constexprs.get("TAIL_ROWS", 0), split)](
         parts, x_scale, v_sum, words, w.scale, w.scale_2, out, partial, tile_counters(x.device, grid[0]), n, k // 8,
         groups // per_step, words.stride(0), w.scale.stride(0), *E2M1_POSITIVE.value, *E2M1_NEGATIVE.value,
-        BLOCK_N=block_n, GROUPS_PER_STEP=per_step, SPLIT=split > 1, EVEN_N=n % block_n == 0, STAGES=config["stages"],
-        num_warps=config["warps"], **launch)
-    return out
+        *tail_args, BLOCK_N=block_n, GROUPS_PER_STEP=per_step, SPLIT=split > 1, EVEN_N=n % block_n == 0,
+        STAGES=config["stages"], num_warps=config["warps"], **launch, **tail_constexprs)
+    return out if tail is None else (out, tail_out)
+
+
+def _tail(x: torch.Tensor, tail: torch.Tensor | None) -> tuple[tuple, torch.Tensor | None, dict]:
+    """(the dp4a kernels' tail arguments, tail_out [1, NT], their TAIL_ROWS / TAIL_K) for x [1, K] @ tail [NT, K]^T
+    in the product's launch; without a tail, x stands in for the pointers the kernel then never reads."""
+    if tail is None:
+        return (x, x, x, 0), None, {}
+    nt, k = tail.shape
+    if k != x.shape[1] or tail.dtype != x.dtype or tail.stride(1) != 1:
+        raise ValueError(f"the tail block must be [rows, {x.shape[1]}] {x.dtype} with unit column stride, got "
+                         f"{tuple(tail.shape)} {tail.dtype} strides {tuple(tail.stride())}")
+    tail_out = torch.empty(1, nt, dtype=x.dtype, device=x.device)
+    return (x, tail, tail_out, tail.stride(0)), tail_out, dict(TAIL_ROWS=nt, TAIL_K=k)
