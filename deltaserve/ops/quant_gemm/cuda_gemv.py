@@ -243,6 +243,17 @@ def _plain_row(x, w, out, row, stride_wn, K: tl.constexpr, BLOCK_K: tl.constexpr
 
 
 @triton.jit
+def _tail_program(tail_x, tail_w, tail_out, stride_tn, TAIL_ROWS: tl.constexpr, TAIL_K: tl.constexpr):
+    """Whether this program is one of a launch's first TAIL_ROWS (grid axis 0), which multiply a plain block
+    instead of the quantized weight: row p of tail_x @ tail_w^T into tail_out (split 0 only; _plain_row)."""
+    is_tail = tl.program_id(0) < TAIL_ROWS
+    if TAIL_ROWS:
+        if is_tail & (tl.program_id(1) == 0):
+            _plain_row(tail_x, tail_w, tail_out, tl.program_id(0), stride_tn, TAIL_K, 1024)
+    return is_tail
+
+
+@triton.jit
 def _split_groups(STEPS, GROUPS_PER_STEP: tl.constexpr):
     """(first group, the last step's first group) of this program's split (grid axis 1) of K's STEPS steps of
     GROUPS_PER_STEP groups: split s of S takes steps [s * STEPS // S, (s + 1) * STEPS // S), so the splits differ
@@ -274,11 +285,8 @@ def _int4_dp4a_row_kernel(
     [TAIL_ROWS] = tail_x [K] @ tail_w^T instead (a 16-bit block of rows that reads the same input: GDN's [b|a] beside
     its quantized [q|k|v|z]), one row each (_plain_row), so that it takes no launch of its own."""
     wait_for_previous_kernel(PDL)
-    if TAIL_ROWS:
-        if tl.program_id(0) < TAIL_ROWS:
-            if tl.program_id(1) == 0:
-                _plain_row(tail_x, tail_w, tail_out, tl.program_id(0), stride_tn, TAIL_K, 1024)
-            return
+    if _tail_program(tail_x, tail_w, tail_out, stride_tn, TAIL_ROWS, TAIL_K):
+        return
     tile = tl.program_id(0) - TAIL_ROWS
     WPG: tl.constexpr = GROUP // 8  # words a group
     QUADS: tl.constexpr = WPG // 4  # word quads a group
@@ -356,11 +364,8 @@ def _nvfp4_dp4a_row_kernel(
     the same input: GDN's [b|a] beside its quantized [q|k|v|z]), one row each (_plain_row), so that it takes no launch
     of its own."""
     wait_for_previous_kernel(PDL)
-    if TAIL_ROWS:
-        if tl.program_id(0) < TAIL_ROWS:
-            if tl.program_id(1) == 0:
-                _plain_row(tail_x, tail_w, tail_out, tl.program_id(0), stride_tn, TAIL_K, 1024)
-            return
+    if _tail_program(tail_x, tail_w, tail_out, stride_tn, TAIL_ROWS, TAIL_K):
+        return
     tile = tl.program_id(0) - TAIL_ROWS
     ns = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     n_ok = ns < N
