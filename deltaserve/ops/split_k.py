@@ -1,10 +1,10 @@
 """Split-K products that finish their own sums: the last program of a tile adds the tile's partials.
 
-A decode product whose output is too small to fill the GPU splits K over a second grid axis. Each program writes
-its float32 partial sums; then it counts itself in on its tile's counter (one int32 per tile along grid axis 0),
-and the program that arrives last adds every split's partial in split order, writes the output and sets the
-counter back to zero for the next launch. The sum is the same, bit for bit, as a second kernel adding them in
-order, and the step has one launch fewer per product.
+A decode product whose output is too small to fill the GPU splits K over a second grid axis. Each program writes its
+float32 partial sums; then it counts itself in on its output tile's counter (one int32 per tile), and the program
+that arrives last adds every split's partial in split order, writes the output and sets the counter back to zero for
+the next launch. The sum is the same, bit for bit, as a second kernel adding them in order, and the step has one
+launch fewer per product.
 
 The order of memory: every thread's partial is stored before the barrier, after which one thread counts the
 program in with release semantics at GPU scope; the last program's count acquires, so the other programs'
