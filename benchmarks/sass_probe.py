@@ -83,6 +83,8 @@ def compile_attention(kernel: str = "decode", cache: str = "bf16", arch: int = 9
 # down); NVFP4's few-rows kernel at one row, and its dp4a kernel at a tile of the probe's sweep
 GEMV_TILES = {"int4-row": (32, 128, 2, 4), "int4-dp4a": (16, 512, 2, 3), "nvfp4-gemv": (8, 4096, 4, 1),
               "nvfp4-dp4a": (16, 512, 2, 3)}
+# the dp4a kernels' plain-block pointers (a launch's first TAIL_ROWS programs; none here)
+TAIL_TYPES = {"tail_x": "*bf16", "tail_w": "*bf16", "tail_out": "*bf16"}
 
 
 def compile_gemv(kernel: str = "int4-row", arch: int = 90, block_n: int | None = None, block_k: int | None = None,
@@ -105,9 +107,9 @@ def compile_gemv(kernel: str = "int4-row", arch: int = 90, block_n: int | None =
                         stages)
     if kernel == "nvfp4-dp4a":
         constants = {"BLOCK_N": block_n, "GROUPS_PER_STEP": max(1, block_k // 16), "SPLIT": False, "EVEN_N": True,
-                     "STAGES": stages, "PDL": False}
+                     "STAGES": stages, "TAIL_ROWS": 0, "TAIL_K": 0, "PDL": False}
         types = {"parts": "*i32", "x_scale": "*fp32", "v_sum": "*i32", "words": "*i32", "scale": "*fp8e4nv",
-                 "scale_2": "*fp32", "out": "*bf16", "partial": "*fp32", "counters": "*i32"}
+                 "scale_2": "*fp32", "out": "*bf16", "partial": "*fp32", "counters": "*i32", **TAIL_TYPES}
         tables = (*cuda_gemv.E2M1_POSITIVE.value, *cuda_gemv.E2M1_NEGATIVE.value)
         ints = {"N": 34816, "K_WORDS": 640, "STEPS": 320 // constants["GROUPS_PER_STEP"], "stride_wn": 640,
                 "stride_sn": 320,
@@ -118,6 +120,9 @@ def compile_gemv(kernel: str = "int4-row", arch: int = 90, block_n: int | None =
                  "SPLIT": False, "EVEN_N": True, "STAGES": stages, "PDL": False}
     types = {"x": "*bf16", "parts": "*i32", "x_scale": "*fp32", "v_sum": "*i32", "words": "*i32",
              "scale": "*bf16", "zero": "*u8", "out": "*bf16", "partial": "*fp32", "counters": "*i32"}
+    if kernel == "int4-dp4a":  # no plain block in the launch (its TAIL_ROWS programs)
+        constants.update(TAIL_ROWS=0, TAIL_K=0)
+        types.update(TAIL_TYPES)
     ints = {"N": 34816, "K_WORDS": 640, "STEPS": 40 // constants["GROUPS_PER_STEP"], "stride_wn": 640, "stride_sn": 40,
             "magic": cuda_gemv.MAGIC_2048.value, "shift": 12}
     fn = cuda_gemv._int4_row_kernel if kernel == "int4-row" else cuda_gemv._int4_dp4a_row_kernel
