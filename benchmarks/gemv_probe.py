@@ -35,12 +35,22 @@ COPIES_BYTES = 400e6  # cycle through this many bytes of weight copies, far beyo
 
 
 def decode_projections(cfg: ModelConfig) -> list[tuple[str, int, int]]:
-    """(prologue, N, K) of each distinct projection of a dense Qwen3.5 decode step."""
+    """(prologue, N, K) of each distinct projection of a Qwen3.5 decode step: the dense MLP's where there is one;
+    a MoE model's joined router rows (layers.mlp.SparseMoE.fuse: the router and the shared gate, padded to
+    JOIN_ROW_MULTIPLE) as "rms_norm_and", the norm's launch writing its normed row too (rms_norm_and_linear),
+    which the table keeps under the "rms_norm" prologue."""
+    from deltaserve.layers.mlp import JOIN_ROW_MULTIPLE
+
     H, inter = cfg.hidden_size, cfg.intermediate_size
     gdn_in = cfg.conv_dim + cfg.gdn_value_dim + 2 * cfg.gdn_num_v_heads
     qkv = 2 * cfg.num_heads * cfg.head_dim + 2 * cfg.num_kv_heads * cfg.head_dim
-    return [("rms_norm", 2 * inter, H), ("rms_norm", gdn_in, H), ("rms_norm", qkv, H), ("silu_mul", H, inter),
-            ("gated_norm", H, cfg.gdn_value_dim), ("none", H, cfg.num_heads * cfg.head_dim)]
+    shapes = [("rms_norm", gdn_in, H), ("rms_norm", qkv, H), ("gated_norm", H, cfg.gdn_value_dim),
+              ("none", H, cfg.num_heads * cfg.head_dim)]
+    if inter:
+        shapes += [("rms_norm", 2 * inter, H), ("silu_mul", H, inter)]
+    if cfg.num_experts:
+        shapes.append(("rms_norm_and", -(-(cfg.num_experts + 1) // JOIN_ROW_MULTIPLE) * JOIN_ROW_MULTIPLE, H))
+    return shapes
 
 
 def inputs(prologue: str, n: int, k: int, head_dim: int, device, rows: int = 1):
@@ -48,7 +58,7 @@ def inputs(prologue: str, n: int, k: int, head_dim: int, device, rows: int = 1):
     dtype = torch.bfloat16
     copies = max(2, int(COPIES_BYTES // (2 * n * k)))
     weights = [0.02 * torch.randn(n, k, device=device, dtype=dtype) for _ in range(copies)]
-    if prologue == "rms_norm":
+    if prologue in ("rms_norm", "rms_norm_and"):
         x, res, w = (torch.randn(rows, k, device=device, dtype=dtype) for _ in range(3))
         return weights, (lambda fn, weight, **kw: fn(x, w, 1e-6, weight, res, **kw))
     if prologue == "silu_mul":
@@ -76,14 +86,16 @@ def probe_parser(module: str, doc: str, default_out: str, package_table: str) ->
 
 def main(argv: list[str] | None = None) -> int:
     parser = probe_parser("gemv_probe", __doc__, "gemv_configs.json", "configs.json")
-    parser.add_argument("--only", help="probe only this prologue (rms_norm, silu_mul, gated_norm, none)")
+    parser.add_argument("--only", help="probe only this prologue (rms_norm, rms_norm_and, silu_mul, gated_norm, none)")
     args = parser.parse_args(argv)
     cfg = ModelConfig.from_pretrained(args.model)
     device = torch.device("cuda")
-    fused_fns = {"rms_norm": linear_cuda.rms_norm_linear, "silu_mul": linear_cuda.silu_mul_linear,
-                 "gated_norm": linear_cuda.gated_norm_linear, "none": linear_cuda.linear}
-    unfused_fns = {"rms_norm": reference.rms_norm_linear, "silu_mul": reference.silu_mul_linear,
-                   "gated_norm": reference.gated_norm_linear, "none": torch.nn.functional.linear}
+    fused_fns = {"rms_norm": linear_cuda.rms_norm_linear, "rms_norm_and": linear_cuda.rms_norm_and_linear,
+                 "silu_mul": linear_cuda.silu_mul_linear, "gated_norm": linear_cuda.gated_norm_linear,
+                 "none": linear_cuda.linear}
+    unfused_fns = {"rms_norm": reference.rms_norm_linear, "rms_norm_and": reference.rms_norm_and_linear,
+                   "silu_mul": reference.silu_mul_linear, "gated_norm": reference.gated_norm_linear,
+                   "none": torch.nn.functional.linear}
     table = {}
     for prologue, n, k in decode_projections(cfg):
         if args.only and prologue != args.only:
@@ -101,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             results.append((t, config))
         best_time, best = min(results)
-        table[f"{prologue}:{n}:{k}"] = list(best) if best_time < 0.99 * unfused else None
+        table[f"{prologue.removesuffix('_and')}:{n}:{k}"] = list(best) if best_time < 0.99 * unfused else None
         print(f"{prologue:>10} N={n:>6} K={k:>6} ({megabytes:.0f} MB): unfused {unfused:.1f} us "
               f"({megabytes / unfused:.2f} TB/s); fused best {best_time:.1f} us ({megabytes / best_time:.2f} TB/s) "
               f"{best}; top 4: " + ", ".join(f"{t:.1f} {c}" for t, c in sorted(results)[:4]), flush=True)

@@ -206,21 +206,36 @@ class SparseMoE(nn.Module):
             shared_gate_up = projected[:, rows:rows + self.shared_expert.gate_up_weight.shape[0]]
         return projected[:, :E], projected[:, E:E + 1], shared_gate_up
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, H] -> [T, H]."""
-        if self.router_weight is not None and self.experts.fused_serves(x):
+    def _shared_slot_serves(self, x: torch.Tensor) -> bool:
+        """Whether the shared expert runs as a slot of the fused experts for this batch (ops.moe.sparse_block)."""
+        if self.router_weight is None or not self.experts.fused_serves(x):
+            return False
+        return moe.shared_slot_serves(x, *self.experts.stacks(), *self.shared_expert.slot_weights())
+
+    def input_weight(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The joined weight that forward multiplies x [T, H] by first (router_weight, or in_weight with the shared
+        expert's gate/up), which the norm before the block may multiply in its own launch
+        (ops.linear.rms_norm_and_linear, then forward's `projected`); None where there is none."""
+        if self._shared_slot_serves(x) or (self.in_weight is None and self.router_weight is not None):
+            return self.router_weight
+        return self.in_weight
+
+    def forward(self, x: torch.Tensor, projected: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [T, H] -> [T, H]. projected: x @ input_weight(x)^T where the caller multiplied it already."""
+        if projected is None and (weight := self.input_weight(x)) is not None:
+            projected = linear(x, weight)
+        if self._shared_slot_serves(x):
             gate_up, down = self.experts.stacks()
             shared_gate_up, shared_down = self.shared_expert.slot_weights()
-            if moe.shared_slot_serves(x, gate_up, down, shared_gate_up, shared_down):
-                logits, gate, _ = self.split_projection(linear(x, self.router_weight))
-                return moe.sparse_block(x, logits, self.top_k, self.norm_topk_prob, gate_up, down, shared_gate_up,
-                                        shared_down, gate)
+            logits, gate, _ = self.split_projection(projected)
+            return moe.sparse_block(x, logits, self.top_k, self.norm_topk_prob, gate_up, down, shared_gate_up,
+                                    shared_down, gate)
         # shared: (the shared expert's output [T, H], its gate logits [T, 1]), summed in by the experts' op
         if self.in_weight is not None:
-            logits, gate, shared_gate_up = self.split_projection(linear(x, self.in_weight))
+            logits, gate, shared_gate_up = self.split_projection(projected)
             shared = (self.shared_expert.down(shared_gate_up), gate)
         elif self.router_weight is not None:  # a quantized shared expert
-            logits, gate, _ = self.split_projection(linear(x, self.router_weight))
+            logits, gate, _ = self.split_projection(projected)
             shared = (self.shared_expert(x), gate)
         else:
             logits = self.gate(x)  # [T, E]

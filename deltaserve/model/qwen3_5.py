@@ -28,7 +28,7 @@ from deltaserve.layers.mlp import SparseMoE, SwiGLU
 from deltaserve.layers.quant.weight import plain_parts, quantized_parts
 from deltaserve.layers.norm import RMSNorm
 from deltaserve.layers.rotary import PartialRotary
-from deltaserve.ops.linear import rms_norm_linear
+from deltaserve.ops.linear import rms_norm_and_linear, rms_norm_linear
 from deltaserve.worker.distributed import SINGLE, ParallelContext
 
 
@@ -83,6 +83,10 @@ class DecoderLayer(nn.Module):
         if isinstance(self.mlp, SwiGLU):
             gate_up, residual = norm_then_project(self.post_attention_layernorm, x, residual, self.mlp.gate_up_weight)
             out = self.mlp.down(gate_up)
+        elif (router := self.mlp.input_weight(x)) is not None:  # the router multiplied in the norm's launch
+            x, projected, residual = rms_norm_and_linear(x, self.post_attention_layernorm.weight,
+                                                         self.post_attention_layernorm.eps, router, residual)
+            out = self.mlp(x, projected)
         else:
             x, residual = self.post_attention_layernorm(x, residual)
             out = self.mlp(x)

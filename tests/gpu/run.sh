@@ -19,7 +19,9 @@
 #          kernel and tile, TB/s and TFLOP/s beside the limits) writing OUTDIR/quant_gemm_configs.json (for
 #          deltaserve/ops/quant_gemm/configs.json); ~6-7 min on an H200: the probe starts no shape after
 #          PROBE_BUDGET (240) s and is killed at PROBE_TIMEOUT (300) s, keeping what it measured (merged into
-#          the shipped table); FORMATS="int4,nvfp4" and ROWS="1" narrow it, TESTS=0 leaves out the tests
+#          the shipped table); FORMATS="int4,nvfp4", ROWS="1" and ONLY="gdn_out,attn_o" (projection names) narrow
+#          it, MODEL="qwen3.5-35b-a3b" takes another model's dense shapes (ONLY=gdn_in_qkvz,gdn_out,attn_qkv,attn_o
+#          for a MoE model), TESTS=0 leaves out the tests
 #   moe    the fused MoE path: its GPU tests and the tests/ops MoE tests, then benchmarks/moe_probe.py on MODEL (default
 #          qwen3.5-35b-a3b): torch path vs fused vs the bandwidth limit at 1-64 tokens and the tile sweep, writing
 #          OUTDIR/moe_configs.json (for deltaserve/ops/moe/configs.json); FORMATS="bf16 fp8 int4" probes and sweeps
@@ -35,7 +37,9 @@
 #          (unpack into deltaserve/ops/gdn/fla_configs/) and the skinny GEMM's tiles as OUTDIR/skinny_configs.json
 #          (for deltaserve/ops/linear/); TUNE=fla makes fla's alone (~2 min), TUNE=skinny the skinny table alone
 #          (~3 min), then a GDN layer's recurrent step and out-proj together and apart (`--gdn-tail 64`);
-#          TUNE=small the small bf16 products of the quantized checkpoints alone (batch_probe --small, ~2 min)
+#          TUNE=small the small bf16 products of the quantized checkpoints alone (batch_probe --small, ~2 min);
+#          TUNE=gemv the batch-1 fused GEMVs of MODEL (benchmarks.gemv_probe; ONLY=rms_norm_and: a MoE model's
+#          router in its norm's launch) as OUTDIR/gemv_configs.json (for deltaserve/ops/linear/configs.json)
 # Wheels the machine lacks (fla-core, the server stack, xgrammar) are installed from .whl/ when present
 # (scripts/gpu_wheels.sh); the published configs are the ones shipped in deltaserve/model_configs/.
 set -uo pipefail
@@ -59,6 +63,12 @@ CONFIGS=deltaserve/model_configs
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/device.txt" 2>&1
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)' >> "$OUT/device.txt" 2>&1
 status=0
+if [ "$MODE" = tune ] && [ "${TUNE:-all}" = gemv ]; then
+  cp deltaserve/ops/linear/configs.json "$OUT/gemv_configs.json"  # the probe merges into the shipped table
+  python3 -m benchmarks.gemv_probe "$CONFIGS/${MODEL:-qwen3.5-27b}" ${ONLY:+--only "$ONLY"} \
+    --out "$OUT/gemv_configs.json" 2>&1 | tee "$OUT/tune.log"
+  exit "${PIPESTATUS[0]}"
+fi
 if [ "$MODE" = tune ]; then
   if [ "${TUNE:-all}" != skinny ] && [ "${TUNE:-all}" != small ]; then
     rm -rf /tmp/fla_configs
@@ -81,8 +91,8 @@ if [ "$MODE" = quant ]; then
     -p no:cacheprovider 2>&1 | tee "$OUT/quant_tests.log"
   status=${PIPESTATUS[0]}
   cp deltaserve/ops/quant_gemm/configs.json "$OUT/quant_gemm_configs.json"  # the probe merges into the shipped table
-  timeout "${PROBE_TIMEOUT:-300}" python3 benchmarks/quant_gemm_probe.py "$CONFIGS/qwen3.5-27b" \
-    --formats "${FORMATS:-fp8,int4,nvfp4}" --rows "${ROWS:-1,8,16,32,64,512,8192}" \
+  timeout "${PROBE_TIMEOUT:-300}" python3 benchmarks/quant_gemm_probe.py "$CONFIGS/${MODEL:-qwen3.5-27b}" \
+    --formats "${FORMATS:-fp8,int4,nvfp4}" --rows "${ROWS:-1,8,16,32,64,512,8192}" --only "${ONLY:-}" \
     --budget-s "${PROBE_BUDGET:-240}" --out "$OUT/quant_gemm_configs.json" 2>&1 | tee "$OUT/quant_probe.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   exit $status

@@ -325,20 +325,20 @@ def test_prologues_write_the_dp4a_parts_the_product_reads(fmt, weights):
         assert torch.equal(got, weight.matmul(act.x)), f"{name}: the product making its own parts"
 
 
-@pytest.mark.parametrize("fmt", ["int4", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["int4", "nvfp4", "fp8"])
 def test_gdn_in_projection_runs_its_plain_block_in_the_quantized_launch(fmt, weights):
-    """On the H200, in bf16, one row: 27B's GDN in-projection, the int4 / NVFP4 [q|k|v|z] beside the bf16 [b|a] (a
-    SplitWeight), after the RMS norm that writes the row's parts: the [b|a] rows come from the quantized product's
-    launch (quant_gemm.dp4a_linear_with_tail), the [q|k|v|z] block bit for bit as its launch alone, the [b|a] block
-    within a float32 dot's bound of cuBLAS's product (both float32 sums of the same bf16 products, rounded to bf16),
-    and graph replay repeats it."""
+    """On the H200, in bf16, one row: 27B's GDN in-projection, the int4 / NVFP4 / FP8 [q|k|v|z] beside the bf16 [b|a]
+    (a SplitWeight), after the RMS norm that writes the row's parts (FP8: the row quantized, and kept): the [b|a]
+    rows come from the quantized product's launch (quant_gemm.linear_with_tail), the [q|k|v|z] block bit for bit as
+    its launch alone, the [b|a] block within a float32 dot's bound of cuBLAS's product (both float32 sums of the same
+    bf16 products, rounded to bf16), and graph replay repeats it."""
     import deltaserve.ops.linear as linear
     from deltaserve.layers.quant.weight import QuantWeight, SplitWeight
     from deltaserve.ops.norm import cuda as norm_cuda
     from tests.tolerance import gamma, unit_roundoff
 
     cfg = ModelConfig.from_pretrained(str(shipped_config("Qwen/Qwen3.5-27B")))
-    op = quant_gemm.int4_linear if fmt == "int4" else quant_gemm.nvfp4_linear
+    op = {"int4": quant_gemm.int4_linear, "nvfp4": quant_gemm.nvfp4_linear, "fp8": quant_gemm.fp8_block_linear}[fmt]
     n, k = cfg.conv_dim + cfg.gdn_value_dim, cfg.hidden_size
     quant = QuantWeight(weights[(fmt, n, k)], op)
     ba = activations(2 * cfg.gdn_num_v_heads, k, seed=9) * 0.02
@@ -349,19 +349,26 @@ def test_gdn_in_projection_runs_its_plain_block_in_the_quantized_launch(fmt, wei
     def run():
         return linear.rms_norm_linear(x, norm_w, 1e-6, split, res, blocks=True)
 
-    spec = quant.dp4a_input(1)
-    assert spec is not None, "the table's dp4a tile"
-    row = norm_cuda.rms_norm(x, norm_w, 1e-6, res, dp4a=spec)[0]
-    both = quant_gemm.dp4a_linear_with_tail(row, quant.prepared, ba)
+    if fmt == "fp8":
+        block = split.fp8_input_block(1)
+        assert block is not None, "the table's skinny tile, reading the row quantized by the norm"
+        row = norm_cuda.rms_norm(x, norm_w, 1e-6, res, quant_block=block, keep_unquantized=True)[0]
+        plain_row = row.unquantized
+    else:
+        spec = quant.dp4a_input(1)
+        assert spec is not None, "the table's dp4a tile"
+        row = norm_cuda.rms_norm(x, norm_w, 1e-6, res, dp4a=spec)[0]
+        plain_row = row.x
+    both = quant_gemm.linear_with_tail(row, quant.prepared, ba)
     assert both is not None
     (qkvz, ba_out), _ = run()
     assert torch.equal(qkvz, both[0]) and torch.equal(ba_out, both[1]), "the SplitWeight's one launch"
     assert torch.equal(qkvz, quant.matmul(row))
-    expected = row.x.double() @ ba.double().T
+    expected = plain_row.double() @ ba.double().T
     u = unit_roundoff(torch.bfloat16)  # per side: a float32 dot within gamma(k) of exact, then rounded once
-    magnitudes = row.x.double().abs() @ ba.double().abs().T
+    magnitudes = plain_row.double().abs() @ ba.double().abs().T
     bound = 2 * gamma(k, torch.float32) * magnitudes * (1 + u) + 2 * u * expected.abs()
-    oracle.assert_within(ba_out, torch.nn.functional.linear(row.x, ba), bound, "[b|a] in the launch vs cuBLAS")
+    oracle.assert_within(ba_out, torch.nn.functional.linear(plain_row, ba), bound, "[b|a] in the launch vs cuBLAS")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         (g_qkvz, g_ba), _ = run()

@@ -265,13 +265,13 @@ def test_sparse_moe_fused_path_matches_torch_path(monkeypatch, shared_size, reno
     assert_within(got, want, bound, "SparseMoE fused vs torch")
 
 
-def dyadic_block(seed: int, stand_in_shared: bool = False) -> SparseMoE:
+def dyadic_block(seed: int, stand_in_shared: bool = False, shared_size: int = 20) -> SparseMoE:
     """sparse_moe's block with weights on a coarse dyadic grid (eighths), fused as the loader fuses it; with
     stand_in_shared, its shared gate_proj a subclass of nn.Linear, not plain to SparseMoE.fuse (as QuantLinear)."""
     class StandIn(nn.Linear):
         """Not a plain nn.Linear to SparseMoE.fuse."""
 
-    block = sparse_moe(20, True, seed=seed)
+    block = sparse_moe(shared_size, True, seed=seed)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for param in block.parameters():
@@ -323,6 +323,28 @@ def test_router_and_shared_gate_join_beside_a_quantized_shared_expert(monkeypatc
     assert not block.router_weight[8:].any()
     joined, apart = joined_and_apart(block, monkeypatch)
     assert torch.equal(joined, apart)
+
+
+@pytest.mark.parametrize("stand_in_shared,slot", [(False, False), (True, False), (False, True)])
+def test_the_norm_before_the_block_may_multiply_its_input_weight(monkeypatch, stand_in_shared, slot):
+    """SparseMoE.input_weight is what forward multiplies x by first (router_weight where the shared expert runs as
+    a slot or is quantized, else in_weight), and forward given that product (`projected`, as the decoder layer's
+    norm computes it in its own launch: ops.linear.rms_norm_and_linear) returns what it returns computing it
+    itself, bitwise; a block without a joined weight has none."""
+    from deltaserve.ops import linear as ops_linear
+
+    # a shared expert runs as a slot at the routed experts' intermediate size (24)
+    block = dyadic_block(13, stand_in_shared=stand_in_shared, shared_size=24 if slot else 20)
+    x = (torch.randint(-2, 3, (1, 40), generator=torch.Generator().manual_seed(1)) / 2).to(DEVICE)
+    monkeypatch.setattr(moe, "_route_on_gpu", lambda logits: True)
+    monkeypatch.setattr(moe, "fused_serves", lambda x, gate_up, down: True)
+    monkeypatch.setattr(moe, "tiles_for", lambda *shape: SMALL)
+    monkeypatch.setattr(moe, "shared_slot_serves", lambda *args: slot)
+    weight = block.input_weight(x)
+    assert weight is (block.router_weight if slot or stand_in_shared else block.in_weight)
+    with torch.no_grad():
+        assert torch.equal(block(x, ops_linear.linear(x, weight)), block(x))
+    assert sparse_moe(0, True, seed=1).input_weight(x) is None
 
 
 def test_warm_up_runs_every_bucket_where_the_fused_path_serves(monkeypatch):

@@ -77,6 +77,29 @@ def test_fused_quantized_experts_match_their_semantics(fmt, H, inter, dtype, tok
     assert (bound < 0.5 * want.abs()).double().mean() > 0.5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_one_token_quantizes_in_the_tile_kernels_with_the_launches_bits(dtype, monkeypatch):
+    """FP8 experts at one token on the tile kernels quantize the token and the activation inside every program
+    (no cuda_fp8.quantize launch) and give the bits of the same token in a batch, which the quantize launches
+    feed (a pair depends only on its token, its expert and the tiles): H = 200, a partial K block."""
+    from deltaserve.ops.quant_gemm import cuda_fp8
+
+    gen = torch.Generator().manual_seed(3)
+    gate_up, down = (quantized.stack(part) for part in experts("fp8", 5, 200, 128, gen))
+    x = (torch.randn(4, 200, generator=gen) * torch.logspace(-1, 0.5, 200)).to(dtype)
+    ids = torch.stack([torch.randperm(5, generator=gen)[:3] for _ in range(4)])
+    ids[1] = ids[0].flip(0)  # token 0's experts shared by another token, in other slots
+    weights = torch.rand(4, 3, generator=gen) + 0.1
+    quantizations = []
+    real_quantize = cuda_fp8.quantize
+    monkeypatch.setattr(cuda_fp8, "quantize", lambda *a: quantizations.append(a[0].shape) or real_quantize(*a))
+    alone = moe_cuda.fused_experts(x[:1], ids[:1], weights[:1], gate_up, down, SMALL)
+    assert quantizations == []
+    batch = moe_cuda.fused_experts(x, ids, weights, gate_up, down, SMALL)
+    assert len(quantizations) == 2  # the token rows, then the activation's
+    assert torch.equal(batch[:1], alone)
+
+
 @pytest.mark.parametrize("fmt,H,inter", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_token_gemv_kernels_match_their_semantics(fmt, H, inter, dtype):

@@ -67,6 +67,27 @@ def test_rms_norm_linear(dtype, config, with_residual):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_and_linear_writes_the_normed_row(dtype, config, with_residual):
+    """The fused GEMV's RMS norm prologue writing its normed row too (program 0; the MoE router's launch, whose
+    experts read that row): the row within the norm's roundings of the reference's (its mean square summed in
+    another order), the product as rms_norm_linear's, h exactly x + residual; 40 rows take several programs."""
+    gen = torch.Generator().manual_seed(1)
+    x, res = _rand(1, 96, dtype=dtype, gen=gen), _rand(1, 96, dtype=dtype, gen=gen)
+    norm_w, weight = _rand(96, dtype=dtype, gen=gen, scale=0.1), _rand(40, 96, dtype=dtype, gen=gen, scale=0.1)
+    residual = res if with_residual else None
+    normed, got, h = linear_cuda.rms_norm_and_linear(x, norm_w, 1e-6, weight, residual, config=config)
+    want_normed, want, want_h = reference.rms_norm_and_linear(x, norm_w, 1e-6, weight, residual)
+    _, magnitudes, _ = reference.rms_norm_and_linear(x, norm_w, 1e-6, weight, residual, matmul=abs_matmul)
+    assert (h is None) == (residual is None) and (h is None or torch.equal(h, want_h))
+    relative = gamma(96 + NORM_ROUNDINGS, torch.float32) + (gamma(2, dtype) if dtype == torch.bfloat16 else 0.0)
+    row_bound = relative * want_normed.double().abs()
+    assert_within(normed, want_normed, both_sides(row_bound, row_bound), "normed row")
+    assert_within(got, want, gemm_bound(magnitudes, 96, dtype, 96 + NORM_ROUNDINGS), "its product")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", CONFIGS)
 def test_silu_mul_linear(dtype, config):
     gen, rows = torch.Generator().manual_seed(1), 1
     x, weight = _rand(rows, 2 * 72, dtype=dtype, gen=gen), _rand(24, 72, dtype=dtype, gen=gen, scale=0.1)

@@ -402,24 +402,44 @@ def test_nvfp4_one_row_dp4a(dtype, per_row, block_k, split_k, steps):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("fmt", ["int4", "nvfp4"])
-def test_dp4a_row_kernels_take_a_plain_tail_block(dtype, fmt):
-    """The dp4a one-row kernels' first TAIL_ROWS programs multiply a 16-bit block beside the quantized product (as
-    GDN's [b|a] beside [q|k|v|z]): the product's bits are those of its launch alone (K split unevenly: int4 20
-    steps in 3, NVFP4 17 in 2), and the block's 7 rows (K: a 1,024-column load and a partial one) are within a
-    float32 dot's bound of float64, rounded once to x's dtype. A row without its parts is refused."""
+@pytest.mark.parametrize("fmt", ["int4", "nvfp4", "fp8"])
+def test_one_row_kernels_take_a_plain_tail_block(dtype, fmt, monkeypatch):
+    """The dp4a one-row kernels' and FP8's skinny kernel's first TAIL_ROWS programs multiply a 16-bit block beside
+    the quantized product (as GDN's [b|a] beside [q|k|v|z]): the product's bits are those of its launch alone (K
+    split unevenly: int4 20 steps in 3, NVFP4 17 in 2, FP8 10 blocks in 3 of 4, 4, 2), and the block's 7 rows (K: a
+    1,024-column load and a partial one) are within a float32 dot's bound of float64, rounded once to x's dtype.
+    A row without its parts (FP8: without its unquantized row) is refused; quant_gemm.linear_with_tail, which
+    SplitWeight.matmul_blocks takes, runs the same launch."""
+    from deltaserve.layers.quant.weight import QuantWeight, SplitWeight
+
     gen = torch.Generator().manual_seed(7 + len(fmt))
+    x = None
     if fmt == "int4":
         k, group, low_high = 1280, 32, False
         w, config = int4_weight(24, k, group, False, False, gen), dict(GEMV, block_k=64, split_k=3, dp4a=1)
-    else:
+        op = quant_gemm.int4_linear
+    elif fmt == "nvfp4":
         k, group, low_high = 1088, 16, True
         w, config = nvfp4_weight(24, k, True, gen), dict(GEMV, block_k=64, split_k=2, dp4a=1)
+        op = quant_gemm.nvfp4_linear
+    else:
+        k = 1280
+        w, config = fp8_weight(24, k, (128, 128), gen), dict(SKINNY[1], kind="skinny", split_k=3, quant_x=0)
+        op = quant_gemm.fp8_block_linear
     x = activations(1, k, dtype, gen)
-    written = ref.Dp4aActivation(x, *cuda_gemv.x_parts(x, group, low_high, {}), group, low_high)
+    if fmt == "fp8":
+        written = ref.Fp8Activation(*cuda_fp8.quantize(x, 128), 128, x.dtype, unquantized=x)
+
+        def product(act, tail=None):
+            return cuda_fp8.skinny(act, w, config, tail=tail)
+    else:
+        written = ref.Dp4aActivation(x, *cuda_gemv.x_parts(x, group, low_high, {}), group, low_high)
+
+        def product(act, tail=None):
+            return cuda_gemv.gemv(act, w, config, tail=tail)
     plain = (torch.randn(7, k, generator=gen) * 0.05).to(dtype)
-    alone = cuda_gemv.gemv(written, w, config)
-    got, tail_out = cuda_gemv.gemv(written, w, config, tail=plain)
+    alone = product(written)
+    got, tail_out = product(written, plain)
     assert torch.equal(got, alone)
     expected = x.double() @ plain.double().T  # [1, 7]
     magnitudes = x.double().abs() @ plain.double().abs().T
@@ -427,7 +447,17 @@ def test_dp4a_row_kernels_take_a_plain_tail_block(dtype, fmt):
     u = unit_roundoff(dtype) if dtype != torch.float32 else 0.0
     oracle.assert_within(tail_out, expected, dot * (1 + u) + u * expected.abs(), f"{fmt} tail")
     with pytest.raises(ValueError, match="tail block"):
-        cuda_gemv.gemv(x, w, config, tail=plain)
+        product(x, plain)
+    monkeypatch.setattr(quant_gemm, "_kernels_serve", lambda t: True)
+    monkeypatch.setattr(configs, "tuned_table", lambda: {f"{fmt}:24:{k}:1": dict(config, kind=config.get("kind",
+                                                                                                          "gemv"))})
+    launches = []
+    real_linear_with_tail = quant_gemm.linear_with_tail
+    monkeypatch.setattr(quant_gemm, "linear_with_tail",
+                        lambda *args: launches.append(real_linear_with_tail(*args)) or launches[-1])
+    both = SplitWeight((QuantWeight(w, op), plain)).matmul_blocks(written)
+    assert launches[0] is not None and len(both) == 2
+    assert torch.equal(both[0], got) and torch.equal(both[1], tail_out)
 
 
 DP4A_FORMATS = [("int4", 128, False), ("int4", 32, False), ("nvfp4", 16, True)]  # format, group, low_high

@@ -114,20 +114,21 @@ class SplitWeight:
     def matmul_blocks(self, x) -> tuple[torch.Tensor, ...]:
         """x: [M, K] -> the parts' products [M, n_i], not joined. x may be an Fp8Activation of the block
         `fp8_input_block` named: the FP8 parts read it, the others its `unquantized`; or a Dp4aActivation: the int4
-        / NVFP4 parts read it, the others its row (a quantized block and a plain one: both in the quantized
-        product's launch where its kernel takes the plain rows, quant_gemm.dp4a_linear_with_tail)."""
+        / NVFP4 parts read it, the others its row. A quantized block and a plain one run in the quantized product's
+        launch where its kernel takes the plain rows (quant_gemm.linear_with_tail)."""
         from deltaserve.ops.quant_gemm.reference import Dp4aActivation, Fp8Activation
 
-        if isinstance(x, Dp4aActivation):
-            if len(self.parts) == 2 and _takes_dp4a(self.parts[0]) and isinstance(self.parts[1], torch.Tensor):
-                from deltaserve.ops.quant_gemm import dp4a_linear_with_tail
-
-                both = dp4a_linear_with_tail(x, self.parts[0].prepared, self.parts[1])  # one launch for both blocks
-                if both is not None:
-                    return both
-            return tuple(matmul(x if _takes_dp4a(part) else x.x, part) for part in self.parts)
-        if not isinstance(x, Fp8Activation):
+        if not isinstance(x, (Dp4aActivation, Fp8Activation)):
             return tuple(matmul(x, part) for part in self.parts)
+        if len(self.parts) == 2 and (_is_fp8(self.parts[0]) or _takes_dp4a(self.parts[0])) and isinstance(
+                self.parts[1], torch.Tensor):
+            from deltaserve.ops.quant_gemm import linear_with_tail
+
+            both = linear_with_tail(x, self.parts[0].prepared, self.parts[1])  # one launch for both blocks
+            if both is not None:
+                return both
+        if isinstance(x, Dp4aActivation):
+            return tuple(matmul(x if _takes_dp4a(part) else x.x, part) for part in self.parts)
         if x.unquantized is None and self.reads_unquantized:
             raise ValueError("a SplitWeight with a plain or non-FP8 part needs the Fp8Activation's unquantized rows")
         return tuple(matmul(x if _is_fp8(part) else x.unquantized, part) for part in self.parts)

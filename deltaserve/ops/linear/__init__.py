@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 from deltaserve.ops.linear import reference
 
-__all__ = ["gated_norm_linear", "linear", "matmul", "matmul_blocks", "rms_norm_linear", "silu_mul_linear",
-           "warm_up_skinny", "skinny_warm_up_rows"]
+__all__ = ["gated_norm_linear", "linear", "matmul", "matmul_blocks", "rms_norm_and_linear", "rms_norm_linear",
+           "silu_mul_linear", "warm_up_skinny", "skinny_warm_up_rows"]
 
 
 def _on_gpu(x) -> bool:
@@ -118,6 +118,15 @@ def rms_norm_linear(x, norm_weight, eps: float, weight, residual=None, blocks: b
         act, h = norm_cuda.rms_norm(x, norm_weight, eps, residual, dp4a=parts)
         return product(act, weight), h
     return reference.rms_norm_linear(x, norm_weight, eps, weight, residual, matmul=product)
+
+
+def rms_norm_and_linear(x, norm_weight, eps: float, weight: torch.Tensor, residual=None):
+    """See `reference.rms_norm_and_linear`: the normed rows as well as their product by a plain weight, at one row
+    from one launch where the fused GEMV's table names the shape (the normed row written by its first program)."""
+    if _gemv_serves("rms_norm", x, weight):
+        from deltaserve.ops.linear import cuda
+        return cuda.rms_norm_and_linear(x, norm_weight, eps, weight, residual)
+    return reference.rms_norm_and_linear(x, norm_weight, eps, weight, residual, matmul=linear)
 
 
 def silu_mul_linear(x, weight):

@@ -3,7 +3,9 @@
 
 y[n] = sum_k a[k] * W[n, k], where a is the prologue's output computed on the fly from its inputs:
   PROLOGUE_NONE        a = x
-  PROLOGUE_RMS_NORM    a = rms_norm(x + residual) * (1 + w); program 0 also writes h = x + residual
+  PROLOGUE_RMS_NORM    a = rms_norm(x + residual) * (1 + w); program 0 also writes h = x + residual (and, for
+                       rms_norm_and_linear, a itself: the product's input that others read too, as the MoE
+                       experts read the row their router multiplies)
   PROLOGUE_SILU_MUL    a = silu(x[:, :K]) * x[:, K:]
   PROLOGUE_GATED_NORM  a = w * norm(x) * silu(gate) per group of D columns (whole groups per K block)
   (x, residual, gate: one row each)
@@ -65,14 +67,15 @@ def config_for(prologue: str, n: int, k: int) -> tuple[int, int, int, int] | Non
 
 @triton.jit
 def _gemv_kernel(
-    x, res, res_out, gate, norm_w, weight, out,
+    x, res, res_out, gate, norm_w, weight, out, a_out,
     N, K, eps, stride_x_h, stride_gate_h, stride_w_n,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-    PDL: tl.constexpr = False,
+    WRITE_A: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """Grid (cdiv(N, BLOCK_N),), one row: x [K] ([2K] for silu-mul; [K / GROUP, GROUP] with head stride
-    stride_x_h for the gated norm, gate alike); W: [N, K]; out: [N].
+    stride_x_h for the gated norm, gate alike); W: [N, K]; out: [N]; WRITE_A (the RMS norm): program 0 writes the
+    normed row a to a_out [K] too.
 
     Products accumulate elementwise in a [BLOCK_N, BLOCK_K] float32 tile and are reduced once at the end:
     a reduction per K block (shuffles across the tile) makes the loop compute-bound."""
@@ -127,7 +130,10 @@ def _gemv_kernel(
                     h = h + tl.load(res + ks, mask=k_ok, other=0.0)
                     tl.store(res_out + ks, h, mask=k_ok & (pid == 0))
                 w_norm = tl.load(norm_w + ks, mask=k_ok, other=0.0).to(tl.float32)
-                a = (h.to(tl.float32) * rstd * (1.0 + w_norm)).to(dtype).to(tl.float32)
+                a_rounded = (h.to(tl.float32) * rstd * (1.0 + w_norm)).to(dtype)
+                if WRITE_A:
+                    tl.store(a_out + ks, a_rounded, mask=k_ok & (pid == 0))
+                a = a_rounded.to(tl.float32)
             else:  # PROLOGUE_SILU_MUL
                 g = tl.load(x + ks, mask=k_ok, other=0.0).to(tl.float32)
                 up = tl.load(x + K + ks, mask=k_ok, other=0.0)
@@ -142,9 +148,9 @@ def _gemv_kernel(
 
 
 def _launch(prologue, x, weight, *, res=None, res_out=None, gate=None, norm_w=None, eps=0.0, group=1,
-            config=DEFAULT_CONFIG):
+            config=DEFAULT_CONFIG, a_out=None):
     """out [1, N] = W @ prologue(x) for one row x. K is the weight's width; config (BLOCK_N, BLOCK_K, warps,
-    stages)."""
+    stages); a_out [1, K]: where the RMS norm's output goes too."""
     N, K = weight.shape
     if weight.stride(1) != 1:
         raise ValueError(f"weight must have a unit last stride, got strides {tuple(weight.stride())}")
@@ -155,9 +161,10 @@ def _launch(prologue, x, weight, *, res=None, res_out=None, gate=None, norm_w=No
     _gemv_kernel[(triton.cdiv(N, block_n),)](
         x, res if res is not None else x, res_out if res_out is not None else out,
         gate if gate is not None else x, norm_w if norm_w is not None else weight, weight, out,
-        N, K, eps, x.stride(1) if x.dim() == 3 else 0, gate.stride(1) if gate is not None else 0, weight.stride(0),
+        a_out if a_out is not None else out, N, K, eps, x.stride(1) if x.dim() == 3 else 0, gate.stride(1) if gate is not None else 0, weight.stride(0),
         PROLOGUE=prologue, HAS_RESIDUAL=res is not None, GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_N=N % block_n == 0, EVEN_K=K % block_k == 0, num_warps=num_warps, num_stages=num_stages,
+        EVEN_N=N % block_n == 0, EVEN_K=K % block_k == 0, WRITE_A=a_out is not None, num_warps=num_warps,
+        num_stages=num_stages,
         **pdl.launch_args(x.device),
     )
     return out
@@ -200,6 +207,25 @@ def rms_norm_linear(x, norm_weight, eps, weight, residual=None, config="tuned"):
     out = _launch(PROLOGUE_RMS_NORM, x, weight, res=residual, res_out=h, norm_w=norm_weight, eps=eps,
                   config=config)
     return out, h
+
+
+def rms_norm_and_linear(x, norm_weight, eps, weight, residual=None, config="tuned"):
+    """See reference.rms_norm_and_linear: (the normed row [1, K], its product [1, N], h = x + residual or None)
+    from one launch (the config of the "rms_norm" prologue's entry)."""
+    K = weight.shape[1]
+    _check_row_input("x", x, weight, K)
+    config = config_for("rms_norm", *weight.shape) if config == "tuned" else config
+    if config is None:
+        return reference.rms_norm_and_linear(x, norm_weight, eps, weight, residual)
+    normed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if residual is None:
+        out = _launch(PROLOGUE_RMS_NORM, x, weight, norm_w=norm_weight, eps=eps, config=config, a_out=normed)
+        return normed, out, None
+    _check_row_input("residual", residual, weight, K)
+    h = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = _launch(PROLOGUE_RMS_NORM, x, weight, res=residual, res_out=h, norm_w=norm_weight, eps=eps,
+                  config=config, a_out=normed)
+    return normed, out, h
 
 
 def silu_mul_linear(x, weight, config="tuned"):

@@ -22,6 +22,16 @@ def rms_norm_linear(x, norm_weight, eps: float, weight, residual=None, matmul=F.
     return matmul(normed, weight), h
 
 
+def rms_norm_and_linear(x, norm_weight, eps: float, weight, residual=None, matmul=F.linear):
+    """As rms_norm_linear, for a product whose input other ops read too (the MoE block's router beside its
+    experts). Returns (rms_norm(x + residual) [M, K], its product [M, N], h = x + residual or None)."""
+    if residual is None:
+        normed, h = rms_norm(x, norm_weight, eps), None
+    else:
+        normed, h = rms_norm(x, norm_weight, eps, residual)
+    return normed, matmul(normed, weight), h
+
+
 def silu_mul_linear(x, weight, matmul=F.linear):
     """x: [M, 2K] (gate | up); weight: [N, K]. Returns W @ (silu(gate) * up): [M, N]."""
     return matmul(silu_and_mul(x), weight)

@@ -29,7 +29,9 @@ have 0 rows and exit. A single token (batch-1 decode) needs no grouping, its k e
 its pair j, and the align launch is skipped.
 
 Kernel A: act[pair] = silu(x_t @ Wg^T) * (x_t @ Wu^T), gate_up stacked [E, 2I, H] with the gate rows first,
-float32 accumulators, act rounded once to x's dtype: [T*k, I]. Kernel B: y[pair] = w_pair * (act[pair] @ Wd^T),
+float32 accumulators, act rounded once to x's dtype: [T*k, I]. FP8 experts (W8A8) read x and act quantized per 128
+columns: by cuda_fp8.quantize before each kernel, or at one token inside every program (QUANT_X: the same bits,
+two launches fewer). Kernel B: y[pair] = w_pair * (act[pair] @ Wd^T),
 down [E, H, I], float32 [T*k, H] (= [T, k, H]). The combine kernel sums each token's k rows in the order j = 0..k-1
 and adds the gated shared expert, sigmoid(g_t) * shared_t, in float32, rounding once: no atomics, so graphs equal
 eager bitwise, and a pair's numbers depend only on its token, its expert and the tiles (not on which other tokens
@@ -250,18 +252,26 @@ NVFP4: tl.constexpr = tl.constexpr(3)
 
 
 @triton.jit
-def _activation_tile(cols, scale_cols, k0, ks, k_ok, m_ok, stride_xg, WFORMAT: tl.constexpr):
+def _activation_tile(cols, scale_cols, k0, ks, k_ok, m_ok, stride_xg, WFORMAT: tl.constexpr, row,
+                     QUANT_X: tl.constexpr = False):
     """The activations' [BK, BM] tile (cols [1, BM]: each pair's row; ks [BK] columns, from k0) for the weight format,
     and its per-pair factor [BM]: PLAIN (the tile, unused), FP8 (the e4m3 tile the quantize kernel wrote, and its
-    scales: scale_cols [BM] each row's first group, stride_xg between groups), INT4 (the tile and its column sums,
-    float32, for the zero point), NVFP4 (the tile, unused)."""
-    xt = tl.load(cols + ks[:, None], mask=k_ok[:, None] & m_ok[None, :], other=0.0)  # [BK, BM]
-    if WFORMAT == FP8:
-        factor = tl.load(scale_cols + (k0 // xt.shape[0]) * stride_xg, mask=m_ok, other=0.0)
-    elif WFORMAT == INT4:
-        factor = tl.sum(xt.to(tl.float32), axis=0)
+    scales: scale_cols [BM] each row's first group, stride_xg between groups; QUANT_X, one token, whose pairs in a
+    block all read one 16-bit row: that row quantized here, the bits of cuda_fp8.quantize, in every lane), INT4 (the
+    tile and its column sums, float32, for the zero point), NVFP4 (the tile, unused)."""
+    if WFORMAT == FP8 and QUANT_X:  # one row's 128 divisions, not the padded tile's 16 x 128
+        xr = tl.load(row + ks, mask=k_ok, other=0.0).to(tl.float32)  # [BK]
+        q, s = quantize_block(tl.reshape(xr, [1, xr.shape[0]]), FP8_AMAX_FLOOR, FP8_MAX)  # [1, BK], [1]
+        xt = tl.broadcast_to(tl.trans(q), [xr.shape[0], cols.shape[1]])  # [BK, BM]
+        factor = tl.broadcast_to(s, [cols.shape[1]])  # [BM]
     else:
-        factor = tl.zeros([xt.shape[1]], dtype=tl.float32)
+        xt = tl.load(cols + ks[:, None], mask=k_ok[:, None] & m_ok[None, :], other=0.0)  # [BK, BM]
+        if WFORMAT == FP8:
+            factor = tl.load(scale_cols + (k0 // xt.shape[0]) * stride_xg, mask=m_ok, other=0.0)
+        elif WFORMAT == INT4:
+            factor = tl.sum(xt.to(tl.float32), axis=0)
+        else:
+            factor = tl.zeros([xt.shape[1]], dtype=tl.float32)
     return xt, factor
 
 
@@ -312,7 +322,8 @@ def _gate_up_kernel(
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, ONE_TOKEN: tl.constexpr,
     ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOP_K: tl.constexpr,
     WFORMAT: tl.constexpr = PLAIN, GROUP: tl.constexpr = 1, HAS_ZERO: tl.constexpr = False,
-    CODE_BASE: tl.constexpr = 0, CODE_OFFSET: tl.constexpr = 0.0, PDL: tl.constexpr = False,
+    CODE_BASE: tl.constexpr = 0, CODE_OFFSET: tl.constexpr = 0.0, QUANT_X: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """Kernel A. Grid (blocks, cdiv(I, BLOCK_N)): program (b, n) writes act [pair, n block] = silu(x_t Wg^T) *
     (x_t Wu^T) for block b's pairs, Wg / Wu the n block's gate / up rows of its expert's gate_up [2I, H] (the
@@ -323,7 +334,8 @@ def _gate_up_kernel(
     strides stride_we, stride_se, stride_ze; row strides stride_wn, stride_sn), the shared slot's weight of that format
     with shared_scales / shared_zeros (an expert's strides); BLOCK_K the FP8 K block, the int4 group, or (NVFP4) a
     multiple of 16 that divides H. FP8: x is e4m3 [T, H] and x_scales [H / BLOCK_K, T] its scales
-    (cuda_fp8.quantize: each token once, not once a program)."""
+    (cuda_fp8.quantize: each token once, not once a program), or with QUANT_X (one token) x is 16-bit, its row
+    quantized in every program (cheaper than the quantize launch)."""
     wait_for_previous_kernel(PDL)
     b = tl.program_id(0)
     if ROUTE:
@@ -351,7 +363,7 @@ def _gate_up_kernel(
         for k0 in range(0, H, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)  # [BK]
             k_ok = ks < H
-            xt, factor = _activation_tile(x_cols, scale_cols, k0, ks, k_ok, m_ok, T, WFORMAT)  # [BK, BM], [BM]
+            xt, factor = _activation_tile(x_cols, scale_cols, k0, ks, k_ok, m_ok, T, WFORMAT, x, QUANT_X)  # [BK, BM]
             acc_gate = _weight_product(acc_gate, weights, expert_scales, expert_zeros, ns, n_ok, k0, ks, k_ok, xt,
                                        factor, stride_wn, stride_sn, WFORMAT, GROUP, HAS_ZERO, CODE_BASE,
                                        CODE_OFFSET, EVEN_N and EVEN_K, PRECISION)
@@ -371,12 +383,14 @@ def _down_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, ONE_TOKEN: tl.constexpr,
     WFORMAT: tl.constexpr = PLAIN, GROUP: tl.constexpr = 1, HAS_ZERO: tl.constexpr = False,
-    CODE_BASE: tl.constexpr = 0, CODE_OFFSET: tl.constexpr = 0.0, PDL: tl.constexpr = False,
+    CODE_BASE: tl.constexpr = 0, CODE_OFFSET: tl.constexpr = 0.0, QUANT_X: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """Kernel B. Grid (blocks, cdiv(H, BLOCK_N)): program (b, n) writes y [pair, n block] (float32) =
     w_pair * act[pair] Wd^T for block b's pairs, Wd the n block's rows of its expert's down [H, I]; in the shared
     slot Wd from shared_down [H, I] (the routed experts' row stride) and w = sigmoid(shared_gate [t]). WFORMAT: as
-    kernel A's; FP8: act is e4m3 [num_slots, I] and act_scales [I / BLOCK_K, num_slots] its scales."""
+    kernel A's; FP8: act is e4m3 [num_slots, I] and act_scales [I / BLOCK_K, num_slots] its scales, or with
+    QUANT_X (one token: block b is pair b) act is 16-bit, row b quantized in every program."""
     wait_for_previous_kernel(PDL)
     b = tl.program_id(0)
     if _block_used(block_rows, b, routed_blocks, ONE_TOKEN):
@@ -400,7 +414,8 @@ def _down_kernel(
         for k0 in range(0, I, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)  # [BK]
             k_ok = ks < I
-            at, factor = _activation_tile(a_cols, scale_cols, k0, ks, k_ok, m_ok, num_slots, WFORMAT)
+            at, factor = _activation_tile(a_cols, scale_cols, k0, ks, k_ok, m_ok, num_slots, WFORMAT, act + b * I,
+                                          QUANT_X)
             acc = _weight_product(acc, weights, expert_scales, expert_zeros, ns, n_ok, k0, ks, k_ok, at, factor,
                                   stride_wn, stride_sn, WFORMAT, GROUP, HAS_ZERO, CODE_BASE, CODE_OFFSET,
                                   EVEN_N and EVEN_K, PRECISION)
@@ -801,7 +816,7 @@ def _run_experts(x, gate_up, down, tiles: MoeTiles, ids, weights, top_k: int, ro
         sorted_pairs, block_table = align(ids.view(T, top_k), E, tiles.block_m,
                                           None if routing is None else (logits, weights, renormalize))
         routed_blocks = block_table.shape[1]
-    fp8 = isinstance(gate_up, Fp8Experts)  # W8A8: the activations quantized once by cuda_fp8.quantize
+    fp8 = isinstance(gate_up, Fp8Experts)  # W8A8: the activations quantized per 128 columns
     gate_up_ops, down_ops = _operands(gate_up, x.dtype), _operands(down, x.dtype)
     if shared_slot is not None:  # its weights as one-expert stacks: pointers of the routed experts' kinds
         shared_gate_up_ops, shared_down_ops = (_operands(w if isinstance(w, torch.Tensor) else as_stack(w), x.dtype)
@@ -840,7 +855,8 @@ def _tile_products(x, act, sorted_pairs, block_table, routed_blocks, blocks, slo
     shared_gate_up, shared_down = shared_gate_up_ops.weight, shared_down_ops.weight
     tile = tiles.gate_up
     block_k = _block_k(gate_up_ops, tile.block_k, H)
-    x_in, x_scales = cuda_fp8.quantize(x, block_k) if fp8 else (x, x)  # FP8: e4m3 [T, H], [H / 128, T]
+    quant_x = fp8 and one_token  # FP8 at one token: the kernels quantize their rows, no quantize launches
+    x_in, x_scales = cuda_fp8.quantize(x, block_k) if fp8 and not quant_x else (x, x)  # FP8: e4m3 [T, H], [H/128, T]
     _gate_up_kernel[(blocks, triton.cdiv(inter, tile.block_n))](
         x_in, gate_up, shared_gate_up, act, sorted_pairs, block_table[0], block_table[1], block_table[2], routed_blocks,
         T, H, inter, x_in.stride(0), gate_up.stride(0), gate_up.stride(1), logits, weights, E, logits.stride(0),
@@ -849,19 +865,19 @@ def _tile_products(x, act, sorted_pairs, block_table, routed_blocks, blocks, slo
         TOP_K=top_k, BLOCK_M=tiles.block_m, BLOCK_N=tile.block_n, BLOCK_K=block_k,
         EVEN_N=inter % tile.block_n == 0, EVEN_K=H % block_k == 0, PRECISION=precision, ONE_TOKEN=one_token,
         ROUTE=route_in_a, RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(E),
-        BLOCK_TOP_K=triton.next_power_of_2(top_k), num_warps=tile.warps,
+        BLOCK_TOP_K=triton.next_power_of_2(top_k), QUANT_X=quant_x, num_warps=tile.warps,
         num_stages=max(1, tile.stages // stage_divisor), **gate_up_ops.constexprs, **launch)
     y = torch.empty(slots, H, dtype=torch.float32, device=x.device)  # [T, k, H], then the shared slot's [T, H]
     tile = tiles.down
     block_k = _block_k(down_ops, tile.block_k, inter)
-    act, act_scales = cuda_fp8.quantize(act, block_k) if fp8 else (act, act)  # FP8: e4m3 [slots, I], [I / 128, slots]
+    act, act_scales = cuda_fp8.quantize(act, block_k) if fp8 and not quant_x else (act, act)  # FP8: e4m3, [I/128, slots]
     _down_kernel[(blocks, triton.cdiv(H, tile.block_n))](
         act, down, shared_down, weights, shared_gate, y, sorted_pairs, block_table[0], block_table[1], block_table[2],
         routed_blocks, T, H, inter, down.stride(0), down.stride(1), shared_gate.stride(0), down_ops.scales,
         down_ops.zeros, down_ops.stride_se, down_ops.stride_sn, down_ops.stride_ze, shared_down_ops.scales,
         shared_down_ops.zeros, act_scales, slots, TOP_K=top_k, BLOCK_M=tiles.block_m,
         BLOCK_N=tile.block_n, BLOCK_K=block_k, EVEN_N=H % tile.block_n == 0, EVEN_K=inter % block_k == 0,
-        PRECISION=precision, ONE_TOKEN=one_token, num_warps=tile.warps,
+        PRECISION=precision, ONE_TOKEN=one_token, QUANT_X=quant_x, num_warps=tile.warps,
         num_stages=max(1, tile.stages // stage_divisor), **down_ops.constexprs, **launch)
     return y
 

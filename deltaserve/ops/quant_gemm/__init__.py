@@ -16,8 +16,8 @@ from deltaserve.ops.quant_gemm import configs, reference
 from deltaserve.ops.quant_gemm.reference import (Dp4aActivation, Fp8BlockWeight, Int4Weight, Nvfp4Weight,
                                                  fp8_block_quantize, prepare_fp8_block, prepare_int4, prepare_nvfp4)
 
-__all__ = ["Dp4aActivation", "Fp8BlockWeight", "Int4Weight", "Nvfp4Weight", "dp4a_input", "dp4a_linear_with_tail",
-           "fp8_block_linear", "fp8_block_quantize", "fp8_input_block", "int4_linear", "nvfp4_linear",
+__all__ = ["Dp4aActivation", "Fp8BlockWeight", "Int4Weight", "Nvfp4Weight", "dp4a_input", "fp8_block_linear",
+           "fp8_block_quantize", "fp8_input_block", "int4_linear", "linear_with_tail", "nvfp4_linear",
            "prepare_fp8_block", "prepare_int4", "prepare_nvfp4", "warm_up", "warm_up_rows"]
 
 
@@ -100,16 +100,28 @@ def dp4a_input(w, rows: int) -> tuple[int, bool] | None:
     return cuda_gemv.dp4a_input(w, config, rows) if config["kind"] == "gemv" else None
 
 
-def dp4a_linear_with_tail(x: Dp4aActivation, w, tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(x @ dequant(w)^T [1, N], x's row @ tail^T [1, NT]) in one launch: where w's one-row product is a dp4a GEMV
-    that reads x's parts, the kernel's first NT programs multiply the 16-bit block tail [NT, K] (GDN's [b|a] beside
-    its quantized [q|k|v|z]), which then takes no launch of its own. None where it does not (multiply apart)."""
-    from deltaserve.ops.quant_gemm import cuda_gemv
+def linear_with_tail(x, w, tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(x @ dequant(w)^T [1, N], x's row @ tail^T [1, NT]) in one launch, where w's one-row CUDA product takes the
+    16-bit block tail [NT, K] (GDN's [b|a] beside its quantized [q|k|v|z]) in its first NT programs, so that block
+    takes no launch of its own: an int4 / NVFP4 dp4a GEMV reading x's parts (x a Dp4aActivation), or FP8's skinny
+    kernel reading x quantized by the kernel before (an Fp8Activation holding the row unquantized too). None where
+    it does not (multiply apart)."""
+    from deltaserve.ops.quant_gemm import cuda_fp8, cuda_gemv
+    from deltaserve.ops.quant_gemm.reference import Fp8Activation
 
-    if not _kernels_serve(x.x) or dp4a_input(w, 1) != (x.group, x.low_high) or tail.dtype != x.x.dtype:
+    if isinstance(x, Dp4aActivation):
+        if not _kernels_serve(x.x) or dp4a_input(w, 1) != (x.group, x.low_high) or tail.dtype != x.x.dtype:
+            return None
+        config = configs.config_for("int4" if isinstance(w, Int4Weight) else "nvfp4", *w.shape, 1)
+        return cuda_gemv.gemv(x, w, config, tail=tail)
+    if not (isinstance(x, Fp8Activation) and isinstance(w, Fp8BlockWeight) and x.unquantized is not None):
         return None
-    config = configs.config_for("int4" if isinstance(w, Int4Weight) else "nvfp4", *w.shape, 1)
-    return cuda_gemv.gemv(x, w, config, tail=tail)
+    row = x.unquantized
+    if (not _kernels_serve(row) or row.shape[0] != 1 or tail.dtype != row.dtype
+            or fp8_input_block(w, 1) != x.block_k or x.xq.shape[1] != w.shape[1]):
+        return None
+    config = _fp8_config(w, 1)
+    return cuda_fp8.skinny(x, w, config, tail=tail) if config["kind"] == "skinny" else None
 
 
 def _weight_only(fmt: str, x, w, written: Dp4aActivation | None = None):

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from deltaserve.ops import pdl
 from deltaserve.ops.pdl import wait_for_previous_kernel
-from deltaserve.ops.quant_gemm.cuda_tiles import grouped_tile
+from deltaserve.ops.quant_gemm.cuda_tiles import grouped_tile, tail_arguments, tail_program
 from deltaserve.ops.quant_gemm.reference import ACT_AMAX_FLOOR, E4M3_MAX, Fp8Activation, Fp8BlockWeight
 from deltaserve.ops.split_k import store_split, tile_counters
 
@@ -80,15 +80,20 @@ def fp8_row_buffers(x2: torch.Tensor, bk: int) -> tuple[torch.Tensor, torch.Tens
 # ops/linear/cuda_skinny.
 @triton.jit(do_not_specialize=["G", "k_iters"])
 def _skinny_kernel(
-    x, xq, sx, w, ws, out, partial, counters, M, N, K, G, k_iters, stride_xm, stride_out_m,
-    BN_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
-    QUANT_X: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, FLOOR: tl.constexpr, QMAX: tl.constexpr,
-    PDL: tl.constexpr = False,
+    x, xq, sx, w, ws, out, partial, counters, M, N, K, G, k_iters, stride_xm, stride_out_m, tail_x, tail_w, tail_out,
+    stride_tn, BN_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BK: tl.constexpr,
+    SPLIT: tl.constexpr, QUANT_X: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, FLOOR: tl.constexpr,
+    QMAX: tl.constexpr, TAIL_ROWS: tl.constexpr = 0, TAIL_K: tl.constexpr = 0, PDL: tl.constexpr = False,
 ):
-    """Grid (cdiv(N, BLOCK_N), SPLIT_K): out[:, n block] (or partial [SPLIT_K, M, N]) over the program's k_iters K
-    blocks. x [M, K] (QUANT_X) or xq [M, K] e4m3 + sx [G, M]; w [N, K] e4m3; ws [cdiv(N, BN_W), G] float32."""
+    """Grid (TAIL_ROWS + cdiv(N, BLOCK_N), SPLIT_K): out[:, n block] (or partial [SPLIT_K, M, N]) over the program's
+    k_iters K blocks. x [M, K] (QUANT_X) or xq [M, K] e4m3 + sx [G, M]; w [N, K] e4m3; ws [cdiv(N, BN_W), G] float32.
+    With TAIL_ROWS (one row), the first TAIL_ROWS programs compute tail_out [TAIL_ROWS] = tail_x [K] @ tail_w^T
+    instead (the row unquantized, by a 16-bit block that reads it too: GDN's [b|a] beside its FP8 [q|k|v|z]), one row
+    each (cuda_tiles.tail_program), so that it takes no launch of its own."""
     wait_for_previous_kernel(PDL)
-    pid_n = tl.program_id(0)
+    if tail_program(tail_x, tail_w, tail_out, stride_tn, TAIL_ROWS, TAIL_K):
+        return
+    pid_n = tl.program_id(0) - TAIL_ROWS
     pid_k = tl.program_id(1)
     ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output columns = weight rows
     ms = tl.arange(0, BLOCK_M)  # [BM]
@@ -121,7 +126,7 @@ def _skinny_kernel(
     if not SPLIT:
         tl.store(out_block, acc.to(out.dtype.element_ty), mask=ok)
     else:
-        store_split(acc, out_block, partial + ms[None, :].to(tl.int64) * N + ns[:, None], ok, M * N, counters, tl.program_id(0))
+        store_split(acc, out_block, partial + ms[None, :].to(tl.int64) * N + ns[:, None], ok, M * N, counters, pid_n)
 
 
 @triton.jit(do_not_specialize=["G"])
@@ -212,9 +217,11 @@ def quantized(x: torch.Tensor | Fp8Activation, bk: int) -> tuple[torch.Tensor, t
     return quantize(x, bk)
 
 
-def skinny(x: torch.Tensor | Fp8Activation, w: Fp8BlockWeight, config: dict) -> torch.Tensor:
+def skinny(x: torch.Tensor | Fp8Activation, w: Fp8BlockWeight, config: dict, tail: torch.Tensor | None = None):
     """x [M <= 64, K] -> [M, N] in x.dtype. config: block_n, split_k, warps, stages, quant_x (see configs.py). x may
-    be quantized already (an Fp8Activation: then quant_x must be 0)."""
+    be quantized already (an Fp8Activation: then quant_x must be 0). tail: a 16-bit [NT, K] block multiplied in the
+    same launch by one row (an Fp8Activation holding it unquantized, its `unquantized` [1, K]); the result is then
+    (x @ W^T [1, N], x @ tail^T [1, NT])."""
     n, k = w.shape
     m = x.shape[0]
     bn_w, bk = w.block_size
@@ -232,14 +239,19 @@ def skinny(x: torch.Tensor | Fp8Activation, w: Fp8BlockWeight, config: dict) -> 
     xq, sx = (x, out) if quant_x else quantized(x, bk)
     # x itself is read only when quant_x; else a tensor of its dtype stands in (the launch the warm-up compiled)
     x_in, stride_xm = (x, x.stride(0)) if isinstance(x, torch.Tensor) else (out, k)
+    if tail is not None and (not isinstance(x, Fp8Activation) or x.unquantized is None):
+        raise ValueError("a tail block is multiplied beside an activation quantized by the kernel before (an "
+                         "Fp8Activation) that holds its row unquantized")
+    tail_args, tail_out, tail_constexprs = tail_arguments(x.unquantized if tail is not None else out, tail)
     launch = pdl.launch_args(device)
-    grid = (triton.cdiv(n, block_n), split_k)
-    _skinny_kernel[grid](
-        x_in, xq, sx, w.weight, w.scale_inv, out, partial, tile_counters(device, grid[0]), m, n, k, groups, k_iters,
-        stride_xm, out.stride(0), BN_W=bn_w, BLOCK_M=block_m, BLOCK_N=block_n, BK=bk, SPLIT=split_k > 1,
-        QUANT_X=quant_x, EVEN_N=n % block_n == 0, EVEN_K=k % bk == 0 and groups % split_k == 0, FLOOR=ACT_AMAX_FLOOR,
-        QMAX=E4M3_MAX, num_warps=config["warps"], num_stages=config["stages"], **launch)
-    return out
+    tiles = triton.cdiv(n, block_n)
+    _skinny_kernel[(tail_constexprs.get("TAIL_ROWS", 0) + tiles, split_k)](
+        x_in, xq, sx, w.weight, w.scale_inv, out, partial, tile_counters(device, tiles), m, n, k, groups, k_iters,
+        stride_xm, out.stride(0), *tail_args, BN_W=bn_w, BLOCK_M=block_m, BLOCK_N=block_n, BK=bk,
+        SPLIT=split_k > 1, QUANT_X=quant_x, EVEN_N=n % block_n == 0, EVEN_K=k % bk == 0 and groups % split_k == 0,
+        FLOOR=ACT_AMAX_FLOOR, QMAX=E4M3_MAX, num_warps=config["warps"], num_stages=config["stages"], **launch,
+        **tail_constexprs)
+    return out if tail is None else (out, tail_out)
 
 
 def gemm(x: torch.Tensor | Fp8Activation, w: Fp8BlockWeight, config: dict) -> torch.Tensor:

@@ -43,6 +43,7 @@ import triton.language as tl
 
 from deltaserve.ops import pdl
 from deltaserve.ops.pdl import wait_for_previous_kernel
+from deltaserve.ops.quant_gemm.cuda_tiles import tail_arguments, tail_program
 from deltaserve.ops.quant_gemm.reference import Dp4aActivation, Fp8Activation, Fp8BlockWeight, Int4Weight
 from deltaserve.ops.split_k import store_split, tile_counters
 
@@ -228,32 +229,6 @@ def _x_parts_kernel(x, parts, x_scale, v_sum, K_WORDS, GROUP: tl.constexpr, LOW_
 
 
 @triton.jit
-def _plain_row(x, w, out, row, stride_wn, K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out [row] = x [K] . w [row, :K] (16-bit), a float32 sum rounded to out's dtype: a plain block's row computed
-    by a program of a quantized product's launch (its TAIL_ROWS). The K blocks are unrolled, so that their loads
-    are all in flight at once."""
-    acc = tl.zeros([BLOCK_K], dtype=tl.float32)
-    w_row = w + row.to(tl.int64) * stride_wn
-    for k0 in tl.static_range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        acc += tl.load(w_row + ks, mask=k_ok, other=0.0).to(tl.float32) * tl.load(x + ks, mask=k_ok,
-                                                                                   other=0.0).to(tl.float32)
-    tl.store(out + row, tl.sum(acc, axis=0).to(out.dtype.element_ty))
-
-
-@triton.jit
-def _tail_program(tail_x, tail_w, tail_out, stride_tn, TAIL_ROWS: tl.constexpr, TAIL_K: tl.constexpr):
-    """Whether this program is one of a launch's first TAIL_ROWS (grid axis 0), which multiply a plain block
-    instead of the quantized weight: row p of tail_x @ tail_w^T into tail_out (split 0 only; _plain_row)."""
-    is_tail = tl.program_id(0) < TAIL_ROWS
-    if TAIL_ROWS:
-        if is_tail & (tl.program_id(1) == 0):
-            _plain_row(tail_x, tail_w, tail_out, tl.program_id(0), stride_tn, TAIL_K, 1024)
-    return is_tail
-
-
-@triton.jit
 def _split_groups(STEPS, GROUPS_PER_STEP: tl.constexpr):
     """(first group, the last step's first group) of this program's split (grid axis 1) of K's STEPS steps of
     GROUPS_PER_STEP groups: split s of S takes steps [s * STEPS // S, (s + 1) * STEPS // S), so the splits differ
@@ -283,9 +258,9 @@ def _int4_dp4a_row_kernel(
     ahead, the scales, zero points and x's group scales and sums load one step ahead into registers (loaded where used,
     each step would wait out a memory latency). With TAIL_ROWS, the first TAIL_ROWS programs compute tail_out
     [TAIL_ROWS] = tail_x [K] @ tail_w^T instead (a 16-bit block of rows that reads the same input: GDN's [b|a] beside
-    its quantized [q|k|v|z]), one row each (_plain_row), so that it takes no launch of its own."""
+    its quantized [q|k|v|z]), one row each (cuda_tiles.tail_program), so that it takes no launch of its own."""
     wait_for_previous_kernel(PDL)
-    if _tail_program(tail_x, tail_w, tail_out, stride_tn, TAIL_ROWS, TAIL_K):
+    if tail_program(tail_x, tail_w, tail_out, stride_tn, TAIL_ROWS, TAIL_K):
         return
     tile = tl.program_id(0) - TAIL_ROWS
     WPG: tl.constexpr = GROUP // 8  # words a group
@@ -361,10 +336,10 @@ def _nvfp4_dp4a_row_kernel(
     stream through shared memory STAGES - 1 steps ahead, the scales and x's group scales and sums load one step ahead
     into registers. The tables (E2M1_POSITIVE, E2M1_NEGATIVE) come at run time, as registers. With TAIL_ROWS, the first
     TAIL_ROWS programs compute tail_out [TAIL_ROWS] = tail_x [K] @ tail_w^T instead (a 16-bit block of rows that reads
-    the same input: GDN's [b|a] beside its quantized [q|k|v|z]), one row each (_plain_row), so that it takes no launch
-    of its own."""
+    the same input: GDN's [b|a] beside its quantized [q|k|v|z]), one row each (cuda_tiles.tail_program), so that it
+    takes no launch of its own."""
     wait_for_previous_kernel(PDL)
-    if _tail_program(tail_x, tail_w, tail_out, stride_tn, TAIL_ROWS, TAIL_K):
+    if tail_program(tail_x, tail_w, tail_out, stride_tn, TAIL_ROWS, TAIL_K):
         return
     tile = tl.program_id(0) - TAIL_ROWS
     ns = tile * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
@@ -730,7 +705,7 @@ def _int4_row(x: torch.Tensor, w: Int4Weight, config: dict, out: torch.Tensor, l
     if config.get("dp4a"):
         parts, x_scale, v_sum = ((written.parts, written.x_scale, written.v_sum) if written is not None
                                  else x_parts(x, group, False, launch))
-        tail_args, tail_out, tail_constexprs = _tail(x, tail)
+        tail_args, tail_out, tail_constexprs = tail_arguments(x, tail)
         _int4_dp4a_row_kernel[(grid[0] + tail_constexprs.get("TAIL_ROWS", 0), split)](
             parts, x_scale, v_sum, w.packed, w.scale, zero, out, partial, tiles, n, k // 8, k // group // per_step,
             w.packed.stride(0), w.scale.stride(0), *tail_args, **common, **tail_constexprs)
@@ -755,23 +730,10 @@ def _nvfp4_dp4a_row(x: torch.Tensor, w, config: dict, out: torch.Tensor, launch:
     parts, x_scale, v_sum = ((written.parts, written.x_scale, written.v_sum) if written is not None
                              else x_parts(x, NVFP4_GROUP, True, launch))
     partial = torch.empty(split, n, dtype=torch.float32, device=x.device) if split > 1 else out
-    tail_args, tail_out, tail_constexprs = _tail(x, tail)
+    tail_args, tail_out, tail_constexprs = tail_arguments(x, tail)
     _nvfp4_dp4a_row_kernel[(grid[0] + tail_constexprs.get("TAIL_ROWS", 0), split)](
         parts, x_scale, v_sum, words, w.scale, w.scale_2, out, partial, tile_counters(x.device, grid[0]), n, k // 8,
         groups // per_step, words.stride(0), w.scale.stride(0), *E2M1_POSITIVE.value, *E2M1_NEGATIVE.value,
         *tail_args, BLOCK_N=block_n, GROUPS_PER_STEP=per_step, SPLIT=split > 1, EVEN_N=n % block_n == 0,
         STAGES=config["stages"], num_warps=config["warps"], **launch, **tail_constexprs)
     return out if tail is None else (out, tail_out)
-
-
-def _tail(x: torch.Tensor, tail: torch.Tensor | None) -> tuple[tuple, torch.Tensor | None, dict]:
-    """(the dp4a kernels' tail arguments, tail_out [1, NT], their TAIL_ROWS / TAIL_K) for x [1, K] @ tail [NT, K]^T
-    in the product's launch; without a tail, x stands in for the pointers the kernel then never reads."""
-    if tail is None:
-        return (x, x, x, 0), None, {}
-    nt, k = tail.shape
-    if k != x.shape[1] or tail.dtype != x.dtype or tail.stride(1) != 1:
-        raise ValueError(f"the tail block must be [rows, {x.shape[1]}] {x.dtype} with unit column stride, got "
-                         f"{tuple(tail.shape)} {tail.dtype} strides {tuple(tail.stride())}")
-    tail_out = torch.empty(1, nt, dtype=x.dtype, device=x.device)
-    return (x, tail, tail_out, tail.stride(0)), tail_out, dict(TAIL_ROWS=nt, TAIL_K=k)
