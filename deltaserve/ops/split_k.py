@@ -39,8 +39,14 @@ def store_split(acc, out_ptrs, partial_ptrs, mask, split_stride, counters, tile)
     """Store this program's partial sums acc (float32) at partial_ptrs + split * split_stride (split: grid axis
     1); the last of the tile's splits to arrive (tile: the output tile's index, counters[tile] its counter) writes
     their sum in split order at out_ptrs (out's dtype) and resets the counter."""
-    split = tl.program_id(1)
-    splits = tl.num_programs(1)
+    store_split_of(acc, out_ptrs, partial_ptrs, mask, split_stride, counters, tile, tl.program_id(1),
+                   tl.num_programs(1))
+
+
+@triton.jit
+def store_split_of(acc, out_ptrs, partial_ptrs, mask, split_stride, counters, tile, split, splits):
+    """store_split for split `split` of `splits` (the programs of a tile that are not grid axis 1: the MoE down
+    kernel's expert slots, grid axis 0)."""
     tl.store(partial_ptrs + split * split_stride, acc, mask=mask)
     tl.debug_barrier()  # every thread's partial is stored before the program counts itself in
     counter = counters + tile

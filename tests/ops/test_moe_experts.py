@@ -151,7 +151,8 @@ def test_align_groups_pairs_by_expert(tokens, experts, top_k, block_m):
 
 def test_a_pair_does_not_depend_on_the_batch():
     """Token 0 alone and inside a batch of 29 whose other tokens share its experts: bitwise the same output (the
-    same tiles; its sum over k in its own order; nothing depends on the other pairs of its expert's block)."""
+    same tiles; its sum over k in its own order, by the combine kernel or, alone without a shared output, by kernel
+    B's last slot; nothing depends on the other pairs of its expert's block)."""
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(29, 40, generator=gen).to(DEVICE)
     gate_up, down = expert_weights(7, 40, 24, gen)
@@ -162,6 +163,9 @@ def test_a_pair_does_not_depend_on_the_batch():
     batch = moe_cuda.fused_experts(x, ids, weights, gate_up, down, SMALL, shared)
     alone = moe_cuda.fused_experts(x[:1], ids[:1], weights[:1], gate_up, down, SMALL, (shared[0][:1], shared[1][:1]))
     assert torch.equal(batch[:1], alone)
+    # without a shared output, kernel B sums a lone token's slots itself (no combine launch): the same bits
+    batch = moe_cuda.fused_experts(x, ids, weights, gate_up, down, SMALL)
+    assert torch.equal(batch[:1], moe_cuda.fused_experts(x[:1], ids[:1], weights[:1], gate_up, down, SMALL))
     logits = torch.randn(29, 7, generator=gen).to(DEVICE)
     assert all(torch.equal(a[:1], b) for a, b in zip(moe_cuda.route(logits, 3, True), moe_cuda.route(logits[:1], 3, True)))
 

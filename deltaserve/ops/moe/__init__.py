@@ -17,8 +17,9 @@ dequantizes them for the reference where the kernels do not serve (the CPU, floa
 `sparse_block` is the block after its router in the fewest launches: where the shared expert has the routed experts'
 intermediate size (Qwen3.5-35B-A3B, 122B-A10B, Qwen3-Next: `shared_slot_serves`) and their format (plain, or the
 quantized stacks' with the same layout), it runs as one more expert slot of the fused kernels, and the routing runs
-inside them (kernel A at one token, the align kernel above), so a layer is the router's projection, then kernel A,
-B and the combine (plus, above one token, the align kernel and FP8's two activation quantizations), or, where
+inside them (kernel A at one token, the align kernel above), so a layer is the router's projection, then kernel A
+and B (which at one token sums the slots itself; above, the combine kernel does, after the align kernel and FP8's
+two activation quantizations), or, where
 the tile table asks for them at one token, the two GEMV kernels A1 and B1 (cuda.py). It serves
 up to SHARED_SLOT_MAX_TOKENS tokens: above one token it measured slower than the shared expert apart
 (docs/performance.md, MoE). Elsewhere it is `reference.sparse_block`.

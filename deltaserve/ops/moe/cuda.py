@@ -8,6 +8,7 @@
     combine(...)                    _combine_kernel alone, gathering: the sum of the grouped matmul's expert outputs
                                     (prefill-sized batches, ops.moe.experts)
     fused_moe(...)                  the same launches less the routing kernel, with the shared expert as a slot
+    (one token, tiles)              A -> B, the combine inside B: a column tile's last slot to finish sums them
     (one token, tiles.gemv)         _gate_up_row_kernel (A1) -> _down_row_kernel (B1, the combine inside)
 
 Why this shape (bandwidth). A decode step of 35B-A3B at one token reads per MoE layer 8 experts x 3 x 512 x 2048
@@ -31,11 +32,12 @@ its pair j, and the align launch is skipped.
 Kernel A: act[pair] = silu(x_t @ Wg^T) * (x_t @ Wu^T), gate_up stacked [E, 2I, H] with the gate rows first,
 float32 accumulators, act rounded once to x's dtype: [T*k, I]. FP8 experts (W8A8) read x and act quantized per 128
 columns: by cuda_fp8.quantize before each kernel, or at one token inside every program (QUANT_X: the same bits,
-two launches fewer). Kernel B: y[pair] = w_pair * (act[pair] @ Wd^T),
-down [E, H, I], float32 [T*k, H] (= [T, k, H]). The combine kernel sums each token's k rows in the order j = 0..k-1
-and adds the gated shared expert, sigmoid(g_t) * shared_t, in float32, rounding once: no atomics, so graphs equal
-eager bitwise, and a pair's numbers depend only on its token, its expert and the tiles (not on which other tokens
-share the batch or the expert).
+two launches fewer). Kernel B: y[pair] = w_pair * (act[pair] @ Wd^T), down [E, H, I], float32 [T*k, H] (= [T, k,
+H]). The combine kernel sums each token's k rows in the order j = 0..k-1 and adds the gated shared expert,
+sigmoid(g_t) * shared_t, in float32, rounding once: no atomic sums, so graphs equal eager bitwise, and a pair's
+numbers depend only on its token, its expert and the tiles (not on which other tokens share the batch or the
+expert). At one token kernel B's blocks are the token's slots, and the last of them to finish a column tile adds
+the tile's rows in that same order (ops/split_k.py's counter: only the arrival is atomic), one launch fewer.
 
 One token on the GEMV kernels (A1, B1; where the tile table's bucket-1 entry says "gemv"). A [16, BLOCK_N]
 tensor-core tile wastes 15 of its 16 rows at one token, and the few programs of a tile per expert (8 experts x I /
@@ -77,6 +79,7 @@ from deltaserve.ops.quant_gemm.cuda_gemv import _block_k as _gemv_block_k
 from deltaserve.ops.quant_gemm.cuda_gemv import INT4 as CUDA_GEMV_INT4
 from deltaserve.ops.quant_gemm.cuda_gemv import NVFP4 as CUDA_GEMV_NVFP4
 from deltaserve.ops.quant_gemm.cuda_weight_only import _CODES
+from deltaserve.ops.split_k import store_split_of, tile_counters
 
 ALIGN_CHUNK = 32  # pairs (and blocks) the align kernel compares at once: [ALIGN_CHUNK, BLOCK_E] one-hot tiles
 ALIGN_WARPS = 4  # a program of the align kernel
@@ -379,18 +382,20 @@ def _gate_up_kernel(
 def _down_kernel(
     act, down, shared_down, topk_weights, shared_gate, y, sorted_pairs, block_expert, block_first, block_rows,
     routed_blocks, T, H, I, stride_we, stride_wn, stride_gate, scales, zeros, stride_se, stride_sn, stride_ze,
-    shared_scales, shared_zeros, act_scales, num_slots, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+    shared_scales, shared_zeros, act_scales, num_slots, out, counters, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, ONE_TOKEN: tl.constexpr,
     WFORMAT: tl.constexpr = PLAIN, GROUP: tl.constexpr = 1, HAS_ZERO: tl.constexpr = False,
     CODE_BASE: tl.constexpr = 0, CODE_OFFSET: tl.constexpr = 0.0, QUANT_X: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    COMBINE: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """Kernel B. Grid (blocks, cdiv(H, BLOCK_N)): program (b, n) writes y [pair, n block] (float32) =
     w_pair * act[pair] Wd^T for block b's pairs, Wd the n block's rows of its expert's down [H, I]; in the shared
     slot Wd from shared_down [H, I] (the routed experts' row stride) and w = sigmoid(shared_gate [t]). WFORMAT: as
     kernel A's; FP8: act is e4m3 [num_slots, I] and act_scales [I / BLOCK_K, num_slots] its scales, or with
-    QUANT_X (one token: block b is pair b) act is 16-bit, row b quantized in every program."""
+    QUANT_X (one token: block b is pair b) act is 16-bit, row b quantized in every program. COMBINE (one token, its
+    slots the grid's blocks): the last of a column tile's blocks to finish adds the tile's y rows in slot order into
+    out [1, H] (ops/split_k.py: the combine kernel's sum, no launch of its own; counters: one a column tile)."""
     wait_for_previous_kernel(PDL)
     b = tl.program_id(0)
     if _block_used(block_rows, b, routed_blocks, ONE_TOKEN):
@@ -419,8 +424,13 @@ def _down_kernel(
             acc = _weight_product(acc, weights, expert_scales, expert_zeros, ns, n_ok, k0, ks, k_ok, at, factor,
                                   stride_wn, stride_sn, WFORMAT, GROUP, HAS_ZERO, CODE_BASE, CODE_OFFSET,
                                   EVEN_N and EVEN_K, PRECISION)
-        tl.store(y + pairs[None, :].to(tl.int64) * H + ns[:, None], acc * pair_weight[None, :],
-                 mask=n_ok[:, None] & m_ok[None, :])
+        if COMBINE:  # slot b's row b of y, then the tile's last slot sums rows 0 .. blocks - 1 into out
+            lanes = pairs[None, :] * 0  # [1, BM]: the tile's lanes, of which only the first holds the token
+            store_split_of(acc * pair_weight[None, :], out + ns[:, None] + lanes, y + ns[:, None] + lanes,
+                           n_ok[:, None] & m_ok[None, :], H, counters, tl.program_id(1), b, tl.num_programs(0))
+        else:
+            tl.store(y + pairs[None, :].to(tl.int64) * H + ns[:, None], acc * pair_weight[None, :],
+                     mask=n_ok[:, None] & m_ok[None, :])
 
 
 @triton.jit
@@ -835,9 +845,12 @@ def _run_experts(x, gate_up, down, tiles: MoeTiles, ids, weights, top_k: int, ro
                       shared_gate if shared_slot is not None else gate_out, shared_output is not None, shared_out,
                       launch)
         return out
+    combine_in_b = one_token and shared_output is None  # kernel B's blocks are the token's slots: it sums them
     y = _tile_products(x, act, sorted_pairs, block_table, routed_blocks, blocks, slots, weights, logits, renormalize,
                        route_in_a, top_k, tiles, precision, stage_divisor, one_token, gate_up_ops, down_ops,
-                       shared_gate_up_ops, shared_down_ops, shared_gate, fp8, launch)
+                       shared_gate_up_ops, shared_down_ops, shared_gate, fp8, launch, out if combine_in_b else None)
+    if combine_in_b:
+        return out
     _combine_kernel[(T, triton.cdiv(H, COMBINE_BLOCK))](
         y, out, shared_out, gate_out, ids, weights, H, out.stride(0), shared_out.stride(0), gate_out.stride(0),
         TOP_K=top_k, HAS_SHARED=shared_output is not None, SHARED_SLOT=shared_slot is not None, GATHER=False,
@@ -847,8 +860,9 @@ def _run_experts(x, gate_up, down, tiles: MoeTiles, ids, weights, top_k: int, ro
 
 def _tile_products(x, act, sorted_pairs, block_table, routed_blocks, blocks, slots, weights, logits, renormalize,
                    route_in_a, top_k, tiles, precision, stage_divisor, one_token, gate_up_ops, down_ops,
-                   shared_gate_up_ops, shared_down_ops, shared_gate, fp8, launch) -> torch.Tensor:
-    """Kernels A and B on tensor-core tiles (any T): act [slots, I] filled, y [slots, H] float32 returned."""
+                   shared_gate_up_ops, shared_down_ops, shared_gate, fp8, launch, out=None) -> torch.Tensor:
+    """Kernels A and B on tensor-core tiles (any T): act [slots, I] filled, y [slots, H] float32 returned; with out
+    (one token, its slots the blocks), kernel B also sums y's rows into out [1, H], as the combine kernel would."""
     T, H = x.shape
     E, inter = gate_up_ops.weight.shape[0], act.shape[1]
     gate_up, down = gate_up_ops.weight, down_ops.weight
@@ -871,14 +885,17 @@ def _tile_products(x, act, sorted_pairs, block_table, routed_blocks, blocks, slo
     tile = tiles.down
     block_k = _block_k(down_ops, tile.block_k, inter)
     act, act_scales = cuda_fp8.quantize(act, block_k) if fp8 and not quant_x else (act, act)  # FP8: e4m3, [I/128, slots]
-    _down_kernel[(blocks, triton.cdiv(H, tile.block_n))](
+    column_tiles = triton.cdiv(H, tile.block_n)
+    counters = tile_counters(x.device, column_tiles) if out is not None else y  # y: a placeholder, unread
+    _down_kernel[(blocks, column_tiles)](
         act, down, shared_down, weights, shared_gate, y, sorted_pairs, block_table[0], block_table[1], block_table[2],
         routed_blocks, T, H, inter, down.stride(0), down.stride(1), shared_gate.stride(0), down_ops.scales,
         down_ops.zeros, down_ops.stride_se, down_ops.stride_sn, down_ops.stride_ze, shared_down_ops.scales,
-        shared_down_ops.zeros, act_scales, slots, TOP_K=top_k, BLOCK_M=tiles.block_m,
-        BLOCK_N=tile.block_n, BLOCK_K=block_k, EVEN_N=H % tile.block_n == 0, EVEN_K=inter % block_k == 0,
-        PRECISION=precision, ONE_TOKEN=one_token, QUANT_X=quant_x, num_warps=tile.warps,
-        num_stages=max(1, tile.stages // stage_divisor), **down_ops.constexprs, **launch)
+        shared_down_ops.zeros, act_scales, slots, out if out is not None else y, counters, TOP_K=top_k,
+        BLOCK_M=tiles.block_m, BLOCK_N=tile.block_n, BLOCK_K=block_k, EVEN_N=H % tile.block_n == 0,
+        EVEN_K=inter % block_k == 0, PRECISION=precision, ONE_TOKEN=one_token, QUANT_X=quant_x,
+        COMBINE=out is not None, num_warps=tile.warps, num_stages=max(1, tile.stages // stage_divisor),
+        **down_ops.constexprs, **launch)
     return y
 
 
