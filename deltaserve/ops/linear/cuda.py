@@ -161,7 +161,8 @@ def _launch(prologue, x, weight, *, res=None, res_out=None, gate=None, norm_w=No
     _gemv_kernel[(triton.cdiv(N, block_n),)](
         x, res if res is not None else x, res_out if res_out is not None else out,
         gate if gate is not None else x, norm_w if norm_w is not None else weight, weight, out,
-        a_out if a_out is not None else out, N, K, eps, x.stride(1) if x.dim() == 3 else 0, gate.stride(1) if gate is not None else 0, weight.stride(0),
+        a_out if a_out is not None else out, N, K, eps, x.stride(1) if x.dim() == 3 else 0,
+        gate.stride(1) if gate is not None else 0, weight.stride(0),
         PROLOGUE=prologue, HAS_RESIDUAL=res is not None, GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_N=N % block_n == 0, EVEN_K=K % block_k == 0, WRITE_A=a_out is not None, num_warps=num_warps,
         num_stages=num_stages,

@@ -884,7 +884,8 @@ def _tile_products(x, act, sorted_pairs, block_table, routed_blocks, blocks, slo
     y = torch.empty(slots, H, dtype=torch.float32, device=x.device)  # [T, k, H], then the shared slot's [T, H]
     tile = tiles.down
     block_k = _block_k(down_ops, tile.block_k, inter)
-    act, act_scales = cuda_fp8.quantize(act, block_k) if fp8 and not quant_x else (act, act)  # FP8: e4m3, [I/128, slots]
+    # FP8 above one token: e4m3 [slots, I] and its scales [I / 128, slots]
+    act, act_scales = cuda_fp8.quantize(act, block_k) if fp8 and not quant_x else (act, act)
     column_tiles = triton.cdiv(H, tile.block_n)
     counters = tile_counters(x.device, column_tiles) if out is not None else y  # y: a placeholder, unread
     _down_kernel[(blocks, column_tiles)](
