@@ -325,6 +325,31 @@ def test_prologues_write_the_dp4a_parts_the_product_reads(fmt, weights):
         assert torch.equal(got, weight.matmul(act.x)), f"{name}: the product making its own parts"
 
 
+@pytest.mark.parametrize("output", ["fp8", "int4", "nvfp4"])
+def test_one_row_norm_in_slices_writes_the_bits_of_one_program(output, monkeypatch):
+    """On the H200, 27B's hidden row (5,120 columns, bf16, with the residual): the RMS norm written quantized for an
+    FP8 product (and kept) or with its dp4a parts by a program per ROW_SLICE columns gives every output bit of the
+    one-program launch (each slice sums the whole row's squares with the same code and warps)."""
+    from deltaserve.ops.norm import cuda as norm_cuda
+
+    k = ModelConfig.from_pretrained(str(shipped_config("Qwen/Qwen3.5-27B"))).hidden_size
+    x, res, w = activations(1, k, seed=5), activations(1, k, seed=6), activations(1, k, seed=7)[0] * 0.1
+    kwargs = {"fp8": dict(quant_block=128, keep_unquantized=True), "int4": dict(dp4a=(128, False)),
+              "nvfp4": dict(dp4a=(16, True))}[output]
+
+    def outputs():
+        act, h = norm_cuda.rms_norm(x, w, 1e-6, res, **kwargs)
+        if isinstance(act, ref.Fp8Activation):
+            return [act.xq.view(torch.uint8), act.sx, act.unquantized, h]
+        return [act.x, act.parts, act.x_scale, act.v_sum, h]
+
+    assert k > norm_cuda.ROW_SLICE
+    sliced = outputs()
+    monkeypatch.setattr(norm_cuda, "ROW_SLICE", 1 << 20)
+    whole = outputs()
+    assert all(torch.equal(a, b) for a, b in zip(whole, sliced))
+
+
 @pytest.mark.parametrize("fmt", ["int4", "nvfp4", "fp8"])
 def test_gdn_in_projection_runs_its_plain_block_in_the_quantized_launch(fmt, weights):
     """On the H200, in bf16, one row: 27B's GDN in-projection, the int4 / NVFP4 / FP8 [q|k|v|z] beside the bf16 [b|a]

@@ -463,6 +463,39 @@ def test_one_row_kernels_take_a_plain_tail_block(dtype, fmt, monkeypatch):
 DP4A_FORMATS = [("int4", 128, False), ("int4", 32, False), ("nvfp4", 16, True)]  # format, group, low_high
 
 
+@pytest.mark.parametrize("output", ["fp8", "fp8-kept", "int4", "nvfp4"])
+@pytest.mark.parametrize("residual", [False, True])
+def test_one_row_norm_in_slices_writes_the_bits_of_one_program(output, residual, monkeypatch):
+    """A decode row normed for an FP8 product (quantized, and kept) or with its dp4a parts, by a program per
+    ROW_SLICE columns (128 here: 400 columns in 4 slices, the last partial, as are FP8's last block and the last
+    slice's groups) writes every output bit for bit as the one-program launch does: each slice sums the whole row's
+    squares."""
+    from deltaserve.ops.norm import cuda as norm_cuda
+
+    gen = torch.Generator().manual_seed(len(output) + residual)
+    dtype = torch.float16
+    d = 400 if output.startswith("fp8") else 384  # the parts' groups divide the row
+    x, res = activations(1, d, dtype, gen), activations(1, d, dtype, gen) if residual else None
+    w = (torch.randn(d, generator=gen) * 0.1).to(dtype)
+    kwargs = {"fp8": dict(quant_block=128), "fp8-kept": dict(quant_block=128, keep_unquantized=True),
+              "int4": dict(dp4a=(32, False)), "nvfp4": dict(dp4a=(16, True))}[output]
+
+    def outputs():
+        got = norm_cuda.rms_norm(x, w, 1e-6, res, **kwargs)
+        act, h = got if residual else (got, None)
+        if isinstance(act, ref.Fp8Activation):
+            tensors = [act.xq.view(torch.uint8), act.sx] + ([act.unquantized] if act.unquantized is not None else [])
+        else:
+            tensors = [act.x, act.parts, act.x_scale, act.v_sum]
+        return tensors + ([h] if residual else [])
+
+    monkeypatch.setattr(norm_cuda, "ROW_SLICE", 1 << 20)
+    whole = outputs()
+    monkeypatch.setattr(norm_cuda, "ROW_SLICE", 128)
+    sliced = outputs()
+    assert len(whole) == len(sliced) and all(torch.equal(a, b) for a, b in zip(whole, sliced))
+
+
 @pytest.mark.parametrize("fmt,group,low_high", DP4A_FORMATS)
 @pytest.mark.parametrize("residual", [False, True])
 def test_prologues_write_the_dp4a_parts(fmt, group, low_high, residual):

@@ -1,6 +1,8 @@
 """Triton RMS norms, each row of D whole in registers (D <= 16384).
 
-- `rms_norm`: one program per row (the hidden-size norms: rows of 5120 for 27B).
+- `rms_norm`: one program per row (the hidden-size norms: rows of 5120 for 27B); a single decode row written
+  quantized for an FP8 product or with its dp4a parts takes a program per ROW_SLICE columns instead, each summing
+  the whole row's squares (the same bits) and quantizing its slice.
 - `gated_rms_norm`: one program per [BLOCK_ROWS, D] tile (16 rows of GDN's 128-wide heads: one 256-byte row
   per program leaves most of the memory bandwidth unused). It reads x and gate as [T, H, D] with any token
   and head strides, so the gate can be a view of the projection output (no copy).
@@ -20,6 +22,9 @@ from deltaserve.ops.quant_gemm.cuda_fp8 import (FP8_AMAX_FLOOR, FP8_MAX, fp8_row
 from deltaserve.ops.quant_gemm.cuda_gemv import store_x_parts, x_parts_buffers
 from deltaserve.ops.quant_gemm.reference import Dp4aActivation, Fp8Activation
 
+# Columns a program of a one-row norm writes quantized or with its parts (a multiple of every FP8 block and
+# fixed-point group): 27B's 5,120 in 5 programs, 35B-A3B's 2,048 in 2.
+ROW_SLICE = 1024
 # Elements per gated-norm program: 16 rows of 128, 16 per thread for 4 warps; rows of 2048 or more go one a
 # program, as rms_norm's do.
 _GATED_TILE = 2048
@@ -29,33 +34,55 @@ _GATED_TILE = 2048
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, sx_ptr, y_kept_ptr, parts_ptr, x_scale_ptr, v_sum_ptr,
                      D, x_stride, res_stride, y_stride, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
                      QUANT_BK: tl.constexpr = 0, KEEP_Y: tl.constexpr = False, PARTS_GROUP: tl.constexpr = 0,
-                     PARTS_LOW_HIGH: tl.constexpr = False, PDL: tl.constexpr = False):
+                     PARTS_LOW_HIGH: tl.constexpr = False, SLICE: tl.constexpr = 0, PDL: tl.constexpr = False):
     """One row a program. QUANT_BK > 0: y_ptr takes the normed row's e4m3 codes and sx_ptr [D / QUANT_BK, rows]
     its scales per QUANT_BK columns (quant_gemm.cuda_fp8's activation quantization of the row rounded to x's
     dtype), in place of the row; KEEP_Y: y_kept_ptr [rows, D] takes the row as well. PARTS_GROUP > 0 (one row, D a
     multiple of it): parts_ptr, x_scale_ptr, v_sum_ptr take the row's fixed-point parts for the dp4a GEMVs
-    (cuda_gemv.store_x_parts) besides the row."""
+    (cuda_gemv.store_x_parts) besides the row. SLICE > 0 (one row, a multiple of QUANT_BK and PARTS_GROUP): grid
+    (cdiv(D, SLICE),), program p writing columns [p SLICE, (p + 1) SLICE) of every output; each program sums the
+    whole row's squares as the one-program launch does (the same bits), so that the quantization's work, the bulk of
+    such a row's, spreads over the SMs."""
     wait_for_previous_kernel(PDL)
-    row = tl.program_id(0).to(tl.int64)
+    if SLICE:
+        row = (tl.program_id(0) * 0).to(tl.int64)
+        first = tl.program_id(0) * SLICE
+        rows = 1
+    else:
+        row = tl.program_id(0).to(tl.int64)
+        first = 0
+        rows = tl.num_programs(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < D
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         x = x + tl.load(res_ptr + row * res_stride + cols, mask=mask, other=0.0)  # rounded like torch's add
-        tl.store(res_out_ptr + row * D + cols, x, mask=mask)
+        if not SLICE:
+            tl.store(res_out_ptr + row * D + cols, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + eps)
+    if SLICE:  # this program's columns again (from L2), for its share of the outputs
+        cols = first + tl.arange(0, SLICE)
+        mask = cols < D
+        x = tl.load(x_ptr + cols, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            x = x + tl.load(res_ptr + cols, mask=mask, other=0.0)
+            tl.store(res_out_ptr + cols, x, mask=mask)
+        xf = x.to(tl.float32)
+    OUT_BLOCK: tl.constexpr = SLICE if SLICE else BLOCK
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = (xf * rstd * (1.0 + w)).to(x_ptr.dtype.element_ty)
     if QUANT_BK:
-        store_fp8_row(y, y_ptr + row * y_stride, sx_ptr, row, tl.num_programs(0), D, BLOCK, QUANT_BK)
+        store_fp8_row(y, y_ptr + row * y_stride + first, sx_ptr + first // QUANT_BK * rows, row, rows, D - first,
+                      OUT_BLOCK, QUANT_BK)
         if KEEP_Y:
             tl.store(y_kept_ptr + row * D + cols, y, mask=mask)
     else:
         tl.store(y_ptr + row * y_stride + cols, y, mask=mask)
     if PARTS_GROUP:  # the columns past D are 0, in groups past D / PARTS_GROUP, which are not stored
-        store_x_parts(tl.reshape(y.to(tl.float32), [BLOCK // PARTS_GROUP, PARTS_GROUP]), parts_ptr, x_scale_ptr,
-                      v_sum_ptr, 0, D // PARTS_GROUP, D // 8, BLOCK // PARTS_GROUP, PARTS_GROUP, PARTS_LOW_HIGH)
+        store_x_parts(tl.reshape(y.to(tl.float32), [OUT_BLOCK // PARTS_GROUP, PARTS_GROUP]), parts_ptr, x_scale_ptr,
+                      v_sum_ptr, first // PARTS_GROUP, D // PARTS_GROUP, D // 8, OUT_BLOCK // PARTS_GROUP, PARTS_GROUP,
+                      PARTS_LOW_HIGH)
 
 
 @triton.jit(do_not_specialize=["num_rows"])  # the step's token count: one compiled variant for every step
@@ -131,8 +158,12 @@ def rms_norm(x, weight, eps, residual=None, quant_block: int = 0, keep_unquantiz
     kept = torch.empty(x2.shape, dtype=x.dtype, device=x.device) if quant_block and keep_unquantized else y
     parts = x_parts_buffers(D, dp4a[0], x.device) if dp4a else (y, y, y)
     block = max(triton.next_power_of_2(D), quant_block)  # whole scale groups a row
+    # one row written quantized or with its parts: slices of ROW_SLICE columns, a program each
+    row_slice = ROW_SLICE if x2.shape[0] == 1 and (quant_block or dp4a) and D > ROW_SLICE else 0
+    grid = (triton.cdiv(D, row_slice),) if row_slice else (x2.shape[0],)
     launch = dict(BLOCK=block, QUANT_BK=quant_block, KEEP_Y=kept is not y, PARTS_GROUP=dp4a[0] if dp4a else 0,
-                  PARTS_LOW_HIGH=bool(dp4a and dp4a[1]), num_warps=_warps(block), **pdl.launch_args(x.device))
+                  PARTS_LOW_HIGH=bool(dp4a and dp4a[1]), SLICE=row_slice, num_warps=_warps(block),
+                  **pdl.launch_args(x.device))
 
     def result(y):
         if dp4a:
@@ -144,11 +175,11 @@ def rms_norm(x, weight, eps, residual=None, quant_block: int = 0, keep_unquantiz
     if residual is not None:
         r2 = _rows(residual)
         h = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
-        _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, y, h, sx, kept, *parts, D, x2.stride(0), r2.stride(0),
-                                         y.stride(0), eps, HAS_RESIDUAL=True, **launch)
+        _rms_norm_kernel[grid](x2, r2, weight, y, h, sx, kept, *parts, D, x2.stride(0), r2.stride(0), y.stride(0),
+                               eps, HAS_RESIDUAL=True, **launch)
         return result(y), h.view(shape)
-    _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, y, y, sx, kept, *parts, D, x2.stride(0), 0, y.stride(0), eps,
-                                     HAS_RESIDUAL=False, **launch)
+    _rms_norm_kernel[grid](x2, x2, weight, y, y, sx, kept, *parts, D, x2.stride(0), 0, y.stride(0), eps,
+                           HAS_RESIDUAL=False, **launch)
     return result(y)
 
 
