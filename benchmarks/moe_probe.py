@@ -19,7 +19,8 @@ moe.SHARED_SLOT_MAX_TOKENS tokens), and fused_moe alone. Each path's CUDA kernel
 such as 512 and 8192 too, where the dequantized experts' grouped matmul is timed beside the tiles and marked
 "grouped" where it wins), on the path SparseMoE takes at it
 (kernel A's over its candidates with kernel B's default, then kernel B's with A's best, then BLOCK_M; at one token
-the GEMV kernels' tiles alike, kept where they beat the tensor-core ones), starting no bucket after --budget-s
+kernel A's tiles again with its K split 2, 4 or 8 ways, and the GEMV kernels' tiles alike, kept where they beat the
+tensor-core ones), starting no bucket after --budget-s
 seconds, and merges the winners into --out (copy to deltaserve/ops/moe/configs.json to ship them).
 `--kernels` (quantized formats) adds each kernel's time on the table's tiles (torch.profiler over eager calls).
 `--format fp8` / `int4` / `nvfp4` times and sweeps the fused experts alone on stacked quantized experts of the same
@@ -284,6 +285,12 @@ def sweep_bucket(block: SparseMoE, tokens: int, stacks: tuple | None = None
     for block_m in (16, 32, 64) if tokens <= configs.FUSED_MAX_TOKENS else (32, 128):
         if block_m < best.block_m or tokens > configs.FUSED_MAX_TOKENS:
             candidate = best._replace(block_m=block_m)
+            t = timed(candidate)
+            if t < best_time:
+                best_time, best = t, candidate
+    if tokens == 1:  # kernel A's K split over more programs (its tile swept again: more programs suit larger ones)
+        for split_k, tile in itertools.product((2, 4, 8), tiles):
+            candidate = best._replace(gate_up=tile, split_k=split_k)
             t = timed(candidate)
             if t < best_time:
                 best_time, best = t, candidate

@@ -48,11 +48,24 @@ def store_split_of(acc, out_ptrs, partial_ptrs, mask, split_stride, counters, ti
     """store_split for split `split` of `splits` (the programs of a tile that are not grid axis 1: the MoE down
     kernel's expert slots, grid axis 0)."""
     tl.store(partial_ptrs + split * split_stride, acc, mask=mask)
+    if arrives_last(counters, tile, splits):
+        tl.store(out_ptrs, sum_partials(partial_ptrs, mask, split_stride, splits).to(out_ptrs.dtype.element_ty),
+                 mask=mask)
+        tl.store(counters + tile, 0)
+
+
+@triton.jit
+def arrives_last(counters, tile, splits):
+    """Once this program has stored its partials: counts it in on counters[tile]; whether it is the tile's last
+    split (which then adds the partials, `sum_partials`, and sets the counter back to 0)."""
     tl.debug_barrier()  # every thread's partial is stored before the program counts itself in
-    counter = counters + tile
-    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == splits - 1:
-        total = tl.load(partial_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-        for s in range(1, splits):
-            total += tl.load(partial_ptrs + s * split_stride, mask=mask, other=0.0, cache_modifier=".cg")
-        tl.store(out_ptrs, total.to(out_ptrs.dtype.element_ty), mask=mask)
-        tl.store(counter, 0)
+    return tl.atomic_add(counters + tile, 1, sem="acq_rel", scope="gpu") == splits - 1
+
+
+@triton.jit
+def sum_partials(partial_ptrs, mask, split_stride, splits):
+    """The float32 sum of the `splits` partials at partial_ptrs + s * split_stride, in split order, read past L1."""
+    total = tl.load(partial_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+    for s in range(1, splits):
+        total += tl.load(partial_ptrs + s * split_stride, mask=mask, other=0.0, cache_modifier=".cg")
+    return total

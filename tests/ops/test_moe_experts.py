@@ -60,6 +60,21 @@ def test_fused_experts_match_grouped_matmul(experts, top_k, hidden, inter, token
 
 
 @pytest.mark.parametrize("experts,top_k,hidden,inter", SHAPES)
+@pytest.mark.parametrize("split_k", [2, 3])
+def test_one_token_kernel_a_split_over_k_matches_grouped_matmul(experts, top_k, hidden, inter, split_k):
+    """One token with kernel A's K blocks split (hidden 40 in 16-column blocks: 2 + 1, or 1 + 1 + 1; 32: 1 + 1
+    either way, the splits capped at its blocks): the grouped matmul's output within the experts' bound (the split
+    sums add in another order)."""
+    gen = torch.Generator().manual_seed(experts + top_k + hidden + split_k)
+    x = torch.randn(1, hidden, generator=gen).to(DEVICE)
+    gate_up, down = expert_weights(experts, hidden, inter, gen)
+    ids, weights = random_routing(1, experts, top_k, gen)
+    got = moe_cuda.fused_experts(x, ids, weights, gate_up, down, SMALL._replace(split_k=split_k))
+    want = reference.grouped_experts(x, ids, weights, gate_up, down)
+    assert_within(got, want, experts_bound(x, ids, weights, gate_up, down), "fused experts, kernel A split")
+
+
+@pytest.mark.parametrize("experts,top_k,hidden,inter", SHAPES)
 def test_one_token_gemv_kernels_match_grouped_matmul(experts, top_k, hidden, inter):
     """One token on the GEMV kernels, with a gated shared output summed by the combine."""
     gen = torch.Generator().manual_seed(experts + top_k + hidden)
@@ -210,16 +225,23 @@ def test_tile_table_is_valid_and_checked(tmp_path, monkeypatch):
                                     ("7:3:40:24:512", {**configs.tiles_entry(SMALL), "grouped": 1}, "grouped must"),
                                     ("int4:7:3:40:24:64", {**configs.tiles_entry(SMALL), "grouped": 1}, "grouped must"),
                                     ("int4:7:3:40:24:512", {**configs.tiles_entry(SMALL), "grouped": 1}, "grouped must"),
-                                    ("int4:7:3:40:24:8192", {**configs.tiles_entry(SMALL), "grouped": 2}, "grouped must")):
+                                    ("int4:7:3:40:24:8192", {**configs.tiles_entry(SMALL), "grouped": 2}, "grouped must"),
+                                    # kernel A's K splits: one token on the tensor-core tiles only
+                                    ("7:3:40:24:2", {**configs.tiles_entry(SMALL), "split_k": 2}, "split_k must"),
+                                    ("7:3:40:24:1", {**rows, "split_k": 2}, "split_k must"),
+                                    ("7:3:40:24:1", {**configs.tiles_entry(SMALL), "split_k": 0}, "split_k must")):
             bad.write_text(json.dumps({key: entry}))
             configs.tuned_table.cache_clear()
             with pytest.raises(ValueError, match=message):
                 configs.tuned_table()
         grouped = SMALL._replace(grouped=True)
         assert configs.tiles_entry(grouped)["grouped"] == 1 and "grouped" not in configs.tiles_entry(SMALL)
-        bad.write_text(json.dumps({"7:3:40:24:1": rows, "int4:7:3:40:24:8192": configs.tiles_entry(grouped)}))
+        split = SMALL._replace(split_k=4)
+        assert configs.tiles_entry(split)["split_k"] == 4 and "split_k" not in configs.tiles_entry(SMALL)
+        bad.write_text(json.dumps({"7:3:40:24:1": rows, "int4:7:3:40:24:8192": configs.tiles_entry(grouped),
+                                   "fp8:7:3:40:24:1": configs.tiles_entry(split)}))
         configs.tuned_table.cache_clear()
-        assert configs.tiles_for(7, 3, 40, 24, 1) == ROWS
+        assert configs.tiles_for(7, 3, 40, 24, 1) == ROWS and configs.tiles_for(7, 3, 40, 24, 1, "fp8") == split
         assert configs.tiles_for(7, 3, 40, 24, 30000, "int4") == grouped  # the last bucket takes larger chunks
         assert not configs.tiles_for(7, 3, 40, 24, 2048, "int4").grouped
         # chunks up to the largest chunk graph (1,024 tokens) are captured: their buckets never take the groups

@@ -17,6 +17,7 @@ from deltaserve.ops.moe import dequantized  # noqa: E402
 from deltaserve.ops.moe import quantized  # noqa: E402
 from deltaserve.ops.moe.configs import MoeTiles, Tile  # noqa: E402
 from deltaserve.ops.quant_gemm import reference as ref  # noqa: E402
+from deltaserve.ops.split_k import tile_counters  # noqa: E402
 from tests.ops.interpreter import (patch_interpreter_bf16_dot, patch_interpreter_float_rounding,  # noqa: E402
                                    patch_interpreter_index)
 from tests.ops.moe_oracle import quantized_experts_exact, shared_bound  # noqa: E402
@@ -27,6 +28,7 @@ patch_interpreter_float_rounding()
 patch_interpreter_bf16_dot()
 
 SMALL = MoeTiles(16, Tile(16, 16, 4, 1), Tile(16, 16, 4, 1))
+SPLIT = SMALL._replace(split_k=2)  # one token: kernel A's K blocks in 2 splits (FP8's 2, int4's 2, NVFP4's 3: 2 + 1)
 # the one-token GEMV kernels: 8-row blocks (inside FP8's 128-row scale block), K steps of up to 128 (whole FP8
 # blocks, whole int4 groups)
 ROWS = MoeTiles(16, Tile(8, 128, 4, 1), Tile(8, 128, 4, 1), gemv=True)
@@ -77,6 +79,22 @@ def test_fused_quantized_experts_match_their_semantics(fmt, H, inter, dtype, tok
     assert (bound < 0.5 * want.abs()).double().mean() > 0.5
 
 
+@pytest.mark.parametrize("fmt,H,inter", FORMATS)
+def test_one_token_kernel_a_split_over_k_matches_their_semantics(fmt, H, inter):
+    """One token on the tiles with kernel A's K blocks split in 2 (the tile's last split adds the float32 sums, then
+    SiLU and the product): within the semantics' bound, a second call the same bits, every counter back at 0."""
+    gen = torch.Generator().manual_seed(H + 3)
+    gate_up, down = (quantized.stack(part) for part in experts(fmt, 5, H, inter, gen))
+    x = (torch.randn(1, H, generator=gen) * torch.logspace(-1, 0.5, H)).to(torch.bfloat16)
+    ids, weights = torch.randperm(5, generator=gen)[:3][None], torch.rand(1, 3, generator=gen) + 0.1
+    got = moe_cuda.fused_experts(x, ids, weights, gate_up, down, SPLIT)
+    want, bound = quantized_experts_exact(x, ids, weights, gate_up, down, torch.bfloat16)
+    err = (got.double() - want).abs()
+    assert (err <= bound).all(), f"{fmt} split: error {(err / bound).max():.3g} x its bound"
+    assert torch.equal(moe_cuda.fused_experts(x, ids, weights, gate_up, down, SPLIT), got)
+    assert not tile_counters(x.device, 1).any()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp8_one_token_quantizes_in_the_tile_kernels_with_the_launches_bits(dtype, monkeypatch):
     """FP8 experts at one token on the tile kernels quantize the token and the activation inside every program
@@ -117,7 +135,7 @@ def test_one_token_gemv_kernels_match_their_semantics(fmt, H, inter, dtype):
 
 @pytest.mark.parametrize("fmt,H,inter", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens,tiles", [(1, SMALL), (5, SMALL), (1, ROWS)])
+@pytest.mark.parametrize("tokens,tiles", [(1, SMALL), (5, SMALL), (1, ROWS), (1, SPLIT)])
 def test_quantized_shared_slot_matches_its_semantics(fmt, H, inter, dtype, tokens, tiles):
     """fused_moe with stacked quantized experts and the shared expert's prepared weights as its slot: the k routed
     experts the kernels chose plus the shared one as expert E of k + 1, weighted sigmoid(gate), within the experts'

@@ -154,7 +154,7 @@ def count_launches(monkeypatch) -> list[str]:
     return launched
 
 
-SLOT_LAUNCHES = ["linear", "_gate_up_kernel", "_down_kernel", "_combine_kernel"]
+SLOT_LAUNCHES = ["linear", "_gate_up_kernel", "_down_kernel"]  # one token: kernel B sums the slots
 SEPARATE_LAUNCHES = {1: ["linear", "shared down", "_route_kernel", "_gate_up_kernel", "_down_kernel",
                          "_combine_kernel"],
                      6: ["linear", "shared down", "_route_kernel", "_align_kernel", "_gate_up_kernel",
@@ -164,8 +164,8 @@ SEPARATE_LAUNCHES = {1: ["linear", "shared down", "_route_kernel", "_gate_up_ker
 @pytest.mark.parametrize("tokens", [1])
 def test_sparse_moe_launches_and_output_on_the_shared_slot(monkeypatch, tokens):
     """Shared intermediate 24 = the experts', one token: the layer is the router's projection (E + 1 rows) and the
-    fused kernels, 4 launches (the path it replaces: 6 ops), and its output is the torch path's within the sparse
-    block's bound."""
+    fused kernels A and B, 3 launches (the path it replaces: 6 ops), and its output is the torch path's within the
+    sparse block's bound."""
     assert tokens <= moe.SHARED_SLOT_MAX_TOKENS
     block = sparse_moe(24, seed=tokens)
     x = torch.randn(tokens, 40, generator=torch.Generator().manual_seed(tokens + 1)).to(DEVICE)

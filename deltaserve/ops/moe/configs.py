@@ -11,6 +11,9 @@ Values are dicts:
    "gemv": 0 or 1,                                 optional, rows bucket 1 only: 1 runs the one-token GEMV
                                                    kernels with these tiles instead of the tensor-core ones
                                                    (FP8: BLOCK_N divides 128, BLOCK_K a multiple of 128)
+   "split_k": S,                                   optional, rows bucket 1 on the tensor-core tiles only: kernel A
+                                                   splits H over S programs a tile (the tile's last one to finish
+                                                   adds their sums, then SiLU and the product)
    "grouped": 0 or 1}                              optional, quantized formats' GROUPED_BUCKETS only: 1
                                                    dequantizes the experts a group at a time into torch's
                                                    grouped matmul (dequantized.py) instead of these tiles
@@ -58,6 +61,7 @@ class MoeTiles(NamedTuple):
     down: Tile
     gemv: bool = False  # one token: kernels A and B as GEMVs on the CUDA cores (rows bucket 1 only)
     grouped: bool = False  # a prompt chunk on quantized experts: dequantized groups and the grouped matmul
+    split_k: int = 1  # one token on the tiles: kernel A's programs a [BLOCK_N] tile of gate/up rows, each a part of H
 
 
 def row_bucket(rows: int) -> int:
@@ -93,6 +97,11 @@ def check_entry(where: str, key: str, entry) -> None:
                                                                                int(parts[4]) in GROUPED_BUCKETS)):
         raise ValueError(f"{where}: entry {key!r}: grouped must be 0 or 1, and 1 only for a quantized format's "
                          f"bucket of eager prompt chunks {GROUPED_BUCKETS}, got {grouped!r}")
+    split_k = entry.get("split_k", 1)
+    if not isinstance(split_k, int) or isinstance(split_k, bool) or split_k < 1 or (
+            split_k > 1 and (gemv or int(parts[4]) != 1)):
+        raise ValueError(f"{where}: entry {key!r}: split_k must be a positive int, above 1 only at rows 1 on the "
+                         f"tensor-core tiles, got {split_k!r}")
     least_n = 1 if gemv else 16  # tl.dot's least side; the GEMV takes any power of two
     for kernel in ("gate_up", "down"):
         tile = entry.get(kernel)
@@ -128,10 +137,11 @@ def tiles_for(num_experts: int, top_k: int, hidden: int, intermediate: int, rows
     if entry is None:
         return default_tiles(rows)
     return MoeTiles(entry["block_m"], Tile(*entry["gate_up"]), Tile(*entry["down"]), bool(entry.get("gemv", 0)),
-                    bool(entry.get("grouped", 0)))
+                    bool(entry.get("grouped", 0)), entry.get("split_k", 1))
 
 
 def tiles_entry(tiles: MoeTiles) -> dict:
     """The table's JSON entry of `tiles`."""
     entry = {"block_m": tiles.block_m, "gate_up": list(tiles.gate_up), "down": list(tiles.down)}
-    return {**entry, **({"gemv": 1} if tiles.gemv else {}), **({"grouped": 1} if tiles.grouped else {})}
+    return {**entry, **({"gemv": 1} if tiles.gemv else {}), **({"grouped": 1} if tiles.grouped else {}),
+            **({"split_k": tiles.split_k} if tiles.split_k > 1 else {})}

@@ -79,7 +79,7 @@ from deltaserve.ops.quant_gemm.cuda_gemv import _block_k as _gemv_block_k
 from deltaserve.ops.quant_gemm.cuda_gemv import INT4 as CUDA_GEMV_INT4
 from deltaserve.ops.quant_gemm.cuda_gemv import NVFP4 as CUDA_GEMV_NVFP4
 from deltaserve.ops.quant_gemm.cuda_weight_only import _CODES
-from deltaserve.ops.split_k import store_split_of, tile_counters
+from deltaserve.ops.split_k import arrives_last, store_split_of, sum_partials, tile_counters
 
 ALIGN_CHUNK = 32  # pairs (and blocks) the align kernel compares at once: [ALIGN_CHUNK, BLOCK_E] one-hot tiles
 ALIGN_WARPS = 4  # a program of the align kernel
@@ -320,13 +320,13 @@ def _weight_product(acc, weights, scales, zeros, rows, n_ok, k0, ks, k_ok, xt, f
 def _gate_up_kernel(
     x, gate_up, shared_gate_up, act, sorted_pairs, block_expert, block_first, block_rows, routed_blocks, T, H, I,
     stride_x, stride_we, stride_wn, logits, topk_weights, E, stride_logits, scales, zeros, stride_se, stride_sn,
-    stride_ze, shared_scales, shared_zeros, x_scales, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+    stride_ze, shared_scales, shared_zeros, x_scales, partial, counters, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, ONE_TOKEN: tl.constexpr,
     ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TOP_K: tl.constexpr,
     WFORMAT: tl.constexpr = PLAIN, GROUP: tl.constexpr = 1, HAS_ZERO: tl.constexpr = False,
     CODE_BASE: tl.constexpr = 0, CODE_OFFSET: tl.constexpr = 0.0, QUANT_X: tl.constexpr = False,
-    PDL: tl.constexpr = False,
+    SPLIT_K: tl.constexpr = 1, PDL: tl.constexpr = False,
 ):
     """Kernel A. Grid (blocks, cdiv(I, BLOCK_N)): program (b, n) writes act [pair, n block] = silu(x_t Wg^T) *
     (x_t Wu^T) for block b's pairs, Wg / Wu the n block's gate / up rows of its expert's gate_up [2I, H] (the
@@ -338,14 +338,18 @@ def _gate_up_kernel(
     with shared_scales / shared_zeros (an expert's strides); BLOCK_K the FP8 K block, the int4 group, or (NVFP4) a
     multiple of 16 that divides H. FP8: x is e4m3 [T, H] and x_scales [H / BLOCK_K, T] its scales
     (cuda_fp8.quantize: each token once, not once a program), or with QUANT_X (one token) x is 16-bit, its row
-    quantized in every program (cheaper than the quantize launch)."""
+    quantized in every program (cheaper than the quantize launch). SPLIT_K > 1 (one token; grid axis 2): program
+    (b, n, s) sums split s of H's K blocks into partial [SPLIT_K, slots, 2I] (float32 gate and up sums), and the
+    last of the tile's splits to finish (counters[b * cdiv(I, BLOCK_N) + n]) adds them in split order, then writes
+    silu(gate) * up (ops/split_k.py)."""
     wait_for_previous_kernel(PDL)
     b = tl.program_id(0)
     if ROUTE:
         expert = (b * 0).to(tl.int64)
         if b < routed_blocks:  # the shared slot's programs start on their weights at once
+            writes = (b == 0) & (tl.program_id(1) == 0) & (tl.program_id(2) == 0)
             ids = _route_rows(logits, block_expert, topk_weights, 0, 1, E, stride_logits, 1, TOP_K, BLOCK_E,
-                              BLOCK_TOP_K, RENORMALIZE, (b == 0) & (tl.program_id(1) == 0))  # [1, BK]
+                              BLOCK_TOP_K, RENORMALIZE, writes)  # [1, BK]
             expert = tl.sum(tl.where(tl.arange(0, BLOCK_TOP_K)[None, :] == b, ids, 0)).to(tl.int64)
     else:
         expert = tl.load(block_expert + b, mask=b < routed_blocks, other=0).to(tl.int64)
@@ -363,7 +367,12 @@ def _gate_up_kernel(
         scale_cols = x_scales + tokens  # [BM] FP8: each pair's token's first K group's scale
         acc_gate = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
+        k_first, k_end = 0, H
+        if SPLIT_K > 1:
+            k_per_split = tl.cdiv(tl.cdiv(H, BLOCK_K), SPLIT_K) * BLOCK_K  # columns of H a split sums
+            k_first = tl.program_id(2) * k_per_split
+            k_end = tl.minimum(H, k_first + k_per_split)
+        for k0 in range(k_first, k_end, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)  # [BK]
             k_ok = ks < H
             xt, factor = _activation_tile(x_cols, scale_cols, k0, ks, k_ok, m_ok, T, WFORMAT, x, QUANT_X)  # [BK, BM]
@@ -373,9 +382,22 @@ def _gate_up_kernel(
             acc_up = _weight_product(acc_up, weights, expert_scales, expert_zeros, ns + I, n_ok, k0, ks, k_ok, xt,
                                      factor, stride_wn, stride_sn, WFORMAT, GROUP, HAS_ZERO, CODE_BASE, CODE_OFFSET,
                                      EVEN_N and EVEN_K, PRECISION)
-        out = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up  # [BN, BM]
-        tl.store(act + pairs[None, :].to(tl.int64) * I + ns[:, None], out.to(act.dtype.element_ty),
-                 mask=n_ok[:, None] & m_ok[None, :])
+        mask = n_ok[:, None] & m_ok[None, :]
+        if SPLIT_K > 1:  # this split's sums; the tile's last split adds all of them (one token: pair b's row)
+            sums = partial + pairs[None, :].to(tl.int64) * (2 * I) + ns[:, None]  # [BN, BM] its gate sums
+            split_stride = tl.num_programs(0) * 2 * I  # slots x 2I
+            tl.store(sums + tl.program_id(2) * split_stride, acc_gate, mask=mask)
+            tl.store(sums + I + tl.program_id(2) * split_stride, acc_up, mask=mask)
+            tile = b * tl.num_programs(1) + tl.program_id(1)
+            if arrives_last(counters, tile, SPLIT_K):
+                acc_gate = sum_partials(sums, mask, split_stride, SPLIT_K)
+                acc_up = sum_partials(sums + I, mask, split_stride, SPLIT_K)
+                out = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up  # [BN, BM]
+                tl.store(act + pairs[None, :].to(tl.int64) * I + ns[:, None], out.to(act.dtype.element_ty), mask=mask)
+                tl.store(counters + tile, 0)
+        else:
+            out = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up  # [BN, BM]
+            tl.store(act + pairs[None, :].to(tl.int64) * I + ns[:, None], out.to(act.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["routed_blocks", "T"])
@@ -871,12 +893,17 @@ def _tile_products(x, act, sorted_pairs, block_table, routed_blocks, blocks, slo
     block_k = _block_k(gate_up_ops, tile.block_k, H)
     quant_x = fp8 and one_token  # FP8 at one token: the kernels quantize their rows, no quantize launches
     x_in, x_scales = cuda_fp8.quantize(x, block_k) if fp8 and not quant_x else (x, x)  # FP8: e4m3 [T, H], [H/128, T]
-    _gate_up_kernel[(blocks, triton.cdiv(inter, tile.block_n))](
+    n_tiles = triton.cdiv(inter, tile.block_n)
+    split_k = min(tiles.split_k, triton.cdiv(H, block_k)) if one_token else 1  # kernel A's K splits (a tile's)
+    # split K: the splits' float32 gate and up sums [split_k, slots, 2I], and a counter a tile
+    partial = torch.empty(split_k, blocks, 2 * inter, dtype=torch.float32, device=x.device) if split_k > 1 else act
+    counters = tile_counters(x.device, blocks * n_tiles) if split_k > 1 else act
+    _gate_up_kernel[(blocks, n_tiles, split_k)](
         x_in, gate_up, shared_gate_up, act, sorted_pairs, block_table[0], block_table[1], block_table[2], routed_blocks,
         T, H, inter, x_in.stride(0), gate_up.stride(0), gate_up.stride(1), logits, weights, E, logits.stride(0),
         gate_up_ops.scales, gate_up_ops.zeros, gate_up_ops.stride_se, gate_up_ops.stride_sn, gate_up_ops.stride_ze,
-        shared_gate_up_ops.scales, shared_gate_up_ops.zeros, x_scales,
-        TOP_K=top_k, BLOCK_M=tiles.block_m, BLOCK_N=tile.block_n, BLOCK_K=block_k,
+        shared_gate_up_ops.scales, shared_gate_up_ops.zeros, x_scales, partial, counters,
+        TOP_K=top_k, BLOCK_M=tiles.block_m, BLOCK_N=tile.block_n, BLOCK_K=block_k, SPLIT_K=split_k,
         EVEN_N=inter % tile.block_n == 0, EVEN_K=H % block_k == 0, PRECISION=precision, ONE_TOKEN=one_token,
         ROUTE=route_in_a, RENORMALIZE=renormalize, BLOCK_E=triton.next_power_of_2(E),
         BLOCK_TOP_K=triton.next_power_of_2(top_k), QUANT_X=quant_x, num_warps=tile.warps,
