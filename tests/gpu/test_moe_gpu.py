@@ -2,8 +2,8 @@
 (ops.moe.sparse_block) against the torch reference at Qwen3.5-35B-A3B's shapes (bf16, tiles from the shipped
 table), the routing folded into kernel A / the align kernel against the routing kernel bitwise, CUDA-graph replay
 against eager, a token against the batch it sits in, stacked quantized experts (FP8, int4, NVFP4) against the
-float64 value of their semantics, and through the engine on tiny MoE checkpoints (the shared expert apart and in the
-slot). Run by tests/gpu/run.sh (TESTS=tests/gpu/test_moe_gpu.py ... tests)."""
+float64 value of their semantics (one token also with kernel A's K split), and through the engine on tiny MoE
+checkpoints (the shared expert apart and in the slot). Run by tests/gpu/run.sh (TESTS=tests/gpu/test_moe_gpu.py ... tests)."""
 
 import dataclasses
 
@@ -266,3 +266,34 @@ def test_quantized_fused_experts_match_their_semantics_at_35b_shapes(fmt, tokens
     # at K = 2048 the worst-case bound exceeds values that cancel (it is 1-15x the median |value| here), so it alone
     # would let a wrong expert, scale or zero point pass: those err by the values' own size, 10x this
     assert err.norm() < 0.1 * want.norm(), f"{fmt}, {tokens} tokens: error {err.norm() / want.norm():.3g} of the norm"
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+@pytest.mark.parametrize("split_k", [2, 4])
+def test_one_token_kernel_a_split_over_k_at_35b_shapes(fmt, split_k):
+    """One token on the tensor-core tiles with kernel A's H split over split_k programs a tile (the table's
+    "split_k"; the tile's last split adds the float32 sums, then SiLU and the product), FP8 with its token and
+    activation quantized in the kernels and kernel B summing the slots: within the oracle's bound of the float64
+    value, as the unsplit launch is, and graph replay the eager bits (the tiles' counters back at 0 after each)."""
+    gen = torch.Generator().manual_seed(split_k)
+    gate_up = quantized.stack([random_expert(fmt, 2 * INTER, HIDDEN, gen) for _ in range(QUANT_EXPERTS)])
+    down = quantized.stack([random_expert(fmt, HIDDEN, INTER, gen) for _ in range(QUANT_EXPERTS)])
+    x = torch.randn(1, HIDDEN, generator=gen).to(torch.bfloat16)
+    ids = torch.randperm(QUANT_EXPERTS, generator=gen)[:TOP_K][None]
+    weights = torch.rand(1, TOP_K, generator=gen) + 0.1
+    weights = weights / weights.sum(-1, keepdim=True)
+    tiles = configs.tiles_for(EXPERTS, TOP_K, HIDDEN, INTER, 1, fmt)._replace(gemv=False, split_k=split_k)
+    if tiles.gate_up.block_n < 16:  # the GEMV kernels' entry: the tensor-core tiles' default instead
+        tiles = configs.default_tiles(1)._replace(split_k=split_k)
+    args = (x.cuda(), ids.cuda(), weights.cuda(), on_gpu(gate_up), on_gpu(down), tiles)
+    eager = moe_cuda.fused_experts(*args)
+    want, bound = quantized_experts_exact(x, ids, weights, gate_up, down, torch.bfloat16,
+                                          u_dot=U_TC8 if fmt == "fp8" else U_TC16)
+    err = (eager.cpu().double() - want).abs()
+    assert (err <= bound).all() and err.norm() < 0.1 * want.norm(), f"{fmt}, split {split_k}"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = moe_cuda.fused_experts(*args)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
