@@ -328,7 +328,7 @@ def _gate_up_kernel(
     CODE_BASE: tl.constexpr = 0, CODE_OFFSET: tl.constexpr = 0.0, QUANT_X: tl.constexpr = False,
     SPLIT_K: tl.constexpr = 1, PDL: tl.constexpr = False,
 ):
-    """Kernel A. Grid (blocks, cdiv(I, BLOCK_N)): program (b, n) writes act [pair, n block] = silu(x_t Wg^T) *
+    """Kernel A. Grid (blocks, cdiv(I, BLOCK_N), SPLIT_K): program (b, n) writes act [pair, n block] = silu(x_t Wg^T) *
     (x_t Wu^T) for block b's pairs, Wg / Wu the n block's gate / up rows of its expert's gate_up [2I, H] (the
     shared slot's: shared_gate_up [2I, H], of the routed experts' row stride). ROUTE (one token): every program
     routes the token from logits [0, :E] itself, program (0, 0) writing topk_ids (block_expert) and topk_weights
