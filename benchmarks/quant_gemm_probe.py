@@ -84,11 +84,13 @@ PREFILL_SWEEP = {
 
 
 def projections(cfg: ModelConfig) -> list[tuple[str, int, int]]:
-    """(name, N, K) of the quantized projections of a dense Qwen3.5 layer, fused as the bf16 path fuses them."""
+    """(name, N, K) of the quantized dense projections of a Qwen3.5 layer, fused as the bf16 path fuses them (a MoE
+    model has no dense MLP: its gate_up and down are left out)."""
     h, attn = cfg.hidden_size, cfg.num_heads * cfg.head_dim
-    return [("gate_up", 2 * cfg.intermediate_size, h), ("down", h, cfg.intermediate_size),
-            ("gdn_in_qkvz", cfg.conv_dim + cfg.gdn_value_dim, h), ("gdn_out", h, cfg.gdn_value_dim),
-            ("attn_qkv", 2 * attn + 2 * cfg.num_kv_heads * cfg.head_dim, h), ("attn_o", h, attn)]
+    shapes = [("gate_up", 2 * cfg.intermediate_size, h), ("down", h, cfg.intermediate_size),
+              ("gdn_in_qkvz", cfg.conv_dim + cfg.gdn_value_dim, h), ("gdn_out", h, cfg.gdn_value_dim),
+              ("attn_qkv", 2 * attn + 2 * cfg.num_kv_heads * cfg.head_dim, h), ("attn_o", h, attn)]
+    return [(name, n, k) for name, n, k in shapes if n and k]
 
 
 def make_weight(fmt: str, n: int, k: int):

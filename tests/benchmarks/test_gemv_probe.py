@@ -47,3 +47,16 @@ def test_a_bad_table_named_by_the_environment_is_refused_by_name(tmp_path, monke
             linear_cuda.config_for("silu_mul", 8, 16)
     finally:
         linear_cuda._tuned_configs.cache_clear()
+
+
+def test_a_moe_model_probes_its_router_in_the_norm_launch():
+    """35B-A3B has no dense MLP: its decode projections are GDN's and attention's, and the joined router (256
+    experts + the shared gate, padded to 272 rows) after the norm that writes its row too ("rms_norm_and", tabled
+    under the "rms_norm" prologue that ops/linear reads)."""
+    from benchmarks.gemv_probe import decode_projections
+    from deltaserve.config import ModelConfig
+    from deltaserve.model_configs import CONFIGS_DIR
+
+    shapes = decode_projections(ModelConfig.from_pretrained(str(CONFIGS_DIR / "qwen3.5-35b-a3b")))
+    assert ("rms_norm_and", 272, 2048) in shapes and all(n > 0 and k > 0 for _, n, k in shapes)
+    assert not any(prologue == "silu_mul" for prologue, _, _ in shapes)

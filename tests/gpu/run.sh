@@ -20,8 +20,8 @@
 #          deltaserve/ops/quant_gemm/configs.json); ~6-7 min on an H200: the probe starts no shape after
 #          PROBE_BUDGET (240) s and is killed at PROBE_TIMEOUT (300) s, keeping what it measured (merged into
 #          the shipped table); FORMATS="int4,nvfp4", ROWS="1" and ONLY="gdn_out,attn_o" (projection names) narrow
-#          it, MODEL="qwen3.5-35b-a3b" takes another model's dense shapes (ONLY=gdn_in_qkvz,gdn_out,attn_qkv,attn_o
-#          for a MoE model), TESTS=0 leaves out the tests
+#          it, MODEL="qwen3.5-35b-a3b" takes another model's dense shapes (a MoE model's GDN and attention
+#          projections), TESTS=0 leaves out the tests
 #   moe    the fused MoE path: its GPU tests and the tests/ops MoE tests, then benchmarks/moe_probe.py on MODEL (default
 #          qwen3.5-35b-a3b): torch path vs fused vs the bandwidth limit at 1-64 tokens and the tile sweep, writing
 #          OUTDIR/moe_configs.json (for deltaserve/ops/moe/configs.json); FORMATS="bf16 fp8 int4" probes and sweeps
