@@ -216,15 +216,18 @@ class SparseMoE(nn.Module):
         """The joined weight that forward multiplies x [T, H] by first (router_weight, or in_weight with the shared
         expert's gate/up), which the norm before the block may multiply in its own launch
         (ops.linear.rms_norm_and_linear, then forward's `projected`); None where there is none."""
-        if self._shared_slot_serves(x) or (self.in_weight is None and self.router_weight is not None):
-            return self.router_weight
-        return self.in_weight
+        return self._input_weight(self._shared_slot_serves(x))
+
+    def _input_weight(self, slot: bool) -> torch.Tensor | None:
+        """input_weight, given whether the shared expert runs as a slot."""
+        return self.router_weight if slot or self.in_weight is None else self.in_weight
 
     def forward(self, x: torch.Tensor, projected: torch.Tensor | None = None) -> torch.Tensor:
         """x: [T, H] -> [T, H]. projected: x @ input_weight(x)^T where the caller multiplied it already."""
-        if projected is None and (weight := self.input_weight(x)) is not None:
+        slot = self._shared_slot_serves(x)
+        if projected is None and (weight := self._input_weight(slot)) is not None:
             projected = linear(x, weight)
-        if self._shared_slot_serves(x):
+        if slot:
             gate_up, down = self.experts.stacks()
             shared_gate_up, shared_down = self.shared_expert.slot_weights()
             logits, gate, _ = self.split_projection(projected)

@@ -3,7 +3,8 @@
 table), the routing folded into kernel A / the align kernel against the routing kernel bitwise, CUDA-graph replay
 against eager, a token against the batch it sits in, stacked quantized experts (FP8, int4, NVFP4) against the
 float64 value of their semantics (one token also with kernel A's K split), and through the engine on tiny MoE
-checkpoints (the shared expert apart and in the slot). Run by tests/gpu/run.sh (TESTS=tests/gpu/test_moe_gpu.py ... tests)."""
+checkpoints (the shared expert apart and in the slot). Run by tests/gpu/run.sh (TESTS=tests/gpu/test_moe_gpu.py ...
+tests)."""
 
 import dataclasses
 

@@ -225,7 +225,8 @@ def test_tile_table_is_valid_and_checked(tmp_path, monkeypatch):
                                     ("7:3:40:24:512", {**configs.tiles_entry(SMALL), "grouped": 1}, "grouped must"),
                                     ("int4:7:3:40:24:64", {**configs.tiles_entry(SMALL), "grouped": 1}, "grouped must"),
                                     ("int4:7:3:40:24:512", {**configs.tiles_entry(SMALL), "grouped": 1}, "grouped must"),
-                                    ("int4:7:3:40:24:8192", {**configs.tiles_entry(SMALL), "grouped": 2}, "grouped must"),
+                                    ("int4:7:3:40:24:8192", {**configs.tiles_entry(SMALL), "grouped": 2},
+                                     "grouped must"),
                                     # kernel A's K splits: one token on the tensor-core tiles only
                                     ("7:3:40:24:2", {**configs.tiles_entry(SMALL), "split_k": 2}, "split_k must"),
                                     ("7:3:40:24:1", {**rows, "split_k": 2}, "split_k must"),

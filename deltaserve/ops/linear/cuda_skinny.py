@@ -66,7 +66,8 @@ def _store_block(acc, out, partial, counters, ms, ns, ok, M, N, stride_out_m, SP
     if SPLIT_K == 1:
         tl.store(out_block, acc.to(out.dtype.element_ty), mask=ok)
     else:
-        store_split(acc, out_block, partial + ms[None, :].to(tl.int64) * N + ns[:, None], ok, M * N, counters, tl.program_id(0))
+        partial_block = partial + ms[None, :].to(tl.int64) * N + ns[:, None]  # [BN, BM] of split 0
+        store_split(acc, out_block, partial_block, ok, M * N, counters, tl.program_id(0))
 
 
 # Specialised by Triton on the row count (a variant for M == 1, for M % 16 == 0 and for the rest: two per tile

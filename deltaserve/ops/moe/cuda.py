@@ -338,7 +338,7 @@ def _gate_up_kernel(
     with shared_scales / shared_zeros (an expert's strides); BLOCK_K the FP8 K block, the int4 group, or (NVFP4) a
     multiple of 16 that divides H. FP8: x is e4m3 [T, H] and x_scales [H / BLOCK_K, T] its scales
     (cuda_fp8.quantize: each token once, not once a program), or with QUANT_X (one token) x is 16-bit, its row
-    quantized in every program (cheaper than the quantize launch). SPLIT_K > 1 (one token; grid axis 2): program
+    quantized in every program (no quantize launch). SPLIT_K > 1 (one token; grid axis 2): program
     (b, n, s) sums split s of H's K blocks into partial [SPLIT_K, slots, 2I] (float32 gate and up sums), and the
     last of the tile's splits to finish (counters[b * cdiv(I, BLOCK_N) + n]) adds them in split order, then writes
     silu(gate) * up (ops/split_k.py)."""

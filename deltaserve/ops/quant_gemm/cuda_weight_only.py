@@ -83,7 +83,8 @@ def _skinny_kernel(
     if not SPLIT:
         tl.store(out_block, acc.to(out.dtype.element_ty), mask=ok)
     else:
-        store_split(acc, out_block, partial + ms[None, :].to(tl.int64) * N + ns[:, None], ok, M * N, counters, tl.program_id(0))
+        partial_block = partial + ms[None, :].to(tl.int64) * N + ns[:, None]  # [BN, BM] of split 0
+        store_split(acc, out_block, partial_block, ok, M * N, counters, tl.program_id(0))
 
 
 @triton.jit
