@@ -49,6 +49,8 @@ ROWS = (1, 8, 16, 32, 64, 512, 8192)
 # layout conversion through shared memory (`sass_probe --kernel int4-dp4a|nvfp4-dp4a`; narrower steps: 1.5-1.8 and
 # 2.9-3.5 with 12-18 barriers a step); 32 rows take all 255 registers.
 GEMV_SWEEP = {("fp8", 1): [dict(block_n=8, block_k=1024, warps=4, stages=1),
+                           dict(block_n=4, block_k=1024, warps=4, stages=1),
+                           dict(block_n=8, block_k=512, warps=2, stages=1),
                            dict(block_n=16, block_k=512, warps=4, stages=1),
                            dict(block_n=16, block_k=1024, warps=8, stages=1)],
               ("int4", 1): [dict(block_n=bn, block_k=bk, split_k="auto", warps=w, stages=stages)
