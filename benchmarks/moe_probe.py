@@ -294,6 +294,15 @@ def sweep_bucket(block: SparseMoE, tokens: int, stacks: tuple | None = None
             t = timed(candidate)
             if t < best_time:
                 best_time, best = t, candidate
+    if tokens == 1:  # the launches one token may save: FP8's quantize launches and the combine, each kept or folded
+        fp8 = quantized.format_name(gate_up) == "fp8"
+        for quant_x, combine in itertools.product((False, True) if fp8 else (True,), (False, True)):
+            candidate = best._replace(quant_x=quant_x, combine=combine)
+            if candidate == best:
+                continue
+            t = timed(candidate)
+            if t < best_time:
+                best_time, best = t, candidate
     if stacks is not None and configs.row_bucket(tokens) in configs.GROUPED_BUCKETS:  # or the dequantized groups
         grouped_time = eager_time_us([functools.partial(dequantized.grouped_experts, x, ids, w, gate_up, down)
                                       for x, (ids, w) in zip(xs, routed)])

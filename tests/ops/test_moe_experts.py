@@ -164,7 +164,7 @@ def test_align_groups_pairs_by_expert(tokens, experts, top_k, block_m):
     assert table[2, used:].eq(0).all() and table[2, :used].gt(0).all()
 
 
-def test_a_pair_does_not_depend_on_the_batch():
+def test_a_pair_does_not_depend_on_the_batch(monkeypatch):
     """Token 0 alone and inside a batch of 29 whose other tokens share its experts: bitwise the same output (the
     same tiles; its sum over k in its own order, by the combine kernel or, alone without a shared output, by kernel
     B's last slot; nothing depends on the other pairs of its expert's block)."""
@@ -180,7 +180,20 @@ def test_a_pair_does_not_depend_on_the_batch():
     assert torch.equal(batch[:1], alone)
     # without a shared output, kernel B sums a lone token's slots itself (no combine launch): the same bits
     batch = moe_cuda.fused_experts(x, ids, weights, gate_up, down, SMALL)
+    combines = []
+    real_combine = moe_cuda._combine_kernel
+
+    class CountedCombine:
+        def __getitem__(self, grid):
+            combines.append(grid)
+            return real_combine[grid]
+
+    monkeypatch.setattr(moe_cuda, "_combine_kernel", CountedCombine())
     assert torch.equal(batch[:1], moe_cuda.fused_experts(x[:1], ids[:1], weights[:1], gate_up, down, SMALL))
+    assert combines == []
+    # or, where the tiles say so, by the combine kernel after kernel B: the same bits again
+    apart = moe_cuda.fused_experts(x[:1], ids[:1], weights[:1], gate_up, down, SMALL._replace(combine=False))
+    assert len(combines) == 1 and torch.equal(batch[:1], apart)
     logits = torch.randn(29, 7, generator=gen).to(DEVICE)
     assert all(torch.equal(a[:1], b) for a, b in zip(moe_cuda.route(logits, 3, True), moe_cuda.route(logits[:1], 3, True)))
 
@@ -230,7 +243,16 @@ def test_tile_table_is_valid_and_checked(tmp_path, monkeypatch):
                                     # kernel A's K splits: one token on the tensor-core tiles only
                                     ("7:3:40:24:2", {**configs.tiles_entry(SMALL), "split_k": 2}, "split_k must"),
                                     ("7:3:40:24:1", {**rows, "split_k": 2}, "split_k must"),
-                                    ("7:3:40:24:1", {**configs.tiles_entry(SMALL), "split_k": 0}, "split_k must")):
+                                    ("7:3:40:24:1", {**configs.tiles_entry(SMALL), "split_k": 0}, "split_k must"),
+                                    # one token's launch choices: the tiles' bucket 1; quant_x FP8's only
+                                    ("fp8:7:3:40:24:2", {**configs.tiles_entry(SMALL), "quant_x": 0}, "quant_x must"),
+                                    ("7:3:40:24:1", {**configs.tiles_entry(SMALL), "quant_x": 0}, "quant_x must"),
+                                    ("fp8:7:3:40:24:1", {**fp8_rows, "quant_x": 0}, "quant_x must"),
+                                    ("fp8:7:3:40:24:1", {**configs.tiles_entry(SMALL), "quant_x": False},
+                                     "quant_x must"),
+                                    ("7:3:40:24:2", {**configs.tiles_entry(SMALL), "combine": 0}, "combine must"),
+                                    ("7:3:40:24:1", {**rows, "combine": 0}, "combine must"),
+                                    ("7:3:40:24:1", {**configs.tiles_entry(SMALL), "combine": 2}, "combine must")):
             bad.write_text(json.dumps({key: entry}))
             configs.tuned_table.cache_clear()
             with pytest.raises(ValueError, match=message):
@@ -239,10 +261,13 @@ def test_tile_table_is_valid_and_checked(tmp_path, monkeypatch):
         assert configs.tiles_entry(grouped)["grouped"] == 1 and "grouped" not in configs.tiles_entry(SMALL)
         split = SMALL._replace(split_k=4)
         assert configs.tiles_entry(split)["split_k"] == 4 and "split_k" not in configs.tiles_entry(SMALL)
+        launches = split._replace(quant_x=False, combine=False)
+        assert configs.tiles_entry(launches) == {**configs.tiles_entry(split), "quant_x": 0, "combine": 0}
+        assert not {"quant_x", "combine"} & set(configs.tiles_entry(SMALL))  # both on: the default, unwritten
         bad.write_text(json.dumps({"7:3:40:24:1": rows, "int4:7:3:40:24:8192": configs.tiles_entry(grouped),
-                                   "fp8:7:3:40:24:1": configs.tiles_entry(split)}))
+                                   "fp8:7:3:40:24:1": configs.tiles_entry(launches)}))
         configs.tuned_table.cache_clear()
-        assert configs.tiles_for(7, 3, 40, 24, 1) == ROWS and configs.tiles_for(7, 3, 40, 24, 1, "fp8") == split
+        assert configs.tiles_for(7, 3, 40, 24, 1) == ROWS and configs.tiles_for(7, 3, 40, 24, 1, "fp8") == launches
         assert configs.tiles_for(7, 3, 40, 24, 30000, "int4") == grouped  # the last bucket takes larger chunks
         assert not configs.tiles_for(7, 3, 40, 24, 2048, "int4").grouped
         # chunks up to the largest chunk graph (1,024 tokens) are captured: their buckets never take the groups

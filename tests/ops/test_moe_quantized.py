@@ -96,10 +96,12 @@ def test_one_token_kernel_a_split_over_k_matches_their_semantics(fmt, H, inter):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fp8_one_token_quantizes_in_the_tile_kernels_with_the_launches_bits(dtype, monkeypatch):
+@pytest.mark.parametrize("quant_x", [True, False])
+def test_fp8_one_token_quantizes_in_the_tile_kernels_with_the_launches_bits(dtype, quant_x, monkeypatch):
     """FP8 experts at one token on the tile kernels quantize the token and the activation inside every program
-    (no cuda_fp8.quantize launch) and give the bits of the same token in a batch, which the quantize launches
-    feed (a pair depends only on its token, its expert and the tiles): H = 200, a partial K block."""
+    (no cuda_fp8.quantize launch; in two launches where the tiles' quant_x is off) and give the bits of the same
+    token in a batch, which the quantize launches feed (a pair depends only on its token, its expert and the
+    tiles): H = 200, a partial K block."""
     from deltaserve.ops.quant_gemm import cuda_fp8
 
     gen = torch.Generator().manual_seed(3)
@@ -111,8 +113,9 @@ def test_fp8_one_token_quantizes_in_the_tile_kernels_with_the_launches_bits(dtyp
     quantizations = []
     real_quantize = cuda_fp8.quantize
     monkeypatch.setattr(cuda_fp8, "quantize", lambda *a: quantizations.append(a[0].shape) or real_quantize(*a))
-    alone = moe_cuda.fused_experts(x[:1], ids[:1], weights[:1], gate_up, down, SMALL)
-    assert quantizations == []
+    alone = moe_cuda.fused_experts(x[:1], ids[:1], weights[:1], gate_up, down, SMALL._replace(quant_x=quant_x))
+    assert len(quantizations) == (0 if quant_x else 2)
+    quantizations.clear()
     batch = moe_cuda.fused_experts(x, ids, weights, gate_up, down, SMALL)
     assert len(quantizations) == 2  # the token rows, then the activation's
     assert torch.equal(batch[:1], alone)

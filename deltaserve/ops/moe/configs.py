@@ -14,6 +14,12 @@ Values are dicts:
    "split_k": S,                                   optional, rows bucket 1 on the tensor-core tiles only: kernel A
                                                    splits H over S programs a tile (the tile's last one to finish
                                                    adds their sums, then SiLU and the product)
+   "quant_x": 0 or 1,                              optional, FP8 rows bucket 1 on the tensor-core tiles only: 1
+                                                   (the default) quantizes the token and the activation inside
+                                                   kernels A and B, 0 in quantize launches before them
+   "combine": 0 or 1,                              optional, rows bucket 1 on the tensor-core tiles only: 1 (the
+                                                   default) has kernel B sum the token's slots, 0 the combine
+                                                   kernel after it (the same bits either way)
    "grouped": 0 or 1}                              optional, quantized formats' GROUPED_BUCKETS only: 1
                                                    dequantizes the experts a group at a time into torch's
                                                    grouped matmul (dequantized.py) instead of these tiles
@@ -62,6 +68,8 @@ class MoeTiles(NamedTuple):
     gemv: bool = False  # one token: kernels A and B as GEMVs on the CUDA cores (rows bucket 1 only)
     grouped: bool = False  # a prompt chunk on quantized experts: dequantized groups and the grouped matmul
     split_k: int = 1  # one token on the tiles: kernel A's programs a [BLOCK_N] tile of gate/up rows, each a part of H
+    quant_x: bool = True  # FP8, one token on the tiles: kernels A and B quantize their rows (no quantize launches)
+    combine: bool = True  # one token on the tiles: kernel B sums the token's slots (no combine launch)
 
 
 def row_bucket(rows: int) -> int:
@@ -102,6 +110,12 @@ def check_entry(where: str, key: str, entry) -> None:
             split_k > 1 and (gemv or int(parts[4]) != 1)):
         raise ValueError(f"{where}: entry {key!r}: split_k must be a positive int, above 1 only at rows 1 on the "
                          f"tensor-core tiles, got {split_k!r}")
+    for field in ("quant_x", "combine"):  # one token's launch choices on the tiles; quant_x FP8's only
+        value = entry.get(field, 1)
+        if value not in (0, 1) or isinstance(value, bool) or (value == 0 and (
+                gemv or int(parts[4]) != 1 or (field == "quant_x" and not key.startswith("fp8:")))):
+            raise ValueError(f"{where}: entry {key!r}: {field} must be 0 or 1, and 0 only at rows 1 on the "
+                             f"tensor-core tiles{' of FP8 experts' if field == 'quant_x' else ''}, got {value!r}")
     least_n = 1 if gemv else 16  # tl.dot's least side; the GEMV takes any power of two
     for kernel in ("gate_up", "down"):
         tile = entry.get(kernel)
@@ -137,11 +151,13 @@ def tiles_for(num_experts: int, top_k: int, hidden: int, intermediate: int, rows
     if entry is None:
         return default_tiles(rows)
     return MoeTiles(entry["block_m"], Tile(*entry["gate_up"]), Tile(*entry["down"]), bool(entry.get("gemv", 0)),
-                    bool(entry.get("grouped", 0)), entry.get("split_k", 1))
+                    bool(entry.get("grouped", 0)), entry.get("split_k", 1), bool(entry.get("quant_x", 1)),
+                    bool(entry.get("combine", 1)))
 
 
 def tiles_entry(tiles: MoeTiles) -> dict:
     """The table's JSON entry of `tiles`."""
     entry = {"block_m": tiles.block_m, "gate_up": list(tiles.gate_up), "down": list(tiles.down)}
     return {**entry, **({"gemv": 1} if tiles.gemv else {}), **({"grouped": 1} if tiles.grouped else {}),
-            **({"split_k": tiles.split_k} if tiles.split_k > 1 else {})}
+            **({"split_k": tiles.split_k} if tiles.split_k > 1 else {}),
+            **({} if tiles.quant_x else {"quant_x": 0}), **({} if tiles.combine else {"combine": 0})}

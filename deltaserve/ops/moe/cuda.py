@@ -31,21 +31,23 @@ its pair j, and the align launch is skipped.
 
 Kernel A: act[pair] = silu(x_t @ Wg^T) * (x_t @ Wu^T), gate_up stacked [E, 2I, H] with the gate rows first,
 float32 accumulators, act rounded once to x's dtype: [T*k, I]. FP8 experts (W8A8) read x and act quantized per 128
-columns: by cuda_fp8.quantize before each kernel, or at one token inside every program (QUANT_X: the same bits,
-two launches fewer). Kernel B: y[pair] = w_pair * (act[pair] @ Wd^T), down [E, H, I], float32 [T*k, H] (= [T, k,
-H]). The combine kernel sums each token's k rows in the order j = 0..k-1 and adds the gated shared expert,
-sigmoid(g_t) * shared_t, in float32, rounding once: no atomic sums, so graphs equal eager bitwise, and a pair's
-numbers depend only on its token, its expert and the tiles (not on which other tokens share the batch or the
-expert). At one token kernel B's blocks are the token's slots, and the last of them to finish a column tile adds
-the tile's rows in that same order (ops/split_k.py's counter: only the arrival is atomic), one launch fewer.
+columns: by cuda_fp8.quantize before each kernel, or at one token inside every program (QUANT_X, unless the
+tiles' quant_x is off: the same bits, two launches fewer). Kernel B: y[pair] = w_pair * (act[pair] @ Wd^T), down
+[E, H, I], float32 [T*k, H] (= [T, k, H]). The combine kernel sums each token's k rows in the order j = 0..k-1
+and adds the gated shared expert, sigmoid(g_t) * shared_t, in float32, rounding once: no atomic sums, so graphs
+equal eager bitwise, and a pair's numbers depend only on its token, its expert and the tiles (not on which other
+tokens share the batch or the expert). At one token kernel B's blocks are the token's slots, and the last of them
+to finish a column tile adds the tile's rows in that same order (ops/split_k.py's counter: only the arrival is
+atomic), one launch fewer (unless the tiles' combine is off).
 
 One token on the GEMV kernels (A1, B1; where the tile table's bucket-1 entry says "gemv"). A [16, BLOCK_N]
 tensor-core tile wastes 15 of its 16 rows at one token, and the few programs of a tile per expert (8 experts x I /
 BLOCK_N) leave the HBM idle; A1 and B1 give each program BLOCK_N rows of one slot's weight (as small as 4), multiply
 them by the token elementwise in float32 and reduce once after the K loop, as ops/quant_gemm/cuda_gemv.py's one-row
 kernels do (int4 and NVFP4 decoded per word as there); B1 walks the k + 1 slots for its columns and sums them in
-the combine's order, and FP8 quantizes the token and the activation in the kernels (no quantize launches). Their sums run in another order than the tiles', so a token
-alone on them is not bitwise itself in a batch; the routing they fold in is the same.
+the combine's order, and FP8 quantizes the token and the activation in the kernels (no quantize launches). Their
+sums run in another order than the tiles', so a token alone on them is not bitwise itself in a batch; the routing
+they fold in is the same.
 
 fused_moe: the shared expert as one more slot. Where it has the routed experts' intermediate size, its T rows are
 pairs T*k .. T*k + T - 1 of act and y, taken by cdiv(T, BLOCK_M) blocks after the routed ones (its own weight
@@ -867,7 +869,8 @@ def _run_experts(x, gate_up, down, tiles: MoeTiles, ids, weights, top_k: int, ro
                       shared_gate if shared_slot is not None else gate_out, shared_output is not None, shared_out,
                       launch)
         return out
-    combine_in_b = one_token and shared_output is None  # kernel B's blocks are the token's slots: it sums them
+    # kernel B's blocks are the token's slots: it sums them, where the tiles ask for it
+    combine_in_b = one_token and shared_output is None and tiles.combine
     y = _tile_products(x, act, sorted_pairs, block_table, routed_blocks, blocks, slots, weights, logits, renormalize,
                        route_in_a, top_k, tiles, precision, stage_divisor, one_token, gate_up_ops, down_ops,
                        shared_gate_up_ops, shared_down_ops, shared_gate, fp8, launch, out if combine_in_b else None)
@@ -891,7 +894,7 @@ def _tile_products(x, act, sorted_pairs, block_table, routed_blocks, blocks, slo
     shared_gate_up, shared_down = shared_gate_up_ops.weight, shared_down_ops.weight
     tile = tiles.gate_up
     block_k = _block_k(gate_up_ops, tile.block_k, H)
-    quant_x = fp8 and one_token  # FP8 at one token: the kernels quantize their rows, no quantize launches
+    quant_x = fp8 and one_token and tiles.quant_x  # the kernels quantize their rows, no quantize launches
     x_in, x_scales = cuda_fp8.quantize(x, block_k) if fp8 and not quant_x else (x, x)  # FP8: e4m3 [T, H], [H/128, T]
     n_tiles = triton.cdiv(inter, tile.block_n)
     split_k = min(tiles.split_k, triton.cdiv(H, block_k)) if one_token else 1  # kernel A's K splits (a tile's)
