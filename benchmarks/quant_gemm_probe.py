@@ -73,9 +73,13 @@ GEMV_SWEEP = {("fp8", 1): [dict(block_n=8, block_k=1024, warps=4, stages=1),
                                    dict(block_n=4, block_k=1024, warps=4, stages=1)]}
 # Skinny tiles: column block, K splits ("auto": ~2 programs per SM, configs.auto_split_k), warps, stages. FP8
 # quantizes the activation by its own kernel (quant_x 0; in every program it measured 4-8x slower).
+# Fixed splits too: "auto" leaves K whole once the column blocks alone fill the SMs (35B-A3B's 2,048-wide K), where
+# a split may still even out the waves.
 DECODE_SWEEP = {"fp8": [dict(block_n=64, split_k="auto", warps=4, stages=4, quant_x=0),
                         dict(block_n=128, split_k="auto", warps=8, stages=4, quant_x=0),
-                        dict(block_n=32, split_k="auto", warps=4, stages=4, quant_x=0)],
+                        dict(block_n=32, split_k="auto", warps=4, stages=4, quant_x=0),
+                        dict(block_n=64, split_k=2, warps=4, stages=4, quant_x=0),
+                        dict(block_n=64, split_k=4, warps=4, stages=4, quant_x=0)],
                 "weight_only": [dict(block_n=64, split_k="auto", warps=4, stages=4),
                                 dict(block_n=64, split_k=1, warps=4, stages=6)]}
 # Prefill: the Triton GEMMs' best tile of the first run beside torch's F.scaled_mm (FP8) / dequantize + cuBLAS.
@@ -174,7 +178,8 @@ def candidates(fmt: str, n: int, k: int, rows: int, w) -> list[tuple[dict, objec
         for tile in DECODE_SWEEP[weight_only]:
             split = configs.auto_split_k(n, k, tile["block_n"]) if tile["split_k"] == "auto" else tile["split_k"]
             entry = dict(kind="skinny", block_k=128, **dict(tile, split_k=split))
-            out.append((entry, lambda x, w, e=entry: kernel(x, w, e)))
+            if all(entry != seen for seen, _ in out):
+                out.append((entry, lambda x, w, e=entry: kernel(x, w, e)))
         if fmt == "int4" and (fn := tinygemm(w)) is not None:
             out.append(({"kind": "tinygemm"}, fn))
     else:
