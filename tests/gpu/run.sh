@@ -40,6 +40,7 @@
 #          TUNE=small the small bf16 products of the quantized checkpoints alone (batch_probe --small, ~2 min);
 #          TUNE=gemv the batch-1 fused GEMVs of MODEL (benchmarks.gemv_probe; ONLY=rms_norm_and: a MoE model's
 #          router in its norm's launch) as OUTDIR/gemv_configs.json (for deltaserve/ops/linear/configs.json)
+# BUNDLE=1 leaves OUTDIR as the one file OUTDIR/bundle.tgz (every mode: the device returns at most 8 files a call).
 # Wheels the machine lacks (fla-core, the server stack, xgrammar) are installed from .whl/ when present
 # (scripts/gpu_wheels.sh); the published configs are the ones shipped in deltaserve/model_configs/.
 set -uo pipefail
@@ -53,6 +54,14 @@ case "$MODE" in
      exit 2 ;;
 esac
 mkdir -p "$OUT"
+if [ "${BUNDLE:-0}" = 1 ]; then
+  bundle() {
+    local dir
+    dir=$(cd "$OUT" && pwd)
+    tar czf "/tmp/bundle.$$.tgz" -C "$dir" . && rm -rf "${dir:?}"/* && mv "/tmp/bundle.$$.tgz" "$dir/bundle.tgz"
+  }
+  trap bundle EXIT
+fi
 export DELTASERVE_GPU_OUT="$(cd "$OUT" && pwd)"  # where GPU tests write their figures (memory_plan.json)
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -131,8 +140,8 @@ if [ "$MODE" = serve ] && [ -n "${BASE_TAR:-}" ]; then
   out=$(cd "$OUT" && pwd)
   rm -rf /tmp/deltaserve-base && mkdir -p /tmp/deltaserve-base || exit 1
   tar xf "$BASE_TAR" -C /tmp/deltaserve-base || exit 1
-  (cd /tmp/deltaserve-base && BASE_TAR= bash tests/gpu/run.sh "$out/base" serve > /dev/null 2>&1) || status=1
-  BASE_TAR= bash tests/gpu/run.sh "$out/new" serve > /dev/null 2>&1 || status=1
+  (cd /tmp/deltaserve-base && BASE_TAR= BUNDLE= bash tests/gpu/run.sh "$out/base" serve > /dev/null 2>&1) || status=1
+  BASE_TAR= BUNDLE= bash tests/gpu/run.sh "$out/new" serve > /dev/null 2>&1 || status=1
   for tree in base new; do
     echo "== $tree"
     grep -E "Median TTFT|Median TPOT|Total token throughput|Output token throughput" "$out/$tree/serve_bench.log"
