@@ -17,7 +17,7 @@ from deltaserve.layers.linear import fuse_linears
 from deltaserve.layers.norm import RMSNorm
 from deltaserve.layers.rotary import PartialRotary
 from deltaserve.ops.attention import chunk_over_prefix_attention, fresh_causal_attention, paged_attention
-from deltaserve.ops.linear import linear
+from deltaserve.ops.linear import linear, matmul, product_inputs
 from deltaserve.ops.rotary import qk_norm_rope_write_kv
 from deltaserve.worker.distributed import SINGLE, ParallelContext
 
@@ -82,8 +82,9 @@ class GatedAttention(nn.Module):
         """The input projection [q | k | v] rows, applied by the decoder layer together with its norm."""
         return self.qkv_weight
 
-    def _attend(self, q, k, v, gate, batch: ForwardBatch, k_scale: float, v_scale: float) -> torch.Tensor:
-        """q, gate: [T, nH, hd]; k, v: [T, nKV, hd], already in the cache -> o * sigmoid(gate): [T, nH, hd]."""
+    def _attend(self, q, k, v, gate, batch: ForwardBatch, k_scale: float, v_scale: float):
+        """q, gate: [T, nH, hd]; k, v: [T, nKV, hd], already in the cache -> o * sigmoid(gate): [T, nH, hd], or at
+        decode what o_proj's product reads of it where the attention kernels wrote that (paged_attention)."""
         # cuDNN takes prompts with nothing cached, and one long chunk after its cached prefix (long prompts,
         # chunk after chunk)
         fresh = batch.prefix_free
@@ -101,9 +102,10 @@ class GatedAttention(nn.Module):
                                             v_scale=v_scale)
             if o is not None:
                 return o
+        quant_block, dp4a = product_inputs(q, self.o_proj.weight) if batch.max_query_len == 1 else (0, None)
         return paged_attention(q, self.k_cache, self.v_cache, batch.block_tables, batch.cu_seqlens_q, batch.seq_lens,
-                               self.scale, batch.max_query_len, k_scale=k_scale, v_scale=v_scale,
-                               gate=gate)  # [T, nH, hd], already times sigmoid(gate)
+                               self.scale, batch.max_query_len, k_scale=k_scale, v_scale=v_scale, gate=gate,
+                               quant_block=quant_block, dp4a=dp4a)  # [T, nH, hd], already times sigmoid(gate)
 
     def _last_tokens_attend(self, q, gate, batch: ForwardBatch, sample_seqs, k_scale: float, v_scale: float):
         """q, gate: [T, nH, hd], the step's K/V already in the cache -> [S, hidden]: the output of the last
@@ -139,4 +141,6 @@ class GatedAttention(nn.Module):
         if sample_seqs is not None:
             return self._last_tokens_attend(q, gate, batch, sample_seqs, k_scale, v_scale)
         o = self._attend(q, k, v, gate, batch, k_scale, v_scale)
+        if not isinstance(o, torch.Tensor):  # o_proj's input, quantized or with its parts, as its product reads it
+            return matmul(o, self.o_proj.weight)
         return linear(o.reshape(T, self.num_heads * self.head_dim), self.o_proj.weight)

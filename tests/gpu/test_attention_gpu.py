@@ -194,6 +194,31 @@ def test_one_split_decode_writes_the_output_itself(cache_dtype):
         assert_rows_match(batch, direct, seq, 0, 1)
 
 
+@pytest.mark.parametrize("asked", [dict(quant_block=128), dict(dp4a=(128, False)), dict(dp4a=(16, True))],
+                         ids=["fp8", "int4", "nvfp4"])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_decode_merge_writes_the_output_projections_input(asked, cache_dtype):
+    """Decode at 27B's heads, gated, the merge running (planned splits): asked for the output projection's FP8
+    input (scale block 128) or one row's dp4a parts (int4 group 128, NVFP4's 16), the merge writes the codes and
+    scales cuda_fp8.quantize makes of the plain output (4 rows), or the plain row with the parts cuda_gemv.x_parts
+    makes of it (1 row), bit for bit."""
+    from deltaserve.ops.quant_gemm import cuda_fp8, cuda_gemv
+
+    kv_lens = [1000] if "dp4a" in asked else [1000, 17, 3000, 64]
+    scales = (0.5, 0.25) if cache_dtype == torch.float8_e4m3fn else (1.0, 1.0)
+    batch = paged_batch(kv_lens, [1] * len(kv_lens), cache_dtype=cache_dtype, scales=scales, seed=9)
+    gate = torch.randn(batch.q.shape, device=DEVICE, dtype=batch.q.dtype)
+    rows = batch.run(max_query_len=1, gate=gate).reshape(len(kv_lens), NUM_HEADS * HEAD_DIM)
+    got = batch.run(max_query_len=1, gate=gate, **asked)
+    if "quant_block" in asked:
+        xq, sx = cuda_fp8.quantize(rows, 128)
+        assert torch.equal(got.xq.view(torch.uint8), xq.view(torch.uint8)) and torch.equal(got.sx, sx)
+    else:
+        assert torch.equal(got.x, rows)
+        for mine, theirs in zip((got.parts, got.x_scale, got.v_sum), cuda_gemv.x_parts(rows, *asked["dp4a"], {})):
+            assert torch.equal(mine, theirs)
+
+
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(24, 4, 256), (16, 2, 128)])
 def test_prefill_chunk_over_cached_prefix(num_heads, num_kv_heads, head_dim):
     """An 8192-token chunk after 8000 cached tokens beside a fresh prompt, a decode row and a short chunk.

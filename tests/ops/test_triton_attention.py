@@ -528,3 +528,38 @@ def test_write_kv_cache_rejects_float_slots():
     cache = torch.zeros(1, 16, NUM_KV_HEADS, 16)
     with pytest.raises(ValueError, match="slot_mapping"):
         kernels.write_kv_cache(k, k, cache, cache.clone(), torch.tensor([0.0, 1.0]))
+
+
+@pytest.mark.parametrize("product", ["fp8", "int4", "nvfp4"])
+def test_decode_merge_writes_the_output_projections_input(product):
+    """Asked for what the output projection's product reads (quant_block: FP8's scale block; dp4a: an int4 /
+    NVFP4 one-row GEMV's fixed-point parts), the decode merge writes it from the gated rows it would store: the
+    codes and scales cuda_fp8.quantize makes of the plain output, or that output's row with the parts
+    cuda_gemv.x_parts makes of it, bit for bit (head size 32: two FP8 blocks of 16 a head, one int4 group of 32,
+    two NVFP4 groups of 16). One split (no merge) returns the plain output. float16: the quantizations read the
+    16-bit rows."""
+    from deltaserve.ops.quant_gemm import cuda_fp8, cuda_gemv
+    from deltaserve.ops.quant_gemm.reference import Dp4aActivation, Fp8Activation
+
+    dtype = torch.float16
+    one_row = product != "fp8"  # the dp4a GEMVs take one row
+    batch = make_batch([(50, 1)] if one_row else DECODE, block_size=16, head_dim=32, cache_dtype=dtype,
+                       q_dtype=dtype, seed=len(product))
+    gate = make_gate(batch["q"], seed=7)
+    asked = {"fp8": dict(quant_block=16), "int4": dict(dp4a=(32, False)), "nvfp4": dict(dp4a=(16, True))}[product]
+    plain = kernels.paged_attention(**batch, max_query_len=1, num_splits=3, gate=gate)
+    rows = plain.reshape(plain.shape[0], -1)  # [T, n_heads * hd]
+    got = kernels.paged_attention(**batch, max_query_len=1, num_splits=3, gate=gate, **asked)
+    if product == "fp8":
+        assert isinstance(got, Fp8Activation) and got.block_k == 16 and got.dtype == dtype
+        xq, sx = cuda_fp8.quantize(rows, 16)
+        assert torch.equal(got.xq.view(torch.uint8), xq.view(torch.uint8)) and torch.equal(got.sx, sx)
+    else:
+        group, low_high = asked["dp4a"]
+        assert isinstance(got, Dp4aActivation) and (got.group, got.low_high) == (group, low_high)
+        assert torch.equal(got.x, rows)
+        for mine, theirs in zip((got.parts, got.x_scale, got.v_sum), cuda_gemv.x_parts(rows, group, low_high, {})):
+            assert torch.equal(mine, theirs)
+    direct = kernels.paged_attention(**batch, max_query_len=1, num_splits=1, gate=gate, **asked)
+    assert isinstance(direct, torch.Tensor)
+    assert torch.equal(direct, kernels.paged_attention(**batch, max_query_len=1, num_splits=1, gate=gate))

@@ -19,15 +19,18 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scale: float = 1.0
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale: float, max_query_len=None,
-                    *, k_scale: float = 1.0, v_scale: float = 1.0, gate=None):
+                    *, k_scale: float = 1.0, v_scale: float = 1.0, gate=None, quant_block: int = 0,
+                    dp4a: tuple[int, bool] | None = None):
     """See `reference.paged_attention` for shapes. `max_query_len` (an int, optional) lets the GPU kernel size
     its grid without reading cu_seqlens back to the CPU; 1 selects the decode kernel. The cache holds
     K / k_scale and V / v_scale. gate ([T, n_heads, hd] in q.dtype, optional): returns o * sigmoid(gate),
-    fused into the kernels' final store on the GPU."""
+    fused into the kernels' final store on the GPU. quant_block / dp4a: what the output projection's product
+    reads, which the GPU's decode kernels may write instead of o or besides it (then returned: see
+    `cuda.paged_attention`)."""
     if q.is_cuda:
         from deltaserve.ops.attention.cuda import paged_attention as cuda_attention
         return cuda_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_query_len,
-                              k_scale=k_scale, v_scale=v_scale, gate=gate)
+                              k_scale=k_scale, v_scale=v_scale, gate=gate, quant_block=quant_block, dp4a=dp4a)
     return reference.paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
                                      k_scale=k_scale, v_scale=v_scale, gate=gate)
 

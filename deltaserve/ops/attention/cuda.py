@@ -102,7 +102,8 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, *, k_scale: float = 1.0
 
 def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale: float,
                     max_query_len: int | None = None, *, k_scale: float = 1.0, v_scale: float = 1.0,
-                    num_splits: int | None = None, gate=None):
+                    num_splits: int | None = None, gate=None, quant_block: int = 0,
+                    dp4a: tuple[int, bool] | None = None):
     """Causal attention of varlen queries over the paged cache; shapes and semantics as `reference.paged_attention`.
 
     max_query_len: the longest query of the batch, if known. 1 runs the split-KV decode kernel (every
@@ -113,8 +114,11 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, s
         block_tables width (graph-safe); 1 never splits.
     gate: None, or [T, n_heads, hd] in q.dtype with any strides: returns o * sigmoid(gate), applied in the
         kernels' final store (no extra launch).
+    quant_block, dp4a: what the output projection's product reads (FP8's scale block; an int4 / NVFP4 one-row
+        GEMV's fixed-point parts), written by the decode kernels' merge where it runs (`launch_decode`).
 
-    Returns o: [T, n_heads, hd] in q.dtype.
+    Returns o: [T, n_heads, hd] in q.dtype, or where the decode merge wrote the product's input, that (an
+    Fp8Activation or Dp4aActivation of o as [T, n_heads * hd]).
     """
     num_tokens, _, _ = _check_shapes(q, k_cache, v_cache, block_tables, seq_lens)
     _check_dtype("q", q, QUERY_DTYPES)
@@ -158,9 +162,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, s
     args = (q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens, qk_scale, v_scale,
             _TRITON_DTYPES[dot_dtype], precision)
     if max_query_len == 1:
-        launch_decode(*args, num_splits=num_splits, gate=gate)
-    else:
-        launch_prefill(*args, num_splits=num_splits, gate=gate)
+        return launch_decode(*args, num_splits=num_splits, gate=gate, quant_block=quant_block, dp4a=dp4a)
+    launch_prefill(*args, num_splits=num_splits, gate=gate)
     return out
 
 

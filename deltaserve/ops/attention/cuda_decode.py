@@ -36,6 +36,9 @@ import triton.language as tl
 
 from deltaserve.device import sm_count
 from deltaserve.ops import pdl
+from deltaserve.ops.quant_gemm.cuda_fp8 import fp8_row_buffers
+from deltaserve.ops.quant_gemm.cuda_gemv import x_parts_buffers
+from deltaserve.ops.quant_gemm.reference import Dp4aActivation, Fp8Activation
 from deltaserve.ops.attention.cuda_prefill import (
     MERGE_NUM_WARPS,
     attend_kv_range,
@@ -180,11 +183,15 @@ def _store_rows(out, gate, token, heads, dims, result, mask, stride_o_tok, strid
 
 
 def launch_decode(q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens, qk_scale: float,
-                  v_scale: float, dot_dtype, precision: str, num_splits: int | None = None, gate=None) -> None:
-    """Fill out [T, n_heads, hd] for a batch whose sequences have at most one query token each.
+                  v_scale: float, dot_dtype, precision: str, num_splits: int | None = None, gate=None,
+                  quant_block: int = 0, dp4a: tuple[int, bool] | None = None):
+    """Fill out [T, n_heads, hd] for a batch whose sequences have at most one query token each, and return it.
 
     Same preconditions and gate as `launch_prefill`. num_splits: the most splits of one sequence; None plans
-    it with `decode_num_splits`.
+    it with `decode_num_splits`. quant_block / dp4a: what the output projection's product reads (the norm
+    kernels' arguments of the same names); where the merge kernel runs and the head size takes it (a power of
+    two, a multiple of the block or group), it writes that instead (an Fp8Activation [T, n_heads * hd]) or
+    besides out (a Dp4aActivation of the one token's row), and that is returned.
     """
     num_heads, head_dim = q.shape[1:]
     block_size, num_kv_heads = k_cache.shape[1:3]
@@ -217,10 +224,20 @@ def launch_decode(q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_lens
         num_stages=tile.num_stages, **pdl.launch_args(q.device),
     )
     if direct:
-        return
+        return out
+    whole_groups = head_dim == head_dim_pad  # a power of two: the block or group, if it divides it, tiles it
+    quant_block = quant_block if whole_groups and quant_block and head_dim % quant_block == 0 else 0
+    dp4a = dp4a if whole_groups and dp4a and q.shape[0] == 1 and head_dim % dp4a[0] == 0 and not quant_block else None
+    rows = out.view(out.shape[0], num_heads * head_dim)
+    xq, sx = fp8_row_buffers(rows, quant_block) if quant_block else (None, None)
+    parts = x_parts_buffers(num_heads * head_dim, dp4a[0], q.device) if dp4a else (None, None, None)
     merge_splits_kernel[(num_seqs, num_heads)](
         out, partial_out, partial_lse, cu_seqlens_q, seq_lens, gate, num_heads, num_splits,
-        out.stride(0), out.stride(1), *gate_strides, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        MIN_TOKENS_PER_SPLIT=DECODE_ACTIVE_SPLIT_MIN_TOKENS, BLOCK_N=tile.block_n, num_warps=MERGE_NUM_WARPS,
-        **pdl.launch_args(q.device),
+        out.stride(0), out.stride(1), *gate_strides, xq, sx, *parts, out.shape[0], HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad, MIN_TOKENS_PER_SPLIT=DECODE_ACTIVE_SPLIT_MIN_TOKENS, BLOCK_N=tile.block_n,
+        QUANT_BLOCK=quant_block, PARTS_GROUP=dp4a[0] if dp4a else 0, PARTS_LOW_HIGH=bool(dp4a and dp4a[1]),
+        num_warps=MERGE_NUM_WARPS, **pdl.launch_args(q.device),
     )
+    if quant_block:
+        return Fp8Activation(xq, sx, quant_block, out.dtype)
+    return Dp4aActivation(rows, *parts, *dp4a) if dp4a else out

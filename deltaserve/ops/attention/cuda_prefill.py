@@ -35,6 +35,8 @@ from triton.language.extra import libdevice
 
 from deltaserve.device import sm_count
 from deltaserve.ops import pdl
+from deltaserve.ops.quant_gemm.cuda_fp8 import FP8_AMAX_FLOOR, FP8_MAX, quantize_block
+from deltaserve.ops.quant_gemm.cuda_gemv import store_x_parts
 
 __all__ = ["TileConfig", "attend_kv_range", "launch_prefill", "merge_splits_kernel", "output_gate",
            "prefill_num_splits", "prefill_query_blocks", "prefill_tiles", "split_share", "split_v_scale",
@@ -223,9 +225,11 @@ def store_split_partial(partial_out, partial_lse, index, acc, m_i, l_i, out_scal
 @triton.jit(do_not_specialize=["num_splits"])
 def merge_splits_kernel(
     out, partial_out, partial_lse, cu_seqlens_q, seq_lens, gate, num_heads, num_splits,
-    stride_o_tok, stride_o_head, stride_g_tok, stride_g_head,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, MIN_TOKENS_PER_SPLIT: tl.constexpr = 0,
-    BLOCK_N: tl.constexpr = 0, MERGE_SPLIT_BLOCK: tl.constexpr = 16, PDL: tl.constexpr = False,
+    stride_o_tok, stride_o_head, stride_g_tok, stride_g_head, xq=None, sx=None, x_parts=None, x_scale=None,
+    v_sum=None, num_tokens=0,
+    HEAD_DIM: tl.constexpr = 0, HEAD_DIM_PAD: tl.constexpr = 0, MIN_TOKENS_PER_SPLIT: tl.constexpr = 0,
+    BLOCK_N: tl.constexpr = 0, MERGE_SPLIT_BLOCK: tl.constexpr = 16, QUANT_BLOCK: tl.constexpr = 0,
+    PARTS_GROUP: tl.constexpr = 0, PARTS_LOW_HIGH: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """Grid (rows, n_heads): out[token, head] = sum_s w_s * partial_s, w_s proportional to 2^lse_s.
 
@@ -235,6 +239,11 @@ def merge_splits_kernel(
     query is skipped) and whose partials are only the first active ones of
     split_share(seq_lens[r], num_splits, MIN_TOKENS_PER_SPLIT, BLOCK_N), as the decode kernel wrote them.
     gate: None, or [T, n_heads, HEAD_DIM] (strides given): out is then o * sigmoid(gate) (`output_gate`).
+    For the output projection's input (HEAD_DIM a power of two), as the kernels before it would make it:
+    QUANT_BLOCK (dividing HEAD_DIM) writes the rows quantized for its FP8 product instead of out, codes to xq
+    [num_tokens, n_heads * HEAD_DIM] and scales to sx [n_heads * HEAD_DIM / QUANT_BLOCK, num_tokens]
+    (cuda_fp8.quantize's); PARTS_GROUP (one token, dividing HEAD_DIM) writes out and the row's fixed-point parts
+    for its dp4a GEMV to x_parts, x_scale and v_sum (cuda_gemv.store_x_parts).
     """
     pdl.wait_for_previous_kernel(PDL)
     row = tl.program_id(0)
@@ -271,13 +280,24 @@ def merge_splits_kernel(
         lse_max = new_max
     # weight_sum is 0 only for a query with no keys at all (seq_len 0): write zeros, not NaN.
     result = acc / tl.where(weight_sum > 0, weight_sum, 1.0)  # [D]
-    o_row = token.to(tl.int64) * stride_o_tok + head * stride_o_head
     if gate is None:
-        tl.store(out + o_row + dims, result.to(out.dtype.element_ty), mask=dim_ok)
+        result = result.to(out.dtype.element_ty)
     else:
         g_row = token.to(tl.int64) * stride_g_tok + head * stride_g_head
         result = output_gate(result, gate + g_row + dims, dim_ok, out.dtype.element_ty)
-        tl.store(out + o_row + dims, result, mask=dim_ok)
+    if QUANT_BLOCK:  # the head's HEAD_DIM / QUANT_BLOCK scale groups of the token's row
+        GROUPS: tl.constexpr = HEAD_DIM // QUANT_BLOCK
+        codes, scales = quantize_block(tl.reshape(result.to(tl.float32), [GROUPS, QUANT_BLOCK]), FP8_AMAX_FLOOR,
+                                       FP8_MAX)
+        tl.store(xq + (token.to(tl.int64) * num_heads + head) * HEAD_DIM + dims, tl.reshape(codes, [HEAD_DIM]))
+        tl.store(sx + (head * GROUPS + tl.arange(0, GROUPS)) * num_tokens + token, scales)
+    else:
+        tl.store(out + token.to(tl.int64) * stride_o_tok + head * stride_o_head + dims, result, mask=dim_ok)
+    if PARTS_GROUP:  # the head's groups of the one token's row
+        PARTS_GROUPS: tl.constexpr = HEAD_DIM // PARTS_GROUP
+        store_x_parts(tl.reshape(result.to(tl.float32), [PARTS_GROUPS, PARTS_GROUP]), x_parts, x_scale, v_sum,
+                      head * PARTS_GROUPS, num_heads * PARTS_GROUPS, num_heads * HEAD_DIM // 8, PARTS_GROUPS,
+                      PARTS_GROUP, PARTS_LOW_HIGH)
 
 
 @triton.jit

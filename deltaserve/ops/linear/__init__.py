@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 from deltaserve.ops.linear import reference
 
-__all__ = ["gated_norm_linear", "linear", "matmul", "matmul_blocks", "rms_norm_and_linear", "rms_norm_linear",
-           "silu_mul_linear", "warm_up_skinny", "skinny_warm_up_rows"]
+__all__ = ["gated_norm_linear", "linear", "matmul", "matmul_blocks", "product_inputs", "rms_norm_and_linear",
+           "rms_norm_linear", "silu_mul_linear", "warm_up_skinny", "skinny_warm_up_rows"]
 
 
 def _on_gpu(x) -> bool:
@@ -91,6 +91,13 @@ def _dp4a_input(x, weight, rows: int) -> tuple[int, bool] | None:
     None otherwise."""
     takes = getattr(weight, "dp4a_input", None)
     return takes(rows) if takes is not None and _on_gpu(x) else None
+
+
+def product_inputs(x, weight) -> tuple[int, tuple[int, bool] | None]:
+    """(quant_block, dp4a): what `weight`'s product at x's rows (x [M, ...] 16-bit on the GPU) reads that the
+    kernel making x may write for it, as the norm kernels take them: the FP8 scale block of an activation it would
+    quantize first (else 0), and the fixed-point parts of a one-row dp4a GEMV (else None)."""
+    return _fp8_input_block(x, weight), _dp4a_input(x, weight, x.shape[0])
 
 
 def rms_norm_linear(x, norm_weight, eps: float, weight, residual=None, blocks: bool = False):
