@@ -222,12 +222,11 @@ def store_split_partial(partial_out, partial_lse, index, acc, m_i, l_i, out_scal
     tl.store(partial_out + index[:, None] * HEAD_DIM + dims[None, :], result, mask=mask)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "num_tokens"])
 def merge_splits_kernel(
     out, partial_out, partial_lse, cu_seqlens_q, seq_lens, gate, num_heads, num_splits,
-    stride_o_tok, stride_o_head, stride_g_tok, stride_g_head, xq=None, sx=None, x_parts=None, x_scale=None,
-    v_sum=None, num_tokens=0,
-    HEAD_DIM: tl.constexpr = 0, HEAD_DIM_PAD: tl.constexpr = 0, MIN_TOKENS_PER_SPLIT: tl.constexpr = 0,
+    stride_o_tok, stride_o_head, stride_g_tok, stride_g_head, xq, sx, x_parts, x_scale, v_sum, num_tokens,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, MIN_TOKENS_PER_SPLIT: tl.constexpr = 0,
     BLOCK_N: tl.constexpr = 0, MERGE_SPLIT_BLOCK: tl.constexpr = 16, QUANT_BLOCK: tl.constexpr = 0,
     PARTS_GROUP: tl.constexpr = 0, PARTS_LOW_HIGH: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
@@ -239,8 +238,8 @@ def merge_splits_kernel(
     query is skipped) and whose partials are only the first active ones of
     split_share(seq_lens[r], num_splits, MIN_TOKENS_PER_SPLIT, BLOCK_N), as the decode kernel wrote them.
     gate: None, or [T, n_heads, HEAD_DIM] (strides given): out is then o * sigmoid(gate) (`output_gate`).
-    For the output projection's input (HEAD_DIM a power of two), as the kernels before it would make it:
-    QUANT_BLOCK (dividing HEAD_DIM) writes the rows quantized for its FP8 product instead of out, codes to xq
+    For the output projection's input (HEAD_DIM a power of two), as the kernels before it would make it (xq .. v_sum
+    None where not asked for): QUANT_BLOCK (dividing HEAD_DIM) writes the rows quantized for its FP8 product instead of out, codes to xq
     [num_tokens, n_heads * HEAD_DIM] and scales to sx [n_heads * HEAD_DIM / QUANT_BLOCK, num_tokens]
     (cuda_fp8.quantize's); PARTS_GROUP (one token, dividing HEAD_DIM) writes out and the row's fixed-point parts
     for its dp4a GEMV to x_parts, x_scale and v_sum (cuda_gemv.store_x_parts).
@@ -443,6 +442,7 @@ def launch_prefill(q, k_cache, v_cache, out, block_tables, cu_seqlens_q, seq_len
     if split_kv:
         merge_splits_kernel[(num_tokens, num_heads)](
             out, partial_out, partial_lse, None, None, gate, num_heads, num_splits, out.stride(0), out.stride(1),
-            *gate_strides, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, num_warps=MERGE_NUM_WARPS,
+            *gate_strides, None, None, None, None, None, num_tokens, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+            num_warps=MERGE_NUM_WARPS,
             **pdl.launch_args(q.device),
         )
