@@ -627,10 +627,12 @@ def run_prmt(lo: int, hi: int, selectors: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,k,block,config", [(40, 300, (16, 128), dict(GEMV, block_n=8)),
-                                              (48, 256, (32, 64), dict(GEMV, block_n=16, block_k=128))])
+                                              (48, 256, (32, 64), dict(GEMV, block_n=16, block_k=128)),
+                                              (48, 512, (32, 64), dict(GEMV, block_n=16, block_k=128, stages=3))])
 def test_fp8_gemv(dtype, n, k, block, config):
     """The activation's e4m3 codes and scales as the reference's; a partial last K block (300) and row block
-    (40 rows in 8-row programs inside 16-row scale blocks); the scales folded into the activation (one rounding)."""
+    (40 rows in 8-row programs inside 16-row scale blocks); the scales folded into the activation (one rounding);
+    the weight tiles streamed 2 steps ahead (stages 3: the same sums as loaded where used)."""
     gen = torch.Generator().manual_seed(n)
     w, x = fp8_weight(n, k, block, gen), activations(1, k, dtype, gen)
     y64, terms = oracle.fp8_exact(x, w)
@@ -638,6 +640,8 @@ def test_fp8_gemv(dtype, n, k, block, config):
     assert not cuda_gemv.supports(w, config, 2)
     got = cuda_gemv.gemv(x, w, config)
     oracle.assert_within(got, y64, gemv_bound(x, w, y64, terms, extra_roundings=2), "fp8 gemv")
+    if config["stages"] > 1:
+        assert torch.equal(got, cuda_gemv.gemv(x, w, dict(config, stages=1)))
 
 
 def test_cublas_kind_uses_the_reserved_scratch(monkeypatch):

@@ -546,10 +546,13 @@ def _weight_only_gemv_kernel(
 @triton.jit
 def _fp8_gemv_kernel(
     xq, sx, w, ws, out, N, K, G, BN_W: tl.constexpr, BK: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, STAGES: tl.constexpr = 1,
+    PDL: tl.constexpr = False,
 ):
     """Grid (cdiv(N, BLOCK_N),): out [N] = the block-scaled product of xq [K] e4m3 (scales sx [G]) and w [N, K]
-    e4m3 (scales ws [cdiv(N, BN_W), G]); BLOCK_N divides BN_W, BLOCK_K is a multiple of BK."""
+    e4m3 (scales ws [cdiv(N, BN_W), G]); BLOCK_N divides BN_W, BLOCK_K is a multiple of BK. STAGES > 1 streams
+    the weight tiles through shared memory STAGES - 1 steps ahead (Triton's pipelining, asked of the loop), more
+    bytes in flight a program where few programs share an SM."""
     wait_for_previous_kernel(PDL)
     pid = tl.program_id(0)
     ns = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
@@ -557,7 +560,7 @@ def _fp8_gemv_kernel(
     ws_row = ws + (pid * BLOCK_N // BN_W) * G  # the program's scale-block row
     w_rows = w + ns[:, None].to(tl.int64) * K  # [BN, 1]
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
         ks = k0 + tl.arange(0, BLOCK_K)  # [BK]
         k_ok = ks < K
         g = ks // BK
@@ -638,8 +641,8 @@ def gemv(x: torch.Tensor | Fp8Activation | Dp4aActivation, w, config: dict, tail
         block_k = config["block_k"]
         _fp8_gemv_kernel[grid](
             xq, sx, w.weight, w.scale_inv, out, n, k, triton.cdiv(k, bk), BN_W=bn_w, BK=bk, BLOCK_N=block_n,
-            BLOCK_K=block_k, EVEN_N=n % block_n == 0, EVEN_K=k % block_k == 0, num_warps=config["warps"],
-            num_stages=config["stages"], **launch)
+            BLOCK_K=block_k, EVEN_N=n % block_n == 0, EVEN_K=k % block_k == 0, STAGES=config["stages"],
+            num_warps=config["warps"], num_stages=config["stages"], **launch)
         return out
     if isinstance(w, Int4Weight):
         fmt, words, group, zero, scale_2 = INT4, w.packed, w.group_size, w.zero, w.scale
