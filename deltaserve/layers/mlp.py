@@ -206,26 +206,24 @@ class SparseMoE(nn.Module):
             shared_gate_up = projected[:, rows:rows + self.shared_expert.gate_up_weight.shape[0]]
         return projected[:, :E], projected[:, E:E + 1], shared_gate_up
 
-    def _shared_slot_serves(self, x: torch.Tensor) -> bool:
+    def shared_slot(self, x: torch.Tensor) -> bool:
         """Whether the shared expert runs as a slot of the fused experts for this batch (ops.moe.sparse_block)."""
         if self.router_weight is None or not self.experts.fused_serves(x):
             return False
         return moe.shared_slot_serves(x, *self.experts.stacks(), *self.shared_expert.slot_weights())
 
-    def input_weight(self, x: torch.Tensor) -> torch.Tensor | None:
+    def input_weight(self, slot: bool) -> torch.Tensor | None:
         """The joined weight that forward multiplies x [T, H] by first (router_weight, or in_weight with the shared
-        expert's gate/up), which the norm before the block may multiply in its own launch
+        expert's gate/up), given shared_slot(x), which the norm before the block may multiply in its own launch
         (ops.linear.rms_norm_and_linear, then forward's `projected`); None where there is none."""
-        return self._input_weight(self._shared_slot_serves(x))
-
-    def _input_weight(self, slot: bool) -> torch.Tensor | None:
-        """input_weight, given whether the shared expert runs as a slot."""
         return self.router_weight if slot or self.in_weight is None else self.in_weight
 
-    def forward(self, x: torch.Tensor, projected: torch.Tensor | None = None) -> torch.Tensor:
-        """x: [T, H] -> [T, H]. projected: x @ input_weight(x)^T where the caller multiplied it already."""
-        slot = self._shared_slot_serves(x)
-        if projected is None and (weight := self._input_weight(slot)) is not None:
+    def forward(self, x: torch.Tensor, projected: torch.Tensor | None = None, slot: bool | None = None) -> torch.Tensor:
+        """x: [T, H] -> [T, H]. projected: x @ input_weight(slot)^T where the caller multiplied it already; slot:
+        shared_slot(x) where the caller decided it already."""
+        if slot is None:
+            slot = self.shared_slot(x)
+        if projected is None and (weight := self.input_weight(slot)) is not None:
             projected = linear(x, weight)
         if slot:
             gate_up, down = self.experts.stacks()

@@ -83,10 +83,11 @@ class DecoderLayer(nn.Module):
         if isinstance(self.mlp, SwiGLU):
             gate_up, residual = norm_then_project(self.post_attention_layernorm, x, residual, self.mlp.gate_up_weight)
             out = self.mlp.down(gate_up)
-        elif (router := self.mlp.input_weight(x)) is not None:  # the router multiplied in the norm's launch
+        elif (router := self.mlp.input_weight(slot := self.mlp.shared_slot(x))) is not None:
+            # the router multiplied in the norm's launch
             x, projected, residual = rms_norm_and_linear(x, self.post_attention_layernorm.weight,
                                                          self.post_attention_layernorm.eps, router, residual)
-            out = self.mlp(x, projected)
+            out = self.mlp(x, projected, slot)
         else:
             x, residual = self.post_attention_layernorm(x, residual)
             out = self.mlp(x)

@@ -380,9 +380,9 @@ def test_router_and_shared_gate_join_beside_a_quantized_shared_expert(monkeypatc
 @pytest.mark.parametrize("stand_in_shared,slot", [(False, False), (True, False), (False, True)])
 def test_the_norm_before_the_block_may_multiply_its_input_weight(monkeypatch, stand_in_shared, slot):
     """SparseMoE.input_weight is what forward multiplies x by first (router_weight where the shared expert runs as
-    a slot or is quantized, else in_weight), and forward given that product (`projected`, as the decoder layer's
-    norm computes it in its own launch: ops.linear.rms_norm_and_linear) returns what it returns computing it
-    itself, bitwise; a block without a joined weight has none."""
+    a slot (shared_slot) or is quantized, else in_weight), and forward given that product and the slot decision
+    (`projected`, as the decoder layer's norm computes it in its own launch: ops.linear.rms_norm_and_linear) returns
+    what it returns deciding and computing them itself, bitwise; a block without a joined weight has none."""
     from deltaserve.ops import linear as ops_linear
 
     # a shared expert runs as a slot at the routed experts' intermediate size (24)
@@ -392,11 +392,13 @@ def test_the_norm_before_the_block_may_multiply_its_input_weight(monkeypatch, st
     monkeypatch.setattr(moe, "fused_serves", lambda x, gate_up, down: True)
     monkeypatch.setattr(moe, "tiles_for", lambda *shape: SMALL)
     monkeypatch.setattr(moe, "shared_slot_serves", lambda *args: slot)
-    weight = block.input_weight(x)
+    assert block.shared_slot(x) is slot
+    weight = block.input_weight(slot)
     assert weight is (block.router_weight if slot or stand_in_shared else block.in_weight)
     with torch.no_grad():
-        assert torch.equal(block(x, ops_linear.linear(x, weight)), block(x))
-    assert sparse_moe(0, True, seed=1).input_weight(x) is None
+        assert torch.equal(block(x, ops_linear.linear(x, weight), slot), block(x))
+    plain = sparse_moe(0, True, seed=1)
+    assert not plain.shared_slot(x) and plain.input_weight(False) is None
 
 
 def test_warm_up_runs_every_bucket_where_the_fused_path_serves(monkeypatch):
