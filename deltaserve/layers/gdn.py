@@ -7,9 +7,9 @@ a conv state (the last W-1 pre-conv inputs, [slots, conv_dim, W-1]) and a recurr
 The decoder layer applies the input projection (`in_weight`, with its norm); `forward` takes its output.
 On the GPU, prefill copies no activation: the conv writes q, k and v as three contiguous tensors (fla's
 chunked kernels would copy strided views), and the gated norm reads z as a strided view of the projection.
-Decode on the GPU runs the conv, the gated delta rule and the gated output norm as one kernel
-(ops/gdn/cuda.gdn_decode_step), which writes what the out-projection reads; elsewhere q, k, v are strided views of
-one conv output, which the decode op reads in place.
+One decode token before a quantized out-projection runs the conv, the gated delta rule and the gated output
+norm as one GPU kernel (ops/gdn/cuda.gdn_decode_step), which writes the activation the product reads; other decode
+steps keep q, k, v as strided views of one conv output, which the decode op reads in place.
 
 Under tensor parallelism a rank holds a contiguous block of key heads and the value heads that read them (value
 head h reads key head h // (HV / HK)), with their conv channels, A_log, dt_bias and states; the gated norm is per
@@ -145,25 +145,24 @@ class GatedDeltaNet(nn.Module):
         (ops.linear.matmul_blocks) -> [T, H]. Reads and writes this batch's slots of the conv and recurrent state
         pools."""
         qkv, z, b, a = self._split_projection(projected)
-        if batch.is_decode and qkv.is_cuda:
-            return self._decode_on_gpu(qkv, z, b, a, batch.state_slots)
+        if batch.is_decode and qkv.is_cuda and qkv.shape[0] == 1:
+            form = gated_norm_input(z, self.out_proj.weight)  # z has o's shape
+            if form == "fp8" or isinstance(form, tuple):
+                return normed_linear(self._one_token_on_gpu(qkv, z, b, a, batch.state_slots, form),
+                                     self.out_proj.weight)
         o = self._conv_and_delta_rule(qkv, a, b, batch)
         # out_proj(norm(o, z)); z: a strided view of the projection (ops/linear fuses the two for batch-1 decode
         # where its tuned table says it pays)
         return gated_norm_linear(o, z, self.norm.weight, self.norm.eps, self.out_proj.weight)
 
-    def _decode_on_gpu(self, qkv, z, b, a, slots) -> torch.Tensor:
-        """Decode on the GPU: the conv, the gated delta rule and the output norm in one kernel, which writes what
-        the out-projection reads (ops.linear.gated_norm_input; z has o's shape) -> [N, H]."""
+    def _one_token_on_gpu(self, qkv, z, b, a, slots, form):
+        """One decode token before a quantized out-projection: the conv, the gated delta rule and the output norm in
+        one kernel, which writes the activation the product reads (`form`: ops.linear.gated_norm_input's)."""
         from deltaserve.ops.gdn.cuda import gdn_decode_step  # GPU only
 
-        weight = self.out_proj.weight
-        form = gated_norm_input(z, weight)
-        y = gdn_decode_step(qkv, z, a, b, self.conv1d.weight.squeeze(1), self.conv_state, self.A_log, self.dt_bias,
-                            self.ssm_state, slots, self.norm.weight, self.norm.eps, self.num_k_heads, form)
-        if form == "raw":  # the batch-1 GEMV applies the norm
-            return gated_norm_linear(y, z, self.norm.weight, self.norm.eps, weight)
-        return normed_linear(y, weight)
+        return gdn_decode_step(qkv, z, a, b, self.conv1d.weight.squeeze(1), self.conv_state, self.A_log,
+                               self.dt_bias, self.ssm_state, slots, self.norm.weight, self.norm.eps,
+                               self.num_k_heads, form)
 
     @torch.no_grad()
     def warm_up_output_norm(self, max_tokens: int) -> None:
