@@ -25,7 +25,7 @@ from deltaserve.layers.linear import fuse_linears, split_columns
 from deltaserve.layers.norm import GatedRMSNorm
 from deltaserve.ops.conv1d import conv_decode, conv_prefill
 from deltaserve.ops.gdn import gdn_decode, gdn_gates, gdn_prefill
-from deltaserve.ops.linear import gated_norm_input, gated_norm_linear, normed_linear
+from deltaserve.ops.linear import gated_norm_input, gated_norm_linear
 from deltaserve.worker.distributed import SINGLE, ParallelContext
 
 
@@ -148,8 +148,7 @@ class GatedDeltaNet(nn.Module):
         if batch.is_decode and qkv.is_cuda and qkv.shape[0] == 1:
             form = gated_norm_input(z, self.out_proj.weight)  # z has o's shape
             if form == "fp8" or isinstance(form, tuple):
-                return normed_linear(self._one_token_on_gpu(qkv, z, b, a, batch.state_slots, form),
-                                     self.out_proj.weight)
+                return self.out_proj.weight.matmul(self._one_token_on_gpu(qkv, z, b, a, batch.state_slots, form))
         o = self._conv_and_delta_rule(qkv, a, b, batch)
         # out_proj(norm(o, z)); z: a strided view of the projection (ops/linear fuses the two for batch-1 decode
         # where its tuned table says it pays)

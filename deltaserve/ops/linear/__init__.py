@@ -151,11 +151,11 @@ def silu_mul_linear(x, weight):
 
 
 def gated_norm_input(x, weight):
-    """What gated_norm_linear(x, gate, ..., weight) multiplies `weight` by, which the kernel making x may write in
-    its place (ops.gdn's decode step), x [T, H, D]: "raw" (x itself: the batch-1 GEMV normalizes it in its
-    prologue), "fp8" (the normed rows quantized for an FP8 product whose scale block is the head size: a head's row
-    is one scale group), (group, low_high) (the normed row with a one-row dp4a GEMV's parts), or "normed" (the
-    normed rows, for any other product)."""
+    """What gated_norm_linear(x, gate, ..., weight) multiplies `weight` by, x [T, H, D]: "raw" (x itself: the
+    batch-1 GEMV normalizes it in its prologue), "fp8" (the normed rows quantized for an FP8 product whose scale
+    block is the head size: a head's row is one scale group), (group, low_high) (the normed row with a one-row dp4a
+    GEMV's parts), or "normed" (the normed rows, for any other product). "fp8" and the parts are activations for
+    `weight.matmul` that the kernel making x may write in its place (ops/gdn/cuda.gdn_decode_step)."""
     if _gemv_serves("gated_norm", x, weight):
         return "raw"
     if x.dim() == 3 and _fp8_input_block(x, weight) == x.shape[-1]:
@@ -175,16 +175,8 @@ def gated_norm_linear(x, gate, norm_weight, eps: float, weight):
         return reference.gated_norm_linear(x, gate, norm_weight, eps, weight, matmul=matmul)
     from deltaserve.ops.norm import cuda as norm_cuda
     if form == "fp8":
-        return normed_linear(norm_cuda.gated_rms_norm(x, gate, norm_weight, eps, quant_block=x.shape[-1]), weight)
-    return normed_linear(norm_cuda.gated_rms_norm(x, gate, norm_weight, eps, dp4a=form), weight)
-
-
-def normed_linear(normed, weight):
-    """`weight`'s product of the gated norm as `gated_norm_input` asked for it (any form but "raw"): the normed rows
-    [T, H, D], or an activation written for the product (Fp8Activation, Dp4aActivation)."""
-    if isinstance(normed, torch.Tensor):
-        return matmul(normed.reshape(normed.shape[0], -1), weight)
-    return weight.matmul(normed)
+        return weight.matmul(norm_cuda.gated_rms_norm(x, gate, norm_weight, eps, quant_block=x.shape[-1]))
+    return weight.matmul(norm_cuda.gated_rms_norm(x, gate, norm_weight, eps, dp4a=form))
 
 
 def _gated_parts_fit(x, group: int) -> bool:
