@@ -7,9 +7,7 @@ a conv state (the last W-1 pre-conv inputs, [slots, conv_dim, W-1]) and a recurr
 The decoder layer applies the input projection (`in_weight`, with its norm); `forward` takes its output.
 On the GPU, prefill copies no activation: the conv writes q, k and v as three contiguous tensors (fla's
 chunked kernels would copy strided views), and the gated norm reads z as a strided view of the projection.
-One decode token before a quantized out-projection runs the conv, the gated delta rule and the gated output
-norm as one GPU kernel (ops/gdn/cuda.gdn_decode_step), which writes the activation the product reads; other decode
-steps keep q, k, v as strided views of one conv output, which the decode op reads in place.
+Decode keeps q, k, v as strided views of one conv output, which its kernels read in place.
 
 Under tensor parallelism a rank holds a contiguous block of key heads and the value heads that read them (value
 head h reads key head h // (HV / HK)), with their conv channels, A_log, dt_bias and states; the gated norm is per
@@ -25,7 +23,7 @@ from deltaserve.layers.linear import fuse_linears, split_columns
 from deltaserve.layers.norm import GatedRMSNorm
 from deltaserve.ops.conv1d import conv_decode, conv_prefill
 from deltaserve.ops.gdn import gdn_decode, gdn_gates, gdn_prefill
-from deltaserve.ops.linear import gated_norm_input, gated_norm_linear
+from deltaserve.ops.linear import gated_norm_linear
 from deltaserve.worker.distributed import SINGLE, ParallelContext
 
 
@@ -145,23 +143,10 @@ class GatedDeltaNet(nn.Module):
         (ops.linear.matmul_blocks) -> [T, H]. Reads and writes this batch's slots of the conv and recurrent state
         pools."""
         qkv, z, b, a = self._split_projection(projected)
-        if batch.is_decode and qkv.is_cuda and qkv.shape[0] == 1:
-            form = gated_norm_input(z, self.out_proj.weight)  # z has o's shape
-            if form == "fp8" or isinstance(form, tuple):
-                return self.out_proj.weight.matmul(self._one_token_on_gpu(qkv, z, b, a, batch.state_slots, form))
         o = self._conv_and_delta_rule(qkv, a, b, batch)
         # out_proj(norm(o, z)); z: a strided view of the projection (ops/linear fuses the two for batch-1 decode
         # where its tuned table says it pays)
         return gated_norm_linear(o, z, self.norm.weight, self.norm.eps, self.out_proj.weight)
-
-    def _one_token_on_gpu(self, qkv, z, b, a, slots, form):
-        """One decode token before a quantized out-projection: the conv, the gated delta rule and the output norm in
-        one kernel, which writes the activation the product reads (`form`: ops.linear.gated_norm_input's)."""
-        from deltaserve.ops.gdn.cuda import gdn_decode_step  # GPU only
-
-        return gdn_decode_step(qkv, z, a, b, self.conv1d.weight.squeeze(1), self.conv_state, self.A_log,
-                               self.dt_bias, self.ssm_state, slots, self.norm.weight, self.norm.eps,
-                               self.num_k_heads, form)
 
     @torch.no_grad()
     def warm_up_output_norm(self, max_tokens: int) -> None:

@@ -51,50 +51,37 @@ def _apply_activation(acc, SILU: tl.constexpr):
 
 
 @triton.jit
-def conv_step(x_row, weight, rows, chans, chan_ok, WIDTH: tl.constexpr, W_PAD: tl.constexpr, SILU: tl.constexpr):
-    """One decode token's conv on channels chans [C] (chan_ok: which exist): x_row the token's inputs, rows [C, 1]
-    the slot's state rows (column-0 pointers). Returns (y [C] float32 = act(window . weight), the new state window
-    [C, W_PAD]: columns 1 .. W-1 of the window, the new input last); the caller stores it (`store_conv_state`) once
-    every read of those rows has completed. The window is the W-1 state columns followed by the new input."""
-    cols = tl.arange(0, W_PAD)  # [W_PAD], window columns (W padded to a power of two)
-    x_new = tl.load(x_row + chans, mask=chan_ok, other=0.0).to(tl.float32)  # [C]
-    is_new = cols[None, :] == WIDTH - 1
-    old = tl.load(rows + cols[None, :], mask=chan_ok[:, None] & (cols[None, :] < WIDTH - 1), other=0.0)
-    window = tl.where(is_new, x_new[:, None], old.to(tl.float32))  # [C, W_PAD]
-    w_mask = chan_ok[:, None] & (cols[None, :] < WIDTH)
-    taps = tl.load(weight + chans[:, None] * WIDTH + cols[None, :], mask=w_mask, other=0.0).to(tl.float32)
-    acc = _apply_activation(tl.sum(window * taps, axis=1), SILU)  # [C]
-    # New state column c = window column c + 1 (read again from memory: cheaper than a register shuffle).
-    shifted = tl.load(rows + cols[None, :] + 1, mask=chan_ok[:, None] & (cols[None, :] < WIDTH - 2), other=0.0)
-    shifted = tl.where(cols[None, :] == WIDTH - 2, x_new[:, None], shifted.to(tl.float32))  # [C, W_PAD]
-    return acc, shifted
-
-
-@triton.jit
-def store_conv_state(rows, shifted, chan_ok, WIDTH: tl.constexpr, W_PAD: tl.constexpr):
-    """Store conv_step's new state window [C, W_PAD] in the state rows [C, 1]."""
-    cols = tl.arange(0, W_PAD)
-    tl.store(rows + cols[None, :], shifted.to(rows.dtype.element_ty),
-             mask=chan_ok[:, None] & (cols[None, :] < WIDTH - 1))
-
-
-@triton.jit
 def _conv_decode_kernel(
     x, weight, y, state_pool, state_slots,
     channels, stride_x_row, stride_y_row, stride_pool_slot,
     WIDTH: tl.constexpr, W_PAD: tl.constexpr, SILU: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    """One program per (sequence, channel block): y = act(window . weight), then shift the slot's state."""
+    """One program per (sequence, channel block): y = act(window . weight), then shift the slot's state.
+
+    The window [BLOCK_D, W] is the slot's W-1 columns followed by the new input, oldest first."""
     wait_for_previous_kernel(PDL)
     seq = tl.program_id(0)
     chans = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    cols = tl.arange(0, W_PAD)  # [W_PAD], window columns (W padded to a power of two)
     chan_ok = chans < channels
     slot = tl.load(state_slots + seq).to(tl.int64)
     rows = state_pool + slot * stride_pool_slot + chans[:, None] * (WIDTH - 1)  # [BLOCK_D, 1] column-0 pointers
-    acc, shifted = conv_step(x + seq * stride_x_row, weight, rows, chans, chan_ok, WIDTH, W_PAD, SILU)
+
+    x_new = tl.load(x + seq * stride_x_row + chans, mask=chan_ok, other=0.0).to(tl.float32)  # [BLOCK_D]
+    is_new = cols[None, :] == WIDTH - 1
+    old = tl.load(rows + cols[None, :], mask=chan_ok[:, None] & (cols[None, :] < WIDTH - 1), other=0.0)
+    window = tl.where(is_new, x_new[:, None], old.to(tl.float32))  # [BLOCK_D, W_PAD]
+    w_mask = chan_ok[:, None] & (cols[None, :] < WIDTH)
+    taps = tl.load(weight + chans[:, None] * WIDTH + cols[None, :], mask=w_mask, other=0.0).to(tl.float32)
+    acc = _apply_activation(tl.sum(window * taps, axis=1), SILU)  # [BLOCK_D]
+
+    # New state column c = window column c + 1 (read again from memory: cheaper than a register shuffle).
+    shifted = tl.load(rows + cols[None, :] + 1, mask=chan_ok[:, None] & (cols[None, :] < WIDTH - 2), other=0.0)
+    shifted = tl.where(cols[None, :] == WIDTH - 2, x_new[:, None], shifted.to(tl.float32))  # [BLOCK_D, W_PAD]
     # Every read of these state rows, by any thread of the program, completes before the first write.
     tl.debug_barrier()
-    store_conv_state(rows, shifted, chan_ok, WIDTH, W_PAD)
+    state_mask = chan_ok[:, None] & (cols[None, :] < WIDTH - 1)
+    tl.store(rows + cols[None, :], shifted.to(state_pool.dtype.element_ty), mask=state_mask)
     tl.store(y + seq * stride_y_row + chans, acc.to(y.dtype.element_ty), mask=chan_ok)
 
 

@@ -30,14 +30,8 @@ import triton.language as tl
 
 from deltaserve.device import to_device
 from deltaserve.ops import pdl
-from deltaserve.ops.conv1d.cuda import conv_step, store_conv_state
 from deltaserve.ops.gdn.reference import check_shapes
-from deltaserve.ops.norm.cuda import gated_norm
 from deltaserve.ops.pdl import wait_for_previous_kernel
-from deltaserve.ops.quant_gemm.cuda_fp8 import FP8_AMAX_FLOOR, FP8_MAX, fp8_row_buffers, quantize_block
-from deltaserve.ops.quant_gemm.cuda_gemv import store_x_parts, x_parts_buffers
-from deltaserve.ops.quant_gemm.reference import Dp4aActivation, Fp8Activation
-from deltaserve.ops.split_k import arrives_last, tile_counters
 from deltaserve.ops.varlen import check_state_pool
 
 # Added under the square root of the L2 norm, as in fla's l2norm and the reference.
@@ -182,142 +176,6 @@ def _gdn_recurrent_kernel(
     # may hold one element in two threads.
     tl.debug_barrier()
     tl.store(tile_ptr, state.to(state_pool.dtype.element_ty), mask=tile_mask)
-
-
-@triton.jit
-def _gdn_decode_step_kernel(
-    qkv, z, a, b, conv_w, conv_pool, A_log, dt_bias, state_pool, state_slots, norm_w, o, codes, sx, parts, x_scale,
-    v_sum, counters, stride_z_head, scale, l2_eps, norm_eps,
-    HV: tl.constexpr, GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    WIDTH: tl.constexpr, W_PAD: tl.constexpr, PARTS_GROUP: tl.constexpr = 0, PARTS_LOW_HIGH: tl.constexpr = False,
-    PDL: tl.constexpr = False,
-):
-    """Grid (HV, cdiv(V, BV)): one decode token's GDN mixer for (value head, block of BV value columns), the
-    conv_decode, gdn_decode and gated-norm launches in one. The program loads its [K, BV] state tile first (the
-    step's large read, in flight while the rest is computed), convolves its key head's q and k channels and its own v
-    columns from the slot's conv state, takes the gated-delta-rule step and writes o's columns (rounded as gdn_decode
-    stores them) to o [HV, V].
-
-    Shared q / k conv state: the GROUP * cdiv(V, BV) programs of a key head all read it; the last of them to
-    arrive (counters[key head], ops/split_k.arrives_last) writes its shifted columns. Output norm: the last of a
-    head's programs to arrive (counters[HK + head]) reads the head's o back and writes its gated norm as
-    `_gated_rms_norm_kernel` does: e4m3 codes [1, HV * V] with one scale a head, sx [HV, 1] (PARTS_GROUP 0), or the
-    normed row in o's place with its fixed-point parts for a dp4a GEMV."""
-    wait_for_previous_kernel(PDL)
-    head = tl.program_id(0)
-    HK: tl.constexpr = HV // GROUP
-    key_head = head // GROUP
-    keys = tl.arange(0, BK)  # [BK]
-    cols = tl.program_id(1) * BV + tl.arange(0, BV)  # [BV]
-    key_ok = keys < K
-    col_ok = cols < V
-    slot = tl.load(state_slots).to(tl.int64)
-    tile_ptr = state_pool + (slot * HV + head) * (K * V) + keys[:, None] * V + cols[None, :]  # [BK, BV]
-    tile_mask = key_ok[:, None] & col_ok[None, :]
-    state = tl.load(tile_ptr, mask=tile_mask, other=0.0).to(tl.float32)
-
-    conv_rows = conv_pool + slot * (2 * HK * K + HV * V) * (WIDTH - 1)
-    q_chans = key_head * K + keys  # [BK]: conv channels [q | k | v]
-    k_chans = HK * K + q_chans
-    v_chans = 2 * HK * K + head * V + cols  # [BV]
-    q_rows = conv_rows + q_chans[:, None] * (WIDTH - 1)
-    k_rows = conv_rows + k_chans[:, None] * (WIDTH - 1)
-    v_rows = conv_rows + v_chans[:, None] * (WIDTH - 1)
-    q_conv, q_shifted = conv_step(qkv, conv_w, q_rows, q_chans, key_ok, WIDTH, W_PAD, True)
-    k_conv, k_shifted = conv_step(qkv, conv_w, k_rows, k_chans, key_ok, WIDTH, W_PAD, True)
-    v_conv, v_shifted = conv_step(qkv, conv_w, v_rows, v_chans, col_ok, WIDTH, W_PAD, True)
-    # the program's own v columns: every thread's reads of them (and of the state tile) complete before a write
-    tl.debug_barrier()
-    store_conv_state(v_rows, v_shifted, col_ok, WIDTH, W_PAD)
-    if arrives_last(counters, key_head, GROUP * tl.num_programs(1)):
-        store_conv_state(q_rows, q_shifted, key_ok, WIDTH, W_PAD)
-        store_conv_state(k_rows, k_shifted, key_ok, WIDTH, W_PAD)
-        tl.store(counters + key_head, 0)
-
-    # the conv's outputs rounded as conv_decode stores them, then gdn_decode's step
-    dtype = qkv.dtype.element_ty
-    q_vec, k_vec, v_vec, decay, write = _prepare_token(q_conv.to(dtype), k_conv.to(dtype), v_conv.to(dtype),
-                                                       tl.load(a + head), tl.load(b + head), A_log, dt_bias, head,
-                                                       scale, l2_eps, True)
-    state, o_vec = _delta_step(state, q_vec, k_vec, v_vec, decay, write)
-    tl.store(o + head * V + cols, o_vec.to(o.dtype.element_ty), mask=col_ok)
-    tl.debug_barrier()  # the tile's reads complete before it is written in place
-    tl.store(tile_ptr, state.to(state_pool.dtype.element_ty), mask=tile_mask)
-
-    if arrives_last(counters, HK + head, tl.num_programs(1)):
-        tl.store(counters + HK + head, 0)
-        row = tl.arange(0, V)  # [V]: the head's columns (V a power of two)
-        xf = tl.load(o + head * V + row, cache_modifier=".cg").to(tl.float32)
-        gf = tl.load(z + head * stride_z_head + row).to(tl.float32)
-        y = gated_norm(xf[None, :], gf[None, :], tl.load(norm_w + row), V, norm_eps, dtype)  # [1, V]
-        if PARTS_GROUP:  # the normed row, and the head's groups of its fixed-point parts
-            tl.store(o + head * V + row, tl.reshape(y, [V]))
-            GROUPS: tl.constexpr = V // PARTS_GROUP
-            store_x_parts(tl.reshape(y.to(tl.float32), [GROUPS, PARTS_GROUP]), parts, x_scale, v_sum,
-                          head * GROUPS, HV * V // PARTS_GROUP, HV * V // 8, GROUPS, PARTS_GROUP, PARTS_LOW_HIGH)
-        else:  # a head is one scale group of the FP8 product's input
-            head_codes, s = quantize_block(y.to(tl.float32), FP8_AMAX_FLOOR, FP8_MAX)
-            tl.store(codes + head * V + row, tl.reshape(head_codes, [V]))
-            tl.store(sx + head + tl.arange(0, 1), s)
-
-
-def gdn_decode_step(qkv, z, a, b, conv_weight, conv_pool, A_log, dt_bias, state_pool, state_slots, norm_weight,
-                    norm_eps: float, key_heads: int, form, block_v: int | None = None):
-    """One decode token's GDN mixer up to a quantized out-projection, in one launch: conv_decode (SiLU),
-    gdn_decode (raw gates) and the gated output norm written for the product, the conv and recurrent states updated
-    in place at state_slots [1] (`_gdn_decode_step_kernel`).
-
-    qkv: [1, 2 HK K + HV V] pre-conv q | k | v (unit last stride), HK = key_heads; z: [1, HV, V] (unit last stride,
-    any head stride); a, b: [1, HV] raw gate projections (unit last stride); conv_weight: [conv_dim, W]; conv_pool:
-    [S, conv_dim, W-1] contiguous; A_log, dt_bias: [HV]; state_pool: [S, HV, K, V] contiguous; norm_weight: [V], V a
-    power of two. form: "fp8" (the gated norm quantized one scale a head, the Fp8Activation of block V that
-    gated_rms_norm's quant_block = V writes) or (group, low_high) (the normed row with its dp4a parts, the
-    Dp4aActivation of gated_rms_norm's dp4a): what ops.linear.gated_norm_input asked for. block_v: value columns a
-    program (default as gdn_decode's at one token)."""
-    conv_dim = qkv.shape[-1]
-    _, value_heads, key_dim, value_dim = state_pool.shape
-    if qkv.shape[0] != 1 or tuple(state_slots.shape) != (1,):
-        raise ValueError(f"one token: qkv [1, conv_dim] and state_slots [1], got {tuple(qkv.shape)} and "
-                         f"{tuple(state_slots.shape)}")
-    if key_heads < 1 or value_heads % key_heads:
-        raise ValueError(f"value heads ({value_heads}) must be a multiple of key_heads, got {key_heads}")
-    if conv_dim != 2 * key_heads * key_dim + value_heads * value_dim or qkv.stride(-1) != 1:
-        raise ValueError(f"qkv must be [1, 2 x {key_heads} x {key_dim} + {value_heads} x {value_dim}] with a unit last "
-                         f"stride, got {tuple(qkv.shape)} strides {qkv.stride()}")
-    if tuple(z.shape) != (1, value_heads, value_dim) or z.stride(-1) != 1:
-        raise ValueError(f"z must be [1, {value_heads}, {value_dim}] with a unit last stride, got {tuple(z.shape)} "
-                         f"strides {z.stride()}")
-    for name, gate in (("a", a), ("b", b)):
-        if tuple(gate.shape) != (1, value_heads) or gate.stride(-1) != 1:
-            raise ValueError(f"{name} must be [1, {value_heads}] with a unit last stride, got {tuple(gate.shape)} "
-                             f"strides {gate.stride()}")
-    width = conv_weight.shape[-1]
-    if tuple(conv_weight.shape) != (conv_dim, width) or tuple(conv_pool.shape[1:]) != (conv_dim, width - 1):
-        raise ValueError(f"conv_weight [{conv_dim}, W] and conv_pool [S, {conv_dim}, W-1] expected, got "
-                         f"{tuple(conv_weight.shape)} and {tuple(conv_pool.shape)}")
-    if not (conv_pool.is_contiguous() and state_pool.is_contiguous()):
-        raise ValueError("conv_pool and state_pool must be contiguous")
-    dp4a = form if isinstance(form, tuple) else None
-    if form != "fp8" and not (dp4a and value_dim % dp4a[0] == 0):
-        raise ValueError(f"form must be 'fp8' or (group, low_high) with a group dividing the head size {value_dim}, "
-                         f"got {form!r}")
-    if value_dim & (value_dim - 1):
-        raise ValueError(f"the head size must be a power of two, got {value_dim}")
-    block_v = min(block_v or _decode_block_v(1), value_dim)
-    o = torch.empty(1, value_heads, value_dim, dtype=qkv.dtype, device=qkv.device)
-    codes, sx = fp8_row_buffers(o.view(1, -1), value_dim) if form == "fp8" else (o, o)
-    parts = x_parts_buffers(value_heads * value_dim, dp4a[0], qkv.device) if dp4a else (o, o, o)
-    block_k = triton.next_power_of_2(key_dim)
-    _gdn_decode_step_kernel[(value_heads, triton.cdiv(value_dim, block_v))](
-        qkv, z, a, b, conv_weight.contiguous(), conv_pool, A_log, dt_bias, state_pool, state_slots, norm_weight, o,
-        codes, sx, *parts, tile_counters(qkv.device, key_heads + value_heads), z.stride(1), key_dim ** -0.5,
-        _L2NORM_EPS, norm_eps, HV=value_heads, GROUP=value_heads // key_heads, K=key_dim, V=value_dim, BK=block_k,
-        BV=block_v, WIDTH=width, W_PAD=triton.next_power_of_2(width), PARTS_GROUP=dp4a[0] if dp4a else 0,
-        PARTS_LOW_HIGH=bool(dp4a and dp4a[1]), num_warps=max(1, min(4, block_k * block_v // 1024)),
-        **pdl.launch_args(qkv.device))
-    if dp4a:
-        return Dp4aActivation(o.view(1, -1), *parts, *dp4a)
-    return Fp8Activation(codes, sx, value_dim, qkv.dtype)
 
 
 def gdn_decode(q, k, v, g, beta, state_pool, state_slots, block_v: int | None = None, A_log=None, dt_bias=None):

@@ -150,33 +150,19 @@ def silu_mul_linear(x, weight):
     return reference.silu_mul_linear(x, weight, matmul=matmul)
 
 
-def gated_norm_input(x, weight):
-    """What gated_norm_linear(x, gate, ..., weight) multiplies `weight` by, x [T, H, D]: "raw" (x itself: the
-    batch-1 GEMV normalizes it in its prologue), "fp8" (the normed rows quantized for an FP8 product whose scale
-    block is the head size: a head's row is one scale group), (group, low_high) (the normed row with a one-row dp4a
-    GEMV's parts), or "normed" (the normed rows, for any other product). "fp8" and the parts are activations for
-    `weight.matmul` that the kernel making x may write in its place (ops/gdn/cuda.gdn_decode_step)."""
-    if _gemv_serves("gated_norm", x, weight):
-        return "raw"
-    if x.dim() == 3 and _fp8_input_block(x, weight) == x.shape[-1]:
-        return "fp8"
-    if x.dim() == 3 and (parts := _dp4a_input(x, weight, x.shape[0])) and _gated_parts_fit(x, parts[0]):
-        return parts
-    return "normed"
-
-
 def gated_norm_linear(x, gate, norm_weight, eps: float, weight):
-    """See `reference.gated_norm_linear`; the norm written as `gated_norm_input` asks."""
-    form = gated_norm_input(x, weight)
-    if form == "raw":
+    """See `reference.gated_norm_linear`; before an FP8 product whose scale block is the head size, as
+    rms_norm_linear (a head's row is one scale group)."""
+    if _gemv_serves("gated_norm", x, weight):
         from deltaserve.ops.linear import cuda
         return cuda.gated_norm_linear(x, gate, norm_weight, eps, weight)
-    if form == "normed":
-        return reference.gated_norm_linear(x, gate, norm_weight, eps, weight, matmul=matmul)
-    from deltaserve.ops.norm import cuda as norm_cuda
-    if form == "fp8":
+    if x.dim() == 3 and _fp8_input_block(x, weight) == x.shape[-1]:
+        from deltaserve.ops.norm import cuda as norm_cuda
         return weight.matmul(norm_cuda.gated_rms_norm(x, gate, norm_weight, eps, quant_block=x.shape[-1]))
-    return weight.matmul(norm_cuda.gated_rms_norm(x, gate, norm_weight, eps, dp4a=form))
+    if x.dim() == 3 and (parts := _dp4a_input(x, weight, x.shape[0])) and _gated_parts_fit(x, parts[0]):
+        from deltaserve.ops.norm import cuda as norm_cuda
+        return weight.matmul(norm_cuda.gated_rms_norm(x, gate, norm_weight, eps, dp4a=parts))
+    return reference.gated_norm_linear(x, gate, norm_weight, eps, weight, matmul=matmul)
 
 
 def _gated_parts_fit(x, group: int) -> bool:

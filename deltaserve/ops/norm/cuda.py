@@ -85,16 +85,6 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, sx_ptr, y_kept_p
                       PARTS_LOW_HIGH)
 
 
-@triton.jit
-def gated_norm(xf, g, w, D, eps, DTYPE: tl.constexpr):
-    """Rows xf [R, BLOCK] float32 (D valid columns, the rest zero), gates g [R, BLOCK] float32, weight w [BLOCK] ->
-    w * rms_norm(x) * silu(g) [R, BLOCK] in DTYPE, the normed rows rounded to DTYPE before the weight (reference)."""
-    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / D + eps)  # [R]
-    normed = (xf * rstd[:, None]).to(DTYPE)
-    scaled = (w[None, :] * normed).to(tl.float32)
-    return (scaled * (g / (1.0 + tl.exp(-g)))).to(DTYPE)
-
-
 @triton.jit(do_not_specialize=["num_rows"])  # the step's token count: one compiled variant for every step
 def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, y_ptr, sx_ptr, parts_ptr, x_scale_ptr, v_sum_ptr, num_rows, heads, D,
                            x_tok_stride, x_head_stride, g_tok_stride, g_head_stride, eps, BLOCK_ROWS: tl.constexpr,
@@ -113,9 +103,13 @@ def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, y_ptr, sx_ptr, parts_ptr, x_scal
     rows = rows.to(tl.int64)
     x_rows = x_ptr + tok * x_tok_stride + head * x_head_stride  # [BLOCK_ROWS] row pointers
     xf = tl.load(x_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / D + eps)  # [BLOCK_ROWS]
+    normed = (xf * rstd[:, None]).to(x_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0)
+    scaled = (w[None, :] * normed).to(tl.float32)
     g_rows = g_ptr + tok * g_tok_stride + head * g_head_stride  # [BLOCK_ROWS]
     g = tl.load(g_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    y = gated_norm(xf, g, tl.load(w_ptr + cols, mask=col_ok, other=0.0), D, eps, x_ptr.dtype.element_ty)
+    y = (scaled * (g / (1.0 + tl.exp(-g)))).to(x_ptr.dtype.element_ty)
     if QUANT:  # a row is one scale group of the FP8 product's input (D = its block): codes, and sx [H, T]
         q, s = quantize_block(y.to(tl.float32), FP8_AMAX_FLOOR, FP8_MAX)
         tl.store(y_ptr + rows[:, None] * D + cols[None, :], q, mask=mask)
