@@ -394,12 +394,17 @@ def _gate_up_kernel(
             if arrives_last(counters, tile, SPLIT_K):
                 acc_gate = sum_partials(sums, mask, split_stride, SPLIT_K)
                 acc_up = sum_partials(sums + I, mask, split_stride, SPLIT_K)
-                out = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up  # [BN, BM]
-                tl.store(act + pairs[None, :].to(tl.int64) * I + ns[:, None], out.to(act.dtype.element_ty), mask=mask)
+                _store_silu_product(act, acc_gate, acc_up, pairs, ns, I, mask)
                 tl.store(counters + tile, 0)
         else:
-            out = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up  # [BN, BM]
-            tl.store(act + pairs[None, :].to(tl.int64) * I + ns[:, None], out.to(act.dtype.element_ty), mask=mask)
+            _store_silu_product(act, acc_gate, acc_up, pairs, ns, I, mask)
+
+
+@triton.jit
+def _store_silu_product(act, acc_gate, acc_up, pairs, ns, I, mask):
+    """Kernel A's output tile: act [pair, n] = silu(gate) * up of the float32 sums acc_gate, acc_up [BN, BM]."""
+    out = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up  # [BN, BM]
+    tl.store(act + pairs[None, :].to(tl.int64) * I + ns[:, None], out.to(act.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["routed_blocks", "T"])
