@@ -42,12 +42,13 @@ ROWS = (1, 8, 16, 32, 64, 512, 8192)
 # product tile (~64 registers a thread at 8 x 1024 and 4 warps), the 4-bit formats one float per word and row of x;
 # int4's one-row kernel block_n * block_k / (8 * 32 * warps) words a thread (its registers, so the programs an SM
 # holds, follow), K split ("auto": ~2 programs per SM, configs.gemv_split_k; "auto*4" four times that). At one
-# row int4's and FP8's weight loads stream through shared memory stages - 1 steps ahead (stages 1: loaded where used;
-# NVFP4's kernel measured no gain from it); int4's dp4a kernel takes x as 16-bit fixed point (_int4_dp4a_row_kernel). The
-# dp4a kernels (int4's and NVFP4's) take block_k >= 1024 x warps, where a thread holds 4 words of every row and
-# x's parts serve them all: their loops compile to 1.2-1.4 (int4) and 2.6 (NVFP4) instructions a weight with no
-# layout conversion through shared memory (`sass_probe --kernel int4-dp4a|nvfp4-dp4a`; narrower steps: 1.5-1.8 and
-# 2.9-3.5 with 12-18 barriers a step); 32 rows take all 255 registers.
+# row int4's and FP8's weight loads stream through shared memory stages - 1 steps ahead (stages 1: loaded where
+# used; NVFP4's kernel measured no gain from it); int4's dp4a kernel takes x as 16-bit fixed point
+# (_int4_dp4a_row_kernel). The dp4a kernels (int4's and NVFP4's) take block_k >= 1024 x warps, where a thread
+# holds 4 words of every row and x's parts serve them all: their loops compile to 1.2-1.4 (int4) and 2.6 (NVFP4)
+# instructions a weight with no layout conversion through shared memory (`sass_probe --kernel
+# int4-dp4a|nvfp4-dp4a`; narrower steps: 1.5-1.8 and 2.9-3.5 with 12-18 barriers a step); 32 rows take all 255
+# registers.
 GEMV_SWEEP = {("fp8", 1): [dict(block_n=8, block_k=1024, warps=4, stages=1),
                            dict(block_n=4, block_k=1024, warps=4, stages=1),
                            dict(block_n=8, block_k=512, warps=2, stages=1),

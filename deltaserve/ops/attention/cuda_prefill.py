@@ -239,10 +239,10 @@ def merge_splits_kernel(
     split_share(seq_lens[r], num_splits, MIN_TOKENS_PER_SPLIT, BLOCK_N), as the decode kernel wrote them.
     gate: None, or [T, n_heads, HEAD_DIM] (strides given): out is then o * sigmoid(gate) (`output_gate`).
     For the output projection's input (HEAD_DIM a power of two), as the kernels before it would make it (xq .. v_sum
-    None where not asked for): QUANT_BLOCK (dividing HEAD_DIM) writes the rows quantized for its FP8 product instead of out, codes to xq
-    [num_tokens, n_heads * HEAD_DIM] and scales to sx [n_heads * HEAD_DIM / QUANT_BLOCK, num_tokens]
-    (cuda_fp8.quantize's); PARTS_GROUP (one token, dividing HEAD_DIM) writes out and the row's fixed-point parts
-    for its dp4a GEMV to x_parts, x_scale and v_sum (cuda_gemv.store_x_parts).
+    None where not asked for): QUANT_BLOCK (dividing HEAD_DIM) writes the rows quantized for its FP8 product
+    instead of out, codes to xq [num_tokens, n_heads * HEAD_DIM] and scales to sx [n_heads * HEAD_DIM /
+    QUANT_BLOCK, num_tokens] (cuda_fp8.quantize's); PARTS_GROUP (one token, dividing HEAD_DIM) writes out and the
+    row's fixed-point parts for its dp4a GEMV to x_parts, x_scale and v_sum (cuda_gemv.store_x_parts).
     """
     pdl.wait_for_previous_kernel(PDL)
     row = tl.program_id(0)
