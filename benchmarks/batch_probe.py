@@ -27,7 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from benchmarks.gemv_probe import COPIES_BYTES, decode_projections, inputs, probe_parser, write_table
+from benchmarks.gemv_probe import (COPIES_BYTES, batch_projections, decode_projections, inputs, probe_parser,
+                                  write_table)
 from benchmarks.timing import graph_time_us
 from deltaserve.config import ModelConfig
 from deltaserve.layers.mlp import JOIN_ROW_MULTIPLE
@@ -150,7 +151,7 @@ def probe_rows(cfg: ModelConfig, rows: int, device, only: str = "") -> dict:
     unfused_fns = {"rms_norm": reference.rms_norm_linear, "silu_mul": reference.silu_mul_linear,
                    "gated_norm": reference.gated_norm_linear}
     table = {}
-    for prologue, n, k in decode_projections(cfg):
+    for prologue, n, k in batch_projections(cfg):
         if prologue not in unfused_fns or (only and only != f"{n}:{k}"):
             continue
         weights, call = inputs(prologue, n, k, cfg.gdn_v_dim, device, rows)
@@ -421,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
         if rows < 16 or rows & (rows - 1):
             parser.error(f"--diagnose: row counts are powers of two from 16 (one dot tile), got {rows}")
     cfg = ModelConfig.from_pretrained(args.model)
-    shapes = {f"{n}:{k}" for _, n, k in decode_projections(cfg)}
+    shapes = {f"{n}:{k}" for _, n, k in batch_projections(cfg)}
     if args.only and args.only not in shapes:
         parser.error(f"--only: {args.only!r} is not a weight shape of this model ({', '.join(sorted(shapes))})")
     device = torch.device("cuda")

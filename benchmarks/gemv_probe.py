@@ -53,6 +53,23 @@ def decode_projections(cfg: ModelConfig) -> list[tuple[str, int, int]]:
     return shapes
 
 
+def batch_projections(cfg: ModelConfig) -> list[tuple[str, int, int]]:
+    """decode_projections' shapes, and those a MoE model's bf16 shared expert runs above one token, where it is not
+    a slot of the fused experts (ops.moe.SHARED_SLOT_MAX_TOKENS): the whole joined weight [router | shared gate | 0 |
+    shared gate/up | 0] after the norm (SparseMoE.fuse; the product of "rms_norm_and" is the plain one from two
+    rows on) and the shared down-projection after SiLU-and-mul."""
+    from deltaserve.layers.mlp import JOIN_ROW_MULTIPLE
+
+    shapes = decode_projections(cfg)
+    shared = cfg.shared_expert_intermediate_size if cfg.num_experts else 0
+    if shared:
+        def padded(rows: int) -> int:
+            return -(-rows // JOIN_ROW_MULTIPLE) * JOIN_ROW_MULTIPLE
+        shapes += [("rms_norm", padded(cfg.num_experts + 1) + padded(2 * shared), cfg.hidden_size),
+                   ("silu_mul", cfg.hidden_size, shared)]
+    return shapes
+
+
 def inputs(prologue: str, n: int, k: int, head_dim: int, device, rows: int = 1):
     """Weight copies and the call arguments of one shape at `rows` rows (batch 1 by default)."""
     dtype = torch.bfloat16

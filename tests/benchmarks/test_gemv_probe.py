@@ -60,3 +60,23 @@ def test_a_moe_model_probes_its_router_in_the_norm_launch():
     shapes = decode_projections(ModelConfig.from_pretrained(str(CONFIGS_DIR / "qwen3.5-35b-a3b")))
     assert ("rms_norm_and", 272, 2048) in shapes and all(n > 0 and k > 0 for _, n, k in shapes)
     assert not any(prologue == "silu_mul" for prologue, _, _ in shapes)
+
+
+def test_batch_projections_name_the_shared_experts_weights_as_the_block_multiplies_them():
+    """Above one token a bf16 MoE layer multiplies its whole joined weight (router, shared gate, shared gate/up,
+    each block padded) and then the shared down-projection: batch_projections must name those exact shapes, or the
+    skinny table's entries would never be read."""
+    import dataclasses
+
+    from benchmarks.gemv_probe import batch_projections, decode_projections
+    from deltaserve.config import ModelConfig
+    from deltaserve.layers.mlp import SparseMoE
+    from deltaserve.model_configs import CONFIGS_DIR
+
+    cfg = dataclasses.replace(ModelConfig.from_pretrained(str(CONFIGS_DIR / "qwen3.5-35b-a3b")), num_experts=5,
+                              hidden_size=32, shared_expert_intermediate_size=12)
+    block = SparseMoE(32, 5, 2, 8, 12, norm_topk_prob=True)
+    block.fuse()
+    shared_shapes = batch_projections(cfg)[len(decode_projections(cfg)):]
+    down = block.shared_expert.down_proj.weight
+    assert shared_shapes == [("rms_norm", *block.in_weight.shape), ("silu_mul", *down.shape)]
