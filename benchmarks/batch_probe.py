@@ -7,8 +7,10 @@ For every projection of a decode step of the model in CONFIG_DIR (default: the p
 CUDA graphs as decode runs them, each call on another copy of the weight so that none is served from L2: at one row,
 the prologue op and then the skinny kernel against the best of the fused GEMV (ops/linear/configs.json) and the
 prologue op + cuBLAS; at 16, 32 and 64 rows, the prologue op + the skinny kernel against the prologue op + cuBLAS
-(`--only N:K` for one shape). Writes the table cuda_skinny.py reads (the best tile where it won by 2%, else null)
-and prints each result with its bandwidth; then times the GDN decode step over (block_v, num_warps), and the
+(`--only N:K` for one shape; above one row also the shared expert's products of a bf16 MoE layer). Each tile's
+output is checked against the unfused op's first (benchmarks/timing.check_output: a broken tile is reported and never
+chosen). Writes the table cuda_skinny.py reads (the best tile where it won by 2%, else null) and prints each result
+with its bandwidth; then times the GDN decode step over (block_v, num_warps), and the
 recurrent prefill of one sequence of 16 and 128 tokens (CHUNK_TILE in ops/gdn/cuda.py). `--rows "" --gdn-batches ""
 --gdn-chunks "" --compare-specialization 64` times the tuned skinny tiles at 64 rows with and without Triton's
 specialisation on the row count, and nothing else; `--diagnose 16,64` (with the same empty lists) splits the skinny
@@ -29,7 +31,7 @@ import triton.language as tl
 
 from benchmarks.gemv_probe import (COPIES_BYTES, batch_projections, decode_projections, inputs, probe_parser,
                                   write_table)
-from benchmarks.timing import graph_time_us
+from benchmarks.timing import BrokenOutput, checked_time_us, graph_time_us
 from deltaserve.config import ModelConfig
 from deltaserve.layers.mlp import JOIN_ROW_MULTIPLE
 from deltaserve.model_configs import CONFIGS_DIR
@@ -59,14 +61,20 @@ SMALL_SWEEP = [(block_n, block_k, split, 4, 3) for block_n in (16, 32) for block
 MIN_GAIN = 0.98
 
 
-def best_tile(calls_for, sweep=SWEEP) -> tuple[float, tuple, list]:
-    """(microseconds, tile, top 3) of the fastest tile of `sweep`; calls_for(tile) -> the graph's calls."""
+def best_tile(calls_for, expected, sweep=SWEEP) -> tuple[float, tuple, list]:
+    """(microseconds, tile, top 3) of the fastest tile of `sweep`; calls_for(tile) -> the graph's calls, the first
+    of which must return `expected` (the unfused reference's output of the same inputs) as timing.check_output
+    judges it."""
     results = []
     for tile in sweep:
         try:
-            results.append((graph_time_us(calls_for(tile)), tile))
+            results.append((checked_time_us(calls_for(tile), expected), tile))
+        except BrokenOutput as exc:
+            print(f"  {tile}: WRONG ({exc})", flush=True)
         except Exception as exc:  # a tile Triton cannot build (shared memory): skip it
             print(f"  {tile}: failed ({type(exc).__name__})", flush=True)
+    if not results:
+        raise RuntimeError(f"no tile of {sweep} ran correctly")
     best_time, best = min(results)
     return best_time, best, [(round(t, 1), tile) for t, tile in sorted(results)[:3]]
 
@@ -93,7 +101,7 @@ def probe_one_row(cfg: ModelConfig, device) -> dict:
             baseline = min(baseline, graph_time_us([functools.partial(call, gemv_fns[prologue], w) for w in weights]))
         best_time, best, top = best_tile(lambda tile: [
             functools.partial(call, unfused, w, matmul=functools.partial(cuda_skinny.linear, config=tile))
-            for w in weights])
+            for w in weights], call(unfused, weights[0]))
         key = f"{n}:{k}:1"
         wins = best_time < MIN_GAIN * baseline
         table[key] = list(best) if wins and table.get(key, list(best)) is not None else None
@@ -128,7 +136,7 @@ def probe_small_products(device) -> dict:
         cublas = graph_time_us([functools.partial(call, _plain, w) for w in weights])
         best_time, best, top = best_tile(lambda tile: [
             functools.partial(call, _plain, w, matmul=functools.partial(cuda_skinny.linear, config=tile))
-            for w in weights], SMALL_SWEEP)
+            for w in weights], call(_plain, weights[0]), SMALL_SWEEP)
         table[f"{n}:{k}:1"] = list(best) if best_time < MIN_GAIN * cublas else None
         print(f"rows 1 small N={n:>4} K={k:>5} ({megabytes:.2f} MB): cuBLAS {cublas:.1f} us ({megabytes / cublas:.2f} "
               f"TB/s); skinny {best_time:.1f} us ({megabytes / best_time:.2f} TB/s) {best}; top: {top}", flush=True)
@@ -161,7 +169,7 @@ def probe_rows(cfg: ModelConfig, rows: int, device, only: str = "") -> dict:
         swapped = graph_time_us([functools.partial(call, unfused, w, matmul=_swapped_linear) for w in weights])
         best_time, best, top = best_tile(lambda tile: [
             functools.partial(call, unfused, w, matmul=functools.partial(cuda_skinny.linear, config=tile))
-            for w in weights])
+            for w in weights], call(unfused, weights[0]))
         table[f"{n}:{k}:{cuda_skinny.row_bucket(rows)}"] = list(best) if best_time < MIN_GAIN * cublas else None
         print(f"rows {rows:>2} {prologue:>10} N={n:>6} K={k:>6} ({megabytes:.0f} MB): op + cuBLAS {cublas:.1f} us "
               f"({megabytes / cublas:.2f} TB/s), on W x^T {swapped:.1f} us; op + skinny {best_time:.1f} us "

@@ -5,8 +5,9 @@
 For every projection of a decode step of the model in CONFIG_DIR (default: the published Qwen3.5-27B shape),
 at batch 1, times the unfused path (the prologue kernel, then F.linear) and the fused kernel over a sweep of
 tiles, inside a CUDA graph as decode runs them, each call on another copy of the weight so that none is
-served from L2. Prints each with its bandwidth and writes the table that ops/linear/cuda.py reads: the best
-tile per shape, or null where the unfused path won.
+served from L2; each tile's output is checked against the unfused path's first (benchmarks/timing.check_output:
+a broken tile is reported and never chosen). Prints each with its bandwidth and writes the table that
+ops/linear/cuda.py reads: the best tile per shape, or null where the unfused path won.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.timing import graph_time_us
+from benchmarks.timing import BrokenOutput, checked_time_us, graph_time_us
 from deltaserve.config import ModelConfig
 from deltaserve.model_configs import CONFIGS_DIR
 from deltaserve.ops.linear import cuda as linear_cuda
@@ -121,14 +122,20 @@ def main(argv: list[str] | None = None) -> int:
         megabytes = 2 * n * k / 1e6
         unfused_fn, fused_fn = unfused_fns[prologue], fused_fns[prologue]
         unfused = graph_time_us([functools.partial(call, unfused_fn, w) for w in weights])
+        expected = call(unfused_fn, weights[0])
         results = []
         for config in GATED_SWEEP if prologue == "gated_norm" else SWEEP:
             try:
-                t = graph_time_us([functools.partial(call, fused_fn, w, config=config) for w in weights])
+                t = checked_time_us([functools.partial(call, fused_fn, w, config=config) for w in weights], expected)
+            except BrokenOutput as exc:
+                print(f"  {config}: WRONG ({exc})", flush=True)
+                continue
             except Exception as exc:  # a tile Triton cannot build (registers, shared memory): skip it
                 print(f"  {config}: failed ({type(exc).__name__})", flush=True)
                 continue
             results.append((t, config))
+        if not results:
+            raise RuntimeError(f"{prologue} N={n} K={k}: no tile ran correctly")
         best_time, best = min(results)
         table[f"{prologue.removesuffix('_and')}:{n}:{k}"] = list(best) if best_time < 0.99 * unfused else None
         print(f"{prologue:>10} N={n:>6} K={k:>6} ({megabytes:.0f} MB): unfused {unfused:.1f} us "

@@ -20,7 +20,8 @@ such as 512 and 8192 too, where the dequantized experts' grouped matmul is timed
 "grouped" where it wins), on the path SparseMoE takes at it
 (kernel A's over its candidates with kernel B's default, then kernel B's with A's best, then BLOCK_M; at one token
 kernel A's tiles again with its K split 2, 4 or 8 ways, and the GEMV kernels' tiles alike, kept where they beat the
-tensor-core ones), starting no bucket after --budget-s
+tensor-core ones; each candidate's output checked against the plain-torch layer's first, the dequantized experts' for
+a quantized format, so that a broken tile is reported and never chosen), starting no bucket after --budget-s
 seconds, and merges the winners into --out (copy to deltaserve/ops/moe/configs.json to ship them).
 `--kernels` (quantized formats) adds each kernel's time on the table's tiles (torch.profiler over eager calls).
 `--format fp8` / `int4` / `nvfp4` times and sweeps the fused experts alone on stacked quantized experts of the same
@@ -42,11 +43,12 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.gemv_probe import write_table
 from benchmarks.quant_gemm_probe import make_weight
-from benchmarks.timing import eager_time_us, graph_time_us
+from benchmarks.timing import BrokenOutput, check_output, eager_time_us, graph_time_us
 from deltaserve.config import ModelConfig
 from deltaserve.layers.mlp import SparseMoE
 from deltaserve.model_configs import CONFIGS_DIR
 from deltaserve.ops import moe
+from deltaserve.ops.activation import silu_and_mul
 from deltaserve.ops.linear import linear
 from deltaserve.ops.moe import configs, reference
 from deltaserve.ops.moe import cuda as moe_cuda
@@ -259,13 +261,31 @@ def sweep_bucket(block: SparseMoE, tokens: int, stacks: tuple | None = None
         return [functools.partial(moe_cuda.fused_experts, x, ids, w, gate_up, down, tiles)
                 for x, (ids, w) in zip(xs, routed)]
 
+    with torch.no_grad():  # the plain-torch layer on the first call's inputs (quantized: dequantized experts)
+        if operands is not None:  # routed by the routing kernel, whose ties kernel A's folded routing shares
+            logits, gate, _ = projections[0]
+            shared_gate_up, shared_down = operands[2:]
+            shared = silu_and_mul(xs[0] @ shared_gate_up.T) @ shared_down.T  # [T, H]
+            expected = reference.grouped_experts(xs[0], *moe.route(logits, block.top_k, block.norm_topk_prob),
+                                                 gate_up, down, shared=(shared, gate))
+        elif stacks is not None:
+            expected = dequantized.grouped_experts(xs[0], *routed[0], gate_up, down)
+        else:
+            expected = reference.grouped_experts(xs[0], *routed[0], gate_up, down)
+
     def timed(tiles: configs.MoeTiles) -> float:
+        """The tiles' time a call, after checking the first call's output (timing.check_output); inf where they
+        fail to build or compute another output."""
         try:
             with torch.no_grad():
+                out = calls(tiles)[0]()
+                check_output(out[0] if operands is not None else out, expected)  # fused_moe: (out, ids, weights)
                 return graph_time_us(calls(tiles))
+        except BrokenOutput as exc:
+            print(f"    {tiles}: WRONG ({exc})", flush=True)
         except Exception as exc:  # a tile Triton cannot build (registers, shared memory): skip it
             print(f"    {tiles}: failed ({type(exc).__name__})", flush=True)
-            return float("inf")
+        return float("inf")
 
     default = configs.default_tiles(tokens)
     default_time = timed(default)

@@ -1,6 +1,41 @@
-"""GPU timing shared by the kernel probes."""
+"""GPU timing shared by the kernel probes, and the check that keeps a broken candidate out of their tables."""
 
 import torch
+
+# A candidate whose output strays from the reference's by more than this share of the reference's largest |value| is
+# broken (a wrong tile, a miscompiled variant), not rounded another way: the probes report it and never choose it.
+# Precision is the GPU tests' concern; this catches garbage before a table ships it.
+BROKEN_SHARE = 0.02
+
+
+class BrokenOutput(ValueError):
+    """A candidate's output is not the reference's (see BROKEN_SHARE)."""
+
+
+def _tensors(out) -> list[torch.Tensor]:
+    """The tensors a call returned: it, or a tuple's (None entries skipped)."""
+    return [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if t is not None]
+
+
+def check_output(actual, expected) -> None:
+    """Raise BrokenOutput unless each tensor of `actual` (a tensor or a tuple) has the shape of its counterpart in
+    `expected` and lies within BROKEN_SHARE of that counterpart's largest |value|."""
+    got, want = _tensors(actual), _tensors(expected)
+    if len(got) != len(want):
+        raise BrokenOutput(f"{len(got)} outputs where the reference returns {len(want)}")
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a.shape != b.shape:
+            raise BrokenOutput(f"output {i}: shape {tuple(a.shape)}, the reference's {tuple(b.shape)}")
+        scale = b.double().abs().max().item() if b.numel() else 0.0
+        err = (a.double() - b.double()).abs().max().item() if b.numel() else 0.0
+        if not err <= BROKEN_SHARE * scale:  # also NaN
+            raise BrokenOutput(f"output {i}: max error {err:.3g} against |reference| <= {scale:.3g}")
+
+
+def checked_time_us(calls, expected) -> float:
+    """graph_time_us(calls) after checking the first call's output against `expected` (check_output)."""
+    check_output(calls[0](), expected)
+    return graph_time_us(calls)
 
 
 def graph_time_us(calls) -> float:
