@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything GPU in one command, on an H200 machine: GPU tests, then the benchmarks.
-#   tests/gpu/run.sh OUTDIR [full|quick|tests|ops|bench|serve|memory|structured|tune|quant|moe]
+#   tests/gpu/run.sh OUTDIR [full|quick|tests|ops|bench|serve|bars|memory|structured|tune|quant|moe]
 #   full   every GPU test, then all benchmarks (more than one 10-minute device call: use tests, then bench)
 #   quick  every GPU test, a kernel profile and a short benchmark
 #   tests  the GPU tests alone (tests/gpu, ~8 min on an H200); TESTS="paths" runs those instead
@@ -15,6 +15,9 @@
 #          OUTDIR/step_summary.txt sums each run's steps by kind (benchmarks/step_trace_summary.py);
 #          BASE_TAR=.base.tar (`git archive REV -o .base.tar`, carried) runs them on that tree first, then on this
 #          one (OUTDIR/base, OUTDIR/new): a baseline on the same machine
+#   bars   the open issues' bars served (benchmarks/bars.py): one serve-mode start a model with its bar workloads,
+#          in the order the bars need them, within BUDGET (540) s, skipping what the card cannot hold; ONLY="w7,w8-fp8"
+#          chooses starts; OUTDIR/bars.txt has each figure beside its bar and what was skipped
 #   quant  the quantized GEMMs: their GPU tests, then benchmarks/quant_gemm_probe.py at Qwen3.5-27B's shapes (every
 #          kernel and tile, TB/s and TFLOP/s beside the limits) writing OUTDIR/quant_gemm_configs.json (for
 #          deltaserve/ops/quant_gemm/configs.json); ~6-7 min on an H200: the probe starts no shape after
@@ -45,12 +48,12 @@
 # (scripts/gpu_wheels.sh); the published configs are the ones shipped in deltaserve/model_configs/.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-OUT=${1:?usage: tests/gpu/run.sh OUTDIR [quick|full|tests|ops|bench|serve|memory|structured|tune|quant|moe]}
+OUT=${1:?usage: tests/gpu/run.sh OUTDIR [quick|full|tests|ops|bench|serve|bars|memory|structured|tune|quant|moe]}
 MODE=${2:-full}
 case "$MODE" in
-  full|quick|tests|ops|bench|serve|memory|structured|tune|quant|moe) ;;
-  *) echo "tests/gpu/run.sh: unknown mode '$MODE' (full, quick, tests, ops, bench, serve, memory, structured, tune," \
-       "quant or moe)" >&2
+  full|quick|tests|ops|bench|serve|bars|memory|structured|tune|quant|moe) ;;
+  *) echo "tests/gpu/run.sh: unknown mode '$MODE' (full, quick, tests, ops, bench, serve, bars, memory, structured," \
+       "tune, quant or moe)" >&2
      exit 2 ;;
 esac
 mkdir -p "$OUT"
@@ -133,6 +136,10 @@ if [ "$MODE" = structured ]; then
   python3 -m benchmarks.structured_overhead "$CONFIGS/${MODEL:-qwen3.5-27b}" --out "$OUT" 2>&1 \
     | tee "$OUT/structured_bench.log"
   exit "${PIPESTATUS[0]}"
+fi
+if [ "$MODE" = bars ]; then
+  python3 -m benchmarks.bars "$OUT" ${ONLY:+--only "$ONLY"} ${BUDGET:+--budget-s "$BUDGET"}
+  exit $?
 fi
 if [ "$MODE" = serve ] && [ -n "${BASE_TAR:-}" ]; then
   # the same runs on an earlier tree first (a `git archive` tarball carried beside this one), then on this one:
