@@ -28,7 +28,10 @@ def test_result_blocks_are_read_in_order():
     assert blocks[1]["Median TTFT (ms)"] == 501.05 and blocks[0]["Total Token throughput (tok/s)"] == 253.76
     server = next(s for s in bars.SERVERS if s.name == "27b-fp8")
     (w1, tpot), (w3, ttft) = bars.figures(server, log)
-    assert (tpot, ttft) == (11.63, 501.05) and not w1.met(tpot) and not w3.met(ttft)
+    assert (tpot, ttft) == (11.63, 501.05)
+    assert (w1.verdict(tpot), w3.verdict(ttft), w1.verdict(6.9)) == ("bar <= 7: not met", "bar <= 450: not met",
+                                                                    "bar <= 7: met")
+    assert bars.Bar("W8 80B", "Median TPOT (ms)", None).verdict(3.1) == "reported"
     assert bars.figures(server, log.split("=====\n")[0])[1][1] is None  # the second run left no block
 
 
