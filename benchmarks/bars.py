@@ -59,7 +59,7 @@ def _tpot(label: str, bar: float | None) -> Bar:
 
 SERVERS = (
     Server("w7", "qwen3.5-35b-a3b", ("8192:1024:64:16:0.8", "1024:512:5:1"),
-           (Bar("W7 35B-A3B bf16 c=16 total tok/s", "Total token throughput (tok/s)", 10_000, True),
+           (Bar("W7 35B-A3B bf16 c=16 total tok/s", "Total Token throughput (tok/s)", 10_000, True),
             _tpot("W8 35B-A3B bf16 TPOT ms", 3.0)), card_gib=100, seconds=200, max_model_len=20_000),
     Server("w8-fp8", "qwen3.5-35b-a3b-fp8", ("1024:512:5:1",), (_tpot("W8 35B-A3B-FP8 TPOT ms", 2.5),),
            card_gib=40, seconds=110),
@@ -79,7 +79,7 @@ SERVERS = (
            card_gib=100, seconds=200, serve_args="--quantization fp8"),
     Server("122b-fp8", "qwen3.5-122b-a10b-fp8", ("1024:512:5:1", "8192:1024:64:16:0.8"),
            (_tpot("W8 122B-A10B-FP8 TPOT ms", None),
-            Bar("W7 122B-A10B-FP8 c=16 total tok/s", "Total token throughput (tok/s)", None, True)),
+            Bar("W7 122B-A10B-FP8 c=16 total tok/s", "Total Token throughput (tok/s)", None, True)),
            card_gib=130, seconds=300, max_model_len=20_000, serve_args="--max-num-seqs 16"),
 )
 NAMES = tuple(server.name for server in SERVERS)
@@ -87,7 +87,7 @@ NAMES = tuple(server.name for server in SERVERS)
 
 def results(log: str) -> list[dict[str, float]]:
     """Each `deltaserve bench serve` result block of a serve_bench.log, in order: {result line label: value}."""
-    blocks = log.split("============ Serving Benchmark Result ============")[1:]
+    blocks = re.split(r"=+ Serving Benchmark Result =+", log)[1:]
     return [{m.group(1).strip(): float(m.group(2))
              for m in re.finditer(r"^([^:\n]+):\s+([-0-9.]+)\s*$", block, re.MULTILINE)} for block in blocks]
 

@@ -7,32 +7,33 @@ import pytest
 
 from benchmarks import bars
 
-RESULT = """============ Serving Benchmark Result ============
-Successful requests:                     5
-Benchmark duration (s):                  {duration}
-Output token throughput (tok/s):         84.59
-Total Token throughput (tok/s):          253.76
----------------Time to First Token----------------
-Median TTFT (ms):                        {ttft}
------Time per Output Token (excl. 1st token)------
-Median TPOT (ms):                        {tpot}
-==================================================
-"""
+
+def result_table(ttft: float, tpot: float) -> str:
+    """A result block as `deltaserve bench serve` prints it (its own formatter), with these medians."""
+    from deltaserve.bench.metrics import METRIC_NAMES, BenchmarkMetrics, MetricStats
+    from deltaserve.bench.report import format_table
+
+    medians = {"ttft": ttft, "tpot": tpot}
+    metrics = BenchmarkMetrics(5, 0, 5120, 2560, 0.17, 0.0, 84.59, 253.76, 86.0, 1,
+                               {name: MetricStats(1.0, medians.get(name, 1.0), 0.0, [(99.0, 2.0)])
+                                for name in METRIC_NAMES})
+    return format_table(metrics, 30.26, METRIC_NAMES, 1, float("inf"), False) + "\n"
 
 
 def test_result_blocks_are_read_in_order():
-    log = "progress 5/5\n" + RESULT.format(duration=30.26, ttft=70.0, tpot=11.63) + RESULT.format(
-        duration=2.53, ttft=501.05, tpot=0.0)
+    log = "progress 5/5\n" + result_table(ttft=70.0, tpot=11.63) + result_table(ttft=501.05, tpot=0.0)
     blocks = bars.results(log)
     assert [b["Median TPOT (ms)"] for b in blocks] == [11.63, 0.0]
     assert blocks[1]["Median TTFT (ms)"] == 501.05 and blocks[0]["Total Token throughput (tok/s)"] == 253.76
+    for server in bars.SERVERS:  # every bar names a line the bench prints
+        assert all(bar is None or bar.metric in blocks[0] for bar in server.bars), server.name
     server = next(s for s in bars.SERVERS if s.name == "27b-fp8")
     (w1, tpot), (w3, ttft) = bars.figures(server, log)
     assert (tpot, ttft) == (11.63, 501.05)
     assert (w1.verdict(tpot), w3.verdict(ttft), w1.verdict(6.9)) == ("bar <= 7: not met", "bar <= 450: not met",
                                                                     "bar <= 7: met")
     assert bars.Bar("W8 80B", "Median TPOT (ms)", None).verdict(3.1) == "reported"
-    assert bars.figures(server, log.split("=====\n")[0])[1][1] is None  # the second run left no block
+    assert bars.figures(server, result_table(ttft=70.0, tpot=11.63))[1][1] is None  # the second run left no block
 
 
 def test_every_start_names_a_shipped_config_and_a_bar_per_run():
@@ -51,7 +52,7 @@ def test_starts_that_do_not_fit_are_skipped_and_the_rest_judged(tmp_path, monkey
         clock[0] += server.seconds  # it takes what the table expects
         (outdir / server.name).mkdir()
         tpot = {"w8-fp8": 2.41, "27b-awq": 5.0}[server.name]
-        (outdir / server.name / "serve_bench.log").write_text(RESULT.format(duration=1, ttft=50, tpot=tpot))
+        (outdir / server.name / "serve_bench.log").write_text(result_table(ttft=50, tpot=tpot))
         return 0
 
     monkeypatch.setattr(bars, "card_gib", lambda: 79.6)  # an H100: bf16 35B-A3B leaves W7 no KV pool
