@@ -69,3 +69,27 @@ def test_unknown_starts_are_refused_by_name(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bars.main([str(tmp_path), "--only", "w9"])
     assert "unknown start(s) w9" in capsys.readouterr().err
+
+
+def test_a_start_past_its_time_is_stopped_with_the_server_it_started(tmp_path, monkeypatch):
+    """run.sh starts the server in the background: stopping only run.sh would leave the server holding the card."""
+    import time
+    from pathlib import Path
+
+    script = tmp_path / "tests" / "gpu" / "run.sh"
+    script.parent.mkdir(parents=True)
+    script.write_text('sleep 60 &\necho $! > "$1.child"\nwait\n')  # a "server" in the background, then wait for it
+    monkeypatch.setattr(bars, "REPO", tmp_path)
+    server = bars.SERVERS[0]
+    began = time.monotonic()
+    assert bars.run_server(server, tmp_path, timeout_s=1.0) == 124
+    assert time.monotonic() - began < 30
+    child = int((tmp_path / f"{server.name}.child").read_text())
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:  # gone, or a zombie waiting for its reaper
+        stat = Path(f"/proc/{child}/stat")
+        if not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError(f"the background process {child} outlived its start's timeout")
