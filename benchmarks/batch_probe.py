@@ -87,17 +87,18 @@ def _plain(x, weight, matmul=torch.nn.functional.linear):
 def probe_one_row(cfg: ModelConfig, device) -> dict:
     """Bucket 1: the prologue op + the skinny GEMM against the fused GEMV and the prologue op + cuBLAS. A
     weight shape shared by two projections gets a tile only where it wins for both."""
-    unfused_fns = {"rms_norm": reference.rms_norm_linear, "silu_mul": reference.silu_mul_linear,
-                   "gated_norm": reference.gated_norm_linear, "none": _plain}
-    gemv_fns = {"rms_norm": gemv_cuda.rms_norm_linear, "silu_mul": gemv_cuda.silu_mul_linear,
-                "gated_norm": gemv_cuda.gated_norm_linear, "none": gemv_cuda.linear}
+    unfused_fns = {"rms_norm": reference.rms_norm_linear, "rms_norm_and": reference.rms_norm_and_linear,
+                   "silu_mul": reference.silu_mul_linear, "gated_norm": reference.gated_norm_linear, "none": _plain}
+    gemv_fns = {"rms_norm": gemv_cuda.rms_norm_linear, "rms_norm_and": gemv_cuda.rms_norm_and_linear,
+                "silu_mul": gemv_cuda.silu_mul_linear, "gated_norm": gemv_cuda.gated_norm_linear,
+                "none": gemv_cuda.linear}
     table = {}
     for prologue, n, k in decode_projections(cfg):
         weights, call = inputs(prologue, n, k, cfg.gdn_v_dim, device)
         megabytes = 2 * n * k / 1e6
         unfused = unfused_fns[prologue]
         baseline = graph_time_us([functools.partial(call, unfused, w) for w in weights])
-        if gemv_cuda.config_for(prologue, n, k) is not None:
+        if gemv_cuda.config_for(prologue.removesuffix("_and"), n, k) is not None:  # the table's "rms_norm" keys
             baseline = min(baseline, graph_time_us([functools.partial(call, gemv_fns[prologue], w) for w in weights]))
         best_time, best, top = best_tile(lambda tile: [
             functools.partial(call, unfused, w, matmul=functools.partial(cuda_skinny.linear, config=tile))
