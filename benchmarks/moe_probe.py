@@ -129,6 +129,23 @@ def slot_path(block: SparseMoE, operands: tuple, tiles: configs.MoeTiles, x: tor
     return moe_cuda.fused_moe(x, logits, block.top_k, block.norm_topk_prob, *operands, gate, tiles)[0]
 
 
+def reference_output(block: SparseMoE, x: torch.Tensor, routed: tuple, projection: tuple | None,
+                     operands: tuple | None, stacks: tuple | None) -> torch.Tensor:
+    """What the swept path must compute for x [T, H], in plain torch: with the shared slot (operands, and x's
+    projection (logits, gate, _)) the whole layer, routed by moe.route (on CUDA the routing kernel, whose ties
+    kernel A's folded routing shares); else the routed experts alone on `routed` (ids, weights), the quantized
+    `stacks` dequantized."""
+    if operands is not None:
+        logits, gate, _ = projection
+        gate_up, down, shared_gate_up, shared_down = operands
+        shared = silu_and_mul(x @ shared_gate_up.T) @ shared_down.T  # [T, H]
+        return reference.grouped_experts(x, *moe.route(logits, block.top_k, block.norm_topk_prob), gate_up, down,
+                                         shared=(shared, gate))
+    if stacks is not None:
+        return dequantized.grouped_experts(x, *routed, *stacks)
+    return reference.grouped_experts(x, *routed, block.experts.gate_up_proj, block.experts.down_proj)
+
+
 def slot_operands(block: SparseMoE) -> tuple | None:
     """(gate_up, down, shared gate_up, shared down) where the block runs the shared expert as a slot, else None."""
     experts = block.experts
@@ -261,17 +278,8 @@ def sweep_bucket(block: SparseMoE, tokens: int, stacks: tuple | None = None
         return [functools.partial(moe_cuda.fused_experts, x, ids, w, gate_up, down, tiles)
                 for x, (ids, w) in zip(xs, routed)]
 
-    with torch.no_grad():  # the plain-torch layer on the first call's inputs (quantized: dequantized experts)
-        if operands is not None:  # routed by the routing kernel, whose ties kernel A's folded routing shares
-            logits, gate, _ = projections[0]
-            shared_gate_up, shared_down = operands[2:]
-            shared = silu_and_mul(xs[0] @ shared_gate_up.T) @ shared_down.T  # [T, H]
-            expected = reference.grouped_experts(xs[0], *moe.route(logits, block.top_k, block.norm_topk_prob),
-                                                 gate_up, down, shared=(shared, gate))
-        elif stacks is not None:
-            expected = dequantized.grouped_experts(xs[0], *routed[0], gate_up, down)
-        else:
-            expected = reference.grouped_experts(xs[0], *routed[0], gate_up, down)
+    with torch.no_grad():
+        expected = reference_output(block, xs[0], routed[0], projections[0] if operands else None, operands, stacks)
 
     def timed(tiles: configs.MoeTiles) -> float:
         """The tiles' time a call, after checking the first call's output (timing.check_output); inf where they

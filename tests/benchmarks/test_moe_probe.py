@@ -62,3 +62,33 @@ def test_bad_arguments_are_named(argv, message, capsys):
         moe_probe.main(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("shared_size", [16, 0])
+def test_the_sweeps_reference_is_the_blocks_output(shared_size):
+    """What the tile sweep checks each candidate against (reference_output) is the block's own output: with the
+    shared slot, the whole layer from the router's projection; without a shared expert, the routed experts. On a
+    dyadic grid the products and sums are exact, so the CPU compares bits."""
+    from deltaserve.ops import moe
+    from deltaserve.ops.linear import linear
+
+    gen = torch.Generator().manual_seed(2)
+    block = SparseMoE(24, 5, 2, 16, shared_size, norm_topk_prob=True)
+    with torch.no_grad():
+        for param in block.parameters():
+            param.copy_(torch.randint(-4, 5, param.shape, generator=gen) / 8)
+    block.fuse()
+    x = torch.randint(-2, 3, (3, 24), generator=gen) / 2
+    with torch.no_grad():
+        want = block(x)
+        if shared_size:
+            block.shared_expert.fuse()
+            experts = block.experts
+            operands = (experts.gate_up_proj, experts.down_proj, block.shared_expert.gate_up_weight,
+                        block.shared_expert.down_proj.weight)
+            projection = block.split_projection(linear(x, block.router_weight))
+            got = moe_probe.reference_output(block, x, None, projection, operands, None)
+        else:
+            routed = moe.route(block.gate(x), block.top_k, block.norm_topk_prob)
+            got = moe_probe.reference_output(block, x, routed, None, None, None)
+    assert torch.equal(got, want)
