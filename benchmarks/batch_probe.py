@@ -33,7 +33,7 @@ from benchmarks.gemv_probe import (COPIES_BYTES, batch_projections, decode_proje
                                   write_table)
 from benchmarks.timing import BrokenOutput, checked_time_us, graph_time_us
 from deltaserve.config import ModelConfig
-from deltaserve.layers.mlp import JOIN_ROW_MULTIPLE
+from deltaserve.layers.mlp import join_padded
 from deltaserve.model_configs import CONFIGS_DIR
 from deltaserve.ops.gdn import cuda as gdn_cuda
 from deltaserve.ops.linear import cuda as gemv_cuda
@@ -123,7 +123,7 @@ def small_products() -> list[tuple[int, int]]:
         cfg = ModelConfig.from_pretrained(path)
         shapes.add((2 * cfg.gdn_num_v_heads, cfg.hidden_size))
         if cfg.num_experts:
-            shapes.add((-(-(cfg.num_experts + 1) // JOIN_ROW_MULTIPLE) * JOIN_ROW_MULTIPLE, cfg.hidden_size))
+            shapes.add((join_padded(cfg.num_experts + 1), cfg.hidden_size))
     return sorted(shapes)
 
 

@@ -40,7 +40,7 @@ def decode_projections(cfg: ModelConfig) -> list[tuple[str, int, int]]:
     a MoE model's joined router rows (layers.mlp.SparseMoE.fuse: the router and the shared gate, padded to
     JOIN_ROW_MULTIPLE) as "rms_norm_and", the norm's launch writing its normed row too (rms_norm_and_linear),
     which the table keeps under the "rms_norm" prologue."""
-    from deltaserve.layers.mlp import JOIN_ROW_MULTIPLE
+    from deltaserve.layers.mlp import join_padded
 
     H, inter = cfg.hidden_size, cfg.intermediate_size
     gdn_in = cfg.conv_dim + cfg.gdn_value_dim + 2 * cfg.gdn_num_v_heads
@@ -50,7 +50,7 @@ def decode_projections(cfg: ModelConfig) -> list[tuple[str, int, int]]:
     if inter:
         shapes += [("rms_norm", 2 * inter, H), ("silu_mul", H, inter)]
     if cfg.num_experts:
-        shapes.append(("rms_norm_and", -(-(cfg.num_experts + 1) // JOIN_ROW_MULTIPLE) * JOIN_ROW_MULTIPLE, H))
+        shapes.append(("rms_norm_and", join_padded(cfg.num_experts + 1), H))
     return shapes
 
 
@@ -59,14 +59,12 @@ def batch_projections(cfg: ModelConfig) -> list[tuple[str, int, int]]:
     a slot of the fused experts (ops.moe.SHARED_SLOT_MAX_TOKENS): the whole joined weight [router | shared gate | 0 |
     shared gate/up | 0] after the norm (SparseMoE.fuse; the product of "rms_norm_and" is the plain one from two
     rows on) and the shared down-projection after SiLU-and-mul."""
-    from deltaserve.layers.mlp import JOIN_ROW_MULTIPLE
+    from deltaserve.layers.mlp import join_padded
 
     shapes = decode_projections(cfg)
     shared = cfg.shared_expert_intermediate_size if cfg.num_experts else 0
     if shared:
-        def padded(rows: int) -> int:
-            return -(-rows // JOIN_ROW_MULTIPLE) * JOIN_ROW_MULTIPLE
-        shapes += [("rms_norm", padded(cfg.num_experts + 1) + padded(2 * shared), cfg.hidden_size),
+        shapes += [("rms_norm", join_padded(cfg.num_experts + 1) + join_padded(2 * shared), cfg.hidden_size),
                    ("silu_mul", cfg.hidden_size, shared)]
     return shapes
 

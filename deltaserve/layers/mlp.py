@@ -157,7 +157,12 @@ class QuantExperts(nn.Module):
         return self.gate_up_stack, self.down_stack
 
 
-JOIN_ROW_MULTIPLE = 16  # SparseMoE.fuse pads its joined router rows to this
+JOIN_ROW_MULTIPLE = 16  # SparseMoE.fuse pads each block of its joined rows to this
+
+
+def join_padded(rows: int) -> int:
+    """The rows a block of `rows` takes in SparseMoE.fuse's joined weight: padded to JOIN_ROW_MULTIPLE."""
+    return -(-rows // JOIN_ROW_MULTIPLE) * JOIN_ROW_MULTIPLE
 
 
 class SparseMoE(nn.Module):
@@ -191,7 +196,7 @@ class SparseMoE(nn.Module):
         shared = (self.shared_expert.gate_proj, self.shared_expert.up_proj)
         if all(type(linear) is nn.Linear for linear in router + shared):
             self.in_weight = fuse_linear_blocks(router, shared, row_multiple=JOIN_ROW_MULTIPLE)
-            rows = -(-(self.gate.out_features + 1) // JOIN_ROW_MULTIPLE) * JOIN_ROW_MULTIPLE
+            rows = join_padded(self.gate.out_features + 1)
             self.router_weight = self.in_weight[:rows]
             self.shared_expert.gate_up_weight = self.in_weight[rows:rows + 2 * shared[0].out_features]
         elif all(type(linear) is nn.Linear for linear in router):
