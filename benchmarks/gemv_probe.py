@@ -90,7 +90,7 @@ def inputs(prologue: str, n: int, k: int, head_dim: int, device, rows: int = 1):
 
 def probe_parser(module: str, doc: str, default_out: str, package_table: str) -> argparse.ArgumentParser:
     """The arguments every probe takes: the model's config directory and the table to merge results into."""
-    parser = argparse.ArgumentParser(prog=f"python -m deltaserve.bench.{module}", description=doc,
+    parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{module}", description=doc,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", nargs="?", default=str(CONFIGS_DIR / "qwen3.5-27b"),
                         help="config.json directory (default: the shipped Qwen3.5-27B config)")

@@ -151,7 +151,7 @@ if [ "$MODE" = serve ] && [ -n "${BASE_TAR:-}" ]; then
   BASE_TAR= BUNDLE= bash tests/gpu/run.sh "$out/new" serve > /dev/null 2>&1 || status=1
   for tree in base new; do
     echo "== $tree"
-    grep -E "Median TTFT|Median TPOT|Total token throughput|Output token throughput" "$out/$tree/serve_bench.log"
+    grep -E "Median TTFT|Median TPOT|Total Token throughput|Output token throughput" "$out/$tree/serve_bench.log"
   done
   exit $status
 fi
