@@ -128,11 +128,13 @@ class LLMEngine:
         (worker/warm_up.engine_steps); then the allocator's free cached blocks handed back (the warm-up's one-off
         shapes leave them; with expandable segments their pages are unmapped, docs/memory.md), the memory in
         use logged against the budget, and the budget made the runner's memory ceiling (its eager steps hand
-        back cached blocks above it): by each worker process for its GPU under -tp / -pp."""
+        back cached blocks above it), and any kernel compiled from then on logged (warm_up.watch_compiles): by
+        each worker process for its GPU under -tp / -pp."""
         warm_up.engine_steps(self)
         if getattr(self.runner, "workers_device_type", None) is not None:  # -tp / -pp: each worker, for its GPU
             self.runner.after_warm_up(self.memory_plan)
             return
+        warm_up.watch_compiles()
         torch.cuda.empty_cache()
         in_use = warm_up.check_memory(self.memory_plan, torch.device(self.runner.device))
         if in_use is not None:

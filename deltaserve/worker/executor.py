@@ -159,11 +159,13 @@ def _worker_main(rank: int, spec: WorkerSpec, conn) -> None:
 
 def _after_warm_up(runner, plan) -> None:
     """A rank on a GPU once the engine's warm-up steps ran: as LLMEngine.warm_up does in one process, its free
-    cached blocks handed back, its memory logged against the plan's budget, the budget made its memory ceiling."""
+    cached blocks handed back, its memory logged against the plan's budget, the budget made its memory ceiling, and
+    any kernel it compiles from then on logged."""
     from deltaserve.worker import warm_up
 
     if runner.device.type != "cuda":
         return
+    warm_up.watch_compiles()
     torch.cuda.empty_cache()
     in_use = warm_up.check_memory(plan, runner.device)
     if in_use is not None:

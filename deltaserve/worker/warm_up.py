@@ -8,6 +8,7 @@ before the first request, so that no user's request pays for it (docs/architectu
                                          cuDNN's attention plans
     engine_steps(engine)                 a few real steps through the whole engine (LLMEngine.warm_up)
     check_memory(plan, device)           after them: the device memory in use against the plan's budget
+    watch_compiles()                     from then on, a warning for each kernel variant a served step compiles
 """
 
 from __future__ import annotations
@@ -95,6 +96,20 @@ def engine_steps(engine) -> None:
     run_until(lambda outputs: False)
     engine.reset_prefix_cache()
     logger.info("warm-up (the first use of each kind of step) took %.1f s", time.perf_counter() - start)
+
+
+def watch_compiles() -> None:
+    """Log a warning for every Triton kernel variant compiled (or loaded from Triton's disk cache) from now on: the
+    warm-ups above should have met them all, and a step that meets a new one stalls every stream while it compiles.
+    The line names the kernel and what it specialized on, which says what to warm up."""
+    import triton
+
+    def warn(*, fn, compile, **_) -> bool:
+        logger.warning("a served step compiled Triton kernel variant %s: %s %s (the start-up warm-up missed it)",
+                       fn.name, compile["signature"], compile["configs"])
+        return False  # compile it as usual
+
+    triton.knobs.runtime.jit_cache_hook = warn
 
 
 def check_memory(plan: MemoryPlan, device: torch.device) -> int | None:

@@ -65,11 +65,13 @@ def test_an_overshoot_names_the_utilization_that_keeps_the_bytes_asked_for():
 
 
 def test_start_up_hands_back_the_warm_ups_cached_blocks_before_reporting(monkeypatch):
-    """LLMEngine.warm_up: the steps, then torch's cache emptied (what their one-off shapes left reserved), then the
-    memory in use reported: the report sees what serving starts from; the runner's memory ceiling is then the
-    budget, or what start-up left in use where that is more. Under -tp / -pp the workers do all but the steps."""
+    """LLMEngine.warm_up: the steps, then the compile watch installed, then torch's cache emptied (what their
+    one-off shapes left reserved), then the memory in use reported: the report sees what serving starts from; the
+    runner's memory ceiling is then the budget, or what start-up left in use where that is more. Under -tp / -pp
+    the workers do all but the steps."""
     calls, in_use = [], [0]
     monkeypatch.setattr(warm_up, "engine_steps", lambda engine: calls.append("steps"))
+    monkeypatch.setattr(warm_up, "watch_compiles", lambda: calls.append("watch_compiles"))
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
     monkeypatch.setattr(warm_up, "check_memory", lambda plan, device: calls.append("check_memory") or in_use[0])
     engine = LLMEngine.__new__(LLMEngine)
@@ -78,10 +80,29 @@ def test_start_up_hands_back_the_warm_ups_cached_blocks_before_reporting(monkeyp
         calls.clear()
         in_use[0], engine.runner = used, SimpleNamespace(device="cuda:0", memory_ceiling=None)
         engine.warm_up()
-        assert calls == ["steps", "empty_cache", "check_memory"]
+        assert calls == ["steps", "watch_compiles", "empty_cache", "check_memory"]
         assert engine.runner.memory_ceiling == ceiling
     calls.clear()
     engine.runner = SimpleNamespace(device="cpu", workers_device_type="cuda",
                                     after_warm_up=lambda plan: calls.append(("after_warm_up", plan)))
     engine.warm_up()
     assert calls == ["steps", ("after_warm_up", engine.memory_plan)]
+
+
+def test_a_kernel_compiled_after_start_up_is_logged_with_what_it_specialized_on(monkeypatch, caplog):
+    """warm_up.watch_compiles: from then on, every Triton variant compiled is a warning naming the kernel and its
+    signature and specializations (what the warm-up should have met), and it is still compiled."""
+    import triton
+
+    monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook", None)  # restored after the test
+    warm_up.watch_compiles()
+    hook = triton.knobs.runtime.jit_cache_hook
+    with caplog.at_level("WARNING", logger=warm_up.__name__):
+        compiled = {"signature": {"x_ptr": "*bf16", "rows": "i32"}, "configs": [{(1,): [["tt.divisibility", 16]]}]}
+        skipped = hook(key="k", repr="r", fn=SimpleNamespace(name="_fused_moe_kernel_a"), compile=compiled,
+                       is_manual_warmup=False, already_compiled=False)
+    assert skipped is False
+    [record] = caplog.records
+    assert record.levelname == "WARNING"
+    assert "_fused_moe_kernel_a" in record.getMessage() and "'rows': 'i32'" in record.getMessage()
+    assert "tt.divisibility" in record.getMessage()
