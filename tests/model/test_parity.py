@@ -8,7 +8,7 @@ largest truth logit. A wrong layout, norm, gate or cache position is off by 1e-2
 import pytest
 import torch
 
-from tests.model.helpers import SequenceRunner, load_pair, model_bound
+from tests.model.helpers import SequenceRunner, assert_paths_agree, load_pair, model_bound
 from tests.tolerance import assert_within
 
 ARCHS = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
@@ -71,24 +71,30 @@ def test_token_by_token_from_a_reused_slot(pair):
 
 
 def test_varlen_batch_matches_each_sequence_alone(pair):
-    ours, ref = pair
+    """Sequences of several lengths in one step, then a mixed step (two prompt tails of length 2 beside fresh
+    sequences, decode-like rows), then a decode step of all: each sequence's logits equal those of the same
+    chunks run alone, within both runs' float32 bounds. Against itself rather than transformers: where a GDN
+    head's output cancels (a small S^T q) its gated RMS norm scales that head's rounding up, by a factor the
+    stack bound does not model, and how large that rounding is depends on the CPU's matmul kernels (an AVX2
+    machine put one such token 18% over the bound against the float64 truth); a batching fault (another slot's
+    state, block or position) moves the logits by the logit scale's percent or more."""
+    ours, _ = pair
     lengths = {1: 5, 3: 70, 4: 1, 6: 18}
     prompts = {slot: prompt(n, 10 + slot, ours.config.vocab_size) for slot, n in lengths.items()}
-    runner = SequenceRunner(ours)
-    for slot in prompts:
-        runner.add(slot)
-    first = runner.step({slot: ids[:-2] or ids for slot, ids in prompts.items() if len(ids) > 2})
-    for slot, ids in prompts.items():
-        if len(ids) > 2:
-            assert_close(first[slot], reference_logits(ref, ids, slice(None, -2)), ours.config, len(ids))
-    # a mixed step: two prefill tails of length 2 beside fresh sequences (decode-like rows)
-    mixed = runner.step({slot: ids[-2:] if len(ids) > 2 else ids for slot, ids in prompts.items()})
-    for slot, ids in prompts.items():
-        expected = reference_logits(ref, ids)
-        assert_close(mixed[slot], expected[-2:] if len(ids) > 2 else expected, ours.config, len(ids))
-    # one decode step with every sequence at once
     extra = {slot: [7 + slot] for slot in prompts}
-    decode = runner.step(extra)
+    # each step's chunk per sequence: the prompt less its last 2 tokens, those 2 (or a short prompt whole), a decode
+    chunks = [{slot: ids[:-2] for slot, ids in prompts.items() if len(ids) > 2},
+              {slot: ids[-2:] if len(ids) > 2 else ids for slot, ids in prompts.items()}, extra]
+    batched = SequenceRunner(ours)
+    for slot in prompts:
+        batched.add(slot)
+    got = [batched.step(step) for step in chunks]
     for slot, ids in prompts.items():
-        assert_close(decode[slot], reference_logits(ref, ids + extra[slot], slice(-1, None)), ours.config,
-                     len(ids) + 1)
+        alone = SequenceRunner(ours)
+        alone.add(slot)
+        for step, step_got in zip(chunks, got):
+            if slot in step:
+                want = alone.step({slot: step[slot]})[slot]
+                assert_paths_agree(step_got[slot], want,
+                                   lambda magnitude: model_bound(ours.config, len(ids) + 1, magnitude),
+                                   f"sequence {slot}: batched vs alone")
