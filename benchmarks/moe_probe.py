@@ -15,9 +15,11 @@ counted from the calls' routing) over 4.8 TB/s (the H200's nominal HBM bandwidth
 the experts' intermediate size, a second line times the layer with the shared expert a slot of the fused kernels
 and the routing inside them (the router + shared gate GEMM, then cuda.fused_moe: SparseMoE's path up to
 moe.SHARED_SLOT_MAX_TOKENS tokens), and fused_moe alone. Each path's CUDA kernels per layer call are counted (torch.profiler, eager).
-`--sweep` then tunes the fused kernels' tiles per token bucket of --tokens (quantized formats: prompt-chunk buckets
-such as 512 and 8192 too, where the dequantized experts' grouped matmul is timed beside the tiles and marked
-"grouped" where it wins), on the path SparseMoE takes at it
+`--sweep` then tunes the fused kernels' tiles per token bucket of --tokens (prompt-chunk buckets such as 512 and
+8192 too, where torch's grouped matmul, on the dequantized experts for a quantized format, is timed beside the tiles
+and the bf16 matmul rate's limit; a quantized format's table marks "grouped" where it wins; bf16's prompt buckets
+are printed, not tabled, since SparseMoE runs bf16 prompt chunks on the grouped matmul), on the path SparseMoE
+takes at it
 (kernel A's over its candidates with kernel B's default, then kernel B's with A's best, then BLOCK_M; at one token
 kernel A's tiles again with its K split 2, 4 or 8 ways, and the GEMV kernels' tiles alike, kept where they beat the
 tensor-core ones; each candidate's output checked against the plain-torch layer's first, the dequantized experts' for
@@ -42,7 +44,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.gemv_probe import write_table
-from benchmarks.quant_gemm_probe import make_weight
+from benchmarks.quant_gemm_probe import BF16_TFLOPS, make_weight
 from benchmarks.timing import BrokenOutput, check_output, eager_time_us, graph_time_us
 from deltaserve.config import ModelConfig
 from deltaserve.layers.mlp import SparseMoE
@@ -55,6 +57,7 @@ from deltaserve.ops.moe import cuda as moe_cuda
 from deltaserve.ops.moe import dequantized, quantized
 
 HBM_BYTES_PER_S = 4.8e12  # H200 nominal
+BF16_FLOPS_PER_S = BF16_TFLOPS * 1e12  # H200 dense bf16, as measured here (WORKLOADS.md)
 CALLS = 16  # calls per graph, each on its own inputs
 # kernel tiles tried by --sweep: [BLOCK_N, BLOCK_K, warps, stages]
 TILE_SWEEP = [configs.Tile(bn, bk, warps, stages)
@@ -331,10 +334,15 @@ def sweep_bucket(block: SparseMoE, tokens: int, stacks: tuple | None = None
             t = timed(candidate)
             if t < best_time:
                 best_time, best = t, candidate
-    if stacks is not None and configs.row_bucket(tokens) in configs.GROUPED_BUCKETS:  # or the dequantized groups
-        grouped_time = eager_time_us([functools.partial(dequantized.grouped_experts, x, ids, w, gate_up, down)
+    if configs.row_bucket(tokens) in configs.GROUPED_BUCKETS:  # or torch's grouped matmul (quantized: dequantized)
+        grouped = dequantized.grouped_experts if stacks is not None else reference.grouped_experts
+        grouped_time = eager_time_us([functools.partial(grouped, x, ids, w, gate_up, down)
                                       for x, (ids, w) in zip(xs, routed)])
-        print(f"    dequantized groups' grouped matmul {grouped_time:.1f} us, tiles {best_time:.1f} us", flush=True)
+        E, two_i, H = gate_up.shape
+        flops = 2 * tokens * block.top_k * 3 * H * (two_i // 2)  # gate/up and down of every (token, expert) pair
+        print(f"    {'dequantized groups' if stacks is not None else 'torch'}' grouped matmul {grouped_time:.1f} us, "
+              f"tiles {best_time:.1f} us; the bf16 matmul rate's limit {1e6 * flops / BF16_FLOPS_PER_S:.1f} us",
+              flush=True)
         if grouped_time < best_time:
             best_time, best = grouped_time, best._replace(grouped=True)
     if tokens == 1:  # the GEMV kernels: kernel A's tiles with B's start, then B's with A's best
@@ -422,13 +430,17 @@ def sweep(args, block: SparseMoE, token_counts: list[int], stacks: tuple | None 
     bucket."""
     E, two_i, H = (stacks[0] if stacks else block.experts.gate_up_proj).shape
     start, table = time.monotonic(), {}
-    # plain experts run the fused kernels on decode batches only; quantized ones on prompt chunks too
-    buckets = sorted({configs.row_bucket(t) for t in token_counts if t <= configs.FUSED_MAX_TOKENS or stacks})
+    buckets = sorted({configs.row_bucket(t) for t in token_counts})
     for bucket in buckets:
         if time.monotonic() - start > args.budget_s:
             print(f"budget of {args.budget_s:.0f} s spent: buckets from {bucket} not swept", flush=True)
             break
         best, best_time, default_time = sweep_bucket(block, bucket, stacks)
+        if stacks is None and bucket > configs.FUSED_MAX_TOKENS:
+            # plain experts' prompt chunks run torch's grouped matmul (ops.moe.fused_serves): timed, not tabled
+            print(f"bucket {bucket}: bf16 prompt chunks, best {best_time:6.1f} us {configs.tiles_entry(best)} (not "
+                  f"tabled: SparseMoE runs them on the grouped matmul)", flush=True)
+            continue
         table[configs.table_key(E, block.top_k, H, two_i // 2, bucket, args.format)] = configs.tiles_entry(best)
         write_table(args.out, table)  # after every bucket: a run killed later keeps what it measured
         print(f"bucket {bucket:>2}: best {best_time:6.1f} us {configs.tiles_entry(best)} (default {default_time:6.1f} "

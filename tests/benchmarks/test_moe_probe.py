@@ -92,3 +92,29 @@ def test_the_sweeps_reference_is_the_blocks_output(shared_size):
             routed = moe.route(block.gate(x), block.top_k, block.norm_topk_prob)
             got = moe_probe.reference_output(block, x, routed, None, None, None)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_prompt_buckets_are_tabled_only_for_the_formats_whose_chunks_take_the_tiles(fmt, tmp_path, monkeypatch,
+                                                                                   capsys):
+    """sweep: every bucket of --tokens is swept; a bf16 prompt bucket (above FUSED_MAX_TOKENS, where SparseMoE runs
+    torch's grouped matmul) is printed beside its time but not written to the table, a quantized one is."""
+    import argparse
+    import json
+
+    from deltaserve.ops.moe import configs
+
+    swept = []
+    monkeypatch.setattr(moe_probe, "sweep_bucket", lambda block, bucket, stacks: swept.append(bucket)
+                        or (configs.default_tiles(bucket), 1.0, 2.0))
+    block = SparseMoE(24, 5, 2, 16, 0, norm_topk_prob=True)
+    stacks = None if fmt == "bf16" else (block.experts.gate_up_proj, block.experts.down_proj)  # shapes only
+    out = tmp_path / "table.json"
+    args = argparse.Namespace(budget_s=60.0, out=str(out), format=fmt)
+    moe_probe.sweep(args, block, [1, 16, 8192], stacks)
+    prompt_bucket = configs.row_bucket(8192)
+    assert swept == [1, 16, prompt_bucket]
+    buckets = {int(key.split(":")[-1]) for key in json.loads(out.read_text())}
+    assert buckets == ({1, 16} if fmt == "bf16" else {1, 16, prompt_bucket})
+    if fmt == "bf16":
+        assert f"bucket {prompt_bucket}: bf16 prompt chunks" in capsys.readouterr().out
