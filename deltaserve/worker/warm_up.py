@@ -101,14 +101,21 @@ def engine_steps(engine) -> None:
 def watch_compiles() -> None:
     """Log a warning for every Triton kernel variant compiled (or loaded from Triton's disk cache) from now on: the
     warm-ups above should have met them all, and a step that meets a new one stalls every stream while it compiles.
-    The line names the kernel and what it specialized on, which says what to warm up."""
+    The line names the kernel and what it specialized on, which says what to warm up. A hook installed before (the
+    offline bench's compile log) still runs; a second call (another engine in the same process, as tests build)
+    keeps the one watch, which then also reports that engine's start-up compiles."""
     import triton
 
-    def warn(*, fn, compile, **_) -> bool:
-        logger.warning("a served step compiled Triton kernel variant %s: %s %s (the start-up warm-up missed it)",
-                       fn.name, compile["signature"], compile["configs"])
-        return False  # compile it as usual
+    previous = triton.knobs.runtime.jit_cache_hook
+    if getattr(previous, "watches_compiles", False):
+        return
 
+    def warn(*, fn, compile, **kwargs) -> bool:
+        logger.warning("Triton compiled kernel variant %s after the start-up warm-up: %s %s", fn.name,
+                       compile["signature"], compile["configs"])
+        return previous(fn=fn, compile=compile, **kwargs) if previous is not None else False  # False: compile it
+
+    warn.watches_compiles = True
     triton.knobs.runtime.jit_cache_hook = warn
 
 

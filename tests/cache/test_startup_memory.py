@@ -91,10 +91,14 @@ def test_start_up_hands_back_the_warm_ups_cached_blocks_before_reporting(monkeyp
 
 def test_a_kernel_compiled_after_start_up_is_logged_with_what_it_specialized_on(monkeypatch, caplog):
     """warm_up.watch_compiles: from then on, every Triton variant compiled is a warning naming the kernel and its
-    signature and specializations (what the warm-up should have met), and it is still compiled."""
+    signature and specializations (what the warm-up should have met), and it is still compiled; a hook installed
+    before it (the offline bench's compile log) still sees every variant, and a second call adds no second watch."""
     import triton
 
-    monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook", None)  # restored after the test
+    seen = []
+    monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook", lambda **kwargs: seen.append(kwargs["fn"].name)
+                        or False)  # the earlier hook; the original is restored after the test
+    warm_up.watch_compiles()
     warm_up.watch_compiles()
     hook = triton.knobs.runtime.jit_cache_hook
     with caplog.at_level("WARNING", logger=warm_up.__name__):
@@ -102,6 +106,7 @@ def test_a_kernel_compiled_after_start_up_is_logged_with_what_it_specialized_on(
         skipped = hook(key="k", repr="r", fn=SimpleNamespace(name="_fused_moe_kernel_a"), compile=compiled,
                        is_manual_warmup=False, already_compiled=False)
     assert skipped is False
+    assert seen == ["_fused_moe_kernel_a"]
     [record] = caplog.records
     assert record.levelname == "WARNING"
     assert "_fused_moe_kernel_a" in record.getMessage() and "'rows': 'i32'" in record.getMessage()
