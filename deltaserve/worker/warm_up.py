@@ -28,6 +28,7 @@ from deltaserve.sampling import SamplingParams
 from deltaserve.structured import bitmask as grammar_bitmask
 
 logger = logging.getLogger(__name__)
+ALIGNED_PROMPT = 1024  # engine_steps' prompt of a multiple of 16 tokens (W1's prompt length)
 
 
 def before_capture(model: HybridForCausalLM) -> None:
@@ -57,11 +58,12 @@ def after_capture(model: HybridForCausalLM, device: torch.device, max_num_batche
 
 def engine_steps(engine) -> None:
     """Run once, before serving, the kind of steps whose kernels compile (Triton) or get planned (cuDNN)
-    at their first use: a prompt of two full chunks and a short tail (chunks over a cached prefix, a checkpoint
-    inside the step), a few short requests, then a prompt that joins while they all decode (one step of decodes
-    and a prompt, with enough decoding sequences for the GDN op to split it), then a resend of that prompt with a
-    new ending (a prefix-cache hit). Their outputs are dropped and the prefix cache is emptied after them.
-    First, xgrammar's view of the vocabulary is built (structured output's; a first such request would wait)."""
+    at their first use: a prompt of a multiple of 16 tokens alone, a prompt of two full chunks and a short tail
+    (chunks over a cached prefix, a checkpoint inside the step), a few short requests, then a prompt that joins
+    while they all decode (one step of decodes and a prompt, with enough decoding sequences for the GDN op to split
+    it), then a resend of that prompt with a new ending (a prefix-cache hit). Their outputs are dropped and the
+    prefix cache is emptied after them. First, xgrammar's view of the vocabulary is built (structured output's; a
+    first such request would wait)."""
     from deltaserve.ops.gdn.cuda import SPLIT_MIN_SHORT_SEQS
 
     if engine.tokenizer is not None:
@@ -82,6 +84,11 @@ def engine_steps(engine) -> None:
             pass
 
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    # a prompt alone of a multiple of 16 tokens, run to its end: Triton specializes integer arguments (a step's
+    # token count) on divisibility by 16, and the long prompt's one chunk below may not be (4,088 tokens at
+    # --max-model-len 4096), where a served 1,024-token prompt is
+    engine.add_request("deltaserve-warm-up-aligned", prompt(min(ALIGNED_PROMPT, longest) // 16 * 16, 5), params)
+    run_until(lambda outputs: False)
     engine.add_request("deltaserve-warm-up-long", prompt(min(2 * budget + 2 * block + 3, longest), 1), params)
     run_until(lambda outputs: bool(outputs))  # its first token: it decodes from now on
     for i in range(SPLIT_MIN_SHORT_SEQS):
