@@ -17,9 +17,8 @@ and the routing inside them (the router + shared gate GEMM, then cuda.fused_moe:
 moe.SHARED_SLOT_MAX_TOKENS tokens), and fused_moe alone. Each path's CUDA kernels per layer call are counted (torch.profiler, eager).
 `--sweep` then tunes the fused kernels' tiles per token bucket of --tokens (prompt-chunk buckets such as 512 and
 8192 too, where torch's grouped matmul, on the dequantized experts for a quantized format, is timed beside the tiles
-and the bf16 matmul rate's limit; a quantized format's table marks "grouped" where it wins; bf16's prompt buckets
-are printed, not tabled, since SparseMoE runs bf16 prompt chunks on the grouped matmul), on the path SparseMoE
-takes at it
+and the bf16 matmul rate's limit, and the table marks "grouped" where it wins: plain experts' prompt chunks take the
+tiles only of the buckets the table names without it), on the path SparseMoE takes at it
 (kernel A's over its candidates with kernel B's default, then kernel B's with A's best, then BLOCK_M; at one token
 kernel A's tiles again with its K split 2, 4 or 8 ways, and the GEMV kernels' tiles alike, kept where they beat the
 tensor-core ones; each candidate's output checked against the plain-torch layer's first, the dequantized experts' for
@@ -157,7 +156,7 @@ def slot_operands(block: SparseMoE) -> tuple | None:
     operands = (experts.gate_up_proj, experts.down_proj, block.shared_expert.gate_up_weight,
                 block.shared_expert.down_proj.weight)
     probe = torch.zeros(1, block.gate.in_features, dtype=experts.gate_up_proj.dtype, device=experts.gate_up_proj.device)
-    return operands if moe.shared_slot_serves(probe, *operands) else None
+    return operands if moe.shared_slot_serves(probe, *operands, block.top_k) else None
 
 
 def kernel_launches(call) -> int:
@@ -334,10 +333,12 @@ def sweep_bucket(block: SparseMoE, tokens: int, stacks: tuple | None = None
             t = timed(candidate)
             if t < best_time:
                 best_time, best = t, candidate
-    if configs.row_bucket(tokens) in configs.GROUPED_BUCKETS:  # or torch's grouped matmul (quantized: dequantized)
+    # or torch's grouped matmul: quantized experts' eager chunks on dequantized groups, plain experts' every chunk
+    # (no host sync: timed in a graph as the tiles, since chunks up to 1,024 tokens are captured)
+    if configs.row_bucket(tokens) in (configs.GROUPED_BUCKETS if stacks is not None else configs.PREFILL_BUCKETS):
         grouped = dequantized.grouped_experts if stacks is not None else reference.grouped_experts
-        grouped_time = eager_time_us([functools.partial(grouped, x, ids, w, gate_up, down)
-                                      for x, (ids, w) in zip(xs, routed)])
+        grouped_time = (eager_time_us if stacks is not None else graph_time_us)(
+            [functools.partial(grouped, x, ids, w, gate_up, down) for x, (ids, w) in zip(xs, routed)])
         E, two_i, H = gate_up.shape
         flops = 2 * tokens * block.top_k * 3 * H * (two_i // 2)  # gate/up and down of every (token, expert) pair
         print(f"    {'dequantized groups' if stacks is not None else 'torch'}' grouped matmul {grouped_time:.1f} us, "
@@ -436,11 +437,6 @@ def sweep(args, block: SparseMoE, token_counts: list[int], stacks: tuple | None 
             print(f"budget of {args.budget_s:.0f} s spent: buckets from {bucket} not swept", flush=True)
             break
         best, best_time, default_time = sweep_bucket(block, bucket, stacks)
-        if stacks is None and bucket > configs.FUSED_MAX_TOKENS:
-            # plain experts' prompt chunks run torch's grouped matmul (ops.moe.fused_serves): timed, not tabled
-            print(f"bucket {bucket}: bf16 prompt chunks, best {best_time:6.1f} us {configs.tiles_entry(best)} (not "
-                  f"tabled: SparseMoE runs them on the grouped matmul)", flush=True)
-            continue
         table[configs.table_key(E, block.top_k, H, two_i // 2, bucket, args.format)] = configs.tiles_entry(best)
         write_table(args.out, table)  # after every bucket: a run killed later keeps what it measured
         print(f"bucket {bucket:>2}: best {best_time:6.1f} us {configs.tiles_entry(best)} (default {default_time:6.1f} "

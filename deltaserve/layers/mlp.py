@@ -76,9 +76,9 @@ class Experts(nn.Module):
         fused kernels on the GPU at decode sizes, else the grouped matmul)."""
         return moe.experts(x, topk_ids, topk_weights, self.gate_up_proj, self.down_proj, shared)
 
-    def fused_serves(self, x: torch.Tensor) -> bool:
-        """Whether a forward over x takes the fused kernels."""
-        return moe.fused_serves(x, self.gate_up_proj, self.down_proj)
+    def fused_serves(self, x: torch.Tensor, top_k: int) -> bool:
+        """Whether a forward over x, each token routed to top_k experts, takes the fused kernels."""
+        return moe.fused_serves(x, self.gate_up_proj, self.down_proj, top_k)
 
     def stacks(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [E, 2I, H], down [E, H, I]) as the fused kernels take them."""
@@ -141,16 +141,16 @@ class QuantExperts(nn.Module):
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """As Experts.forward: the fused kernels on the stacks where they serve, else the dequantized reference."""
-        if self.fused_serves(x):
+        if self.fused_serves(x, topk_ids.shape[1]):
             return moe.experts(x, topk_ids, topk_weights, self.gate_up_stack, self.down_stack, shared)
         gate_up = torch.stack([w.dequantize(x.dtype) for w in self.gate_up])  # [E, 2I, H]
         down = torch.stack([w.dequantize(x.dtype) for w in self.down])  # [E, H, I]
         return grouped_experts(x, topk_ids, topk_weights, gate_up, down, self.schemes["down_proj"].round_activation,
                                shared)
 
-    def fused_serves(self, x: torch.Tensor) -> bool:
+    def fused_serves(self, x: torch.Tensor, top_k: int) -> bool:
         """Whether a forward over x takes the fused kernels (stacked experts, ops.moe.fused_serves)."""
-        return self.gate_up_stack is not None and moe.fused_serves(x, self.gate_up_stack, self.down_stack)
+        return self.gate_up_stack is not None and moe.fused_serves(x, self.gate_up_stack, self.down_stack, top_k)
 
     def stacks(self) -> tuple:
         """(gate_up, down) as the fused kernels take them: ops.moe.quantized stacks (None where not stacked)."""
@@ -213,9 +213,9 @@ class SparseMoE(nn.Module):
 
     def shared_slot(self, x: torch.Tensor) -> bool:
         """Whether the shared expert runs as a slot of the fused experts for this batch (ops.moe.sparse_block)."""
-        if self.router_weight is None or not self.experts.fused_serves(x):
+        if self.router_weight is None or not self.experts.fused_serves(x, self.top_k):
             return False
-        return moe.shared_slot_serves(x, *self.experts.stacks(), *self.shared_expert.slot_weights())
+        return moe.shared_slot_serves(x, *self.experts.stacks(), *self.shared_expert.slot_weights(), self.top_k)
 
     def input_weight(self, slot: bool) -> torch.Tensor | None:
         """The joined weight that forward multiplies x [T, H] by first (router_weight, or in_weight with the shared
@@ -253,7 +253,8 @@ class SparseMoE(nn.Module):
     def warm_up_fused(self, max_rows: int) -> None:
         """GPU start-up: a forward at every token bucket of the fused experts' tile table up to max_rows (a step's
         token budget; each bucket's tiles are a kernel variant, nothing else the kernels take varies with the
-        batch; quantized experts run prompt chunks fused too), so that no eager step compiles one while serving.
+        batch; quantized experts run prompt chunks fused too, plain ones where the table names the bucket), so
+        that no eager step compiles one while serving.
         A prompt-chunk bucket runs at an odd size too: Triton compiles another variant where its integer arguments
         (the rows, pairs and blocks) are not multiples of 16, and eager chunks come in every size."""
         for bucket in moe.ALL_BUCKETS:
@@ -261,8 +262,7 @@ class SparseMoE(nn.Module):
                 rows = min(rows, max_rows)
                 x = torch.zeros(rows, self.gate.in_features, dtype=self.gate.weight.dtype,
                                 device=self.gate.weight.device)
-                if not self.experts.fused_serves(x):
-                    return
-                self(x)
+                if self.experts.fused_serves(x, self.top_k):  # plain experts: decode, and the tabled prompt buckets
+                    self(x)
                 if rows == max_rows:
                     return

@@ -95,26 +95,41 @@ def test_the_sweeps_reference_is_the_blocks_output(shared_size):
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
-def test_prompt_buckets_are_tabled_only_for_the_formats_whose_chunks_take_the_tiles(fmt, tmp_path, monkeypatch,
-                                                                                   capsys):
-    """sweep: every bucket of --tokens is swept; a bf16 prompt bucket (above FUSED_MAX_TOKENS, where SparseMoE runs
-    torch's grouped matmul) is printed beside its time but not written to the table, a quantized one is."""
+@pytest.mark.parametrize("grouped_wins", [False, True])
+def test_every_swept_bucket_is_tabled_as_the_engine_reads_it(fmt, grouped_wins, tmp_path, monkeypatch):
+    """sweep: every bucket of --tokens is swept and written, prompt buckets too (plain experts' chunks take the
+    tiles of the buckets the table names, configs.prompt_tiles_tabled), "grouped" where torch's grouped matmul won;
+    the written table passes the engine's check."""
     import argparse
     import json
 
     from deltaserve.ops.moe import configs
 
     swept = []
-    monkeypatch.setattr(moe_probe, "sweep_bucket", lambda block, bucket, stacks: swept.append(bucket)
-                        or (configs.default_tiles(bucket), 1.0, 2.0))
+
+    def sweep_bucket(block, bucket, stacks):
+        swept.append(bucket)
+        won = grouped_wins and bucket in (configs.GROUPED_BUCKETS if stacks is not None else configs.PREFILL_BUCKETS)
+        return configs.default_tiles(bucket)._replace(grouped=won), 1.0, 2.0
+
+    monkeypatch.setattr(moe_probe, "sweep_bucket", sweep_bucket)
     block = SparseMoE(24, 5, 2, 16, 0, norm_topk_prob=True)
     stacks = None if fmt == "bf16" else (block.experts.gate_up_proj, block.experts.down_proj)  # shapes only
     out = tmp_path / "table.json"
     args = argparse.Namespace(budget_s=60.0, out=str(out), format=fmt)
-    moe_probe.sweep(args, block, [1, 16, 8192], stacks)
-    prompt_bucket = configs.row_bucket(8192)
-    assert swept == [1, 16, prompt_bucket]
-    buckets = {int(key.split(":")[-1]) for key in json.loads(out.read_text())}
-    assert buckets == ({1, 16} if fmt == "bf16" else {1, 16, prompt_bucket})
-    if fmt == "bf16":
-        assert f"bucket {prompt_bucket}: bf16 prompt chunks" in capsys.readouterr().out
+    moe_probe.sweep(args, block, [1, 16, 300, 8192], stacks)
+    assert swept == [1, 16, 512, 8192]
+    table = json.loads(out.read_text())
+    prefix = "" if fmt == "bf16" else f"{fmt}:"
+    assert sorted(table) == sorted(f"{prefix}5:2:24:16:{bucket}" for bucket in swept)
+    for key, entry in table.items():
+        configs.check_entry("written", key, entry)
+    grouped = {int(key.split(":")[-1]) for key, entry in table.items() if entry.get("grouped")}
+    assert grouped == (set() if not grouped_wins else {512, 8192} if fmt == "bf16" else {8192})
+    monkeypatch.setenv(configs.ENV_VAR, str(out))
+    configs.tuned_table.cache_clear()
+    try:
+        tabled = [configs.prompt_tiles_tabled(5, 2, 24, 16, rows) for rows in (300, 8192)]
+        assert tabled == [fmt == "bf16" and not grouped_wins] * 2  # quantized chunks run fused whatever the table
+    finally:
+        configs.tuned_table.cache_clear()

@@ -57,7 +57,7 @@ def test_fused_matches_grouped_matmul_at_35b_shapes(block_35b, tokens):
     gate_up, down = experts.gate_up_proj, experts.down_proj
     with torch.no_grad():
         ids, weights = moe.route(block_35b.gate(x), TOP_K, True)
-        assert moe.fused_serves(x, gate_up, down)
+        assert moe.fused_serves(x, gate_up, down, TOP_K)
         got = moe.experts(x, ids, weights, gate_up, down)
         want = reference.grouped_experts(x, ids, weights, gate_up, down)
         bound = experts_bound(x, ids, weights, gate_up, down, fused_bf16=True, reference_bf16=True)
@@ -78,7 +78,7 @@ def test_prefill_experts_sum_the_grouped_outputs_at_35b_shapes(block_35b, tokens
     gate_up, down = block_35b.experts.gate_up_proj, block_35b.experts.down_proj
     with torch.no_grad():
         ids, weights = moe.route(block_35b.gate(x), TOP_K, True)
-        assert not moe.fused_serves(x, gate_up, down)
+        assert not moe.fused_serves(x, gate_up, down, TOP_K)
         y, pair_rows = reference.expert_outputs(x, ids, gate_up, down)
         for shared in (None, (block_35b.shared_expert(x), block_35b.shared_expert_gate(x))):
             got = moe.experts(x, ids, weights, gate_up, down, shared)
@@ -108,7 +108,7 @@ def test_sparse_block_matches_reference_at_35b_shapes(block_35b, tokens):
     experts = block_35b.experts
     operands = (experts.gate_up_proj, experts.down_proj, *shared_weights(block_35b))
     with torch.no_grad():
-        assert moe.shared_slot_serves(x[:1], *operands)  # the block's weights take the slot
+        assert moe.shared_slot_serves(x[:1], *operands, TOP_K)  # the block's weights take the slot
         tiles = configs.tiles_for(EXPERTS, TOP_K, HIDDEN, INTER, tokens)
         got, ids, _ = moe_cuda.fused_moe(x, logits, TOP_K, True, *operands, gate, tiles)
         assert torch.equal(ids.long(), reference.route(logits, TOP_K, True)[0])

@@ -234,8 +234,8 @@ def test_tile_table_is_valid_and_checked(tmp_path, monkeypatch):
                                     ("fp8:7:3:40:24:1", {**fp8_rows, "down": [256, 128, 4, 1]}, "divide the 128-row"),
                                     ("fp8:7:3:40:24:1", {**fp8_rows, "down": [8, 64, 4, 1]}, "whole 128-column"),
                                     ("7:3:40:24:1", {**rows, "gemv": 0}, "BLOCK_N >= 16"),  # tl.dot's least side
-                                    # the dequantized groups: a quantized format's prompt chunks only
-                                    ("7:3:40:24:512", {**configs.tiles_entry(SMALL), "grouped": 1}, "grouped must"),
+                                    # torch's grouped matmul: prompt chunks only; quantized formats' eager ones
+                                    ("7:3:40:24:64", {**configs.tiles_entry(SMALL), "grouped": 1}, "grouped must"),
                                     ("int4:7:3:40:24:64", {**configs.tiles_entry(SMALL), "grouped": 1}, "grouped must"),
                                     ("int4:7:3:40:24:512", {**configs.tiles_entry(SMALL), "grouped": 1}, "grouped must"),
                                     ("int4:7:3:40:24:8192", {**configs.tiles_entry(SMALL), "grouped": 2},
@@ -265,8 +265,15 @@ def test_tile_table_is_valid_and_checked(tmp_path, monkeypatch):
         assert configs.tiles_entry(launches) == {**configs.tiles_entry(split), "quant_x": 0, "combine": 0}
         assert not {"quant_x", "combine"} & set(configs.tiles_entry(SMALL))  # both on: the default, unwritten
         bad.write_text(json.dumps({"7:3:40:24:1": rows, "int4:7:3:40:24:8192": configs.tiles_entry(grouped),
-                                   "fp8:7:3:40:24:1": configs.tiles_entry(launches)}))
+                                   "fp8:7:3:40:24:1": configs.tiles_entry(launches),
+                                   "7:3:40:24:512": configs.tiles_entry(SMALL),
+                                   "7:3:40:24:8192": configs.tiles_entry(grouped)}))
         configs.tuned_table.cache_clear()
+        # plain experts' prompt chunks take the tiles of a bucket the table names without "grouped"
+        assert configs.prompt_tiles_tabled(7, 3, 40, 24, 300) and configs.tiles_for(7, 3, 40, 24, 300) == SMALL
+        assert not configs.prompt_tiles_tabled(7, 3, 40, 24, 100)  # bucket 128: not named
+        assert not configs.prompt_tiles_tabled(7, 3, 40, 24, 9000)  # bucket 8,192: torch's grouped matmul
+        assert not configs.prompt_tiles_tabled(7, 2, 40, 24, 300)  # another shape
         assert configs.tiles_for(7, 3, 40, 24, 1) == ROWS and configs.tiles_for(7, 3, 40, 24, 1, "fp8") == launches
         assert configs.tiles_for(7, 3, 40, 24, 30000, "int4") == grouped  # the last bucket takes larger chunks
         assert not configs.tiles_for(7, 3, 40, 24, 2048, "int4").grouped
@@ -302,7 +309,7 @@ def test_sparse_moe_fused_path_matches_torch_path(monkeypatch, shared_size, reno
         logits = block.gate(x)
         ids, weights = reference.route(logits, 3, renormalize)
         monkeypatch.setattr(moe, "_route_on_gpu", lambda logits: True)
-        monkeypatch.setattr(moe, "fused_serves", lambda x, gate_up, down: True)
+        monkeypatch.setattr(moe, "fused_serves", lambda *args: True)
         monkeypatch.setattr(moe, "tiles_for", lambda *shape: SMALL)
         got = block(x)
     assert torch.equal(moe_cuda.route(logits, 3, renormalize)[0].long(), ids)  # no near-ties in this data
@@ -341,7 +348,7 @@ def joined_and_apart(block: SparseMoE, monkeypatch) -> tuple[torch.Tensor, torch
     blocking gives the same projections) with its joined weights, then with them unset (each linear apart)."""
     x = (torch.randint(-2, 3, (6, 40), generator=torch.Generator().manual_seed(0)) / 2).to(DEVICE)
     monkeypatch.setattr(moe, "_route_on_gpu", lambda logits: True)
-    monkeypatch.setattr(moe, "fused_serves", lambda x, gate_up, down: True)
+    monkeypatch.setattr(moe, "fused_serves", lambda *args: True)
     monkeypatch.setattr(moe, "tiles_for", lambda *shape: SMALL)
     with torch.no_grad():
         joined = block(x)
@@ -389,7 +396,7 @@ def test_the_norm_before_the_block_may_multiply_its_input_weight(monkeypatch, st
     block = dyadic_block(13, stand_in_shared=stand_in_shared, shared_size=24 if slot else 20)
     x = (torch.randint(-2, 3, (1, 40), generator=torch.Generator().manual_seed(1)) / 2).to(DEVICE)
     monkeypatch.setattr(moe, "_route_on_gpu", lambda logits: True)
-    monkeypatch.setattr(moe, "fused_serves", lambda x, gate_up, down: True)
+    monkeypatch.setattr(moe, "fused_serves", lambda *args: True)
     monkeypatch.setattr(moe, "tiles_for", lambda *shape: SMALL)
     monkeypatch.setattr(moe, "shared_slot_serves", lambda *args: slot)
     assert block.shared_slot(x) is slot
@@ -407,13 +414,17 @@ def test_warm_up_runs_every_bucket_where_the_fused_path_serves(monkeypatch):
     monkeypatch.setattr(moe, "experts", lambda x, *args: rows.append(x.shape[0]) or torch.zeros_like(x))
     block.warm_up_fused(8192)
     assert rows == []  # the CPU: the fused path does not serve, nothing runs
-    monkeypatch.setattr(moe, "fused_serves", lambda x, gate_up, down: True)
+    monkeypatch.setattr(moe, "fused_serves", lambda *args: True)
     block.warm_up_fused(16384)  # the last bucket's tiles serve every larger chunk
     assert rows == [*configs.ROW_BUCKETS, 127, 128, 511, 512, 2047, 2048, 8191, 8192]  # chunks at an odd size too
     rows.clear()
     block.warm_up_fused(1000)  # up to the step's token budget: bucket 2048's tiles at its largest chunk
     assert rows == [*configs.ROW_BUCKETS, 127, 128, 511, 512, 1000]
     rows.clear()
-    monkeypatch.setattr(moe, "fused_serves", lambda x, gate_up, down: x.shape[0] <= configs.FUSED_MAX_TOKENS)
+    monkeypatch.setattr(moe, "fused_serves", lambda x, *args: x.shape[0] <= configs.FUSED_MAX_TOKENS)
     block.warm_up_fused(8192)  # plain experts: the decode buckets only
     assert rows == list(configs.ROW_BUCKETS)
+    rows.clear()
+    monkeypatch.setattr(moe, "fused_serves", lambda x, *args: x.shape[0] <= configs.FUSED_MAX_TOKENS or x.shape[0] > 2048)
+    block.warm_up_fused(8192)  # plain experts with bucket 8,192 tabled: the decode buckets and that one
+    assert rows == [*configs.ROW_BUCKETS, 8191, 8192]

@@ -112,7 +112,7 @@ def test_fused_moe_rejects_a_shared_expert_of_another_size():
     with pytest.raises(ValueError, match="do not fit"):
         moe_cuda.fused_moe(x, logits, 3, True, gate_up, down, shared_gate_up[:40], shared_down[:, :20], shared_gate,
                            SMALL)
-    assert not moe.shared_slot_serves(x, gate_up, down, shared_gate_up[:40], shared_down[:, :20])
+    assert not moe.shared_slot_serves(x, gate_up, down, shared_gate_up[:40], shared_down[:, :20], 3)
 
 
 def sparse_moe(shared_size: int, seed: int) -> SparseMoE:
@@ -149,7 +149,7 @@ def count_launches(monkeypatch) -> list[str]:
     monkeypatch.setattr(mlp, "linear", lambda *args: launched.append("linear") or linear(*args))
     monkeypatch.setattr(mlp.SwiGLU, "down", lambda *args: launched.append("shared down") or shared_down(*args))
     monkeypatch.setattr(moe, "_route_on_gpu", lambda logits: True)
-    monkeypatch.setattr(moe, "fused_serves", lambda x, gate_up, down: True)
+    monkeypatch.setattr(moe, "fused_serves", lambda *args: True)
     monkeypatch.setattr(moe, "tiles_for", lambda *shape: SMALL)
     return launched
 

@@ -6,8 +6,9 @@
                                                  -> route, then the routed experts + sigmoid(g) * shared(x): [T, H]
 
 On CUDA, routing is one Triton kernel (any T), and for 16-bit batches of up to FUSED_MAX_TOKENS tokens with plain
-stacked weights the experts run the fused kernels of `cuda.py` (tiles from `configs.py`). Elsewhere (the CPU,
-float32, prefill-sized batches) the plain-torch `reference.py`: sort by expert + torch's grouped matmul, then (on
+stacked weights (prompt chunks too where the tile table names their bucket: `configs.prompt_tiles_tabled`) the
+experts run the fused kernels of `cuda.py` (tiles from `configs.py`). Elsewhere (the CPU, float32, other prompt
+chunks) the plain-torch `reference.py`: sort by expert + torch's grouped matmul, then (on
 CUDA in one launch, `cuda.combine`) each token's k outputs weighted and summed with the gated shared expert. Quantized
 experts stacked by `quantized.stack` (FP8 block-scaled W8A8, int4 W4A16, NVFP4 weight-only) run the same fused
 kernels with the weight format as a parameter, at every batch size, except the prompt chunks whose tile-table bucket
@@ -28,7 +29,7 @@ up to SHARED_SLOT_MAX_TOKENS tokens: above one token it measured slower than the
 import torch
 
 from deltaserve.ops.moe import quantized, reference
-from deltaserve.ops.moe.configs import ALL_BUCKETS, FUSED_MAX_TOKENS, ROW_BUCKETS, tiles_for
+from deltaserve.ops.moe.configs import ALL_BUCKETS, FUSED_MAX_TOKENS, ROW_BUCKETS, prompt_tiles_tabled, tiles_for
 from deltaserve.ops.moe.quantized import QUANTIZED_EXPERTS
 from deltaserve.ops.moe.reference import grouped_experts
 
@@ -53,18 +54,22 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     return reference.route(logits, top_k, renormalize)
 
 
-def fused_serves(x: torch.Tensor, gate_up, down) -> bool:
+def fused_serves(x: torch.Tensor, gate_up, down, top_k: int) -> bool:
     """Whether the fused kernels take this call: a CUDA batch of a 16-bit dtype with unit last stride, at most
     MAX_EXPERTS experts, and either plain weight tensors of x's dtype with unit last strides at 1 to
-    FUSED_MAX_TOKENS tokens, or stacked quantized experts (quantized.py) of one format at any token count (their
-    only other path dequantizes every expert)."""
+    FUSED_MAX_TOKENS tokens (above, where the tile table names the bucket: configs.prompt_tiles_tabled), or stacked
+    quantized experts (quantized.py) of one format at any token count (their only other path dequantizes every
+    expert)."""
     if not (x.is_cuda and x.dtype in FUSED_DTYPES and x.shape[0] >= 1 and x.stride(1) == 1
             and gate_up.shape[0] <= MAX_EXPERTS):
         return False
     if isinstance(gate_up, QUANTIZED_EXPERTS):
         return type(gate_up) is type(down) and quantized.fused_layout(gate_up, down)
-    return (x.shape[0] <= FUSED_MAX_TOKENS and isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)
-            and gate_up.dtype == down.dtype == x.dtype and gate_up.stride(2) == down.stride(2) == 1)
+    if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor)
+            and gate_up.dtype == down.dtype == x.dtype and gate_up.stride(2) == down.stride(2) == 1):
+        return False
+    E, two_i, H = gate_up.shape
+    return x.shape[0] <= FUSED_MAX_TOKENS or prompt_tiles_tabled(E, top_k, H, two_i // 2, x.shape[0])
 
 
 def experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, gate_up, down,
@@ -72,7 +77,7 @@ def experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     """x: [T, H]; topk_ids, topk_weights: [T, k]; gate_up [E, 2I, H] (gate rows first); down [E, H, I];
     shared: (the shared expert's output [T, H], its gate logits [T, 1]) or None.
     Returns sum_j w_j expert_{id_j}(x) (+ sigmoid(gate) * shared): [T, H] in x.dtype."""
-    if fused_serves(x, gate_up, down):
+    if fused_serves(x, gate_up, down, topk_ids.shape[1]):
         from deltaserve.ops.moe import cuda, dequantized
         E, two_i, H = gate_up.shape
         tiles = tiles_for(E, topk_ids.shape[1], H, two_i // 2, x.shape[0], quantized.format_name(gate_up))
@@ -89,11 +94,11 @@ def experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     return reference.combine(y, pair_rows, topk_weights, shared)
 
 
-def shared_slot_serves(x: torch.Tensor, gate_up, down, shared_gate_up, shared_down) -> bool:
+def shared_slot_serves(x: torch.Tensor, gate_up, down, shared_gate_up, shared_down, top_k: int) -> bool:
     """Whether `sparse_block` takes the fused kernels: `fused_serves` at up to SHARED_SLOT_MAX_TOKENS tokens, and the
     shared expert's gate_up [2I, H] and down [H, I] plain tensors of the routed experts' intermediate size, dtype and
     row strides, or, beside stacked quantized experts, prepared weights that fit them (quantized.slot_fits)."""
-    return (x.shape[0] <= SHARED_SLOT_MAX_TOKENS and fused_serves(x, gate_up, down)
+    return (x.shape[0] <= SHARED_SLOT_MAX_TOKENS and fused_serves(x, gate_up, down, top_k)
             and quantized.slot_fits(gate_up, shared_gate_up) and quantized.slot_fits(down, shared_down))
 
 
@@ -103,7 +108,7 @@ def sparse_block(x: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize:
     stacked quantized experts with the shared expert's prepared weights of their format);
     shared_gate_up [2I, H], shared_down [H, I] the shared expert, shared_gate [T, 1] its gate logits.
     Returns sum_j w_j expert_{id_j}(x) + sigmoid(shared_gate) * shared(x): [T, H], the routing as `route`."""
-    if shared_slot_serves(x, gate_up, down, shared_gate_up, shared_down) and _route_on_gpu(logits):
+    if shared_slot_serves(x, gate_up, down, shared_gate_up, shared_down, top_k) and _route_on_gpu(logits):
         from deltaserve.ops.moe import cuda
         E, two_i, H = gate_up.shape
         tiles = tiles_for(E, top_k, H, two_i // 2, x.shape[0], quantized.format_name(gate_up))

@@ -20,9 +20,12 @@ Values are dicts:
    "combine": 0 or 1,                              optional, rows bucket 1 on the tensor-core tiles only: 1 (the
                                                    default) has kernel B sum the token's slots, 0 the combine
                                                    kernel after it (the same bits either way)
-   "grouped": 0 or 1}                              optional, quantized formats' GROUPED_BUCKETS only: 1
-                                                   dequantizes the experts a group at a time into torch's
-                                                   grouped matmul (dequantized.py) instead of these tiles
+   "grouped": 0 or 1}                              optional, prompt-chunk buckets only: 1 runs torch's grouped
+                                                   matmul instead of these tiles (quantized formats: their
+                                                   GROUPED_BUCKETS only, the experts dequantized a group at a time,
+                                                   dequantized.py)
+Plain (16-bit) experts take the tiles of a prompt-chunk bucket only where the table names it without "grouped"
+(`prompt_tiles_tabled`); every other prompt chunk of theirs runs torch's grouped matmul.
 (The tile kernels: FP8 and int4 take their own BLOCK_K, the scale block or the group, whatever the entry says;
 NVFP4 the largest power of two <= the entry's that divides the K it steps over. The GEMV kernels: int4 and NVFP4
 the largest power of two <= the entry's that divides K and holds whole groups.)
@@ -41,7 +44,8 @@ from deltaserve.ops.tuned_table import read_tuned_table
 CONFIGS_FILE = Path(__file__).with_name("configs.json")
 ENV_VAR = "DELTASERVE_MOE_CONFIGS"
 # Token-count buckets of the table; plain experts run the fused path up to the last one (decode), larger batches on
-# the grouped matmul. Quantized experts run it at every size: PREFILL_BUCKETS too, the last one taking any larger.
+# the grouped matmul unless the table names their bucket. Quantized experts run it at every size: PREFILL_BUCKETS
+# too, the last one taking any larger.
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 FUSED_MAX_TOKENS = ROW_BUCKETS[-1]
 PREFILL_BUCKETS = (128, 512, 2048, 8192)
@@ -101,10 +105,11 @@ def check_entry(where: str, key: str, entry) -> None:
         raise ValueError(f"{where}: entry {key!r}: gemv must be 0 or 1, and 1 only at rows 1, got {gemv!r}")
     grouped = entry.get("grouped", 0)
     quantized = key.split(":")[0] in WEIGHT_FORMATS[1:]
-    if grouped not in (0, 1) or isinstance(grouped, bool) or (grouped and not (quantized and
-                                                                               int(parts[4]) in GROUPED_BUCKETS)):
-        raise ValueError(f"{where}: entry {key!r}: grouped must be 0 or 1, and 1 only for a quantized format's "
-                         f"bucket of eager prompt chunks {GROUPED_BUCKETS}, got {grouped!r}")
+    grouped_buckets = GROUPED_BUCKETS if quantized else PREFILL_BUCKETS  # torch's grouped matmul needs no host sync
+    if grouped not in (0, 1) or isinstance(grouped, bool) or (grouped and int(parts[4]) not in grouped_buckets):
+        raise ValueError(f"{where}: entry {key!r}: grouped must be 0 or 1, and 1 only at the prompt-chunk buckets "
+                         f"{grouped_buckets} ({'a quantized format' if quantized else 'plain experts'}), got "
+                         f"{grouped!r}")
     split_k = entry.get("split_k", 1)
     if not isinstance(split_k, int) or isinstance(split_k, bool) or split_k < 1 or (
             split_k > 1 and (gemv or int(parts[4]) != 1)):
@@ -153,6 +158,14 @@ def tiles_for(num_experts: int, top_k: int, hidden: int, intermediate: int, rows
     return MoeTiles(entry["block_m"], Tile(*entry["gate_up"]), Tile(*entry["down"]), bool(entry.get("gemv", 0)),
                     bool(entry.get("grouped", 0)), entry.get("split_k", 1), bool(entry.get("quant_x", 1)),
                     bool(entry.get("combine", 1)))
+
+
+def prompt_tiles_tabled(num_experts: int, top_k: int, hidden: int, intermediate: int, rows: int) -> bool:
+    """Whether a prompt chunk of `rows` > FUSED_MAX_TOKENS tokens on plain experts takes the fused tiles: the table
+    names its bucket for this shape without "grouped" (`benchmarks.moe_probe --sweep` tables plain prompt buckets,
+    "grouped" where torch's grouped matmul measured faster)."""
+    entry = tuned_table().get(table_key(num_experts, top_k, hidden, intermediate, rows))
+    return entry is not None and not entry.get("grouped", 0)
 
 
 def tiles_entry(tiles: MoeTiles) -> dict:
