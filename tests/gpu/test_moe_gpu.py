@@ -69,6 +69,24 @@ def test_fused_matches_grouped_matmul_at_35b_shapes(block_35b, tokens):
                       f"fused experts + shared, {tokens} tokens")  # + the final rounding to bf16 of each side
 
 
+@pytest.mark.parametrize("tokens", [300, 2047])
+def test_plain_prompt_chunks_on_the_tiles_match_grouped_matmul_at_35b_shapes(block_35b, tokens):
+    """Plain experts' prompt chunks on the fused tiles (taken where the table names the bucket:
+    configs.prompt_tiles_tabled): the default tiles and the table's for the bucket against torch's grouped matmul,
+    with the gated shared expert, within the bound of both sides' bf16 roundings."""
+    x = inputs(tokens, 400 + tokens)
+    gate_up, down = block_35b.experts.gate_up_proj, block_35b.experts.down_proj
+    with torch.no_grad():
+        ids, weights = moe.route(block_35b.gate(x), TOP_K, True)
+        shared = (block_35b.shared_expert(x), block_35b.shared_expert_gate(x))
+        want = reference.grouped_experts(x, ids, weights, gate_up, down, shared=shared)
+        bound = (experts_bound(x, ids, weights, gate_up, down, fused_bf16=True, reference_bf16=True)
+                 + shared_bound(*shared, torch.bfloat16) + 2 * 2.0**-8 * want.double().abs())
+        for tiles in {configs.default_tiles(tokens), configs.tiles_for(EXPERTS, TOP_K, HIDDEN, INTER, tokens)}:
+            got = moe_cuda.fused_experts(x, ids, weights, gate_up, down, tiles, shared)
+            assert_within(got, want, bound, f"plain prompt chunk on {tiles}, {tokens} tokens")
+
+
 @pytest.mark.parametrize("tokens", [65, 300])
 def test_prefill_experts_sum_the_grouped_outputs_at_35b_shapes(block_35b, tokens):
     """Above the fused kernels' sizes ops.moe.experts runs torch's grouped matmul, then cuda.combine: its output
