@@ -10,7 +10,8 @@ so that is its time on the device (and any idle time before it), whether or not 
 inside a prompt chunk's launch shifts the launches, not the read-backs). Each kind then also gets the mean time the
 host waited in its read-backs: a step's time less that is the host's work between the two read-backs, which the
 device hid while it still ran the step (a wait well above 0) and which set the pace where the wait is near 0. Gaps
-over --idle-s are the engine waiting for requests and are left out. Each --window (CLOCK_MONOTONIC nanoseconds, as
+over --idle-s are the engine waiting for requests and are left out; a step the device began idle (the first of a
+run, one after such a gap) is listed apart with the time from its launch to its read-back. Each --window (CLOCK_MONOTONIC nanoseconds, as
 `time.monotonic_ns()` prints them) is summed apart: the runs of one server start.
 """
 
@@ -30,9 +31,13 @@ def summarize(steps: list[tuple[int, int, int]], idle_s: float,
     where it was not read back, or None for a trace without them."""
     kinds: dict[str, list[tuple[float, int]]] = {}  # kind -> (seconds, rows) of each step
     kind_waits: dict[str, list[float]] = {}  # kind -> read-back waits of its timed steps
+    after_idle: list[tuple[float, int]] = []  # (launch to read-back s, tokens) of steps the device began idle
     tokens_in_prefill = 0
     for i in range(len(steps)):
         if collects is not None:
+            if collects[i] is not None and (i == 0 or (collects[i - 1] is not None
+                                                       and (steps[i][0] - collects[i - 1][1]) / 1e9 > idle_s)):
+                after_idle.append(((collects[i][1] - steps[i][0]) / 1e9, steps[i][2]))
             if i == 0 or collects[i] is None or collects[i - 1] is None:
                 continue
             gap = (collects[i][1] - collects[i - 1][1]) / 1e9
@@ -64,6 +69,10 @@ def summarize(steps: list[tuple[int, int, int]], idle_s: float,
         lines.append(line)
     if "prefill chunk" in kinds:
         lines.append(f"  prefill chunks carried {tokens_in_prefill} tokens (prompt and decode rows together)")
+    if after_idle:  # not timed above (their gap holds the idle time); a first request's slowness shows here
+        shown = ", ".join(f"{1e3 * seconds:.1f} ms ({tokens} tokens)" for seconds, tokens in after_idle[:8])
+        lines.append(f"  steps begun on an idle device, launch to read-back: {shown}"
+                     + (f" and {len(after_idle) - 8} more" if len(after_idle) > 8 else ""))
     return "\n".join(lines)
 
 

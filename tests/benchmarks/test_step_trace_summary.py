@@ -65,6 +65,19 @@ def test_with_read_backs_a_steps_time_runs_from_the_previous_read_back():
     assert "read-back waited   89.00 ms" in text
     assert "decode <= 16 rows:      1 steps" in text and "mean   10.00 ms" in text
     assert "decode <= 2 rows:      1 steps" in text and "mean    5.00 ms,    2.0 rows, read-back waited    5.00" in text
+    # step 0 began on an idle device: its own time runs from its launch to its read-back
+    assert text.splitlines()[-1] == "  steps begun on an idle device, launch to read-back: 10.0 ms (16 tokens)"
+
+
+def test_a_step_after_an_idle_gap_is_reported_from_its_launch():
+    ms = 1_000_000
+    # one request's prefill and a decode step, 3 s idle, then the next request's prefill and a decode step
+    steps = [(0, 1, 1024), (1 * ms, 1, 1), (3200 * ms, 1, 1024), (3201 * ms, 1, 1)]
+    collects = [(1 * ms, 250 * ms), (251 * ms, 258 * ms), (3201 * ms, 3320 * ms), (3321 * ms, 3328 * ms)]
+    text = step_trace_summary.summarize(steps, idle_s=1.0, collects=collects)
+    assert text.splitlines()[-1] == ("  steps begun on an idle device, launch to read-back: 250.0 ms (1024 tokens), "
+                                     "120.0 ms (1024 tokens)")
+    assert "decode <= 1 rows:      2 steps" in text  # the decode steps after them are timed as before
 
 
 def test_a_malformed_window_is_refused_by_name(tmp_path, capsys):
