@@ -53,7 +53,7 @@ from deltaserve.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from deltaserve.server.serving import ServerState, parse_body
+from deltaserve.server.serving import ServerState, max_chars_per_token, parse_body
 from deltaserve.server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
@@ -202,7 +202,8 @@ def make_state(engine, engine_config: EngineConfig, settings: ServerSettings, de
     # the engine's max_num_seqs, as the memory plan may have clamped it
     max_num_seqs = getattr(engine.scheduler, "max_num_seqs", engine_config.max_num_seqs)
     return ServerState(async_engine, settings, renderer, metrics, dict(defaults or {}), model_root,
-                       settings.max_num_seqs_per_request or default_seqs_per_request(max_num_seqs))
+                       settings.max_num_seqs_per_request or default_seqs_per_request(max_num_seqs),
+                       max_chars_per_token(engine.tokenizer))
 
 
 def default_seqs_per_request(max_num_seqs: int) -> int:
