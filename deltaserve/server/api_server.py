@@ -199,6 +199,7 @@ def make_state(engine, engine_config: EngineConfig, settings: ServerSettings, de
                             cache_info=plan.info_labels() if plan is not None else None)
     async_engine = AsyncEngine(engine, metrics, settings.stream_interval)
     renderer = ChatRenderer(engine.tokenizer, settings.chat_template, settings.default_chat_template_kwargs)
+    renderer.warm_up()
     # the engine's max_num_seqs, as the memory plan may have clamped it
     max_num_seqs = getattr(engine.scheduler, "max_num_seqs", engine_config.max_num_seqs)
     return ServerState(async_engine, settings, renderer, metrics, dict(defaults or {}), model_root,

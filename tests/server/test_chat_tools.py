@@ -289,6 +289,27 @@ def test_any_template_failure_is_a_400_naming_messages(tokenizer, template, frag
     assert fragment in error.value.message
 
 
+def test_the_chat_template_is_rendered_once_at_start_up(tokenizer, monkeypatch, caplog):
+    """make_state renders one user message, so that Jinja compiles the template before the first chat request;
+    a template that fails on it is logged at start-up and the requests still get their own 400."""
+    renders = []
+    apply = tokenizer.apply_chat_template
+    monkeypatch.setattr(tokenizer, "apply_chat_template", lambda *a, **k: renders.append(1) or apply(*a, **k))
+    state = make_state(ScriptedEngine(tokenizer), EngineConfig(), ServerSettings(served_model_names=("s",)))
+    assert renders == [1]
+    with ServerThread(state) as server:
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+        assert server.post("/v1/chat/completions", json=body).status_code == 200
+    assert renders == [1, 1]
+    failing = ServerSettings(served_model_names=("s",), chat_template="{{ raise_exception('needs a system message') }}")
+    with caplog.at_level("WARNING", logger="deltaserve.server.chat"):
+        state = make_state(ScriptedEngine(tokenizer), EngineConfig(), failing)
+    assert "could not render one user message at start-up" in caplog.text and "needs a system message" in caplog.text
+    with ServerThread(state) as server:
+        error = server.post("/v1/chat/completions", json=body)
+        assert error.status_code == 400 and "needs a system message" in error.json()["error"]["message"]
+
+
 def test_forced_hermes_call_escapes_the_name():
     """A forced call's name goes into the prompt inside a JSON string: quotes and newlines are escaped."""
     from deltaserve.server.chat import tool_call_prefill
