@@ -11,7 +11,9 @@ inside a prompt chunk's launch shifts the launches, not the read-backs). Each ki
 host waited in its read-backs: a step's time less that is the host's work between the two read-backs, which the
 device hid while it still ran the step (a wait well above 0) and which set the pace where the wait is near 0. Gaps
 over --idle-s are the engine waiting for requests and are left out; a step the device began idle (the first of a
-run, one after such a gap) is listed apart with the time from its launch to its read-back. Each --window (CLOCK_MONOTONIC nanoseconds, as
+run, one after such a gap) is listed apart with the time from its launch to its read-back. Each kind also gets the
+mean time its launches took on the host (inputs prepared, the forward enqueued): that is before the launch time, so
+outside the launch-to-read-back time of a step begun idle, though a lone request's TTFT holds both. Each --window (CLOCK_MONOTONIC nanoseconds, as
 `time.monotonic_ns()` prints them) is summed apart: the runs of one server start.
 """
 
@@ -20,24 +22,26 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from deltaserve.worker.step_trace import read_collects, read_engine
+from deltaserve.worker.step_trace import read_collects, read_engine, read_launch_host_ns
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 def summarize(steps: list[tuple[int, int, int]], idle_s: float,
-              collects: list[tuple[int, int] | None] | None = None) -> str:
+              collects: list[tuple[int, int] | None] | None = None, launch_ns: list[int] | None = None) -> str:
     """steps: (launched ns, rows, tokens) in order; collects: each step's read-back (began ns, returned ns), None
-    where it was not read back, or None for a trace without them."""
+    where it was not read back, or None for a trace without them; launch_ns: how long each launch took on the host
+    (before its launch time), or None."""
     kinds: dict[str, list[tuple[float, int]]] = {}  # kind -> (seconds, rows) of each step
     kind_waits: dict[str, list[float]] = {}  # kind -> read-back waits of its timed steps
-    after_idle: list[tuple[float, int]] = []  # (launch to read-back s, tokens) of steps the device began idle
+    kind_launches: dict[str, list[float]] = {}  # kind -> host launch times of its timed steps
+    after_idle: list[tuple[float, int, int]] = []  # (launch to read-back s, tokens, index) of steps begun idle
     tokens_in_prefill = 0
     for i in range(len(steps)):
         if collects is not None:
             if collects[i] is not None and (i == 0 or (collects[i - 1] is not None
                                                        and (steps[i][0] - collects[i - 1][1]) / 1e9 > idle_s)):
-                after_idle.append(((collects[i][1] - steps[i][0]) / 1e9, steps[i][2]))
+                after_idle.append(((collects[i][1] - steps[i][0]) / 1e9, steps[i][2], i))
             if i == 0 or collects[i] is None or collects[i - 1] is None:
                 continue
             gap = (collects[i][1] - collects[i - 1][1]) / 1e9
@@ -57,6 +61,8 @@ def summarize(steps: list[tuple[int, int, int]], idle_s: float,
         kinds.setdefault(kind, []).append((gap, rows))
         if collects is not None:
             kind_waits.setdefault(kind, []).append((collects[i][1] - collects[i][0]) / 1e9)
+        if launch_ns is not None:
+            kind_launches.setdefault(kind, []).append(launch_ns[i] / 1e9)
     total = sum(gap for timed in kinds.values() for gap, _ in timed)
     lines = [f"{len(steps)} steps, {total:.2f} s busy"]
     for kind in sorted(kinds, key=lambda k: (k != "prefill chunk", len(k), k)):
@@ -66,11 +72,15 @@ def summarize(steps: list[tuple[int, int, int]], idle_s: float,
                 f"mean {1e3 * seconds / count:7.2f} ms, {rows / count:6.1f} rows")
         if kind_waits.get(kind):
             line += f", read-back waited {1e3 * sum(kind_waits[kind]) / len(kind_waits[kind]):7.2f} ms"
+        if kind_launches.get(kind):
+            line += f", launched in {1e3 * sum(kind_launches[kind]) / len(kind_launches[kind]):6.2f} ms"
         lines.append(line)
     if "prefill chunk" in kinds:
         lines.append(f"  prefill chunks carried {tokens_in_prefill} tokens (prompt and decode rows together)")
     if after_idle:  # not timed above (their gap holds the idle time); a first request's slowness shows here
-        shown = ", ".join(f"{1e3 * seconds:.1f} ms ({tokens} tokens)" for seconds, tokens in after_idle[:8])
+        shown = ", ".join(f"{1e3 * seconds:.1f} ms ({tokens} tokens"
+                          + (f", launched in {launch_ns[i] / 1e6:.1f} ms)" if launch_ns is not None else ")")
+                          for seconds, tokens, i in after_idle[:8])
         lines.append(f"  steps begun on an idle device, launch to read-back: {shown}"
                      + (f" and {len(after_idle) - 8} more" if len(after_idle) > 8 else ""))
     return "\n".join(lines)
@@ -90,12 +100,13 @@ def main(argv: list[str] | None = None) -> None:
         windows.append((int(start), int(end)))
     steps = read_engine(args.trace_dir)
     collects = read_collects(args.trace_dir)
+    launch_ns = read_launch_host_ns(args.trace_dir)
     windows = windows or [(0, 2**63)]
     for start, end in windows:
         inside = [i for i, step in enumerate(steps) if start <= step[0] < end]
         print(f"window {start}:{end}" if args.window else "whole trace")
         print(summarize([steps[i] for i in inside], args.idle_s,
-                        [collects.get(i) for i in inside] if collects else None))
+                        [collects.get(i) for i in inside] if collects else None, [launch_ns[i] for i in inside]))
 
 
 if __name__ == "__main__":

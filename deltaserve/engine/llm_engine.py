@@ -286,9 +286,10 @@ class LLMEngine:
     def _launch(self, scheduled: SchedulerOutput) -> tuple[SchedulerOutput, LaunchedStep]:
         """Launch a non-empty step on the runner; constrained: some row samples under a grammar this step."""
         constrained = any(row.grammar is not None and row.sample for row in scheduled.sequences)
+        began = time.monotonic_ns() if self._trace is not None else 0
         launched = self.runner.launch(scheduled, constrained)
         if self._trace is not None:
-            self._trace.launched(launched, len(scheduled.sequences), scheduled.num_tokens)
+            self._trace.launched(launched, len(scheduled.sequences), scheduled.num_tokens, began)
         return scheduled, launched
 
     def _process_oldest(self, touched: dict[str, _Parent]) -> None:

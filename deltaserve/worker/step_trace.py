@@ -1,8 +1,9 @@
 """Timelines of the steps, for seeing where serving time goes. With DELTASERVE_STEP_TRACE set to a directory:
 - every worker of -tp / -pp appends one line per step to `rank<N>.tsv` there: the step's index (the same step has
   the same index on every rank, steps reach every rank in one order), then when the rank began and finished it;
-- the engine appends one line per launched step to `engine.tsv`: the index, when it was launched, its rows and its
-  tokens (a decode row is one token; more tokens than rows is a step with a prefill chunk). Under async scheduling a
+- the engine appends one line per launched step to `engine.tsv`: the index, when it was launched, its rows, its
+  tokens (a decode row is one token; more tokens than rows is a step with a prefill chunk) and how long its launch
+  took on the host (preparing the inputs and enqueuing the forward, before the launch time). Under async scheduling a
   step is launched once the one before the previous is read back, so over many steps the gaps between launches are
   the steps' device times (`benchmarks/step_trace_summary.py` sums them by kind);
 - and one line per step read back to `engine_collect.tsv`: the index, when the read-back began and when it returned.
@@ -39,8 +40,8 @@ class StepTrace:
 
 
 class EngineTrace:
-    """The engine's line per launched step (`engine.tsv`: index, launch time, rows, tokens) and per step read back
-    (`engine_collect.tsv`: index, read-back began, returned)."""
+    """The engine's line per launched step (`engine.tsv`: index, launch time, rows, tokens, host ns of the launch)
+    and per step read back (`engine_collect.tsv`: index, read-back began, returned)."""
 
     def __init__(self, folder: Path):
         self._file = (folder / "engine.tsv").open("a", buffering=1)
@@ -53,9 +54,11 @@ class EngineTrace:
         folder = os.environ.get(ENV_VAR)
         return cls(Path(folder)) if folder else None
 
-    def launched(self, step: object, rows: int, tokens: int) -> None:
+    def launched(self, step: object, rows: int, tokens: int, began_ns: int) -> None:
+        """`step` was launched from began_ns (on the host) until now."""
         self._indices[id(step)] = self._index
-        self._file.write(f"{self._index}\t{time.monotonic_ns()}\t{rows}\t{tokens}\n")
+        now = time.monotonic_ns()
+        self._file.write(f"{self._index}\t{now}\t{rows}\t{tokens}\t{now - began_ns}\n")
         self._index += 1
 
     def collected(self, step: object, began_ns: int) -> None:
@@ -68,7 +71,13 @@ class EngineTrace:
 def read_engine(folder: Path) -> list[tuple[int, int, int]]:
     """The engine's (launched, rows, tokens) per step, in step order (a step's index is its position)."""
     lines = (Path(folder) / "engine.tsv").read_text().splitlines()
-    return [(int(at), int(rows), int(tokens)) for _, at, rows, tokens in (line.split("\t") for line in lines)]
+    return [(int(at), int(rows), int(tokens)) for _, at, rows, tokens, *_ in (line.split("\t") for line in lines)]
+
+
+def read_launch_host_ns(folder: Path) -> list[int]:
+    """How long each step's launch took on the host, in step order."""
+    lines = (Path(folder) / "engine.tsv").read_text().splitlines()
+    return [int(line.split("\t")[4]) for line in lines]
 
 
 def read_collects(folder: Path) -> dict[int, tuple[int, int]]:

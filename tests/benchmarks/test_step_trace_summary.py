@@ -32,6 +32,10 @@ def test_the_engine_writes_each_launched_steps_rows_and_tokens(ckpt_qwen3_5, tmp
     collects = step_trace.read_collects(tmp_path)
     assert sorted(collects) == list(range(len(steps)))
     assert all(launched[i] <= began <= ended for i, (began, ended) in collects.items())
+    # each launch's host time ends at its launch time and begins after the launch before it
+    host = step_trace.read_launch_host_ns(tmp_path)
+    assert len(host) == len(steps) and all(ns > 0 for ns in host)
+    assert all(host[i] <= launched[i] - launched[i - 1] for i in range(1, len(steps)))
 
 
 def test_the_summary_takes_each_steps_time_from_the_launches_after_it():
@@ -78,10 +82,16 @@ def test_a_step_after_an_idle_gap_is_reported_from_its_launch():
     assert text.splitlines()[-1] == ("  steps begun on an idle device, launch to read-back: 250.0 ms (1024 tokens), "
                                      "120.0 ms (1024 tokens)")
     assert "decode <= 1 rows:      2 steps" in text  # the decode steps after them are timed as before
+    assert "launched in" not in text
+    # with the launches' host times: each kind's mean, and each idle-begun step's own
+    text = step_trace_summary.summarize(steps, idle_s=1.0, collects=collects, launch_ns=[9 * ms, ms, 5 * ms, 3 * ms])
+    assert "decode <= 1 rows:      2 steps" in text and "launched in   2.00 ms" in text
+    assert text.splitlines()[-1].endswith("250.0 ms (1024 tokens, launched in 9.0 ms), "
+                                          "120.0 ms (1024 tokens, launched in 5.0 ms)")
 
 
 def test_a_malformed_window_is_refused_by_name(tmp_path, capsys):
-    (tmp_path / "engine.tsv").write_text("0\t5\t1\t1\n")
+    (tmp_path / "engine.tsv").write_text("0\t5\t1\t1\t2\n")
     with pytest.raises(SystemExit):
         step_trace_summary.main([str(tmp_path), "--window", "12:x"])
     assert "--window takes START_NS:END_NS (two integers), got '12:x'" in capsys.readouterr().err
