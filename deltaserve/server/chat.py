@@ -59,9 +59,8 @@ class ChatRenderer:
         self.default_kwargs = dict(default_kwargs or {})
 
     def warm_up(self) -> None:
-        """Render one user message, so that the template is compiled at start-up (Jinja's compile of the demo
-        model's 4 KB template took ~40 ms of the first chat request on a CPU). A template that cannot render it is
-        logged, not raised: requests report their own errors."""
+        """Render one user message, so that Jinja compiles the template at start-up rather than in the first chat
+        request. A template that cannot render it is logged, not raised: requests report their own errors."""
         if self.tokenizer is None or (self.chat_template is None and not getattr(self.tokenizer, "chat_template", None)):
             return
         try:
