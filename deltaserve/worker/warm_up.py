@@ -61,7 +61,8 @@ def engine_steps(engine) -> None:
     at their first use: a prompt of a multiple of 16 tokens alone, a prompt of two full chunks and a short tail
     (chunks over a cached prefix, a checkpoint inside the step), a few short requests, then a prompt that joins
     while they all decode (one step of decodes and a prompt, with enough decoding sequences for the GDN op to split
-    it), then a resend of that prompt with a new ending (a prefix-cache hit). Their outputs are dropped and the
+    it), then a resend of that prompt with a new ending (a prefix-cache hit). The short requests take the sampler's
+    paths in turn (greedy, sampled, penalties, logprobs). Their outputs are dropped and the
     prefix cache is emptied after them. First, xgrammar's view of the vocabulary is built (structured output's; a
     first such request would wait)."""
     from deltaserve.ops.gdn.cuda import SPLIT_MIN_SHORT_SEQS
@@ -84,6 +85,15 @@ def engine_steps(engine) -> None:
             pass
 
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    # the decoding requests' sampler paths beside the greedy argmax, whose torch kernels a first chat request (Qwen's
+    # generation defaults sample) would otherwise load: temperature with top-k / top-p / min-p and a seed, the
+    # penalties with min_tokens, the logprobs' top-k
+    decode_params = [params,
+                     SamplingParams(temperature=0.6, top_p=0.95, top_k=20, min_p=0.05, seed=0, max_tokens=8,
+                                    ignore_eos=True),
+                     SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1,
+                                    min_tokens=2, stop_token_ids=[0], max_tokens=8, ignore_eos=True),
+                     SamplingParams(temperature=0, logprobs=5, max_tokens=8, ignore_eos=True)]
     # a prompt alone of a multiple of 16 tokens, run to its end: Triton specializes integer arguments (a step's
     # token count) on divisibility by 16, and the long prompt's one chunk below may not be (4,088 tokens at
     # --max-model-len 4096), where a served 1,024-token prompt is
@@ -92,7 +102,8 @@ def engine_steps(engine) -> None:
     engine.add_request("deltaserve-warm-up-long", prompt(min(2 * budget + 2 * block + 3, longest), 1), params)
     run_until(lambda outputs: bool(outputs))  # its first token: it decodes from now on
     for i in range(SPLIT_MIN_SHORT_SEQS):
-        engine.add_request(f"deltaserve-warm-up-decode-{i}", prompt(min(20, longest), 10 + i), params)
+        engine.add_request(f"deltaserve-warm-up-decode-{i}", prompt(min(20, longest), 10 + i),
+                           decode_params[i % len(decode_params)])
     run_until(lambda outputs: len(outputs) > 1)  # the short ones decode too
     # longer than the recurrent GDN path takes, and enough to fill the GPU with unsplit attention programs (the
     # kernel variant a batch of prompts meets)

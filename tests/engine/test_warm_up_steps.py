@@ -33,3 +33,28 @@ def test_prompt_steps_alone_meet_both_token_count_classes_triton_specializes_on(
     assert any(tokens % 16 == 0 for tokens in prompt_steps), prompt_steps
     assert any(tokens % 16 for tokens in prompt_steps), prompt_steps
     assert not engine.has_unfinished()
+
+
+def test_decoding_requests_take_every_sampler_path(make_checkpoint, monkeypatch):
+    """The warm-up's short requests decode through the sampler's paths beside the greedy argmax (temperature with
+    top-k / top-p, the penalties, min_tokens' mask, the logprobs' top-k), so that a first sampled request (Qwen's
+    generation defaults sample) meets no torch kernel for the first time."""
+    from deltaserve.worker import sampler
+
+    engine = LLMEngine(EngineConfig(model=str(make_checkpoint("qwen3_5")), device="cpu", dtype="float32",
+                                    max_model_len=2000, max_num_batched_tokens=512, skip_tokenizer_init=True))
+    ran = set()
+    for name in ("_sample", "_top_k_top_p", "_unique_row_tokens"):  # random rows, their filters, the penalties
+        original = getattr(sampler, name)
+        monkeypatch.setattr(sampler, name, lambda *a, _name=name, _f=original, **k: ran.add(_name) or _f(*a, **k))
+    pending = sampler.PendingSample
+
+    def recorded(token_ids, logprobs, top, wanted):
+        if top is not None:
+            ran.add("top logprobs")
+        return pending(token_ids, logprobs, top, wanted)
+
+    monkeypatch.setattr(sampler, "PendingSample", recorded)
+    warm_up.engine_steps(engine)
+    assert ran == {"_sample", "_top_k_top_p", "_unique_row_tokens", "top logprobs"}
+    assert not engine.has_unfinished()
