@@ -13,8 +13,8 @@ device hid while it still ran the step (a wait well above 0) and which set the p
 over --idle-s are the engine waiting for requests and are left out; a step the device began idle (the first of a
 run, one after such a gap) is listed apart with the time from its launch to its read-back. Each kind also gets the
 mean time its launches took on the host (inputs prepared, the forward enqueued): that is before the launch time, so
-outside the launch-to-read-back time of a step begun idle, though a lone request's TTFT holds both. Each --window (CLOCK_MONOTONIC nanoseconds, as
-`time.monotonic_ns()` prints them) is summed apart: the runs of one server start.
+outside the launch-to-read-back time of a step begun idle, though a lone request's TTFT holds both. Each --window
+(CLOCK_MONOTONIC nanoseconds, as `time.monotonic_ns()` prints them) is summed apart: the runs of one server start.
 """
 
 from __future__ import annotations

@@ -61,7 +61,8 @@ class ChatRenderer:
     def warm_up(self) -> None:
         """Render one user message, so that Jinja compiles the template at start-up rather than in the first chat
         request. A template that cannot render it is logged, not raised: requests report their own errors."""
-        if self.tokenizer is None or (self.chat_template is None and not getattr(self.tokenizer, "chat_template", None)):
+        has_template = self.chat_template is not None or getattr(self.tokenizer, "chat_template", None)
+        if self.tokenizer is None or not has_template:
             return
         try:
             self.render([ChatMessageIn(role="user", content="Hello")], None)

@@ -40,8 +40,9 @@ SSE_DONE = "data: [DONE]\n\n"
 
 
 def max_chars_per_token(tokenizer) -> int:
-    """Twice the longest vocabulary entry (1 without a tokenizer): no token covers more characters of a text. Read at
-    start-up: reading a vocabulary of Qwen3.5's size takes a large part of a second, which a first request would wait."""
+    """Twice the longest vocabulary entry (1 without a tokenizer): no token covers more characters of a text. Read
+    at start-up: reading a vocabulary of Qwen3.5's size takes a large part of a second, which a first request would
+    wait."""
     if tokenizer is None:
         return 1
     return 2 * max((len(token) for token in tokenizer.get_vocab()), default=1)
