@@ -1,10 +1,10 @@
 """The fused MoE path (ops/moe) on the GPU: the fused experts and the sparse block with its shared-expert slot
 (ops.moe.sparse_block) against the torch reference at Qwen3.5-35B-A3B's shapes (bf16, tiles from the shipped
-table; plain prompt chunks on the tiles too), the routing folded into kernel A / the align kernel against the routing kernel bitwise, CUDA-graph replay
-against eager, a token against the batch it sits in, stacked quantized experts (FP8, int4, NVFP4) against the
-float64 value of their semantics (one token also with kernel A's K split), and through the engine on tiny MoE
-checkpoints (the shared expert apart and in the slot). Run by tests/gpu/run.sh (TESTS=tests/gpu/test_moe_gpu.py ...
-tests)."""
+table; plain prompt chunks on the tiles too), the routing folded into kernel A / the align kernel against the
+routing kernel bitwise, CUDA-graph replay against eager, a token against the batch it sits in, stacked quantized
+experts (FP8, int4, NVFP4) against the float64 value of their semantics (one token also with kernel A's K split),
+and through the engine on tiny MoE checkpoints (the shared expert apart and in the slot). Run by tests/gpu/run.sh
+(TESTS=tests/gpu/test_moe_gpu.py ... tests)."""
 
 import dataclasses
 
