@@ -109,11 +109,18 @@ def test_27b_on_an_h200_adds_up():
     budget = int(device * 0.9)
     cache = budget - p.weight_bytes - 3 * GIB - p.cuda_graph_bytes - GIB
     assert p.cache_memory_bytes == cache
-    states = (256 + 1 + p.num_checkpoint_slots) * 153_944_064
+    # 256 working slots would take more than half of what the checkpoint slots leave: the most that take half
+    n, state, checkpoints = p.max_num_seqs, 153_944_064, p.num_checkpoint_slots * 153_944_064
+    assert 2 * (n + 1) * state <= cache - checkpoints
+    assert 180 < n < 256 and any(note.startswith(f"--max-num-seqs clamped from 256 to {n}") for note in p.notes)
+    one_more = plan(cfg, EngineConfig(max_num_seqs=n + 1), device_memory_bytes=device, activation_bytes=3 * GIB,
+                    overhead_bytes=GIB)
+    assert one_more.max_num_seqs == n
+    states = (n + 1 + p.num_checkpoint_slots) * state
     assert p.num_blocks == (cache - states) // (16 * 65536)  # every whole block that fits, null block included
     assert p.pool_tokens == (p.num_blocks - 1) * 16 and p.max_model_len == 262144
     assert p.full_length_requests == (p.num_blocks - 1) // (262144 // 16)
-    assert p.max_context == 262144 and p.max_num_seqs == 256
+    assert p.max_context == 262144
     # default checkpoints: at most 64, and at most 10% of the cache memory one sequence would leave
     cache_with_one_seq = budget - p.weight_bytes - 3 * GIB - estimate_cuda_graph_bytes(cfg, "bfloat16", 1) - GIB
     assert p.num_checkpoint_slots == min(64, int(0.1 * cache_with_one_seq) // 153_944_064) == 49
@@ -192,6 +199,18 @@ def test_max_num_seqs_is_clamped_with_a_note_never_an_error():
     assert plan(cfg, EngineConfig(max_num_seqs=p.max_num_seqs), device_memory_bytes=device).notes == ()
     huge = plan(cfg, EngineConfig(max_num_seqs=100_000), device_memory_bytes=device)
     assert huge.error is None and huge.max_num_seqs <= p.max_num_seqs
+
+
+def test_a_short_max_model_len_leaves_the_kv_pool_half_of_the_cache():
+    """Qwen3.5-27B FP8 on an H100 at --max-model-len 4096 (W6's flags): the working state slots once took all the
+    cache but one request's KV (244 slots, 4,304 tokens), so 64 clients of 1,536 tokens ran 4 at a time."""
+    cfg = shared_config("qwen3.5-27b-fp8")
+    p = plan(cfg, EngineConfig(max_model_len=4096), device_memory_bytes=GPUS["h100"].memory_bytes,
+             weight_format=detect_weight_format(CONFIGS_DIR / "qwen3.5-27b-fp8"))
+    assert p.error is None and p.max_num_seqs < 256
+    working = (p.max_num_seqs + 1) * p.state_bytes_per_slot
+    assert p.num_blocks * p.block_size * p.kv_bytes_per_token >= working  # the KV pool has the other half
+    assert p.max_num_seqs >= 64 and p.pool_tokens >= 64 * (1024 + 512)  # W6's c=64 runs all at once
 
 
 def test_when_not_even_one_full_length_request_fits_states_get_half_the_cache():
