@@ -412,14 +412,18 @@ def profile_decode_batch(engine: LLMEngine, batch: int = 64, input_len: int = 10
         started |= {out.request_id for out in engine.step()}
     engine.step()
     torch.cuda.synchronize()
+    rows: list[int] = []  # each profiled step's decode rows: fewer than `batch` where the KV pool holds fewer
     with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t = time.perf_counter()
         for _ in range(decode_steps):
             engine.step()
+            rows.append(len(engine.last_scheduled.sequences))
         torch.cuda.synchronize()
         wall = time.perf_counter() - t
-    print_profile(prof, f"{decode_steps} decode steps, batch {batch}", decode_steps, wall,
-                  save_dir and f"{save_dir}/profile_batch{batch}.txt")
+    title = f"{decode_steps} decode steps, batch {batch}"
+    if min(rows) < batch:
+        title += f" (NOT {batch} rows: the steps ran {rows}; the KV pool or max_num_seqs holds fewer sequences)"
+    print_profile(prof, title, decode_steps, wall, save_dir and f"{save_dir}/profile_batch{batch}.txt")
     engine.abort_request(ids)
     while engine.has_unfinished():
         engine.step()
