@@ -406,6 +406,12 @@ def _error(budget: _Budget, num_seqs: int, num_blocks: int, need_blocks: int, kv
             fp8_blocks = num_blocks * DTYPE_BYTES[kv_dtype]  # fp8 stores a block in 1/itemsize of the bytes
             message += f", or use --kv-cache-dtype fp8 (the pool would hold about {(fp8_blocks - 1) * bs:,} tokens)"
         return message
+    if engine.num_gpu_blocks_override is not None and budget.source == _UTILIZATION:
+        total = fixed + budget.states(num_seqs) + num_blocks * budget.block_bytes
+        if total > budget.device_memory_bytes:
+            return (f"--num-gpu-blocks-override {num_blocks:,} does not fit on this device: with the weights, "
+                    f"activations, CUDA graphs, runtime and {slots} it needs {gib(total)} of "
+                    f"{gib(budget.device_memory_bytes)}")
     if budget.source == _KV_BYTES_FLAG and budget.device_memory_bytes is not None:
         total = fixed + engine.kv_cache_memory_bytes
         if total > budget.device_memory_bytes:

@@ -213,6 +213,18 @@ def test_a_short_max_model_len_leaves_the_kv_pool_half_of_the_cache():
     assert p.max_num_seqs >= 64 and p.pool_tokens >= 64 * (1024 + 512)  # W6's c=64 runs all at once
 
 
+def test_num_gpu_blocks_override_chooses_the_split_and_is_refused_past_the_device():
+    cfg, device = shared_config("qwen3.5-27b-fp8"), GPUS["h100"].memory_bytes
+    fmt = detect_weight_format(CONFIGS_DIR / "qwen3.5-27b-fp8")
+    chosen = plan(cfg, EngineConfig(max_model_len=4096, num_gpu_blocks_override=1000), device_memory_bytes=device,
+                  weight_format=fmt)
+    assert chosen.error is None and chosen.max_num_seqs == 256 and chosen.num_blocks == 1000  # as given, unclamped
+    over = plan(cfg, EngineConfig(max_model_len=4096, num_gpu_blocks_override=10_000), device_memory_bytes=device,
+                weight_format=fmt)
+    total = over.fixed_bytes + (256 + 1 + over.num_checkpoint_slots) * over.state_bytes_per_slot + 10_000 * 2**20
+    assert total > device and over.error.startswith("--num-gpu-blocks-override 10,000 does not fit on this device")
+
+
 def test_when_not_even_one_full_length_request_fits_states_get_half_the_cache():
     cfg = shared_config("qwen3.5-27b-awq")
     p = plan(cfg, EngineConfig(enable_prefix_caching=False), device_memory_bytes=GPUS["rtx5090"].memory_bytes,
