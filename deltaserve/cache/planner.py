@@ -336,41 +336,50 @@ def plan(cfg: ModelConfig, engine: EngineConfig, *, device_memory_bytes: int | N
 
 
 def _clamp_num_seqs(budget: _Budget, requested: int, target_len: int, need_blocks: int, notes: list[str]) -> int:
-    """Rule 1: the most sequences (<= requested) whose working state slots take at most half of the cache memory
-    beside the checkpoint slots and leave room for one target-length request; if even one sequence does not, the
-    most whose working slots take at most that half. Half is the static split whose concurrency stays
-    within half of one shared pool's at any request length (more slots starve long requests of KV blocks, fewer
-    leave short requests without a slot)."""
+    """Rule 1: the most sequences (<= requested) whose working state slots take at most their share of the cache
+    memory beside the checkpoint slots and leave room for one target-length request; if even one sequence does
+    not, the most whose working slots take at most that share.
+
+    The share: slots and KV blocks are two pools fixed at start-up, where one shared pool would run as many
+    requests as their states and tokens fit. With a fraction a of the memory in slots, requests of length l run
+    min(a (s + k l) / s, (1 - a)(s + k l) / (k l)) times as many as a shared pool would (s: a state's bytes, k: KV
+    bytes a token); its worst over 0 < l <= L (the target length) is min(a, (1 - a)(1 + s / kL)), best at
+    a = (kL + s) / (2kL + s): about half for a long L, more for a short one."""
+    kv_target, state = (need_blocks - 1) * budget.block_bytes, budget.state_bytes
+    share = (kv_target + state, 2 * kv_target + state)  # a as a fraction
+
     def holds_target(num_seqs: int) -> bool:
         return budget.blocks_left(num_seqs) >= need_blocks
 
-    def at_most_half(num_seqs: int) -> bool:
-        """The working slots take at most half of what the checkpoint slots leave (a stage without attention
-        layers has no KV blocks to share it with)."""
-        working, checkpoints = (num_seqs + 1) * budget.state_bytes, budget.checkpoint_slots * budget.state_bytes
-        return budget.block_bytes == 0 or 2 * working <= budget.cache_memory(num_seqs) - checkpoints
+    def within_share(num_seqs: int) -> bool:
+        """The working slots take at most their share of what the checkpoint slots leave (a stage without
+        attention layers has no KV blocks to share it with)."""
+        working, checkpoints = (num_seqs + 1) * state, budget.checkpoint_slots * state
+        return budget.block_bytes == 0 or working * share[1] <= share[0] * (budget.cache_memory(num_seqs) - checkpoints)
 
-    if holds_target(requested) and at_most_half(requested):
+    if holds_target(requested) and within_share(requested):
         return requested
     if budget.cache_memory(1) < budget.states(1):
         return requested  # the fixed costs leave no cache memory at all: no count of sequences helps
-    slots = f"{requested + 1 + budget.checkpoint_slots} GDN state slots of {mib(budget.state_bytes)}"
+    percent = f"{100 * share[0] / share[1]:.0f}%"
     if not holds_target(1):
-        num_seqs = _largest(1, requested, at_most_half) if at_most_half(1) else 1
+        num_seqs = _largest(1, requested, within_share) if within_share(1) else 1
         if num_seqs < requested:
             notes.append(f"--max-num-seqs clamped from {requested} to {num_seqs}: not even one {target_len:,}-token "
-                         "request fits, so the working GDN state slots get at most half of the cache memory beside "
-                         "the checkpoint slots")
+                         f"request fits, so the working GDN state slots get at most {percent} of the cache memory "
+                         "beside the checkpoint slots")
         return num_seqs
     if not holds_target(requested):
         num_seqs = _largest(1, requested, holds_target)
-        reason = f"{slots} would leave the KV pool less than one {target_len:,}-token request"
+        reason = (f"{requested + 1 + budget.checkpoint_slots} GDN state slots of {mib(state)} would leave the KV pool "
+                  f"less than one {target_len:,}-token request")
     else:
         num_seqs, reason = requested, ""
-    if not at_most_half(num_seqs):
-        num_seqs = _largest(1, num_seqs, at_most_half) if at_most_half(1) else 1
-        reason = (f"{requested + 1} working GDN state slots of {mib(budget.state_bytes)} would take more than half "
-                  "of the cache memory beside the checkpoint slots (the other half is the KV pool's)")
+    if not within_share(num_seqs):
+        num_seqs = _largest(1, num_seqs, within_share) if within_share(1) else 1
+        reason = (f"{requested + 1} working GDN state slots of {mib(state)} would take more than {percent} of the "
+                  "cache memory beside the checkpoint slots (the KV pool gets the rest: the split that runs the most "
+                  f"requests at once at their worst length up to {target_len:,})")
     notes.append(f"--max-num-seqs clamped from {requested} to {num_seqs}: {reason}")
     return num_seqs
 

@@ -109,9 +109,10 @@ def test_27b_on_an_h200_adds_up():
     budget = int(device * 0.9)
     cache = budget - p.weight_bytes - 3 * GIB - p.cuda_graph_bytes - GIB
     assert p.cache_memory_bytes == cache
-    # 256 working slots would take more than half of what the checkpoint slots leave: the most that take half
+    # 256 working slots would take more than their share of what the checkpoint slots leave: the most that fit it
     n, state, checkpoints = p.max_num_seqs, 153_944_064, p.num_checkpoint_slots * 153_944_064
-    assert 2 * (n + 1) * state <= cache - checkpoints
+    kv_target = 262144 * 65536  # a = (kL + s) / (2kL + s): 50.2% at 262,144 tokens
+    assert (n + 1) * state * (2 * kv_target + state) <= (kv_target + state) * (cache - checkpoints)
     assert 180 < n < 256 and any(note.startswith(f"--max-num-seqs clamped from 256 to {n}") for note in p.notes)
     one_more = plan(cfg, EngineConfig(max_num_seqs=n + 1), device_memory_bytes=device, activation_bytes=3 * GIB,
                     overhead_bytes=GIB)
@@ -201,16 +202,30 @@ def test_max_num_seqs_is_clamped_with_a_note_never_an_error():
     assert huge.error is None and huge.max_num_seqs <= p.max_num_seqs
 
 
-def test_a_short_max_model_len_leaves_the_kv_pool_half_of_the_cache():
+def _worst_ratio(num_seqs: int, pool_tokens: int, state: int, per_token: int, max_len: int) -> float:
+    """The fewest requests a split runs at once against one shared pool of the same bytes, over lengths up to
+    max_len: min over l of min(slots, tokens / l) / (memory / (state + l * per_token))."""
+    memory = num_seqs * state + pool_tokens * per_token
+    return min(min(num_seqs, pool_tokens / length) * (state + length * per_token) / memory
+               for length in range(16, max_len + 1, 16))
+
+
+def test_a_short_max_model_len_gets_the_split_with_the_best_worst_length():
     """Qwen3.5-27B FP8 on an H100 at --max-model-len 4096 (W6's flags): the working state slots once took all the
-    cache but one request's KV (244 slots, 4,304 tokens), so 64 clients of 1,536 tokens ran 4 at a time."""
+    cache but one request's KV (244 slots, 4,304 tokens), so 64 clients of 1,536 tokens ran 4 at a time. Now the
+    split is the one whose worst request length (up to 4,096) runs the most requests against one shared pool."""
     cfg = shared_config("qwen3.5-27b-fp8")
-    p = plan(cfg, EngineConfig(max_model_len=4096), device_memory_bytes=GPUS["h100"].memory_bytes,
-             weight_format=detect_weight_format(CONFIGS_DIR / "qwen3.5-27b-fp8"))
+    fmt = detect_weight_format(CONFIGS_DIR / "qwen3.5-27b-fp8")
+    p = plan(cfg, EngineConfig(max_model_len=4096), device_memory_bytes=GPUS["h100"].memory_bytes, weight_format=fmt)
     assert p.error is None and p.max_num_seqs < 256
-    working = (p.max_num_seqs + 1) * p.state_bytes_per_slot
-    assert p.num_blocks * p.block_size * p.kv_bytes_per_token >= working  # the KV pool has the other half
     assert p.max_num_seqs >= 64 and p.pool_tokens >= 64 * (1024 + 512)  # W6's c=64 runs all at once
+    state, per_token = p.state_bytes_per_slot, p.kv_bytes_per_token
+    memory = (p.max_num_seqs + 1) * state + p.num_blocks * p.block_size * per_token  # the dummy and null included
+    best = _worst_ratio(p.max_num_seqs, p.pool_tokens, state, per_token, 4096)
+    assert best == pytest.approx((4096 * per_token + state) / (2 * 4096 * per_token + state), abs=0.01)  # 61%
+    for other in (p.max_num_seqs // 2, p.max_num_seqs - 8, p.max_num_seqs + 8, 244):  # the same bytes split otherwise
+        tokens = (memory - (other + 1) * state) // per_token - p.block_size
+        assert _worst_ratio(other, tokens, state, per_token, 4096) < best
 
 
 def test_num_gpu_blocks_override_chooses_the_split_and_is_refused_past_the_device():
@@ -232,7 +247,7 @@ def test_when_not_even_one_full_length_request_fits_states_get_half_the_cache():
     assert p.error is None and p.max_model_len == p.pool_tokens < 262144
     states = (p.max_num_seqs + 1) * p.state_bytes_per_slot
     assert 2 * states <= p.cache_memory_bytes < 2 * (states + p.state_bytes_per_slot)
-    assert any("get at most half of the cache memory" in note for note in p.notes)
+    assert any("get at most 50% of the cache memory" in note for note in p.notes)
 
 
 def test_weights_that_do_not_fit_say_so():
