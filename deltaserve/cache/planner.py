@@ -13,9 +13,10 @@ per running sequence, the dummy slot, the prefix cache's checkpoint slots), then
 state in the same budget as their KV blocks.
 
 Rules, in order (each one is a line in `notes` when it changes what the user asked for):
-1. --max-num-seqs is clamped to the largest count whose state slots leave room for one request of the
-   target length (--max-model-len, or the model's own limit). If not even one sequence leaves that room,
-   the state slots get at most half of the cache memory.
+1. --max-num-seqs is clamped to the largest count whose working state slots take at most their share of the
+   cache memory beside the checkpoints, (kL + s) / (2kL + s) (about half; see _clamp_num_seqs), and leave room
+   for one request of the target length L (--max-model-len, or the model's own limit). If not even one sequence
+   leaves that room, the share alone applies.
 2. An explicit --max-model-len longer than the pool is an error naming the token counts and the smallest
    change that fits. Otherwise (auto) max_model_len is the model's limit or the pool, whichever is smaller.
    The pool must hold max_model_len tokens of one request, rounded up to whole blocks.
