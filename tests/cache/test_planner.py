@@ -11,7 +11,7 @@ import torch
 
 from deltaserve.cache.footprint import (count_parameters, estimate_cuda_graph_bytes, kv_bytes_per_token,
                                         ssm_cache_dtype, state_bytes_per_slot, weight_bytes)
-from deltaserve.cache.plan_cli import GPUS, main, parse_bytes
+from deltaserve.cache.plan_cli import GPUS, describe_plan, main, parse_bytes
 from deltaserve.cache.planner import CPU_CACHE_BYTES, PlanError, plan
 from deltaserve.config import ConfigError, EngineConfig, ModelConfig
 from deltaserve.graph_sizes import graph_capture_sizes
@@ -219,6 +219,8 @@ def test_a_short_max_model_len_gets_the_split_with_the_best_worst_length():
     p = plan(cfg, EngineConfig(max_model_len=4096), device_memory_bytes=GPUS["h100"].memory_bytes, weight_format=fmt)
     assert p.error is None and p.max_num_seqs < 256
     assert p.max_num_seqs >= 64 and p.pool_tokens >= 64 * (1024 + 512)  # W6's c=64 runs all at once
+    assert (f"requests at once: {p.max_num_seqs} of up to {p.pool_tokens // p.max_num_seqs:,} tokens each (the state "
+            f"slots), {p.full_length_requests} of 4,096 (the KV pool)") in describe_plan(p)
     state, per_token = p.state_bytes_per_slot, p.kv_bytes_per_token
     memory = (p.max_num_seqs + 1) * state + p.num_blocks * p.block_size * per_token  # the dummy and null included
     best = _worst_ratio(p.max_num_seqs, p.pool_tokens, state, per_token, 4096)
