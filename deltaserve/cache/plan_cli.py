@@ -157,7 +157,7 @@ def describe_plan(p: MemoryPlan) -> str:
     lines.append(f"  => max_model_len {p.max_model_len:,} (model limit {p.model_max_len:,}); KV pool "
                  f"{p.pool_tokens:,} tokens; max_num_seqs {p.max_num_seqs}{asked}; full-length requests at once: "
                  f"{p.full_length_requests}")
-    if p.max_num_seqs > 0 and p.pool_tokens > 0:  # the two pools' split, as requests at once by their length
+    if 0 < p.max_num_seqs <= p.pool_tokens:  # the two pools' split, as requests at once by their length
         share = p.pool_tokens // p.max_num_seqs
         lines.append(f"  requests at once: {p.max_num_seqs} of up to {share:,} tokens each (the state slots), "
                      f"{p.full_length_requests} of {p.max_model_len:,} (the KV pool)")
