@@ -15,6 +15,10 @@ run, one after such a gap) is listed apart with the time from its launch to its 
 mean time its launches took on the host (inputs prepared, the forward enqueued): that is before the launch time, so
 outside the launch-to-read-back time of a step begun idle, though a lone request's TTFT holds both. Each --window
 (CLOCK_MONOTONIC nanoseconds, as `time.monotonic_ns()` prints them) is summed apart: the runs of one server start.
+A served trace also has the requests' way to their first output (requests.tsv): queued for the engine -> added by
+the engine thread -> first token in a step's outputs -> delivered to the handler, for the first requests one by one
+and as medians of the rest; a client's TTFT beyond their sum was spent before the queue (HTTP, parsing, tokenizing)
+or after the handler (the response's first chunk).
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from deltaserve.worker.step_trace import read_collects, read_engine, read_launch_host_ns
+from statistics import median
+
+from deltaserve.worker.step_trace import read_collects, read_engine, read_launch_host_ns, read_requests
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
@@ -86,6 +92,24 @@ def summarize(steps: list[tuple[int, int, int]], idle_s: float,
     return "\n".join(lines)
 
 
+def summarize_requests(requests: list[tuple[int, int, int, int]], first: int = 3) -> str:
+    """requests: (queued, added, first token, delivered) ns, by queue time. Each of the first `first` requests'
+    three intervals in ms, then the medians of the others'."""
+    def intervals(request: tuple[int, int, int, int]) -> tuple[float, float, float]:
+        queued, added, token, delivered = request
+        return (added - queued) / 1e6, (token - added) / 1e6, (delivered - token) / 1e6
+
+    def shown(parts) -> str:
+        return " / ".join(f"{ms:.1f}" for ms in parts)
+
+    lines = ["  requests, queued -> added / -> first token / -> delivered (ms):"]
+    lines += [f"    request {i + 1}: {shown(intervals(request))}" for i, request in enumerate(requests[:first])]
+    rest = [intervals(request) for request in requests[first:]]
+    if rest:
+        lines.append(f"    median of the other {len(rest)}: {shown(median(column) for column in zip(*rest))}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("trace_dir", type=Path)
@@ -101,12 +125,16 @@ def main(argv: list[str] | None = None) -> None:
     steps = read_engine(args.trace_dir)
     collects = read_collects(args.trace_dir)
     launch_ns = read_launch_host_ns(args.trace_dir)
+    requests = read_requests(args.trace_dir)
     windows = windows or [(0, 2**63)]
     for start, end in windows:
         inside = [i for i, step in enumerate(steps) if start <= step[0] < end]
         print(f"window {start}:{end}" if args.window else "whole trace")
         print(summarize([steps[i] for i in inside], args.idle_s,
                         [collects.get(i) for i in inside] if collects else None, [launch_ns[i] for i in inside]))
+        served = [request for request in requests if start <= request[0] < end]
+        if served:
+            print(summarize_requests(served))
 
 
 if __name__ == "__main__":

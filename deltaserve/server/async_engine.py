@@ -31,6 +31,7 @@ from deltaserve.outputs import CompletionOutput, OutputAccumulator, RequestOutpu
 from deltaserve.sampling import RequestOutputKind, SamplingParams
 from deltaserve.server.metrics import ServerMetrics
 from deltaserve.worker.executor import RankFailed
+from deltaserve.worker.step_trace import RequestTrace
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,8 @@ class _RequestStream:
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
+        # the step trace's times, set by the engine thread with the first token (before its delivery)
+        self.added_ns = self.first_token_ns = 0
 
     def put(self, item) -> None:
         """Called from the engine thread."""
@@ -74,6 +77,7 @@ class _Tracked:
     num_tokens: int = 0  # output tokens seen, all choices together
     num_tokens_sent: int = 0  # output tokens already handed to the stream
     unsent: OutputAccumulator | None = None  # deltas held back by stream_interval
+    added_ns: int = 0  # when the engine thread added it, where the step trace is on (its requests.tsv)
 
 
 @dataclass
@@ -84,6 +88,7 @@ class _Add:
     stream: _RequestStream
     group: str | None = None  # the client request it belongs to (LLMEngine.add_request)
     arrival: float = field(default_factory=time.monotonic)
+    queued_ns: int = field(default_factory=time.monotonic_ns)
 
 
 @dataclass
@@ -110,6 +115,7 @@ class AsyncEngine:
         # why the engine is down (a worker rank failed), once it is: requests are refused from then on
         self.dead: str | None = None
         self.on_dead: Callable[[str], None] | None = None  # called once, on the engine thread, when it goes down
+        self._request_trace = RequestTrace.from_env()
 
     # -- the event-loop side -----------------------------------------------------------------------------
 
@@ -156,7 +162,8 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine is down: {self.dead}")
         params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
         stream = _RequestStream(asyncio.get_running_loop())
-        self._commands.put(_Add(request_id, prompt_token_ids, params, stream, group))
+        add = _Add(request_id, prompt_token_ids, params, stream, group)
+        self._commands.put(add)
         done = False
         latest = None  # the latest output received
         try:
@@ -178,6 +185,9 @@ class AsyncEngine:
                         latest = item
                     output = deltas.result()
                 done = output.finished
+                if self._request_trace is not None and stream.first_token_ns:
+                    self._request_trace.first_output(add.queued_ns, stream.added_ns, stream.first_token_ns)
+                    stream.first_token_ns = 0
                 yield output
                 if done:
                     return
@@ -233,7 +243,8 @@ class AsyncEngine:
             command.stream.put(EngineError(f"the engine failed to add the request: {exc}"))
             return
         self._tracked[command.request_id] = _Tracked(command.stream, command.arrival,
-                                                     len(command.prompt_token_ids), command.params.n)
+                                                     len(command.prompt_token_ids), command.params.n,
+                                                     added_ns=time.monotonic_ns() if self._request_trace else 0)
 
     def _step(self) -> None:
         try:
@@ -299,6 +310,8 @@ class AsyncEngine:
         if new_tokens <= 0:
             return 0
         if tracked.num_tokens == 0:
+            if tracked.added_ns:  # traced: the handler writes the line once it has this output
+                tracked.stream.added_ns, tracked.stream.first_token_ns = tracked.added_ns, time.monotonic_ns()
             if self.metrics is not None:
                 self.metrics.on_first_token(now - tracked.arrival, tracked.num_prompt_tokens,
                                             output.num_cached_tokens)

@@ -8,7 +8,11 @@
   the steps' device times (`benchmarks/step_trace_summary.py` sums them by kind);
 - and one line per step read back to `engine_collect.tsv`: the index, when the read-back began and when it returned.
   The host blocked that long on the device: a step whose read-back waits is bound by the device, one whose
-  read-back returns at once by the host.
+  read-back returns at once by the host;
+- the server (server/async_engine.py) appends one line per request to `requests.tsv` when its first output reaches
+  its handler: when the handler queued it for the engine, when the engine thread added it, when a step's outputs
+  held its first token, and when the handler got them. Against a client's TTFT this places a request's time in
+  the server (before the queue: HTTP, parsing, tokenizing; then the engine; then the hand-back).
 Times are nanoseconds of CLOCK_MONOTONIC (one clock for every process of the machine)."""
 
 from __future__ import annotations
@@ -66,6 +70,30 @@ class EngineTrace:
         index = self._indices.pop(id(step), None)
         if index is not None:
             self._collect_file.write(f"{index}\t{began_ns}\t{time.monotonic_ns()}\n")
+
+
+class RequestTrace:
+    """The server's line per request (`requests.tsv`: queued, added, first token, delivered; ns)."""
+
+    def __init__(self, folder: Path):
+        self._file = (folder / "requests.tsv").open("a", buffering=1)
+
+    @classmethod
+    def from_env(cls) -> RequestTrace | None:
+        folder = os.environ.get(ENV_VAR)
+        return cls(Path(folder)) if folder else None
+
+    def first_output(self, queued_ns: int, added_ns: int, first_token_ns: int) -> None:
+        """A request's first output reached its handler now."""
+        self._file.write(f"{queued_ns}\t{added_ns}\t{first_token_ns}\t{time.monotonic_ns()}\n")
+
+
+def read_requests(folder: Path) -> list[tuple[int, int, int, int]]:
+    """The server's (queued, added, first token, delivered) ns per request, by queue time; [] without the file."""
+    path = Path(folder) / "requests.tsv"
+    if not path.exists():
+        return []
+    return sorted(tuple(int(field) for field in line.split("\t")) for line in path.read_text().splitlines())
 
 
 def read_engine(folder: Path) -> list[tuple[int, int, int]]:

@@ -97,3 +97,32 @@ def test_a_malformed_window_is_refused_by_name(tmp_path, capsys):
     assert "--window takes START_NS:END_NS (two integers), got '12:x'" in capsys.readouterr().err
     step_trace_summary.main([str(tmp_path), "--window", "0:10"])
     assert "window 0:10\n1 steps" in capsys.readouterr().out
+
+
+def test_the_server_writes_each_requests_way_to_its_first_output(tokenizer, tmp_path, monkeypatch):
+    from deltaserve.config import EngineConfig
+    from deltaserve.server.api_server import make_state
+    from deltaserve.server.settings import ServerSettings
+    from tests.server.harness import ScriptedEngine, ServerThread
+
+    monkeypatch.setenv(step_trace.ENV_VAR, str(tmp_path))
+    state = make_state(ScriptedEngine(tokenizer), EngineConfig(), ServerSettings(served_model_names=("s",)))
+    with ServerThread(state) as server:
+        for stream in (False, True, False):
+            body = {"prompt": "hi there", "max_tokens": 3, "stream": stream}
+            assert server.post("/v1/completions", json=body).status_code == 200
+    requests = step_trace.read_requests(tmp_path)
+    assert len(requests) == 3  # one line a request, written once though its outputs come in several steps
+    assert all(queued <= added <= token <= delivered for queued, added, token, delivered in requests)
+    assert [r[0] for r in requests] == sorted(r[0] for r in requests)
+    assert requests[0][3] <= requests[1][0]  # one after the other
+
+
+def test_the_request_summary_shows_the_first_ones_then_medians():
+    ms = 1_000_000
+    requests = [(0, 1 * ms, 61 * ms, 111 * ms)] + [(i * 1000 * ms, i * 1000 * ms + ms // 2, i * 1000 * ms + 60 * ms,
+                                                     i * 1000 * ms + 61 * ms) for i in range(1, 6)]
+    text = step_trace_summary.summarize_requests(requests, first=1)
+    assert text.splitlines() == ["  requests, queued -> added / -> first token / -> delivered (ms):",
+                                 "    request 1: 1.0 / 60.0 / 50.0",
+                                 "    median of the other 5: 0.5 / 59.5 / 1.0"]
