@@ -3,7 +3,7 @@ their shared memory and their main loop's SASS, to see what a kernel change does
 spending device time on it.
 
     python -m benchmarks.sass_probe [--kernel decode|prefill|int4-row|int4-dp4a|nvfp4-gemv|nvfp4-dp4a|moe-gate-up|
-        moe-down] [--cache bf16|fp8] [--format bf16|fp8|int4|nvfp4] [--arch 90]
+        moe-down|fp8-skinny] [--cache bf16|fp8] [--format bf16|fp8|int4|nvfp4] [--arch 90] [--rows 64]
         [--block-n N] [--block-k N] [--warps N] [--stages N] [--top 12]
 
 Compiles `_decode_split_kernel` or `_prefill_kernel` with 27B's attention heads (24 query / 4 KV heads, head_dim
@@ -11,9 +11,11 @@ Compiles `_decode_split_kernel` or `_prefill_kernel` with 27B's attention heads 
 one row / `_nvfp4_dp4a_row_kernel` at 27B's gate/up (34,816 x 5,120; int4 groups of 128 with zero points), with the
 tile the engine would use unless told otherwise (the GEMVs: the tuned
 table's gate/up and down entries), or the MoE one-token GEMV kernels (`ops/moe/cuda.py` A1 and B1, --format) at
-35B-A3B's experts (default 8 rows, K steps of 256), disassembles the cubin with the `nvdisasm` that Triton ships, and prints the
-registers a thread takes (Triton's `ptxas -v`), the largest loop's instruction count (for a GEMV also per weight)
-and its commonest opcodes. The eleventh session found fp8 decode reading its V tiles one byte at a time this way
+35B-A3B's experts (default 8 rows, K steps of 256), or the FP8 skinny decode GEMM (`cuda_fp8._skinny_kernel`) at 27B's
+gate/up and --rows rows with the tuned table's tile, disassembles the cubin with the `nvdisasm` that Triton ships,
+and prints the registers a thread takes (Triton's `ptxas -v`), the largest loop's instruction count (for a GEMV also
+per weight) and its commonest opcodes; for the skinny GEMM also how many of its programs an SM holds and the waves
+of its launch on an H100 / H200's 132 SMs. The eleventh session found fp8 decode reading its V tiles one byte at a time this way
 (128 `LDS.U8` in a loop of 1,234 instructions; docs/performance.md); the GEMVs' layout conversions through
 shared memory show as `BAR.SYNC` and `LDS` in the loop.
 """
@@ -167,6 +169,43 @@ def compile_moe_row(kernel: str = "moe-gate-up", fmt: str = "fp8", arch: int = 9
     return _compile(fn, constants, types, ints, arch, num_warps, 1)
 
 
+SKINNY_N, SKINNY_K, SMS = 34816, 5120, 132  # 27B's gate/up; an H100 SXM's or H200's SMs
+SM_SHARED_BYTES, SM_REGISTERS, BLOCK_RESERVED_SHARED = 228 * 1024, 65536, 1024  # sm_90
+
+
+def skinny_tile(rows: int, block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                split_k: int | None = None) -> dict:
+    """The FP8 skinny tile at 27B's gate/up and `rows` rows: the tuned table's, with what is given instead."""
+    from deltaserve.ops.quant_gemm import configs
+
+    tile = configs.config_for("fp8", SKINNY_N, SKINNY_K, rows)
+    if tile.get("kind") != "skinny":  # the table runs another kind at these rows: the kernel's default tile
+        tile = configs.skinny_config(SKINNY_N, SKINNY_K)
+    given = dict(block_n=block_n, warps=num_warps, stages=num_stages, split_k=split_k)
+    return dict(tile, **{name: value for name, value in given.items() if value is not None})
+
+
+def compile_skinny(rows: int, tile: dict, arch: int = 90):
+    """The compiled FP8 skinny kernel at 27B's gate/up (activations quantized before it, as the engine runs it)."""
+    from deltaserve.ops.quant_gemm import cuda_fp8
+
+    constants = {"BN_W": 128, "BLOCK_M": max(16, 1 << (rows - 1).bit_length()), "BLOCK_N": tile["block_n"],
+                 "BK": 128, "SPLIT": tile["split_k"] > 1, "QUANT_X": False, "EVEN_N": True, "EVEN_K": True,
+                 "FLOOR": cuda_fp8.ACT_AMAX_FLOOR, "QMAX": cuda_fp8.E4M3_MAX, "TAIL_ROWS": 0, "TAIL_K": 0, "PDL": False}
+    types = {"x": "*bf16", "xq": "*fp8e4nv", "sx": "*fp32", "w": "*fp8e4nv", "ws": "*fp32", "out": "*bf16",
+             "partial": "*fp32", "counters": "*i32", "tail_x": "*bf16", "tail_w": "*bf16", "tail_out": "*bf16"}
+    ints = {"M": rows, "N": SKINNY_N, "K": SKINNY_K, "stride_xm": SKINNY_K, "stride_out_m": SKINNY_N,
+            "stride_tn": SKINNY_K}
+    return _compile(cuda_fp8._skinny_kernel, constants, types, ints, arch, tile["warps"], tile["stages"])
+
+
+def programs_per_sm(shared_bytes: int, registers_per_thread: int, num_warps: int) -> int:
+    """Programs an sm_90 SM holds at once: by shared memory (each also reserves 1 KB) and by registers."""
+    by_shared = SM_SHARED_BYTES // (shared_bytes + BLOCK_RESERVED_SHARED)
+    by_registers = SM_REGISTERS // (registers_per_thread * 32 * num_warps)
+    return max(0, min(by_shared, by_registers, 32))
+
+
 def _compile(fn, constants: dict, types: dict, ints: dict, arch: int, num_warps: int, num_stages: int):
     """triton.compile of `fn` for sm_`arch`: `constants` as constexprs, the other parameters typed by `types`
     (default i32), pointers and the integers whose `ints` value is divisible by 16 specialized as such."""
@@ -231,7 +270,10 @@ def loop_report(compiled) -> LoopReport:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.sass_probe", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kernel", choices=["decode", "prefill", *GEMV_TILES, *MOE_ROW_KERNELS], default="decode")
+    parser.add_argument("--kernel", choices=["decode", "prefill", *GEMV_TILES, *MOE_ROW_KERNELS, "fp8-skinny"],
+                        default="decode")
+    parser.add_argument("--rows", type=int, default=64, help="the skinny GEMM's rows (1 to 64)")
+    parser.add_argument("--split-k", type=int, default=None, help="the skinny GEMM's K splits (default: the table's)")
     parser.add_argument("--format", choices=sorted(MOE_ROW_FORMATS), default="fp8",
                         help="the MoE kernels' weight format")
     parser.add_argument("--cache", choices=sorted(CACHE_TYPES), default="bf16", help="the KV cache's dtype")
@@ -243,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stages", type=int, default=None)
     parser.add_argument("--top", type=int, default=12, help="how many opcodes to list")
     args = parser.parse_args(argv)
-    for name in ("arch", "block_n", "block_k", "warps", "stages", "top"):
+    for name in ("arch", "block_n", "block_k", "warps", "stages", "top", "rows", "split_k"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -255,6 +297,17 @@ def main(argv: list[str] | None = None) -> int:
         weights = block_n * columns / (32 * options.num_warps)  # a thread's weights a loop step
         what = (f"{args.kernel} ({block_n} rows x {columns} columns a step, {options.num_warps} warps, "
                 f"{options.num_stages} stages)")
+    elif args.kernel == "fp8-skinny":
+        if args.rows > 64:
+            parser.error(f"--rows must be at most 64 (the skinny kernel's rows), got {args.rows}")
+        tile = skinny_tile(args.rows, args.block_n, args.warps, args.stages, args.split_k)
+        compiled, weights = compile_skinny(args.rows, tile, args.arch), None
+        held = programs_per_sm(compiled.metadata.shared, registers(compiled, args.arch), tile["warps"])
+        programs = -(-SKINNY_N // tile["block_n"]) * tile["split_k"]
+        waves = f"{programs / (SMS * held):.2f} waves" if held else "no program fits an SM"
+        what = (f"fp8-skinny at {args.rows} rows (27B's gate/up, {tile['block_n']} columns a program, K split "
+                f"{tile['split_k']}, {tile['warps']} warps, {tile['stages']} stages; {held} programs an SM, "
+                f"{programs} programs: {waves} of {SMS} SMs)")
     elif args.kernel in MOE_ROW_KERNELS:
         block_n, block_k = args.block_n or 8, args.block_k or 256
         compiled = compile_moe_row(args.kernel, args.format, args.arch, block_n, block_k, args.warps or 4)

@@ -59,3 +59,23 @@ def test_moe_one_token_kernels_multiply_on_the_cuda_cores(kernel, fmt):
     out = run_probe("--kernel", kernel, "--format", fmt, "--top", "200")
     assert f"{kernel} on {fmt} experts" in out and "FFMA" in out, out
     assert "HMMA" not in out and "HGMMA" not in out and "QGMMA" not in out, out
+
+
+@pytest.mark.skipif(not os.path.exists(sass_probe.nvdisasm()), reason="Triton ships no nvdisasm here")
+def test_fp8_skinny_gemm_multiplies_on_fp8_tensor_cores_and_reports_its_waves():
+    """The FP8 skinny decode GEMM at 27B's gate/up: Hopper's FP8 warpgroup MMA in its loop, and how many programs
+    an SM holds: at 64 rows the table's tile takes 64 KB of shared memory, 3 programs an SM, so its 544 programs
+    are 1.37 waves of 132 SMs (one row: 40 KB, 5 an SM)."""
+    wide, one = run_probe("--kernel", "fp8-skinny", "--top", "200"), run_probe("--kernel", "fp8-skinny", "--rows", "1")
+    assert "QGMMA" in wide, wide
+    held = [int(re.search(r"(\d+) programs an SM", out).group(1)) for out in (wide, one)]
+    assert 0 < held[0] < held[1], held
+    shared = int(re.search(r"([\d,]+) B of shared memory", wide).group(1).replace(",", ""))
+    assert held[0] == sass_probe.programs_per_sm(shared, int(re.search(r"(\d+) registers", wide).group(1)), 4)
+    assert f"{544 / (132 * held[0]):.2f} waves" in wide
+
+
+def test_programs_an_sm_holds_are_bounded_by_shared_memory_and_registers():
+    assert sass_probe.programs_per_sm(65536, 121, 4) == 3  # shared memory: 228 KB / (64 + 1) KB
+    assert sass_probe.programs_per_sm(40960, 48, 4) == 5
+    assert sass_probe.programs_per_sm(1024, 255, 8) == 1  # registers: 65,536 / (255 x 256)
