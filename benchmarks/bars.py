@@ -74,7 +74,7 @@ SERVERS = (
            (Bar("W6 27B FP8 c=64 output tok/s", "Output token throughput (tok/s)", 3_000, True),), card_gib=40,
            seconds=220),
     # issue 32's other MoE shapes, reported: Qwen3-Next-80B-A3B quantized at load, 122B-A10B-FP8 with 16 state slots
-    # (256 would leave a 26K-token KV pool on an H200: `deltaserve plan`)
+    # (its KV pool 196K tokens on an H200; the plan's default share would give 26 slots and 133K: `deltaserve plan`)
     Server("next-80b-fp8", "qwen3-next-80b-a3b", ("1024:512:5:1",), (_tpot("W8 Qwen3-Next-80B-A3B FP8 TPOT ms", None),),
            card_gib=100, seconds=200, serve_args="--quantization fp8"),
     Server("122b-fp8", "qwen3.5-122b-a10b-fp8", ("1024:512:5:1", "8192:1024:64:16:0.8"),
