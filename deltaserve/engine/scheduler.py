@@ -32,11 +32,17 @@ order, so a later step that reuses its blocks or slot runs after it on each stag
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import Counter, deque
 
 from deltaserve.cache.cache_manager import CacheManager
 from deltaserve.request import Request, RequestStatus
 from deltaserve.sched_output import ModelOutput, ScheduledSequence, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+PREEMPTION_WARNING_INTERVAL_S = 60.0  # at most one warning a minute: a full pool preempts every few steps
 
 
 def _samples_from_history(request: Request) -> bool:
@@ -58,6 +64,8 @@ class Scheduler:
         self.num_micro_batches = num_micro_batches  # steps the engine keeps in flight, over disjoint sequences
         # with micro-batches: the running requests of steps whose output is not taken in yet (skipped by schedule)
         self._in_flight: set[Request] = set()
+        self.num_preemptions = 0  # since start-up (the server's vllm:num_preemptions)
+        self._last_preemption_warning = -PREEMPTION_WARNING_INTERVAL_S
 
     # -- requests in and out -------------------------------------------------------------------------------
 
@@ -103,12 +111,23 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         """Free the request's cache and put it back at the head of the queue, to be recomputed."""
+        num_running = len(self.running)
         self.running.remove(request)
         self.cache.free(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.waiting.appendleft(request)
+        self.num_preemptions += 1
+        now = time.monotonic()
+        if now - self._last_preemption_warning >= PREEMPTION_WARNING_INTERVAL_S:
+            self._last_preemption_warning = now
+            pool = self.cache.block_pool
+            logger.warning("request %s was preempted (its tokens are computed again later): the KV pool's %d "
+                           "blocks of %d tokens were all in use by %d running requests (preemptions so far: %d). For "
+                           "more KV: --kv-cache-dtype fp8, a higher --gpu-memory-utilization, or a lower "
+                           "--max-num-seqs (docs/memory.md)", request.request_id, pool.num_blocks - 1,
+                           pool.block_size, num_running, self.num_preemptions)
 
     # -- one step ------------------------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ logprobs, O(new) to build however long the output is); a handler that falls behi
 joined into one (`OutputAccumulator`), and a non-streaming handler joins them all (`collect_output`). An
 exception in step() fails every in-flight request (their handlers answer 500) and aborts them in the
 engine, freeing their cache; the thread keeps serving. `engine` is anything with LLMEngine's request API
-(add_request, abort_request, step, has_unfinished, scheduler.num_running/num_waiting,
+(add_request, abort_request, step, has_unfinished, scheduler.num_running/num_waiting/num_preemptions,
 cache_manager.block_pool.usage), which lets tests drive the HTTP layer with a scripted fake.
 """
 
@@ -331,7 +331,8 @@ class AsyncEngine:
         try:
             scheduler = self.engine.scheduler
             usage = self.engine.cache_manager.block_pool.usage
-            self.metrics.set_engine_state(scheduler.num_running, scheduler.num_waiting, usage)
+            self.metrics.set_engine_state(scheduler.num_running, scheduler.num_waiting, usage,
+                                          scheduler.num_preemptions)
         except Exception:  # stats must never take the engine down
             logger.exception("could not read engine stats")
 

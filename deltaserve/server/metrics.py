@@ -100,6 +100,8 @@ class ServerMetrics:
         self.prefix_cache_queries = counter("vllm:prefix_cache_queries",
                                             "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.num_preemptions = counter("vllm:num_preemptions", "Requests preempted (their KV freed, recomputed).")
+        self._preemptions_seen = 0
         self._success = Counter("vllm:request_success", "Finished requests, by finish reason.",
                                 labels + ["finished_reason"], registry=self.registry)
         for reason in ("stop", "length", "abort"):  # present at 0 from the start, as vLLM does
@@ -113,10 +115,15 @@ class ServerMetrics:
         self.registry.register(self.itl)
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.", _E2E_BUCKETS)
 
-    def set_engine_state(self, num_running: int, num_waiting: int, kv_cache_usage: float) -> None:
+    def set_engine_state(self, num_running: int, num_waiting: int, kv_cache_usage: float,
+                         num_preemptions: int = 0) -> None:
+        """num_preemptions: the scheduler's count since start-up (the counter takes what is new)."""
         self.num_running.set(num_running)
         self.num_waiting.set(num_waiting)
         self.kv_cache_usage.set(kv_cache_usage)
+        if num_preemptions > self._preemptions_seen:
+            self.num_preemptions.inc(num_preemptions - self._preemptions_seen)
+            self._preemptions_seen = num_preemptions
 
     def on_first_token(self, ttft: float, num_prompt_tokens: int, num_cached_tokens: int) -> None:
         """The prompt is done and the first token is out."""

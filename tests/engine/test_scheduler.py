@@ -143,6 +143,7 @@ def test_preemption_frees_the_newest_and_resumes_it_from_scratch():
     fake_step(sched)  # a needs a fourth block: b (newest) is preempted
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0 and b.block_ids == []
     assert b.num_preemptions == 1 and sched.waiting[0] is b
+    assert sched.num_preemptions == 1
     b_tokens = list(b.all_token_ids)
     while a.status == RequestStatus.RUNNING:
         fake_step(sched)
@@ -431,3 +432,28 @@ def test_rows_carry_output_tokens_only_for_the_samplers_that_read_them():
         out, _ = fake_step(sched)
     rows = {row.request_id: row.output_token_ids for row in out.sequences}
     assert rows == {"plain": [], "penalised": [7, 7], "min": [7, 7]}
+
+
+def test_a_preemption_is_logged_naming_the_full_pool_at_most_once_a_minute(caplog, monkeypatch):
+    """A full KV pool preempts every few steps: the first is a warning that names the pool and what gives it more
+    room; the next within PREEMPTION_WARNING_INTERVAL_S are only counted (the scheduler's num_preemptions)."""
+    import deltaserve.engine.scheduler as scheduler_module
+
+    clock = [1000.0]
+    monkeypatch.setattr(scheduler_module.time, "monotonic", lambda: clock[0])
+    sched = make_scheduler(num_blocks=7, block_size=4, budget=100)
+    for rid in "abcde":  # 8-token prompts growing to 24 tokens, in 6 blocks of 4: 4 preemptions in all
+        sched.add_request(make_request(rid, 8, max_tokens=16))
+    with caplog.at_level("WARNING", logger="deltaserve.engine.scheduler"):
+        while sched.num_preemptions < 2:
+            fake_step(sched)
+        warned = [r.getMessage() for r in caplog.records if "preempted" in r.getMessage()]
+        assert len(warned) == 1, warned
+        assert "the KV pool's 6 blocks of 4 tokens were all in use by 3 running requests" in warned[0]
+        assert "(preemptions so far: 1)" in warned[0] and "--kv-cache-dtype fp8" in warned[0]
+        clock[0] += scheduler_module.PREEMPTION_WARNING_INTERVAL_S
+        before = sched.num_preemptions
+        while sched.num_preemptions == before and sched.has_unfinished():
+            fake_step(sched)
+        warned = [r.getMessage() for r in caplog.records if "preempted" in r.getMessage()]
+        assert len(warned) == 2 and f"(preemptions so far: {before + 1})" in warned[1]

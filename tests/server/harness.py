@@ -123,7 +123,7 @@ class ScriptedEngine:
 
     def __post_init__(self):
         self.model_config = SimpleNamespace(vocab_size=len(self.tokenizer))
-        self.scheduler = SimpleNamespace(num_running=0, num_waiting=0)
+        self.scheduler = SimpleNamespace(num_running=0, num_waiting=0, num_preemptions=0)
         self.cache_manager = SimpleNamespace(block_pool=SimpleNamespace(usage=0.0))
         self.config = SimpleNamespace(enable_prefix_caching=False)
         # constraints compile as for a real engine (the script ignores them)

@@ -31,3 +31,12 @@ def test_a_step_counts_its_generated_tokens_once():
     metrics.on_step(0, [])
     text = metrics.render().decode()
     assert 'vllm:generation_tokens_total{model_name="m"} 256.0' in text
+
+
+def test_preemptions_count_what_the_scheduler_added_since_the_last_publish():
+    metrics = ServerMetrics("m")
+    metrics.set_engine_state(4, 2, 1.0, num_preemptions=0)
+    assert 'vllm:num_preemptions_total{model_name="m"} 0.0' in metrics.render().decode()  # present from the start
+    for total in (1, 1, 3):  # the scheduler's count since start-up, published every step
+        metrics.set_engine_state(4, 2, 1.0, num_preemptions=total)
+    assert 'vllm:num_preemptions_total{model_name="m"} 3.0' in metrics.render().decode()
