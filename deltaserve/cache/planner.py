@@ -358,13 +358,16 @@ def _clamp_num_seqs(budget: _Budget, requested: int, target_len: int, need_block
         working, checkpoints = (num_seqs + 1) * state, budget.checkpoint_slots * state
         return budget.block_bytes == 0 or working * share[1] <= share[0] * (budget.cache_memory(num_seqs) - checkpoints)
 
+    def most_within_share(high: int) -> int:
+        return _largest(1, high, within_share) if within_share(1) else 1
+
     if holds_target(requested) and within_share(requested):
         return requested
     if budget.cache_memory(1) < budget.states(1):
         return requested  # the fixed costs leave no cache memory at all: no count of sequences helps
     percent = f"{100 * share[0] / share[1]:.0f}%"
     if not holds_target(1):
-        num_seqs = _largest(1, requested, within_share) if within_share(1) else 1
+        num_seqs = most_within_share(requested)
         if num_seqs < requested:
             notes.append(f"--max-num-seqs clamped from {requested} to {num_seqs}: not even one {target_len:,}-token "
                          f"request fits, so the working GDN state slots get at most {percent} of the cache memory "
@@ -377,7 +380,7 @@ def _clamp_num_seqs(budget: _Budget, requested: int, target_len: int, need_block
     else:
         num_seqs, reason = requested, ""
     if not within_share(num_seqs):
-        num_seqs = _largest(1, num_seqs, within_share) if within_share(1) else 1
+        num_seqs = most_within_share(num_seqs)
         reason = (f"{requested + 1} working GDN state slots of {mib(state)} would take more than {percent} of the "
                   "cache memory beside the checkpoint slots (the KV pool gets the rest: the split that runs the most "
                   f"requests at once at their worst length up to {target_len:,})")
