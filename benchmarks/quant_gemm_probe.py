@@ -84,7 +84,14 @@ DECODE_SWEEP = {"fp8": [dict(block_n=64, split_k="auto", warps=4, stages=4, quan
                         dict(block_n=128, split_k="auto", warps=8, stages=4, quant_x=0),
                         dict(block_n=32, split_k="auto", warps=4, stages=4, quant_x=0),
                         dict(block_n=64, split_k=2, warps=4, stages=4, quant_x=0),
-                        dict(block_n=64, split_k=4, warps=4, stages=4, quant_x=0)],
+                        dict(block_n=64, split_k=4, warps=4, stages=4, quant_x=0),
+                        # tiles copied by TMA; wider column blocks re-read the activation from L2 less often
+                        dict(block_n=64, split_k="auto", warps=4, stages=4, quant_x=0, tma=1),
+                        dict(block_n=128, split_k="auto", warps=8, stages=4, quant_x=0, tma=1),
+                        dict(block_n=128, split_k="auto", warps=8, stages=3, quant_x=0, tma=1),
+                        dict(block_n=256, split_k="auto", warps=8, stages=3, quant_x=0, tma=1),
+                        dict(block_n=32, split_k="auto", warps=4, stages=6, quant_x=0, tma=1),
+                        dict(block_n=64, split_k=2, warps=4, stages=4, quant_x=0, tma=1)],
                 "weight_only": [dict(block_n=64, split_k="auto", warps=4, stages=4),
                                 dict(block_n=64, split_k=1, warps=4, stages=6)]}
 # Prefill: the Triton GEMMs' best tile of the first run beside torch's F.scaled_mm (FP8) / dequantize + cuBLAS.

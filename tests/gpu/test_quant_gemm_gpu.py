@@ -27,6 +27,10 @@ DECODE_ROWS = [1, 2, 8, 16, 64]
 # tiles the probe (benchmarks/quant_gemm_probe.py) also sweeps, so that it finds them compiled
 SKINNY_TILES = [dict(block_n=64, block_k=128, split_k=1, warps=4, stages=6, quant_x=1),
                 dict(block_n=128, block_k=128, split_k=4, warps=4, stages=4, quant_x=0)]
+# FP8's skinny kernel with its tiles copied by TMA: the activation quantized before (split K too) and inside
+FP8_TMA_TILES = [dict(block_n=64, block_k=128, split_k=1, warps=4, stages=4, quant_x=0, tma=1),
+                 dict(block_n=128, block_k=128, split_k=2, warps=8, stages=3, quant_x=0, tma=1),
+                 dict(block_n=64, block_k=128, split_k=1, warps=4, stages=4, quant_x=1, tma=1)]
 # the GEMV's first tiles in the probe's sweep: (format class, rows bucket) -> tile
 GEMV_TILES = {("fp8", 1): dict(block_n=8, block_k=1024, warps=4, stages=1),
               ("int4", 1): dict(block_n=256, block_k=128, split_k=8, warps=4, stages=3),
@@ -119,6 +123,18 @@ def test_skinny_tiles(fmt, tile, weights):
             u_w, exact_codes = weight_rounding(fmt, "skinny")
             check(fmt, x, w, kernel(x, w, tile), f"{fmt} skinny {tile} N={n} K={k} M={m}", u_w=u_w,
                   exact_codes=exact_codes)
+
+
+@pytest.mark.parametrize("tile", FP8_TMA_TILES)
+def test_fp8_skinny_tma_tiles(tile, weights):
+    """The TMA copies give the sums of the pointer loads, bit for bit (the same tiles, the same dots)."""
+    for n, k in projections()[:2]:
+        w = weights[("fp8", n, k)]
+        for m in (1, 17, 64):
+            x = activations(m, k)
+            got = cuda_fp8.skinny(x, w, tile)
+            check("fp8", x, w, got, f"fp8 skinny {tile} N={n} K={k} M={m}")
+            assert torch.equal(got, cuda_fp8.skinny(x, w, dict(tile, tma=0))), f"TMA against pointers N={n} M={m}"
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "int4", "nvfp4"])

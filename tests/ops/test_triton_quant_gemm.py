@@ -33,6 +33,9 @@ patch_interpreter_bf16_dot()
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 SKINNY = [dict(block_n=16, block_k=32, split_k=1, warps=4, stages=1, quant_x=1),
           dict(block_n=32, block_k=64, split_k=2, warps=4, stages=1, quant_x=0)]
+# FP8's skinny tiles copied by TMA (rows of 16-byte multiples; others fall back to pointer loads)
+SKINNY_TMA = [dict(block_n=16, block_k=32, split_k=1, warps=4, stages=1, quant_x=0, tma=1),
+              dict(block_n=32, block_k=64, split_k=2, warps=4, stages=1, quant_x=1, tma=1)]
 GEMM = dict(block_m=16, block_n=16, block_k=64, group_m=2, warps=4, stages=1)
 GEMV = dict(block_n=16, block_k=256, warps=4, stages=1)
 
@@ -71,12 +74,13 @@ def activations(m, k, dtype, gen):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("config", SKINNY)
+@pytest.mark.parametrize("config", SKINNY + SKINNY_TMA)
 @pytest.mark.parametrize("m", [1, 3, 17])
-@pytest.mark.parametrize("n,k,block", [(40, 300, (128, 128)), (24, 96, (16, 32))])
+@pytest.mark.parametrize("n,k,block", [(40, 300, (128, 128)), (24, 96, (16, 32)), (40, 208, (16, 32))])
 def test_fp8_skinny(dtype, config, m, n, k, block):
     """K = 300: three blocks, the last partial, split 2 ways unevenly; N = 40 against 16/32-wide tiles; 17 rows
-    pad to 32."""
+    pad to 32. TMA tiles copy the K = 96 and 208 weights (rows of 16-byte multiples; 208 ends in a half box,
+    zero-filled) and fall back to pointer loads at 300."""
     gen = torch.Generator().manual_seed(m + n)
     w, x = fp8_weight(n, k, block, gen), activations(m, k, dtype, gen)
     y64, terms = oracle.fp8_exact(x, w)
@@ -127,6 +131,21 @@ def test_norm_and_silu_write_the_fp8_activation(dtype, m, residual):
         xq, sx = cuda_fp8.quantize(unquantized, 128)
         assert isinstance(got, ref.Fp8Activation) and got.block_k == 128 and got.dtype == dtype
         assert torch.equal(got.xq.view(torch.uint8), xq.view(torch.uint8)) and torch.equal(got.sx, sx)
+
+
+def test_fp8_skinny_tma_tiles_copy_by_tma_where_rows_align(monkeypatch):
+    """A TMA tile makes descriptors over the weight and the quantized activation when their rows are 16-byte
+    multiples (K = 96), over neither when not (K = 300), and over the weight alone when the kernel quantizes x."""
+    made = []
+    real = cuda_fp8.TensorDescriptor.from_tensor
+    monkeypatch.setattr(cuda_fp8.TensorDescriptor, "from_tensor",
+                        lambda t, block: made.append((t.dtype, tuple(t.shape))) or real(t, block))
+    gen = torch.Generator().manual_seed(2)
+    for k, config in ((96, SKINNY_TMA[0]), (300, SKINNY_TMA[0]), (96, SKINNY_TMA[1])):
+        block = (16, 32) if k == 96 else (128, 128)
+        cuda_fp8.skinny(activations(3, k, torch.bfloat16, gen), fp8_weight(24, k, block, gen), config)
+    e4m3 = torch.float8_e4m3fn
+    assert made == [(e4m3, (3, 96)), (e4m3, (24, 96)), (e4m3, (24, 96))]
 
 
 @pytest.mark.parametrize("kind", ["gemv", "skinny", "gemm"])
@@ -735,7 +754,9 @@ def test_table_entries_are_checked(tmp_path, monkeypatch):
                                 ("nvfp4:1:2:8192", dict(GEMM, kind="gemm", warps=0), "warps must be a positive"),
                                 ("int4:1:2:8", dict(GEMV, kind="gemv", dp4a=1), "NVFP4 one-row GEMV only"),
                                 ("int4:1:2:1", dict(GEMV, kind="gemv", dp4a=2), "must be 0 or 1"),
-                                ("nvfp4:1:2:1", dict(GEMV, kind="gemv", split_k=2), "with dp4a only")]:
+                                ("nvfp4:1:2:1", dict(GEMV, kind="gemv", split_k=2), "with dp4a only"),
+                                ("int4:1:2:16", dict(SKINNY[0], kind="skinny", tma=1), "FP8's skinny kernel only"),
+                                ("fp8:1:2:16", dict(SKINNY[0], kind="skinny", tma=2), "must be 0 or 1")]:
         path = tmp_path / "table.json"
         path.write_text(__import__("json").dumps({key: entry}))
         monkeypatch.setenv(configs.ENV_VAR, str(path))

@@ -6,12 +6,13 @@ Keys are "format:N:K:rows", format one of fp8, int4, nvfp4 and rows the bucket o
   {"kind": "gemv", "block_n", "block_k", "warps", "stages"[, "split_k", "dp4a"]}   cuda_gemv: fp8 1 row, int4 /
                                             nvfp4 1..8 rows (split_k, dp4a 0 or 1: one row only,
                                             NVFP4's split_k with dp4a)
-  {"kind": "skinny", "block_n", "block_k", "split_k", "warps", "stages"[, "quant_x"]}   1..64 rows only
+  {"kind": "skinny", "block_n", "block_k", "split_k", "warps", "stages"[, "quant_x", "tma"]}   1..64 rows only
   {"kind": "gemm", "block_m", "block_n", "block_k", "group_m", "warps", "stages"}       tiled, any rows
   {"kind": "torch"}    fp8 only: torch's block-scaled FP8 matmul (F.scaled_mm, 1x128 x 128x128 scales)
   {"kind": "cublas"}   int4 / nvfp4 only: dequantize the weight into a bf16 scratch buffer, then cuBLAS
-For fp8, block_k is the checkpoint's scale block (128) whatever the entry says, and quant_x 1 quantizes the
-activation inside the skinny kernel (0, the default: a separate kernel first). DELTASERVE_QUANT_GEMM_CONFIGS names
+For fp8, block_k is the checkpoint's scale block (128) whatever the entry says, quant_x 1 quantizes the
+activation inside the skinny kernel (0, the default: a separate kernel first) and tma 1 (fp8's skinny kernel only)
+copies its tiles by TMA. DELTASERVE_QUANT_GEMM_CONFIGS names
 another file.
 """
 
@@ -70,6 +71,10 @@ def check_entry(where: str, key: str, entry) -> None:
     if "dp4a" in entry and (not optional or entry["dp4a"] not in (0, 1) or isinstance(entry["dp4a"], bool)):
         raise ValueError(f"{where}: entry {key!r}: dp4a (int4 / NVFP4 one-row GEMV only) must be 0 or 1, got "
                          f"{entry['dp4a']!r}")
+    if "tma" in entry and (kind != "skinny" or parts[0] != "fp8" or entry["tma"] not in (0, 1)
+                           or isinstance(entry["tma"], bool)):
+        raise ValueError(f"{where}: entry {key!r}: tma (FP8's skinny kernel only) must be 0 or 1, got "
+                         f"{entry['tma']!r}")
     if one_row_4bit and parts[0] == "nvfp4" and "split_k" in entry and not entry.get("dp4a"):
         raise ValueError(f"{where}: entry {key!r}: split_k is the NVFP4 one-row GEMV's with dp4a only, got {entry!r}")
 

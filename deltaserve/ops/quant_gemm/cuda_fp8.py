@@ -9,7 +9,9 @@ does (the tensor cores' own FP8 accumulation never spans more than one block).
                        (rows padded to 16); QUANT_X quantizes the activation's K block in the prologue of every
                        program (no extra launch; each program re-reads x from L2), else it reads xq / s_x written
                        by `_quantize_kernel`; K may be split among SPLIT_K programs (the tile's last program adds
-                       their partial sums in order: ops/split_k.py).
+                       their partial sums in order: ops/split_k.py). The weight's (and xq's) tiles come by pointer
+                       loads or, with TMA, by the Hopper tensor-memory accelerator's bulk copies (as
+                       ops/linear/cuda_skinny's bf16 tiles).
   prefill              `_quantize_kernel` once (or the norm / SiLU kernel before the product writes xq / s_x), then
                        `_gemm_kernel`: [BLOCK_M, BLOCK_N] output tiles, grouped along M for L2 reuse of the weight.
                        Or torch's block-scaled F.scaled_mm where it measured faster.
@@ -21,6 +23,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from deltaserve.ops import pdl
 from deltaserve.ops.pdl import wait_for_previous_kernel
@@ -69,6 +73,11 @@ def store_fp8_row(y, out_row, sx_ptr, row, rows, D, BLOCK: tl.constexpr, BK: tl.
     tl.store(sx_ptr + groups * rows + row, s, mask=groups * BK < D)
 
 
+def _tma_ready(t: torch.Tensor) -> bool:
+    """Whether TMA can copy tiles of the 2-D tensor t: unit last stride, 16-byte aligned base and row stride."""
+    return t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+
+
 def fp8_row_buffers(x2: torch.Tensor, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(xq [M, D] e4m3, sx [cdiv(D, bk), M] float32) for the quantized rows of x2 [M, D]."""
     m, d = x2.shape
@@ -81,15 +90,17 @@ def fp8_row_buffers(x2: torch.Tensor, bk: int) -> tuple[torch.Tensor, torch.Tens
 @triton.jit(do_not_specialize=["G", "k_iters"])
 def _skinny_kernel(
     x, xq, sx, w, ws, out, partial, counters, M, N, K, G, k_iters, stride_xm, stride_out_m, tail_x, tail_w, tail_out,
-    stride_tn, BN_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BK: tl.constexpr,
+    stride_tn, xq_desc, w_desc, BN_W: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BK: tl.constexpr,
     SPLIT: tl.constexpr, QUANT_X: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, FLOOR: tl.constexpr,
-    QMAX: tl.constexpr, TAIL_ROWS: tl.constexpr = 0, TAIL_K: tl.constexpr = 0, PDL: tl.constexpr = False,
+    QMAX: tl.constexpr, TAIL_ROWS: tl.constexpr = 0, TAIL_K: tl.constexpr = 0, TMA: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """Grid (TAIL_ROWS + cdiv(N, BLOCK_N), SPLIT_K): out[:, n block] (or partial [SPLIT_K, M, N]) over the program's
     k_iters K blocks. x [M, K] (QUANT_X) or xq [M, K] e4m3 + sx [G, M]; w [N, K] e4m3; ws [cdiv(N, BN_W), G] float32.
     With TAIL_ROWS (one row), the first TAIL_ROWS programs compute tail_out [TAIL_ROWS] = tail_x [K] @ tail_w^T
     instead (the row unquantized, by a 16-bit block that reads it too: GDN's [b|a] beside its FP8 [q|k|v|z]), one row
-    each (cuda_tiles.tail_program), so that it takes no launch of its own."""
+    each (cuda_tiles.tail_program), so that it takes no launch of its own. TMA: w's [BLOCK_N, BK] tiles (and xq's
+    [BLOCK_M, BK], unless QUANT_X) come by TMA from w_desc / xq_desc, zero past the tensors' edges."""
     wait_for_previous_kernel(PDL)
     if tail_program(tail_x, tail_w, tail_out, stride_tn, TAIL_ROWS, TAIL_K):
         return
@@ -111,13 +122,20 @@ def _skinny_kernel(
                          other=0.0).to(tl.float32)  # [BM, BK]
             xt, s_x = quantize_block(xf, FLOOR, QMAX)
         else:
-            xt = tl.load(xq + ms[:, None] * K + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            if TMA:
+                xt = xq_desc.load([0, g * BK])  # [BM, BK] e4m3
+            else:
+                xt = tl.load(xq + ms[:, None] * K + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             s_x = tl.load(sx + g * M + ms, mask=m_ok & (g < G), other=0.0)
-        if EVEN_N and EVEN_K:
-            wt = tl.load(w_rows + ks[None, :])  # [BN, BK] e4m3
-            s_w = tl.load(ws_rows + g)
+        if TMA:
+            wt = w_desc.load([pid_n * BLOCK_N, g * BK])  # [BN, BK] e4m3
+        elif EVEN_N and EVEN_K:
+            wt = tl.load(w_rows + ks[None, :])
         else:
             wt = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if EVEN_N and EVEN_K:
+            s_w = tl.load(ws_rows + g)
+        else:
             s_w = tl.load(ws_rows + g, mask=n_ok & (g < G), other=0.0)
         part = tl.dot(wt, tl.trans(xt))  # [BN, BM], one K block from zero
         acc += part * (s_x[None, :] * s_w[:, None])
@@ -218,7 +236,7 @@ def quantized(x: torch.Tensor | Fp8Activation, bk: int) -> tuple[torch.Tensor, t
 
 
 def skinny(x: torch.Tensor | Fp8Activation, w: Fp8BlockWeight, config: dict, tail: torch.Tensor | None = None):
-    """x [M <= 64, K] -> [M, N] in x.dtype. config: block_n, split_k, warps, stages, quant_x (see configs.py). x may
+    """x [M <= 64, K] -> [M, N] in x.dtype. config: block_n, split_k, warps, stages, quant_x, tma (configs.py). x may
     be quantized already (an Fp8Activation: then quant_x must be 0). tail: a 16-bit [NT, K] block multiplied in the
     same launch by one row (an Fp8Activation holding it unquantized, its `unquantized` [1, K]); the result is then
     (x @ W^T [1, N], x @ tail^T [1, NT])."""
@@ -243,14 +261,17 @@ def skinny(x: torch.Tensor | Fp8Activation, w: Fp8BlockWeight, config: dict, tai
         raise ValueError("a tail block is multiplied beside an activation quantized by the kernel before (an "
                          "Fp8Activation) that holds its row unquantized")
     tail_args, tail_out, tail_constexprs = tail_arguments(x.unquantized if tail is not None else out, tail)
+    tma = bool(config.get("tma", 0)) and _tma_ready(w.weight) and (quant_x or _tma_ready(xq))
+    xq_desc = TensorDescriptor.from_tensor(xq, [block_m, bk]) if tma and not quant_x else None
+    w_desc = TensorDescriptor.from_tensor(w.weight, [block_n, bk]) if tma else None
     launch = pdl.launch_args(device)
     tiles = triton.cdiv(n, block_n)
     _skinny_kernel[(tail_constexprs.get("TAIL_ROWS", 0) + tiles, split_k)](
         x_in, xq, sx, w.weight, w.scale_inv, out, partial, tile_counters(device, tiles), m, n, k, groups, k_iters,
-        stride_xm, out.stride(0), *tail_args, BN_W=bn_w, BLOCK_M=block_m, BLOCK_N=block_n, BK=bk,
+        stride_xm, out.stride(0), *tail_args, xq_desc, w_desc, BN_W=bn_w, BLOCK_M=block_m, BLOCK_N=block_n, BK=bk,
         SPLIT=split_k > 1, QUANT_X=quant_x, EVEN_N=n % block_n == 0, EVEN_K=k % bk == 0 and groups % split_k == 0,
-        FLOOR=ACT_AMAX_FLOOR, QMAX=E4M3_MAX, num_warps=config["warps"], num_stages=config["stages"], **launch,
-        **tail_constexprs)
+        FLOOR=ACT_AMAX_FLOOR, QMAX=E4M3_MAX, TMA=tma, num_warps=config["warps"], num_stages=config["stages"],
+        **launch, **tail_constexprs)
     return out if tail is None else (out, tail_out)
 
 
