@@ -4,7 +4,7 @@ spending device time on it.
 
     python -m benchmarks.sass_probe [--kernel decode|prefill|int4-row|int4-dp4a|nvfp4-gemv|nvfp4-dp4a|moe-gate-up|
         moe-down|fp8-skinny] [--cache bf16|fp8] [--format bf16|fp8|int4|nvfp4] [--arch 90] [--rows 64]
-        [--block-n N] [--block-k N] [--warps N] [--stages N] [--top 12]
+        [--block-n N] [--block-k N] [--warps N] [--stages N] [--split-k N] [--tma] [--top 12]
 
 Compiles `_decode_split_kernel` or `_prefill_kernel` with 27B's attention heads (24 query / 4 KV heads, head_dim
 256, block 16), or `cuda_gemv._int4_row_kernel` / `_int4_dp4a_row_kernel` / NVFP4's `_weight_only_gemv_kernel` at
@@ -12,12 +12,12 @@ one row / `_nvfp4_dp4a_row_kernel` at 27B's gate/up (34,816 x 5,120; int4 groups
 tile the engine would use unless told otherwise (the GEMVs: the tuned
 table's gate/up and down entries), or the MoE one-token GEMV kernels (`ops/moe/cuda.py` A1 and B1, --format) at
 35B-A3B's experts (default 8 rows, K steps of 256), or the FP8 skinny decode GEMM (`cuda_fp8._skinny_kernel`) at 27B's
-gate/up and --rows rows with the tuned table's tile, disassembles the cubin with the `nvdisasm` that Triton ships,
-and prints the registers a thread takes (Triton's `ptxas -v`), the largest loop's instruction count (for a GEMV also
-per weight) and its commonest opcodes; for the skinny GEMM also how many of its programs an SM holds and the waves
-of its launch on an H100 / H200's 132 SMs. The eleventh session found fp8 decode reading its V tiles one byte at a time this way
-(128 `LDS.U8` in a loop of 1,234 instructions; docs/performance.md); the GEMVs' layout conversions through
-shared memory show as `BAR.SYNC` and `LDS` in the loop.
+gate/up and --rows rows with the tuned table's tile (--tma: its tiles copied by TMA), disassembles the cubin with
+the `nvdisasm` that Triton ships, and prints the registers a thread takes (Triton's `ptxas -v`), the largest loop's
+instruction count (for a GEMV also per weight) and its commonest opcodes; for the skinny GEMM also how many of its
+programs an SM holds and the waves of its launch on an H100 / H200's 132 SMs. The eleventh session found fp8 decode
+reading its V tiles one byte at a time this way (128 `LDS.U8` in a loop of 1,234 instructions; docs/performance.md);
+the GEMVs' layout conversions through shared memory show as `BAR.SYNC` and `LDS` in the loop.
 """
 
 from __future__ import annotations
@@ -174,14 +174,14 @@ SM_SHARED_BYTES, SM_REGISTERS, BLOCK_RESERVED_SHARED = 228 * 1024, 65536, 1024  
 
 
 def skinny_tile(rows: int, block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                split_k: int | None = None) -> dict:
+                split_k: int | None = None, tma: int | None = None) -> dict:
     """The FP8 skinny tile at 27B's gate/up and `rows` rows: the tuned table's, with what is given instead."""
     from deltaserve.ops.quant_gemm import configs
 
     tile = configs.config_for("fp8", SKINNY_N, SKINNY_K, rows)
     if tile.get("kind") != "skinny":  # the table runs another kind at these rows: the kernel's default tile
         tile = configs.skinny_config(SKINNY_N, SKINNY_K)
-    given = dict(block_n=block_n, warps=num_warps, stages=num_stages, split_k=split_k)
+    given = dict(block_n=block_n, warps=num_warps, stages=num_stages, split_k=split_k, tma=tma)
     return dict(tile, **{name: value for name, value in given.items() if value is not None})
 
 
@@ -189,11 +189,18 @@ def compile_skinny(rows: int, tile: dict, arch: int = 90):
     """The compiled FP8 skinny kernel at 27B's gate/up (activations quantized before it, as the engine runs it)."""
     from deltaserve.ops.quant_gemm import cuda_fp8
 
-    constants = {"BN_W": 128, "BLOCK_M": max(16, 1 << (rows - 1).bit_length()), "BLOCK_N": tile["block_n"],
+    block_m, tma = max(16, 1 << (rows - 1).bit_length()), bool(tile.get("tma", 0))
+    constants = {"BN_W": 128, "BLOCK_M": block_m, "BLOCK_N": tile["block_n"],
                  "BK": 128, "SPLIT": tile["split_k"] > 1, "QUANT_X": False, "EVEN_N": True, "EVEN_K": True,
-                 "FLOOR": cuda_fp8.ACT_AMAX_FLOOR, "QMAX": cuda_fp8.E4M3_MAX, "TAIL_ROWS": 0, "TAIL_K": 0, "PDL": False}
+                 "FLOOR": cuda_fp8.ACT_AMAX_FLOOR, "QMAX": cuda_fp8.E4M3_MAX, "TAIL_ROWS": 0, "TAIL_K": 0, "PDL": False,
+                 "TMA": tma}
     types = {"x": "*bf16", "xq": "*fp8e4nv", "sx": "*fp32", "w": "*fp8e4nv", "ws": "*fp32", "out": "*bf16",
              "partial": "*fp32", "counters": "*i32", "tail_x": "*bf16", "tail_w": "*bf16", "tail_out": "*bf16"}
+    if tma:  # host descriptors over xq [M, K] and w [N, K] in their tiles' boxes
+        types.update(xq_desc=f"tensordesc<fp8e4nv[{block_m}, 128]>",
+                     w_desc=f"tensordesc<fp8e4nv[{tile['block_n']}, 128]>")
+    else:
+        constants.update(xq_desc=None, w_desc=None)
     ints = {"M": rows, "N": SKINNY_N, "K": SKINNY_K, "stride_xm": SKINNY_K, "stride_out_m": SKINNY_N,
             "stride_tn": SKINNY_K}
     return _compile(cuda_fp8._skinny_kernel, constants, types, ints, arch, tile["warps"], tile["stages"])
@@ -274,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
                         default="decode")
     parser.add_argument("--rows", type=int, default=64, help="the skinny GEMM's rows (1 to 64)")
     parser.add_argument("--split-k", type=int, default=None, help="the skinny GEMM's K splits (default: the table's)")
+    parser.add_argument("--tma", action="store_true", help="the skinny GEMM's tiles copied by TMA")
     parser.add_argument("--format", choices=sorted(MOE_ROW_FORMATS), default="fp8",
                         help="the MoE kernels' weight format")
     parser.add_argument("--cache", choices=sorted(CACHE_TYPES), default="bf16", help="the KV cache's dtype")
@@ -300,13 +308,14 @@ def main(argv: list[str] | None = None) -> int:
     elif args.kernel == "fp8-skinny":
         if args.rows > 64:
             parser.error(f"--rows must be at most 64 (the skinny kernel's rows), got {args.rows}")
-        tile = skinny_tile(args.rows, args.block_n, args.warps, args.stages, args.split_k)
+        tile = skinny_tile(args.rows, args.block_n, args.warps, args.stages, args.split_k, int(args.tma))
         compiled, weights = compile_skinny(args.rows, tile, args.arch), None
         held = programs_per_sm(compiled.metadata.shared, registers(compiled, args.arch), tile["warps"])
         programs = -(-SKINNY_N // tile["block_n"]) * tile["split_k"]
         waves = f"{programs / (SMS * held):.2f} waves" if held else "no program fits an SM"
         what = (f"fp8-skinny at {args.rows} rows (27B's gate/up, {tile['block_n']} columns a program, K split "
-                f"{tile['split_k']}, {tile['warps']} warps, {tile['stages']} stages; {held} programs an SM, "
+                f"{tile['split_k']}, {tile['warps']} warps, {tile['stages']} stages"
+                f"{', TMA' if tile.get('tma') else ''}; {held} programs an SM, "
                 f"{programs} programs: {waves} of {SMS} SMs)")
     elif args.kernel in MOE_ROW_KERNELS:
         block_n, block_k = args.block_n or 8, args.block_k or 256

@@ -75,6 +75,15 @@ def test_fp8_skinny_gemm_multiplies_on_fp8_tensor_cores_and_reports_its_waves():
     assert f"{544 / (132 * held[0]):.2f} waves" in wide
 
 
+@pytest.mark.skipif(not os.path.exists(sass_probe.nvdisasm()), reason="Triton ships no nvdisasm here")
+def test_fp8_skinny_gemm_with_tma_copies_its_tiles_by_tma():
+    """--tma compiles the kernel's TMA form: bulk tensor copies (UTMALDG) instead of per-thread async copies
+    (LDGSTS) feed the same FP8 warpgroup MMA."""
+    plain, tma = (run_probe("--kernel", "fp8-skinny", "--top", "200", *extra) for extra in ((), ("--tma",)))
+    assert "LDGSTS" in plain and "UTMALDG" not in plain, plain
+    assert "UTMALDG" in tma and "LDGSTS" not in tma and "QGMMA" in tma and ", TMA;" in tma, tma
+
+
 def test_programs_an_sm_holds_are_bounded_by_shared_memory_and_registers():
     assert sass_probe.programs_per_sm(65536, 121, 4) == 3  # shared memory: 228 KB / (64 + 1) KB
     assert sass_probe.programs_per_sm(40960, 48, 4) == 5
