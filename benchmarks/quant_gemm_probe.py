@@ -89,6 +89,7 @@ DECODE_SWEEP = {"fp8": [dict(block_n=64, split_k="auto", warps=4, stages=4, quan
                         dict(block_n=64, split_k="auto", warps=4, stages=4, quant_x=0, tma=1),
                         dict(block_n=128, split_k="auto", warps=8, stages=4, quant_x=0, tma=1),
                         dict(block_n=128, split_k="auto", warps=8, stages=3, quant_x=0, tma=1),
+                        dict(block_n=128, split_k="auto", warps=4, stages=3, quant_x=0, tma=1),
                         dict(block_n=256, split_k="auto", warps=8, stages=3, quant_x=0, tma=1),
                         dict(block_n=32, split_k="auto", warps=4, stages=6, quant_x=0, tma=1),
                         dict(block_n=64, split_k=2, warps=4, stages=4, quant_x=0, tma=1)],
