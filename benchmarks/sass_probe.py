@@ -4,7 +4,7 @@ spending device time on it.
 
     python -m benchmarks.sass_probe [--kernel decode|prefill|int4-row|int4-dp4a|nvfp4-gemv|nvfp4-dp4a|moe-gate-up|
         moe-down|fp8-skinny] [--cache bf16|fp8] [--format bf16|fp8|int4|nvfp4] [--arch 90] [--rows 64]
-        [--block-n N] [--block-k N] [--warps N] [--stages N] [--split-k N] [--tma] [--top 12]
+        [--block-n N] [--block-k N] [--warps N] [--stages N] [--split-k N] [--tma 0|1] [--top 12]
 
 Compiles `_decode_split_kernel` or `_prefill_kernel` with 27B's attention heads (24 query / 4 KV heads, head_dim
 256, block 16), or `cuda_gemv._int4_row_kernel` / `_int4_dp4a_row_kernel` / NVFP4's `_weight_only_gemv_kernel` at
@@ -12,12 +12,12 @@ one row / `_nvfp4_dp4a_row_kernel` at 27B's gate/up (34,816 x 5,120; int4 groups
 tile the engine would use unless told otherwise (the GEMVs: the tuned
 table's gate/up and down entries), or the MoE one-token GEMV kernels (`ops/moe/cuda.py` A1 and B1, --format) at
 35B-A3B's experts (default 8 rows, K steps of 256), or the FP8 skinny decode GEMM (`cuda_fp8._skinny_kernel`) at 27B's
-gate/up and --rows rows with the tuned table's tile (--tma: its tiles copied by TMA), disassembles the cubin with
-the `nvdisasm` that Triton ships, and prints the registers a thread takes (Triton's `ptxas -v`), the largest loop's
-instruction count (for a GEMV also per weight) and its commonest opcodes; for the skinny GEMM also how many of its
-programs an SM holds and the waves of its launch on an H100 / H200's 132 SMs. The eleventh session found fp8 decode
-reading its V tiles one byte at a time this way (128 `LDS.U8` in a loop of 1,234 instructions; docs/performance.md);
-the GEMVs' layout conversions through shared memory show as `BAR.SYNC` and `LDS` in the loop.
+gate/up and --rows rows with the tuned table's tile (--tma 1 / 0: its tiles copied by TMA or not), disassembles
+the cubin with the `nvdisasm` that Triton ships, and prints the registers a thread takes (Triton's `ptxas -v`), the
+largest loop's instruction count (for a GEMV also per weight) and its commonest opcodes; for the skinny GEMM also
+how many of its programs an SM holds and the waves of its launch on an H100 / H200's 132 SMs. The eleventh session
+found fp8 decode reading its V tiles one byte at a time this way (128 `LDS.U8` in a loop of 1,234 instructions;
+docs/performance.md); the GEMVs' layout conversions through shared memory show as `BAR.SYNC` and `LDS` in the loop.
 """
 
 from __future__ import annotations
@@ -281,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
                         default="decode")
     parser.add_argument("--rows", type=int, default=64, help="the skinny GEMM's rows (1 to 64)")
     parser.add_argument("--split-k", type=int, default=None, help="the skinny GEMM's K splits (default: the table's)")
-    parser.add_argument("--tma", action="store_true", help="the skinny GEMM's tiles copied by TMA")
+    parser.add_argument("--tma", type=int, choices=(0, 1), default=None,
+                        help="the skinny GEMM's tiles copied by TMA (1) or pointer loads (0); default: the table's")
     parser.add_argument("--format", choices=sorted(MOE_ROW_FORMATS), default="fp8",
                         help="the MoE kernels' weight format")
     parser.add_argument("--cache", choices=sorted(CACHE_TYPES), default="bf16", help="the KV cache's dtype")
@@ -308,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.kernel == "fp8-skinny":
         if args.rows > 64:
             parser.error(f"--rows must be at most 64 (the skinny kernel's rows), got {args.rows}")
-        tile = skinny_tile(args.rows, args.block_n, args.warps, args.stages, args.split_k, int(args.tma))
+        tile = skinny_tile(args.rows, args.block_n, args.warps, args.stages, args.split_k, args.tma)
         compiled, weights = compile_skinny(args.rows, tile, args.arch), None
         held = programs_per_sm(compiled.metadata.shared, registers(compiled, args.arch), tile["warps"])
         programs = -(-SKINNY_N // tile["block_n"]) * tile["split_k"]

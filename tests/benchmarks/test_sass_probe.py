@@ -64,9 +64,11 @@ def test_moe_one_token_kernels_multiply_on_the_cuda_cores(kernel, fmt):
 @pytest.mark.skipif(not os.path.exists(sass_probe.nvdisasm()), reason="Triton ships no nvdisasm here")
 def test_fp8_skinny_gemm_multiplies_on_fp8_tensor_cores_and_reports_its_waves():
     """The FP8 skinny decode GEMM at 27B's gate/up: Hopper's FP8 warpgroup MMA in its loop, and how many programs
-    an SM holds: at 64 rows the table's tile takes 64 KB of shared memory, 3 programs an SM, so its 544 programs
-    are 1.37 waves of 132 SMs (one row: 40 KB, 5 an SM)."""
-    wide, one = run_probe("--kernel", "fp8-skinny", "--top", "200"), run_probe("--kernel", "fp8-skinny", "--rows", "1")
+    an SM holds: at 64 rows a tile of 64 columns (4 stages, pointer loads) takes 64 KB of shared memory, 3 programs
+    an SM, so its 544 programs are 1.37 waves of 132 SMs (one row: 40 KB, 5 an SM)."""
+    tile = ("--block-n", "64", "--warps", "4", "--stages", "4", "--split-k", "1", "--tma", "0")
+    wide = run_probe("--kernel", "fp8-skinny", "--top", "200", *tile)
+    one = run_probe("--kernel", "fp8-skinny", "--rows", "1", *tile)
     assert "QGMMA" in wide, wide
     held = [int(re.search(r"(\d+) programs an SM", out).group(1)) for out in (wide, one)]
     assert 0 < held[0] < held[1], held
@@ -77,9 +79,9 @@ def test_fp8_skinny_gemm_multiplies_on_fp8_tensor_cores_and_reports_its_waves():
 
 @pytest.mark.skipif(not os.path.exists(sass_probe.nvdisasm()), reason="Triton ships no nvdisasm here")
 def test_fp8_skinny_gemm_with_tma_copies_its_tiles_by_tma():
-    """--tma compiles the kernel's TMA form: bulk tensor copies (UTMALDG) instead of per-thread async copies
-    (LDGSTS) feed the same FP8 warpgroup MMA."""
-    plain, tma = (run_probe("--kernel", "fp8-skinny", "--top", "200", *extra) for extra in ((), ("--tma",)))
+    """--tma 1 compiles the kernel's TMA form: bulk tensor copies (UTMALDG) instead of per-thread async copies
+    (LDGSTS, --tma 0) feed the same FP8 warpgroup MMA."""
+    plain, tma = (run_probe("--kernel", "fp8-skinny", "--top", "200", "--tma", flag) for flag in ("0", "1"))
     assert "LDGSTS" in plain and "UTMALDG" not in plain, plain
     assert "UTMALDG" in tma and "LDGSTS" not in tma and "QGMMA" in tma and ", TMA;" in tma, tma
 

@@ -31,7 +31,7 @@ def _fp8_config(w: Fp8BlockWeight, rows: int) -> dict:
 
     config = configs.config_for("fp8", *w.shape, rows)
     if config["kind"] == "gemv" and not cuda_gemv.supports(w, config, rows):
-        config = configs.skinny_config(*w.shape)
+        config = configs.skinny_config(*w.shape, "fp8")
     return config
 
 
@@ -132,7 +132,7 @@ def _weight_only(fmt: str, x, w, written: Dp4aActivation | None = None):
     if config["kind"] == "gemv":
         if cuda_gemv.supports(w, config, x.shape[0]):
             return cuda_gemv.gemv(written if written is not None else x, w, config)
-        config = configs.skinny_config(*w.shape)
+        config = configs.skinny_config(*w.shape, fmt)
     if config["kind"] == "skinny":
         return cuda_weight_only.skinny(x, w, config)
     if config["kind"] == "cublas":
