@@ -66,6 +66,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     traffic.add_argument("--burstiness", type=float, default=1.0,
                          help="gamma shape of the arrival gaps: 1 = Poisson, < 1 burstier, > 1 more uniform")
     traffic.add_argument("--num-warmups", type=int, default=0)
+    traffic.add_argument("--ready-check-timeout-sec", type=int, default=600,
+                         help="send the first request once, untimed, until it succeeds (as vLLM: the server ready "
+                              "and its first-request costs out of the figures), retrying for up to this many "
+                              "seconds; 0 skips it")
     traffic.add_argument("--ignore-eos", action="store_true",
                          help="send ignore_eos (always on for the synthetic random and multi_turn datasets; "
                               "vLLM does the same for random)")
@@ -106,7 +110,7 @@ def validate_args(args: argparse.Namespace) -> None:
               "prefix_repetition_output_len", "custom_output_len", "sharegpt_output_len",
               "multi_turn_num_turns", "multi_turn_sessions")
     _at_least(args, 0, "random_input_len", "random_prefix_len", "prefix_repetition_prefix_len",
-              "prefix_repetition_suffix_len", "multi_turn_new_tokens", "num_warmups")
+              "prefix_repetition_suffix_len", "multi_turn_new_tokens", "num_warmups", "ready_check_timeout_sec")
     if not 0.0 <= args.random_range_ratio < 1.0:
         raise BenchInputError(f"--random-range-ratio must be in [0, 1), got {args.random_range_ratio}")
     if not args.request_rate > 0:

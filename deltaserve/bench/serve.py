@@ -52,7 +52,8 @@ def run_serve(args: argparse.Namespace) -> dict:
     )
     run = asyncio.run(run_traffic(
         endpoint, workload, request_rate=args.request_rate, burstiness=args.burstiness, seed=args.seed,
-        max_concurrency=args.max_concurrency, num_warmups=args.num_warmups, show_progress=not args.disable_tqdm,
+        max_concurrency=args.max_concurrency, num_warmups=args.num_warmups,
+        ready_check_timeout_s=args.ready_check_timeout_sec, show_progress=not args.disable_tqdm,
     ))
     result = report(args, run, tokenizer, model, tokenizer_path)
     if args.save_result:

@@ -1,4 +1,9 @@
-"""When requests go out: vLLM's arrival schedule, the concurrency limit, warm-ups and the timed run.
+"""When requests go out: vLLM's ready check, warm-ups, its arrival schedule, the concurrency limit and the timed run.
+
+The ready check (vLLM's, on by default) sends the workload's first request once before anything is timed, again
+every READY_CHECK_RETRY_S while the server is unreachable or answers 5xx, so that a server still starting is
+waited for and its first request's one-time costs stay out of the figures; a 4xx answer is the request's fault
+and ends the run at once.
 
 Arrival times follow `vllm bench serve`: gaps drawn from a gamma distribution (shape = burstiness,
 mean = 1 / rate; burstiness 1 is a Poisson process), then scaled so the last arrival is at exactly
@@ -18,8 +23,10 @@ from tqdm import tqdm
 
 from deltaserve.bench import multi_turn
 from deltaserve.bench.client import Endpoint, RequestInput, RequestOutput, send_request
+from deltaserve.bench.errors import BenchInputError
 
 HTTP_TIMEOUT_S = 6 * 60 * 60  # vLLM's: long enough for any single request
+READY_CHECK_RETRY_S = 5.0  # vLLM's wait between ready-check requests
 
 
 @dataclass
@@ -29,7 +36,7 @@ class Workload:
     requests: list[RequestInput]
     sessions: list[multi_turn.SessionPlan]
     session_id_prefix: str  # request id of a session turn: prefix + "s<session>-t<turn>"
-    warmup: RequestInput  # sent --num-warmups times, its request id suffixed with -<i>
+    warmup: RequestInput  # the ready check's request (id suffixed -ready), then --num-warmups times (-<i>)
 
     @property
     def num_requests(self) -> int:
@@ -83,6 +90,26 @@ async def dispatch(
     return await asyncio.gather(*tasks)
 
 
+async def ready_check(session: aiohttp.ClientSession, endpoint: Endpoint, request: RequestInput,
+                      timeout_s: float) -> None:
+    """Send `request` (its id suffixed -ready) until it succeeds, every READY_CHECK_RETRY_S for at most timeout_s
+    seconds while the server is unreachable or answers 5xx. Raises BenchInputError naming the last error when it
+    never succeeds, or at once when the server refuses the request (4xx)."""
+    request = replace(request, request_id=f"{request.request_id}-ready")
+    deadline = time.perf_counter() + timeout_s
+    while True:
+        output = await send_request(session, endpoint, request)
+        if output.success:
+            return
+        if output.error.startswith("HTTP 4"):
+            raise BenchInputError(f"the initial test request to {endpoint.api_url} was refused: {output.error}")
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            raise BenchInputError(f"the initial test request to {endpoint.api_url} did not succeed within "
+                                  f"--ready-check-timeout-sec {timeout_s:g}: {output.error}")
+        await asyncio.sleep(min(READY_CHECK_RETRY_S, left))
+
+
 async def run_traffic(
     endpoint: Endpoint,
     workload: Workload,
@@ -93,11 +120,19 @@ async def run_traffic(
     max_concurrency: int | None,
     num_warmups: int,
     show_progress: bool,
+    ready_check_timeout_s: float = 0,
 ) -> TimedRun:
-    """Warm up, then send the workload (arrivals per request, or per session for multi-turn)."""
+    """The ready check and the warm-ups, then the workload (arrivals per request, or per session for
+    multi-turn)."""
     connector = aiohttp.TCPConnector(limit=max_concurrency or 0, keepalive_timeout=60)
     timeout = aiohttp.ClientTimeout(total=HTTP_TIMEOUT_S)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        if ready_check_timeout_s > 0:
+            print("Starting initial single prompt test run...")
+            await ready_check(session, endpoint, workload.warmup, ready_check_timeout_s)
+            print("Initial test run completed.")
+        else:
+            print("Skipping endpoint ready check.")
         if num_warmups:
             print(f"Warming up with {num_warmups} requests...")
             # distinct ids: some servers refuse a request id that is already in flight

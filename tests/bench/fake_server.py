@@ -25,6 +25,8 @@ class FakeOpenAIServer:
         self.usage = True
         self.api_key: str | None = None  # when set, requests without "Authorization: Bearer <key>" get 401
         self.fail_http: set[str] = set()
+        self.bad_request: set[str] = set()  # request ids answered 400
+        self.unavailable = 0  # the next this many completion requests are answered 503
         self.fail_stream: set[str] = set()
         self.received: list[tuple[dict, dict]] = []  # (lower-cased headers, body) of every completion request
         self.in_flight = 0
@@ -101,6 +103,11 @@ class FakeOpenAIServer:
             return web.json_response({"error": {"message": "bad key"}}, status=401)
         if request_id in self.fail_http:
             return web.json_response({"error": {"message": f"scripted failure for {request_id}"}}, status=500)
+        if request_id in self.bad_request:
+            return web.json_response({"error": {"message": f"scripted bad request {request_id}"}}, status=400)
+        if self.unavailable:
+            self.unavailable -= 1
+            return web.json_response({"error": {"message": "scripted: not ready"}}, status=503)
         if chat:
             prompt_chars = sum(len(m["content"]) for m in body["messages"])
         else:

@@ -6,14 +6,17 @@ import socket
 import numpy as np
 import pytest
 
+from deltaserve.bench import traffic
 from deltaserve.bench.cli import build_parser, main
 from deltaserve.bench.serve import run_serve
 from deltaserve.bench.traffic import arrival_offsets
 
 
-def _run(server, tokenizer_dir, *flags):
+def _run(server, tokenizer_dir, *flags, ready_check=False):
+    """run_serve's result; the ready check (an untimed first request) only where asked, so that the server's
+    received requests are the timed ones."""
     argv = ["serve", "--base-url", server.base_url, "--tokenizer", tokenizer_dir, "--disable-tqdm",
-            "--request-id-prefix", "bench-", *flags]
+            "--request-id-prefix", "bench-", *([] if ready_check else ["--ready-check-timeout-sec", "0"]), *flags]
     return run_serve(build_parser().parse_args(argv))
 
 
@@ -134,6 +137,40 @@ def test_multi_turn_grows_prompts_and_reports_ttft_by_turn(fake_server, tokenize
     assert inputs[0] < inputs[1] < inputs[2]
 
 
+def test_ready_check_sends_the_first_request_untimed_until_the_server_answers(fake_server, tokenizer_dir,
+                                                                            monkeypatch, capsys):
+    """By default (as vLLM) the first request goes once before the timed run, again while the server answers 503
+    (a server still starting), and is left out of the figures."""
+    monkeypatch.setattr(traffic, "READY_CHECK_RETRY_S", 0.05)
+    fake_server.first_delay, fake_server.gap, fake_server.unavailable = 0.01, 0.01, 2
+    result = _run(fake_server, tokenizer_dir, "--random-input-len", "8", "--random-output-len", "2",
+                  "--num-prompts", "3", "--save-detailed", ready_check=True)
+    ids = [h["x-request-id"] for h, _ in fake_server.received]
+    assert ids[:3] == ["bench-warmup-ready"] * 3 and sorted(ids[3:]) == ["bench-0", "bench-1", "bench-2"]
+    prompts = [b["prompt"] for _, b in fake_server.received]
+    assert prompts[0] == prompts[3 + ids[3:].index("bench-0")]  # vLLM's test request is the first request
+    assert (result["completed"], result["failed"], len(result["ttfts"])) == (3, 0, 3)
+    assert "Initial test run completed." in capsys.readouterr().out
+
+
+def test_ready_check_gives_up_at_a_refusal_or_its_timeout(fake_server, tokenizer_dir, monkeypatch, capsys):
+    """A 4xx to the test request ends the run at once; a server that never answers ends it after the timeout;
+    both exit 2 naming the error, no timed request sent."""
+    monkeypatch.setattr(traffic, "READY_CHECK_RETRY_S", 0.2)
+    base = ["serve", "--base-url", fake_server.base_url, "--tokenizer", tokenizer_dir, "--disable-tqdm",
+            "--request-id-prefix", "bench-", "--random-input-len", "8", "--num-prompts", "2"]
+    fake_server.bad_request = {"bench-warmup-ready"}
+    assert main(base + ["--ready-check-timeout-sec", "3"]) == 2  # refused at once, not after 3 s of retries
+    err = _one_line_error(capsys)
+    assert "initial test request" in err and "was refused: HTTP 400" in err and "scripted bad request" in err
+    assert len(fake_server.received) == 1
+    fake_server.bad_request, fake_server.unavailable = set(), 1000
+    assert main(base + ["--ready-check-timeout-sec", "1"]) == 2
+    assert "did not succeed within --ready-check-timeout-sec 1: HTTP 503" in _one_line_error(capsys)
+    assert 1 + 4 <= len(fake_server.received) <= 1 + 7  # every 0.2 s for 1 s
+    assert {h["x-request-id"] for h, _ in fake_server.received} == {"bench-warmup-ready"}
+
+
 def test_warmups_rate_and_prefix_repetition(fake_server, tokenizer_dir, tokenizer):
     fake_server.first_delay, fake_server.gap = 0.01, 0.01
     result = _run(fake_server, tokenizer_dir, "--dataset-name", "prefix_repetition", "--num-prompts", "4",
@@ -197,7 +234,8 @@ def test_api_key_from_flag_or_environment(fake_server, tokenizer_dir, monkeypatc
     fake_server.api_key = "sekret"
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     base = ["serve", "--base-url", fake_server.base_url, "--tokenizer", tokenizer_dir, "--disable-tqdm",
-            "--num-prompts", "2", "--random-input-len", "4", "--random-output-len", "2"]
+            "--num-prompts", "2", "--random-input-len", "4", "--random-output-len", "2", "--ready-check-timeout-sec",
+            "0"]
     assert main(base) == 2
     assert "refused the request (HTTP 401); pass --api-key or set OPENAI_API_KEY" in _one_line_error(capsys)
     assert main(base + ["--api-key", "sekret"]) == 0
@@ -216,6 +254,7 @@ def test_api_key_from_flag_or_environment(fake_server, tokenizer_dir, monkeypatc
     (["--percentile-metrics", "ttft,foo"], "--percentile-metrics: unknown metric 'foo'"),
     (["--dataset-name", "sharegpt"], "--dataset-name sharegpt needs --dataset-path"),
     (["--max-concurrency", "0"], "--max-concurrency must be >= 1, got 0"),
+    (["--ready-check-timeout-sec", "-1"], "--ready-check-timeout-sec must be >= 0, got -1"),
 ])
 def test_bad_flags_exit_2_before_contacting_the_server(flags, message, capsys):
     assert main(["serve", "--port", str(_closed_port()), *flags]) == 2

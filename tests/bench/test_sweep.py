@@ -14,7 +14,8 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 def _sweep_argv(server, tokenizer_dir, tmp_path, *flags):
     return ["sweep", "--base-url", server.base_url, "--tokenizer", tokenizer_dir, "--disable-tqdm",
             "--request-id-prefix", "bench-", "--random-input-len", "8", "--random-output-len", "3",
-            "--num-prompts", "4", "--sweep-output", str(tmp_path / "out" / "sweep.json"), *flags]
+            "--num-prompts", "4", "--ready-check-timeout-sec", "0",
+            "--sweep-output", str(tmp_path / "out" / "sweep.json"), *flags]
 
 
 def test_concurrency_sweep_writes_json_and_png(fake_server, tokenizer_dir, tmp_path):
