@@ -35,7 +35,7 @@ from deltaserve.model_configs import shipped_config  # noqa: E402
 from deltaserve.ops.quant_gemm import configs, cuda_fp8, cuda_gemv, cuda_weight_only  # noqa: E402
 from deltaserve.ops.quant_gemm import reference as ref  # noqa: E402
 
-COPY_TBS, FP8_TFLOPS, BF16_TFLOPS = 4.2, 1580.0, 790.0
+COPY_TBS, BF16_TFLOPS = 4.2, 790.0  # an H200's (FP8: twice bf16); the probe prints this GPU's measured ones
 COPIES_BYTES = 400e6
 ROWS = (1, 8, 16, 32, 64, 512, 8192)
 # GEMV tiles (cuda_gemv): rows, columns per K step, warps, stages. FP8 (one row) holds a block_n x block_k float32
@@ -207,7 +207,7 @@ def candidates(fmt: str, n: int, k: int, rows: int, w) -> list[tuple[dict, objec
     return out
 
 
-def probe_shape(fmt, name, n, k, rows, rng) -> tuple[str, dict | None]:
+def probe_shape(fmt, name, n, k, rows, rng, copy_tbs=COPY_TBS, bf16_tflops=BF16_TFLOPS) -> tuple[str, dict | None]:
     """Time every candidate at one shape and row count; print them; return (table key, the fastest entry)."""
     w = make_weight(fmt, n, k)
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
@@ -240,8 +240,8 @@ def probe_shape(fmt, name, n, k, rows, rng) -> tuple[str, dict | None]:
     chosen = next((r for r in results if r[2]["kind"] != "tinygemm"), None)
     flops = 2.0 * rows * n * k
     for t, label, _ in results:
-        speed = (f"{w.nbytes / t / 1e6:.2f} TB/s of {COPY_TBS}" if decode else
-                 f"{flops / t / 1e6:.0f} TFLOP/s of {FP8_TFLOPS if fmt == 'fp8' else BF16_TFLOPS:.0f}")
+        speed = (f"{w.nbytes / t / 1e6:.2f} TB/s of {copy_tbs:.2f}" if decode else
+                 f"{flops / t / 1e6:.0f} TFLOP/s of {bf16_tflops * (2 if fmt == 'fp8' else 1):.0f}")
         print(f"{head}: {t:9.1f} us  {speed}  {label}", flush=True)
     bf16_speed = (f"{2 * n * k / bf16 / 1e6:.2f} TB/s" if decode else f"{flops / bf16 / 1e6:.0f} TFLOP/s")
     print(f"{head}: bf16 cuBLAS {bf16:.1f} us ({bf16_speed}, {2 * n * k / 1e6:.0f} MB of weights; "
@@ -270,7 +270,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     cfg = ModelConfig.from_pretrained(args.model)
     rng = random.Random(0)
-    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
+    from benchmarks.offline import measure_device
+
+    bandwidth, flops = measure_device()  # the limits each time is set beside: copy TB/s, bf16 (FP8: twice) TFLOP/s
+    copy_tbs, bf16_tflops = bandwidth / 1e12, flops / 1e12
+    print(f"device {torch.cuda.get_device_name()} (copy {copy_tbs:.2f} TB/s, bf16 matmul {bf16_tflops:.0f} TFLOP/s), "
+          f"torch {torch.__version__}, triton {triton.__version__}; "
           f"F.scaled_mm {'present' if hasattr(torch.nn.functional, 'scaled_mm') else 'absent'}", flush=True)
     seen, entries, start = set(), 0, time.monotonic()
     for name, n, k in projections(cfg):  # every format's shape in turn: a budget cut drops the last shapes
@@ -283,7 +288,7 @@ def main(argv=None) -> int:
             seen.add((fmt, n, k))
             table = {}
             for rows in sorted(int(r) for r in args.rows.split(",")):
-                key, best = probe_shape(fmt, name, n, k, rows, rng)
+                key, best = probe_shape(fmt, name, n, k, rows, rng, copy_tbs, bf16_tflops)
                 if best is not None:  # a bucket takes its largest row count (its decode graph's size)
                     configs.check_entry("probe", key, best)
                     table[key] = best
