@@ -421,12 +421,13 @@ def test_nvfp4_one_row_dp4a(dtype, per_row, block_k, split_k, steps):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("fmt", ["int4", "nvfp4", "fp8"])
-def test_one_row_kernels_take_a_plain_tail_block(dtype, fmt, monkeypatch):
+@pytest.mark.parametrize("fmt, tma", [("int4", 0), ("nvfp4", 0), ("fp8", 0), ("fp8", 1)])
+def test_one_row_kernels_take_a_plain_tail_block(dtype, fmt, tma, monkeypatch):
     """The dp4a one-row kernels' and FP8's skinny kernel's first TAIL_ROWS programs multiply a 16-bit block beside
     the quantized product (as GDN's [b|a] beside [q|k|v|z]): the product's bits are those of its launch alone (K
     split unevenly: int4 20 steps in 3, NVFP4 17 in 2, FP8 10 blocks in 3 of 4, 4, 2), and the block's 7 rows (K: a
-    1,024-column load and a partial one) are within a float32 dot's bound of float64, rounded once to x's dtype.
+    1,024-column load and a partial one) are within a float32 dot's bound of float64, rounded once to x's dtype;
+    FP8's tiles by pointer loads and by TMA.
     A row without its parts (FP8: without its unquantized row) is refused; quant_gemm.linear_with_tail, which
     SplitWeight.matmul_blocks takes, runs the same launch."""
     from deltaserve.layers.quant.weight import QuantWeight, SplitWeight
@@ -443,7 +444,7 @@ def test_one_row_kernels_take_a_plain_tail_block(dtype, fmt, monkeypatch):
         op = quant_gemm.nvfp4_linear
     else:
         k = 1280
-        w, config = fp8_weight(24, k, (128, 128), gen), dict(SKINNY[1], kind="skinny", split_k=3, quant_x=0)
+        w, config = fp8_weight(24, k, (128, 128), gen), dict(SKINNY[1], kind="skinny", split_k=3, quant_x=0, tma=tma)
         op = quant_gemm.fp8_block_linear
     x = activations(1, k, dtype, gen)
     if fmt == "fp8":

@@ -12,8 +12,7 @@ Keys are "format:N:K:rows", format one of fp8, int4, nvfp4 and rows the bucket o
   {"kind": "cublas"}   int4 / nvfp4 only: dequantize the weight into a bf16 scratch buffer, then cuBLAS
 For fp8, block_k is the checkpoint's scale block (128) whatever the entry says, quant_x 1 quantizes the
 activation inside the skinny kernel (0, the default: a separate kernel first) and tma 1 (fp8's skinny kernel only)
-copies its tiles by TMA. DELTASERVE_QUANT_GEMM_CONFIGS names
-another file.
+copies its tiles by TMA. DELTASERVE_QUANT_GEMM_CONFIGS names another file.
 """
 
 from __future__ import annotations
@@ -123,7 +122,7 @@ def gemv_split_k(n: int, k: int, block_n: int) -> int:
 
 def skinny_config(n: int, k: int, fmt: str = "fp8") -> dict:
     """The skinny kernel's default tile (fp8 and int4 take their scale block / group as block_k); FP8's copied by
-    TMA (it beat pointer loads at every 27B and 35B-A3B shape, by 15-30% at 16-64 rows: docs/quantization.md)."""
+    TMA, faster than pointer loads at every shape probed (docs/performance.md, 'FP8 skinny tiles by TMA')."""
     tile = {"kind": "skinny", "block_n": 64, "block_k": 128, "split_k": auto_split_k(n, k, 64), "warps": 4,
             "stages": 4, "quant_x": 0}
     return dict(tile, tma=1) if fmt == "fp8" else tile
