@@ -127,9 +127,9 @@ def _skinny_tma_kernel(
                  SPLIT_K)
 
 
-def _tma_ready(t: torch.Tensor) -> bool:
-    """Whether TMA can copy tiles of the 2-D tensor t: 16-byte aligned base and row stride."""
-    return t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
+def tma_ready(t: torch.Tensor) -> bool:
+    """Whether TMA can copy tiles of the 2-D tensor t: unit last stride, 16-byte aligned base and row stride."""
+    return t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, ...]) -> torch.Tensor:
@@ -145,7 +145,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, ...]) -> to
     if weight.stride(1) != 1 or x.stride(1) != 1:
         raise ValueError(f"x and weight need unit last strides, got {tuple(x.stride())} and {tuple(weight.stride())}")
     block_n, block_k, split_k, num_warps, num_stages = config[:5]
-    use_tma = len(config) > 5 and config[5] == 1 and _tma_ready(x) and _tma_ready(weight)
+    use_tma = len(config) > 5 and config[5] == 1 and tma_ready(x) and tma_ready(weight)
     block_m = max(16, triton.next_power_of_2(M))  # tl.dot's least side
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"

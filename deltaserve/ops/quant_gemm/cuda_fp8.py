@@ -26,6 +26,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from deltaserve.ops import pdl
+from deltaserve.ops.linear.cuda_skinny import tma_ready
 from deltaserve.ops.pdl import wait_for_previous_kernel
 from deltaserve.ops.quant_gemm.cuda_tiles import grouped_tile, tail_arguments, tail_program
 from deltaserve.ops.quant_gemm.reference import ACT_AMAX_FLOOR, E4M3_MAX, Fp8Activation, Fp8BlockWeight
@@ -70,11 +71,6 @@ def store_fp8_row(y, out_row, sx_ptr, row, rows, D, BLOCK: tl.constexpr, BK: tl.
     tl.store(out_row + cols, tl.reshape(q, [BLOCK]), mask=cols < D)
     groups = tl.arange(0, BLOCK // BK)
     tl.store(sx_ptr + groups * rows + row, s, mask=groups * BK < D)
-
-
-def _tma_ready(t: torch.Tensor) -> bool:
-    """Whether TMA can copy tiles of the 2-D tensor t: unit last stride, 16-byte aligned base and row stride."""
-    return t.stride(1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * t.element_size()) % 16 == 0
 
 
 def fp8_row_buffers(x2: torch.Tensor, bk: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -260,7 +256,7 @@ def skinny(x: torch.Tensor | Fp8Activation, w: Fp8BlockWeight, config: dict, tai
         raise ValueError("a tail block is multiplied beside an activation quantized by the kernel before (an "
                          "Fp8Activation) that holds its row unquantized")
     tail_args, tail_out, tail_constexprs = tail_arguments(x.unquantized if tail is not None else out, tail)
-    tma = bool(config.get("tma", 0)) and _tma_ready(w.weight) and (quant_x or _tma_ready(xq))
+    tma = bool(config.get("tma", 0)) and tma_ready(w.weight) and (quant_x or tma_ready(xq))
     xq_desc = TensorDescriptor.from_tensor(xq, [block_m, bk]) if tma and not quant_x else None
     w_desc = TensorDescriptor.from_tensor(w.weight, [block_n, bk]) if tma else None
     launch = pdl.launch_args(device)
