@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from deltaserve.config import EngineConfig, ModelConfig
+from deltaserve.engine import tokenize
 from deltaserve.engine.detokenize import IncrementalDetokenizer
 from deltaserve.engine.scheduler import Scheduler
 from deltaserve.worker.setup import EngineSetup
@@ -205,7 +206,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer: pass token ids, not text")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            ids = tokenize.encode(self.tokenizer, prompt, add_special_tokens=False)
         else:
             ids = list(prompt)
         if not ids:

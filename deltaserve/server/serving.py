@@ -17,6 +17,7 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 from starlette.responses import StreamingResponse
 
+from deltaserve.engine import tokenize
 from deltaserve.outputs import CompletionOutput
 from deltaserve.sampling import SamplingParams
 from deltaserve.server import json_limits
@@ -102,7 +103,7 @@ class ServerState:
                               f"{len(text):,} characters: more than that many tokens can hold", param,
                               "context_length_exceeded")
         try:
-            return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            return tokenize.encode(tokenizer, text, add_special_tokens)
         except (UnicodeError, TypeError, ValueError) as exc:  # e.g. lone surrogates from "\ud800"
             raise bad_request(f"{param} could not be tokenized: {exc}", param) from exc
 
