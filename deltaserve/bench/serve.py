@@ -115,8 +115,11 @@ def build_workload(args: argparse.Namespace, tokenizer) -> Workload:
         RequestInput(sample.prompt, sample.prompt_len, sample.expected_output_len, f"{args.request_id_prefix}{i}")
         for i, sample in enumerate(_single_turn_samples(args, tokenizer, gen))
     ]
-    first = requests[0]  # vLLM warms up with the first request
-    warmup = RequestInput(first.prompt, first.prompt_len, first.output_len, f"{args.request_id_prefix}warmup")
+    # The first request's lengths on a prompt of its own: vLLM warms up with the first request itself, which a
+    # server with prefix caching then answers from its cache in the timed run.
+    first = requests[0]
+    warmup = RequestInput(gen.text(first.prompt_len), first.prompt_len, first.output_len,
+                          f"{args.request_id_prefix}warmup")
     return Workload(requests, [], args.request_id_prefix, warmup)
 
 

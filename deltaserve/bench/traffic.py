@@ -1,9 +1,10 @@
 """When requests go out: vLLM's ready check, warm-ups, its arrival schedule, the concurrency limit and the timed run.
 
-The ready check (vLLM's, on by default) sends the workload's first request once before anything is timed, again
-every READY_CHECK_RETRY_S while the server is unreachable or answers 5xx, so that a server still starting is
-waited for and its first request's one-time costs stay out of the figures; a 4xx answer is the request's fault
-and ends the run at once.
+The ready check (vLLM's, on by default) sends a request of the workload's first request's lengths once before
+anything is timed, again every READY_CHECK_RETRY_S while the server is unreachable or answers 5xx, so that a
+server still starting is waited for and its first request's one-time costs stay out of the figures; a 4xx answer
+is the request's fault and ends the run at once. Its prompt is its own (serve.build_workload): vLLM sends the
+first request itself, whose timed copy a server with prefix caching then answers from its cache.
 
 Arrival times follow `vllm bench serve`: gaps drawn from a gamma distribution (shape = burstiness,
 mean = 1 / rate; burstiness 1 is a Poisson process), then scaled so the last arrival is at exactly

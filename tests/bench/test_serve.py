@@ -137,18 +137,21 @@ def test_multi_turn_grows_prompts_and_reports_ttft_by_turn(fake_server, tokenize
     assert inputs[0] < inputs[1] < inputs[2]
 
 
-def test_ready_check_sends_the_first_request_untimed_until_the_server_answers(fake_server, tokenizer_dir,
+def test_ready_check_sends_the_first_request_untimed_until_the_server_answers(fake_server, tokenizer_dir, tokenizer,
                                                                             monkeypatch, capsys):
-    """By default (as vLLM) the first request goes once before the timed run, again while the server answers 503
-    (a server still starting), and is left out of the figures."""
+    """By default (as vLLM) a request of the first one's lengths goes once before the timed run, again while the
+    server answers 503 (a server still starting), and is left out of the figures. Its prompt is its own, so that a
+    prefix cache holds nothing of a timed prompt (vLLM sends the first prompt itself)."""
     monkeypatch.setattr(traffic, "READY_CHECK_RETRY_S", 0.05)
     fake_server.first_delay, fake_server.gap, fake_server.unavailable = 0.01, 0.01, 2
     result = _run(fake_server, tokenizer_dir, "--random-input-len", "8", "--random-output-len", "2",
                   "--num-prompts", "3", "--save-detailed", ready_check=True)
     ids = [h["x-request-id"] for h, _ in fake_server.received]
     assert ids[:3] == ["bench-warmup-ready"] * 3 and sorted(ids[3:]) == ["bench-0", "bench-1", "bench-2"]
-    prompts = [b["prompt"] for _, b in fake_server.received]
-    assert prompts[0] == prompts[3 + ids[3:].index("bench-0")]  # vLLM's test request is the first request
+    prompts = [_ids(tokenizer, b["prompt"]) for _, b in fake_server.received]
+    assert prompts[0] == prompts[1] == prompts[2] and len(prompts[0]) == 8
+    assert all(p != prompts[0] for p in prompts[3:]), "a timed prompt is the ready check's"
+    assert {b["max_tokens"] for _, b in fake_server.received} == {2}
     assert (result["completed"], result["failed"], len(result["ttfts"])) == (3, 0, 3)
     assert "Initial test run completed." in capsys.readouterr().out
 
