@@ -3,8 +3,9 @@ their shared memory and their main loop's SASS, to see what a kernel change does
 spending device time on it.
 
     python -m benchmarks.sass_probe [--kernel decode|prefill|int4-row|int4-dp4a|nvfp4-gemv|nvfp4-dp4a|moe-gate-up|
-        moe-down|fp8-skinny] [--cache bf16|fp8] [--format bf16|fp8|int4|nvfp4] [--arch 90] [--rows 64]
-        [--block-n N] [--block-k N] [--warps N] [--stages N] [--split-k N] [--tma 0|1] [--top 12]
+        moe-down|fp8-skinny|rms-norm] [--cache bf16|fp8] [--format bf16|fp8|int4|nvfp4] [--arch 90] [--rows 64]
+        [--block-n N] [--block-k N] [--warps N] [--stages N] [--split-k N] [--tma 0|1] [--norm fp8-kept|fp8|bf16]
+        [--top 12]
 
 Compiles `_decode_split_kernel` or `_prefill_kernel` with 27B's attention heads (24 query / 4 KV heads, head_dim
 256, block 16), or `cuda_gemv._int4_row_kernel` / `_int4_dp4a_row_kernel` / NVFP4's `_weight_only_gemv_kernel` at
@@ -15,9 +16,12 @@ table's gate/up and down entries), or the MoE one-token GEMV kernels (`ops/moe/c
 gate/up and --rows rows with the tuned table's tile (--tma 1 / 0: its tiles copied by TMA or not), disassembles
 the cubin with the `nvdisasm` that Triton ships, and prints the registers a thread takes (Triton's `ptxas -v`), the
 largest loop's instruction count (for a GEMV also per weight) and its commonest opcodes; for the skinny GEMM also
-how many of its programs an SM holds and the waves of its launch on an H100 / H200's 132 SMs. The eleventh session
-found fp8 decode reading its V tiles one byte at a time this way (128 `LDS.U8` in a loop of 1,234 instructions;
-docs/performance.md); the GEMVs' layout conversions through shared memory show as `BAR.SYNC` and `LDS` in the loop.
+how many of its programs an SM holds and the waves of its launch on an H100 / H200's 132 SMs. `--kernel rms-norm`
+compiles the prompt step's RMS norm (`ops/norm/cuda._rms_norm_kernel`, a row of 27B's 5,120 a program, --norm: what
+it writes) and prints the rows its registers let the SMs hold at once and its whole (loop-free) instruction count.
+The eleventh session found fp8 decode reading its V tiles one byte at a time this way (128 `LDS.U8` in a loop of
+1,234 instructions; docs/performance.md); the GEMVs' layout conversions through shared memory show as `BAR.SYNC`
+and `LDS` in the loop.
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ _BRANCH = re.compile(r"BRA\s+`\((\.L_x_\d+)\)")
 class LoopReport(NamedTuple):
     shared_bytes: int
     instructions: int  # in the largest loop (a label and a later branch back to it)
-    opcodes: Counter  # opcode (with its modifiers) -> count in that loop
+    opcodes: Counter  # opcode (with its modifiers) -> count in that loop (in the kernel where it has none)
+    kernel_instructions: int  # in the whole kernel
 
 
 def compile_attention(kernel: str = "decode", cache: str = "bf16", arch: int = 90, block_n: int | None = None,
@@ -171,6 +176,10 @@ def compile_moe_row(kernel: str = "moe-gate-up", fmt: str = "fp8", arch: int = 9
 
 SKINNY_N, SKINNY_K, SMS = 34816, 5120, 132  # 27B's gate/up; an H100 SXM's or H200's SMs
 SM_SHARED_BYTES, SM_REGISTERS, BLOCK_RESERVED_SHARED = 228 * 1024, 65536, 1024  # sm_90
+SM_WARPS = 64  # sm_90: 2,048 threads an SM
+NORM_D = 5120  # 27B's hidden size
+# the prompt step's norms by what they write: (FP8 scale block or 0 for bf16, the unquantized row kept beside)
+NORM_VARIANTS = {"fp8-kept": (128, True), "fp8": (128, False), "bf16": (0, False)}
 
 
 def skinny_tile(rows: int, block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
@@ -206,11 +215,28 @@ def compile_skinny(rows: int, tile: dict, arch: int = 90):
     return _compile(cuda_fp8._skinny_kernel, constants, types, ints, arch, tile["warps"], tile["stages"])
 
 
+def compile_rms_norm(variant: str = "fp8-kept", num_warps: int | None = None, arch: int = 90):
+    """The compiled prompt-step RMS norm (`ops/norm/cuda._rms_norm_kernel`, a row of 27B's 5,120 a program, the
+    residual added) writing `variant`'s outputs: NORM_VARIANTS. Warps: the engine's unless given."""
+    from deltaserve.ops.norm import cuda as norm
+
+    quant_bk, keep = NORM_VARIANTS[variant]
+    block = max(triton.next_power_of_2(NORM_D), quant_bk)
+    constants = {"HAS_RESIDUAL": True, "BLOCK": block, "QUANT_BK": quant_bk, "KEEP_Y": keep, "PARTS_GROUP": 0,
+                 "PARTS_LOW_HIGH": False, "SLICE": 0, "PDL": False}
+    types = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*fp8e4nv" if quant_bk else "*bf16",
+             "res_out_ptr": "*bf16", "sx_ptr": "*fp32", "y_kept_ptr": "*bf16", "parts_ptr": "*i32",
+             "x_scale_ptr": "*fp32", "v_sum_ptr": "*fp32", "eps": "fp32"}
+    ints = {"D": NORM_D, "x_stride": NORM_D, "res_stride": NORM_D, "y_stride": NORM_D}
+    return _compile(norm._rms_norm_kernel, constants, types, ints, arch, num_warps or norm._warps(block), 1)
+
+
 def programs_per_sm(shared_bytes: int, registers_per_thread: int, num_warps: int) -> int:
-    """Programs an sm_90 SM holds at once: by shared memory (each also reserves 1 KB) and by registers."""
+    """Programs an sm_90 SM holds at once: by shared memory (each also reserves 1 KB), by registers and by
+    threads (2,048)."""
     by_shared = SM_SHARED_BYTES // (shared_bytes + BLOCK_RESERVED_SHARED)
     by_registers = SM_REGISTERS // (registers_per_thread * 32 * num_warps)
-    return max(0, min(by_shared, by_registers, 32))
+    return max(0, min(by_shared, by_registers, SM_WARPS // num_warps, 32))
 
 
 def _compile(fn, constants: dict, types: dict, ints: dict, arch: int, num_warps: int, num_stages: int):
@@ -264,21 +290,24 @@ def loop_report(compiled) -> LoopReport:
         sass = subprocess.run([nvdisasm(), "-c", cubin.name], check=True, capture_output=True, text=True).stdout
     lines = sass.splitlines()
     labels = {match.group(1): i for i, line in enumerate(lines) if (match := _LABEL.match(line))}
-    best = (0, Counter())
+    everything = [m.group(1) for m in map(_INSTRUCTION.match, lines) if m]
+    best = (0, Counter(everything))
     for i, line in enumerate(lines):
         match = _BRANCH.search(line)
         if match and labels.get(match.group(1), i) < i:  # a branch back: a loop from the label to here
             body = [m.group(1) for m in map(_INSTRUCTION.match, lines[labels[match.group(1)]:i + 1]) if m]
-            if len(body) > best[0]:
+            if len(body) > max(best[0], 1):  # (a lone branch to itself ends every kernel: not a loop)
                 best = (len(body), Counter(body))
-    return LoopReport(compiled.metadata.shared, *best)
+    return LoopReport(compiled.metadata.shared, *best, len(everything))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.sass_probe", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kernel", choices=["decode", "prefill", *GEMV_TILES, *MOE_ROW_KERNELS, "fp8-skinny"],
-                        default="decode")
+    parser.add_argument("--kernel", choices=["decode", "prefill", *GEMV_TILES, *MOE_ROW_KERNELS, "fp8-skinny",
+                                             "rms-norm"], default="decode")
+    parser.add_argument("--norm", choices=sorted(NORM_VARIANTS), default="fp8-kept",
+                        help="what the RMS norm writes: FP8 with the bf16 row kept (GDN's input), FP8, or bf16")
     parser.add_argument("--rows", type=int, default=64, help="the skinny GEMM's rows (1 to 64)")
     parser.add_argument("--split-k", type=int, default=None, help="the skinny GEMM's K splits (default: the table's)")
     parser.add_argument("--tma", type=int, choices=(0, 1), default=None,
@@ -318,6 +347,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"{tile['split_k']}, {tile['warps']} warps, {tile['stages']} stages"
                 f"{', TMA' if tile.get('tma') else ''}; {held} programs an SM, "
                 f"{programs} programs: {waves} of {SMS} SMs)")
+    elif args.kernel == "rms-norm":
+        compiled, weights = compile_rms_norm(args.norm, args.warps, args.arch), None
+        warps = compiled.metadata.num_warps
+        held = programs_per_sm(compiled.metadata.shared, registers(compiled, args.arch), warps)
+        what = (f"rms-norm writing {args.norm} (a row of {NORM_D:,} a program, {warps} warps; {held} programs an SM: "
+                f"{SMS * held} rows in flight on {SMS} SMs)")
     elif args.kernel in MOE_ROW_KERNELS:
         block_n, block_k = args.block_n or 8, args.block_k or 256
         compiled = compile_moe_row(args.kernel, args.format, args.arch, block_n, block_k, args.warps or 4)
@@ -330,8 +365,10 @@ def main(argv: list[str] | None = None) -> int:
         weights, what = None, f"{args.kernel} over a {args.cache} cache"
     report = loop_report(compiled)
     per_weight = f" ({report.instructions / weights:.2f} a weight)" if weights else ""
+    body = (f"its largest loop has {report.instructions} SASS instructions{per_weight}" if report.instructions
+            else f"no loop: {report.kernel_instructions} SASS instructions")
     print(f"{what}, sm_{args.arch}: {report.shared_bytes:,} B of shared memory, {registers(compiled, args.arch)} "
-          f"registers a thread; its largest loop has {report.instructions} SASS instructions{per_weight}")
+          f"registers a thread; {body}")
     for opcode, count in report.opcodes.most_common(args.top):
         print(f"  {count:5d}  {opcode}")
     return 0

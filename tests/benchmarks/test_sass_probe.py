@@ -86,7 +86,23 @@ def test_fp8_skinny_gemm_with_tma_copies_its_tiles_by_tma():
     assert "UTMALDG" in tma and "LDGSTS" not in tma and "QGMMA" in tma and ", TMA;" in tma, tma
 
 
-def test_programs_an_sm_holds_are_bounded_by_shared_memory_and_registers():
+@pytest.mark.skipif(not os.path.exists(sass_probe.nvdisasm()), reason="Triton ships no nvdisasm here")
+def test_prompt_rms_norm_reports_the_rows_its_registers_let_an_sm_hold():
+    """The prompt step's RMS norm (a 5,120-column row a program): writing FP8 with the bf16 row kept takes more
+    registers a thread than writing FP8 alone, so an SM holds fewer rows at once; it has no loop, so the whole
+    kernel's instructions are counted."""
+    kept, fp8 = (run_probe("--kernel", "rms-norm", "--norm", norm, "--warps", "8") for norm in ("fp8-kept", "fp8"))
+    regs = [int(re.search(r"(\d+) registers", out).group(1)) for out in (kept, fp8)]
+    held = [int(re.search(r"(\d+) programs an SM", out).group(1)) for out in (kept, fp8)]
+    assert regs[0] > regs[1] and held[0] < held[1], (kept, fp8)
+    for out, r, h in zip((kept, fp8), regs, held):
+        shared = int(re.search(r"([\d,]+) B of shared memory", out).group(1).replace(",", ""))
+        assert h == sass_probe.programs_per_sm(shared, r, 8) and f"{132 * h} rows in flight" in out
+        assert "no loop:" in out, out
+
+
+def test_programs_an_sm_holds_are_bounded_by_shared_memory_registers_and_threads():
     assert sass_probe.programs_per_sm(65536, 121, 4) == 3  # shared memory: 228 KB / (64 + 1) KB
     assert sass_probe.programs_per_sm(40960, 48, 4) == 5
     assert sass_probe.programs_per_sm(1024, 255, 8) == 1  # registers: 65,536 / (255 x 256)
+    assert sass_probe.programs_per_sm(256, 29, 32) == 2  # threads: 2,048 / 1,024
