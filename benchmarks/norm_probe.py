@@ -4,9 +4,10 @@
 
 Times ops/norm/cuda.py's `rms_norm` (the residual added, the output written quantized for an FP8 product of
 128-column blocks, with and without the unquantized row kept beside it, and plain bf16) and `gated_rms_norm`
-(GDN's 48 heads of 128, FP8 out) on `rows` tokens, each launch in a CUDA graph, at every warp count (and, for the
-gated norm, rows a program), against the bytes it must move at the measured copy rate. Every variant's output is
-checked against the shipped launch's (benchmarks/timing.check_output).
+(GDN's 48 heads of 128, FP8 out) on `rows` tokens, each launch in a CUDA graph, at every warp count (the FP8 norms
+also with their outputs written 1,024 columns at a time, PROMPT_OUT_CHUNK; the gated norm at several rows a
+program), against the bytes it must move at the measured copy rate. Every variant's output is checked against the
+shipped launch's (benchmarks/timing.check_output).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     copy_bps, _ = measure_device()
     print(f"device: {torch.cuda.get_device_name()}  copy {copy_bps / 1e12:.2f} TB/s")
     warps = [int(w) for w in args.warps.split(",")]
-    shipped_warps, shipped_tile = norm._warps, norm._GATED_TILE
+    shipped_warps, shipped_tile, shipped_chunk = norm._warps, norm._GATED_TILE, norm.PROMPT_OUT_CHUNK
     d = args.dim
     w = torch.randn(d, device="cuda", dtype=torch.bfloat16) * 0.1
     for rows in (int(r) for r in args.rows.split(",")):
@@ -63,11 +64,13 @@ def main(argv: list[str] | None = None) -> int:
             norm._warps = shipped_warps
             expected = _outputs(call())
             line = []
-            for n in warps:
-                norm._warps = lambda block, n=n: n
-                us = _time(call, expected)
-                line.append(f"{n} warps {us:8.1f} us ({nbytes / us / 1e-6 / copy_bps:4.0%})")
-            norm._warps = shipped_warps
+            for chunk in (0, 1024) if name.startswith("fp8") else (0,):
+                for n in warps:
+                    norm._warps, norm.PROMPT_OUT_CHUNK = (lambda block, n=n: n), chunk
+                    us = _time(call, expected)
+                    line.append(f"{f'chunk {chunk} ' if chunk else ''}{n} warps {us:8.1f} us "
+                                f"({nbytes / us / 1e-6 / copy_bps:4.0%})")
+            norm._warps, norm.PROMPT_OUT_CHUNK = shipped_warps, shipped_chunk
             us = _time(call, expected)
             print(f"rms_norm {name:22s} rows {rows:5d}: shipped {us:8.1f} us ({nbytes / us / 1e-6 / copy_bps:4.0%}) | "
                   + " | ".join(line))

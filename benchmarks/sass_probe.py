@@ -5,7 +5,7 @@ spending device time on it.
     python -m benchmarks.sass_probe [--kernel decode|prefill|int4-row|int4-dp4a|nvfp4-gemv|nvfp4-dp4a|moe-gate-up|
         moe-down|fp8-skinny|rms-norm] [--cache bf16|fp8] [--format bf16|fp8|int4|nvfp4] [--arch 90] [--rows 64]
         [--block-n N] [--block-k N] [--warps N] [--stages N] [--split-k N] [--tma 0|1] [--norm fp8-kept|fp8|bf16]
-        [--top 12]
+        [--out-chunk N] [--top 12]
 
 Compiles `_decode_split_kernel` or `_prefill_kernel` with 27B's attention heads (24 query / 4 KV heads, head_dim
 256, block 16), or `cuda_gemv._int4_row_kernel` / `_int4_dp4a_row_kernel` / NVFP4's `_weight_only_gemv_kernel` at
@@ -215,15 +215,18 @@ def compile_skinny(rows: int, tile: dict, arch: int = 90):
     return _compile(cuda_fp8._skinny_kernel, constants, types, ints, arch, tile["warps"], tile["stages"])
 
 
-def compile_rms_norm(variant: str = "fp8-kept", num_warps: int | None = None, arch: int = 90):
+def compile_rms_norm(variant: str = "fp8-kept", num_warps: int | None = None, arch: int = 90,
+                     out_chunk: int | None = None):
     """The compiled prompt-step RMS norm (`ops/norm/cuda._rms_norm_kernel`, a row of 27B's 5,120 a program, the
-    residual added) writing `variant`'s outputs: NORM_VARIANTS. Warps: the engine's unless given."""
+    residual added) writing `variant`'s outputs: NORM_VARIANTS. Warps and the quantized outputs' chunk
+    (PROMPT_OUT_CHUNK): the engine's unless given."""
     from deltaserve.ops.norm import cuda as norm
 
     quant_bk, keep = NORM_VARIANTS[variant]
     block = max(triton.next_power_of_2(NORM_D), quant_bk)
+    chunk = norm.PROMPT_OUT_CHUNK if out_chunk is None else out_chunk
     constants = {"HAS_RESIDUAL": True, "BLOCK": block, "QUANT_BK": quant_bk, "KEEP_Y": keep, "PARTS_GROUP": 0,
-                 "PARTS_LOW_HIGH": False, "SLICE": 0, "PDL": False}
+                 "PARTS_LOW_HIGH": False, "SLICE": 0, "OUT_CHUNK": chunk if quant_bk else 0, "PDL": False}
     types = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*fp8e4nv" if quant_bk else "*bf16",
              "res_out_ptr": "*bf16", "sx_ptr": "*fp32", "y_kept_ptr": "*bf16", "parts_ptr": "*i32",
              "x_scale_ptr": "*fp32", "v_sum_ptr": "*fp32", "eps": "fp32"}
@@ -308,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
                                              "rms-norm"], default="decode")
     parser.add_argument("--norm", choices=sorted(NORM_VARIANTS), default="fp8-kept",
                         help="what the RMS norm writes: FP8 with the bf16 row kept (GDN's input), FP8, or bf16")
+    parser.add_argument("--out-chunk", type=int, default=None,
+                        help="the RMS norm's quantized outputs written this many columns at a time (0: whole rows; "
+                             "default: the engine's)")
     parser.add_argument("--rows", type=int, default=64, help="the skinny GEMM's rows (1 to 64)")
     parser.add_argument("--split-k", type=int, default=None, help="the skinny GEMM's K splits (default: the table's)")
     parser.add_argument("--tma", type=int, choices=(0, 1), default=None,
@@ -348,10 +354,16 @@ def main(argv: list[str] | None = None) -> int:
                 f"{', TMA' if tile.get('tma') else ''}; {held} programs an SM, "
                 f"{programs} programs: {waves} of {SMS} SMs)")
     elif args.kernel == "rms-norm":
-        compiled, weights = compile_rms_norm(args.norm, args.warps, args.arch), None
+        if args.out_chunk is not None and (args.out_chunk < 0 or args.out_chunk % 128):
+            parser.error(f"--out-chunk must be 0 or a multiple of 128 (the FP8 block), got {args.out_chunk}")
+        compiled, weights = compile_rms_norm(args.norm, args.warps, args.arch, args.out_chunk), None
+        from deltaserve.ops.norm import cuda as norm
+
+        chunk = (norm.PROMPT_OUT_CHUNK if args.out_chunk is None else args.out_chunk) if NORM_VARIANTS[args.norm][0] else 0
         warps = compiled.metadata.num_warps
         held = programs_per_sm(compiled.metadata.shared, registers(compiled, args.arch), warps)
-        what = (f"rms-norm writing {args.norm} (a row of {NORM_D:,} a program, {warps} warps; {held} programs an SM: "
+        what = (f"rms-norm writing {args.norm} (a row of {NORM_D:,} a program, {warps} warps"
+                f"{f', outputs {chunk} columns at a time' if chunk else ''}; {held} programs an SM: "
                 f"{SMS * held} rows in flight on {SMS} SMs)")
     elif args.kernel in MOE_ROW_KERNELS:
         block_n, block_k = args.block_n or 8, args.block_k or 256

@@ -368,6 +368,27 @@ def test_one_row_norm_in_slices_writes_the_bits_of_one_program(output, monkeypat
     assert all(torch.equal(a, b) for a, b in zip(whole, sliced))
 
 
+@pytest.mark.parametrize("keep", [False, True])
+def test_prompt_rows_normed_in_chunks_write_the_bits_of_whole_rows(keep, monkeypatch):
+    """On the H200, 27B's hidden rows (5,120 columns, bf16, with the residual), 300 of them: the RMS norm written
+    quantized for an FP8 product (and kept) with its outputs 1,024 columns at a time after the sum of squares gives
+    every output bit of whole rows."""
+    from deltaserve.ops.norm import cuda as norm_cuda
+
+    k = ModelConfig.from_pretrained(str(shipped_config("Qwen/Qwen3.5-27B"))).hidden_size
+    x, res, w = activations(300, k, seed=8), activations(300, k, seed=9), activations(1, k, seed=10)[0] * 0.1
+
+    def outputs():
+        act, h = norm_cuda.rms_norm(x, w, 1e-6, res, quant_block=128, keep_unquantized=keep)
+        return [act.xq.view(torch.uint8), act.sx, h] + ([act.unquantized] if keep else [])
+
+    monkeypatch.setattr(norm_cuda, "PROMPT_OUT_CHUNK", 0)
+    whole = outputs()
+    monkeypatch.setattr(norm_cuda, "PROMPT_OUT_CHUNK", 1024)
+    chunked = outputs()
+    assert all(torch.equal(a, b) for a, b in zip(whole, chunked))
+
+
 @pytest.mark.parametrize("fmt", ["int4", "nvfp4", "fp8"])
 def test_gdn_in_projection_runs_its_plain_block_in_the_quantized_launch(fmt, weights):
     """On the H200, in bf16, one row: 27B's GDN in-projection, the int4 / NVFP4 / FP8 [q|k|v|z] beside the bf16 [b|a]

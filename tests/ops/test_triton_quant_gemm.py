@@ -516,6 +516,31 @@ def test_one_row_norm_in_slices_writes_the_bits_of_one_program(output, residual,
     assert len(whole) == len(sliced) and all(torch.equal(a, b) for a, b in zip(whole, sliced))
 
 
+@pytest.mark.parametrize("keep", [False, True])
+@pytest.mark.parametrize("residual", [False, True])
+def test_prompt_rows_normed_in_chunks_write_the_bits_of_whole_rows(keep, residual, monkeypatch):
+    """Prompt rows normed for an FP8 product (quantized, and kept) with their outputs written PROMPT_OUT_CHUNK
+    columns at a time after the sum of squares (256 here: 400 columns in 2 chunks, the last partial, as is FP8's
+    last block) write every output bit for bit as whole rows do, the residual sum too."""
+    from deltaserve.ops.norm import cuda as norm_cuda
+
+    gen = torch.Generator().manual_seed(3 + 2 * keep + residual)
+    dtype = torch.float16
+    x, res = activations(5, 400, dtype, gen), activations(5, 400, dtype, gen) if residual else None
+    w = (torch.randn(400, generator=gen) * 0.1).to(dtype)
+
+    def outputs():
+        got = norm_cuda.rms_norm(x, w, 1e-6, res, quant_block=128, keep_unquantized=keep)
+        act, h = got if residual else (got, None)
+        return ([act.xq.view(torch.uint8), act.sx] + ([act.unquantized] if keep else []) + ([h] if residual else []))
+
+    monkeypatch.setattr(norm_cuda, "PROMPT_OUT_CHUNK", 0)
+    whole = outputs()
+    monkeypatch.setattr(norm_cuda, "PROMPT_OUT_CHUNK", 256)
+    chunked = outputs()
+    assert len(whole) == len(chunked) and all(torch.equal(a, b) for a, b in zip(whole, chunked))
+
+
 @pytest.mark.parametrize("fmt,group,low_high", DP4A_FORMATS)
 @pytest.mark.parametrize("residual", [False, True])
 def test_prologues_write_the_dp4a_parts(fmt, group, low_high, residual):

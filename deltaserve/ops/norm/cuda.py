@@ -25,6 +25,10 @@ from deltaserve.ops.quant_gemm.reference import Dp4aActivation, Fp8Activation
 # Columns a program of a one-row norm writes quantized or with its parts (a multiple of every FP8 block and
 # fixed-point group): 27B's 5,120 in 5 programs, 35B-A3B's 2,048 in 2.
 ROW_SLICE = 1024
+# Columns at a time in which a prompt step's rows are normed and written quantized after their sum of squares
+# (OUT_CHUNK; 0: each whole row at once, held in registers). benchmarks/norm_probe.py times 1,024 against 0, which
+# is what the served figures measured.
+PROMPT_OUT_CHUNK = 0
 # Elements per gated-norm program: 16 rows of 128, 16 per thread for 4 warps; rows of 2048 or more go one a
 # program, as rms_norm's do.
 _GATED_TILE = 2048
@@ -34,7 +38,8 @@ _GATED_TILE = 2048
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, sx_ptr, y_kept_ptr, parts_ptr, x_scale_ptr, v_sum_ptr,
                      D, x_stride, res_stride, y_stride, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
                      QUANT_BK: tl.constexpr = 0, KEEP_Y: tl.constexpr = False, PARTS_GROUP: tl.constexpr = 0,
-                     PARTS_LOW_HIGH: tl.constexpr = False, SLICE: tl.constexpr = 0, PDL: tl.constexpr = False):
+                     PARTS_LOW_HIGH: tl.constexpr = False, SLICE: tl.constexpr = 0, OUT_CHUNK: tl.constexpr = 0,
+                     PDL: tl.constexpr = False):
     """One row a program. QUANT_BK > 0: y_ptr takes the normed row's e4m3 codes and sx_ptr [D / QUANT_BK, rows]
     its scales per QUANT_BK columns (quant_gemm.cuda_fp8's activation quantization of the row rounded to x's
     dtype), in place of the row; KEEP_Y: y_kept_ptr [rows, D] takes the row as well. PARTS_GROUP > 0 (one row, D a
@@ -42,7 +47,10 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, sx_ptr, y_kept_p
     (cuda_gemv.store_x_parts) besides the row. SLICE > 0 (one row, a multiple of QUANT_BK and PARTS_GROUP): grid
     (cdiv(D, SLICE),), program p writing columns [p SLICE, (p + 1) SLICE) of every output; each program sums the
     whole row's squares as the one-program launch does (the same bits), so that the quantization's work, the bulk of
-    such a row's, spreads over the SMs."""
+    such a row's, spreads over the SMs. OUT_CHUNK > 0 (QUANT_BK > 0, a multiple of it, no SLICE or PARTS_GROUP):
+    the outputs are computed and written OUT_CHUNK columns at a time from x (and the residual) read again, so that
+    the whole row is not held in registers past its sum of squares (the same bits: the sum and every output element
+    are computed as without it); benchmarks/norm_probe.py times it against the whole-row form."""
     wait_for_previous_kernel(PDL)
     if SLICE:
         row = (tl.program_id(0) * 0).to(tl.int64)
@@ -61,6 +69,20 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, sx_ptr, y_kept_p
             tl.store(res_out_ptr + row * D + cols, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + eps)
+    if OUT_CHUNK:
+        for first_c in range(0, D, OUT_CHUNK):
+            chunk = first_c + tl.arange(0, OUT_CHUNK)
+            chunk_ok = chunk < D
+            xc = tl.load(x_ptr + row * x_stride + chunk, mask=chunk_ok, other=0.0)
+            if HAS_RESIDUAL:
+                xc = xc + tl.load(res_ptr + row * res_stride + chunk, mask=chunk_ok, other=0.0)
+            wc = tl.load(w_ptr + chunk, mask=chunk_ok, other=0.0).to(tl.float32)
+            yc = (xc.to(tl.float32) * rstd * (1.0 + wc)).to(x_ptr.dtype.element_ty)
+            store_fp8_row(yc, y_ptr + row * y_stride + first_c, sx_ptr + first_c // QUANT_BK * rows, row, rows,
+                          D - first_c, OUT_CHUNK, QUANT_BK)
+            if KEEP_Y:
+                tl.store(y_kept_ptr + row * D + chunk, yc, mask=chunk_ok)
+        return
     if SLICE:  # this program's columns again (from L2), for its share of the outputs
         cols = first + tl.arange(0, SLICE)
         mask = cols < D
@@ -161,8 +183,10 @@ def rms_norm(x, weight, eps, residual=None, quant_block: int = 0, keep_unquantiz
     # one row written quantized or with its parts: slices of ROW_SLICE columns, a program each
     row_slice = ROW_SLICE if x2.shape[0] == 1 and (quant_block or dp4a) and D > ROW_SLICE else 0
     grid = (triton.cdiv(D, row_slice),) if row_slice else (x2.shape[0],)
+    out_chunk = (PROMPT_OUT_CHUNK if quant_block and not row_slice and not dp4a and PROMPT_OUT_CHUNK % quant_block == 0
+                 else 0)
     launch = dict(BLOCK=block, QUANT_BK=quant_block, KEEP_Y=kept is not y, PARTS_GROUP=dp4a[0] if dp4a else 0,
-                  PARTS_LOW_HIGH=bool(dp4a and dp4a[1]), SLICE=row_slice, num_warps=_warps(block),
+                  PARTS_LOW_HIGH=bool(dp4a and dp4a[1]), SLICE=row_slice, OUT_CHUNK=out_chunk, num_warps=_warps(block),
                   **pdl.launch_args(x.device))
 
     def result(y):
