@@ -215,18 +215,26 @@ def compile_skinny(rows: int, tile: dict, arch: int = 90):
     return _compile(cuda_fp8._skinny_kernel, constants, types, ints, arch, tile["warps"], tile["stages"])
 
 
+def rms_norm_out_chunk(variant: str, out_chunk: int | None = None) -> int:
+    """The columns at a time in which the norm writing `variant` writes its outputs: `out_chunk`, else the
+    engine's PROMPT_OUT_CHUNK; 0 for a bf16 output (only quantized outputs are written in chunks)."""
+    from deltaserve.ops.norm import cuda as norm
+
+    return (norm.PROMPT_OUT_CHUNK if out_chunk is None else out_chunk) if NORM_VARIANTS[variant][0] else 0
+
+
 def compile_rms_norm(variant: str = "fp8-kept", num_warps: int | None = None, arch: int = 90,
                      out_chunk: int | None = None):
     """The compiled prompt-step RMS norm (`ops/norm/cuda._rms_norm_kernel`, a row of 27B's 5,120 a program, the
     residual added) writing `variant`'s outputs: NORM_VARIANTS. Warps and the quantized outputs' chunk
-    (PROMPT_OUT_CHUNK): the engine's unless given."""
+    (rms_norm_out_chunk): the engine's unless given."""
     from deltaserve.ops.norm import cuda as norm
 
     quant_bk, keep = NORM_VARIANTS[variant]
     block = max(triton.next_power_of_2(NORM_D), quant_bk)
-    chunk = norm.PROMPT_OUT_CHUNK if out_chunk is None else out_chunk
     constants = {"HAS_RESIDUAL": True, "BLOCK": block, "QUANT_BK": quant_bk, "KEEP_Y": keep, "PARTS_GROUP": 0,
-                 "PARTS_LOW_HIGH": False, "SLICE": 0, "OUT_CHUNK": chunk if quant_bk else 0, "PDL": False}
+                 "PARTS_LOW_HIGH": False, "SLICE": 0, "OUT_CHUNK": rms_norm_out_chunk(variant, out_chunk),
+                 "PDL": False}
     types = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*fp8e4nv" if quant_bk else "*bf16",
              "res_out_ptr": "*bf16", "sx_ptr": "*fp32", "y_kept_ptr": "*bf16", "parts_ptr": "*i32",
              "x_scale_ptr": "*fp32", "v_sum_ptr": "*fp32", "eps": "fp32"}
@@ -357,10 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.out_chunk is not None and (args.out_chunk < 0 or args.out_chunk % 128):
             parser.error(f"--out-chunk must be 0 or a multiple of 128 (the FP8 block), got {args.out_chunk}")
         compiled, weights = compile_rms_norm(args.norm, args.warps, args.arch, args.out_chunk), None
-        from deltaserve.ops.norm import cuda as norm
-
-        chunk = (norm.PROMPT_OUT_CHUNK if args.out_chunk is None else args.out_chunk) if NORM_VARIANTS[args.norm][0] else 0
-        warps = compiled.metadata.num_warps
+        chunk, warps = rms_norm_out_chunk(args.norm, args.out_chunk), compiled.metadata.num_warps
         held = programs_per_sm(compiled.metadata.shared, registers(compiled, args.arch), warps)
         what = (f"rms-norm writing {args.norm} (a row of {NORM_D:,} a program, {warps} warps"
                 f"{f', outputs {chunk} columns at a time' if chunk else ''}; {held} programs an SM: "
