@@ -5,7 +5,8 @@
 Each result is printed beside its physical limit: decode step time >= bytes read per step / HBM bandwidth;
 prefill time >= FLOPs / matmul rate. Bandwidth and matmul rate are measured on the device at start; the matmul
 rate is that of ten back-to-back products (~790 TFLOP/s on an H200, as WORKLOADS.md has it), and the TTFT limit at
-the rate sustained over 3 s (~675: the power cap lowers the clock) is printed beside it.
+the rate sustained over 3 s (~675: the power cap lowers the clock) is printed beside it. A W8A8 FP8 checkpoint's
+products count at the FP8 rate, measured the same way (~1,300-1,500 TFLOP/s on an H100 / H200), the rest at bf16's.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import torch
 from deltaserve.config import SSM_CACHE_DTYPES, EngineConfig
 from deltaserve.engine.llm_engine import LLMEngine
 from deltaserve.layers.linear import QuantLinear
+from deltaserve.layers.mlp import QuantExperts
+from deltaserve.layers.quant.fp8 import Fp8BlockScheme
 from deltaserve.layers.quant.weight import held_quantized_weights
 from deltaserve.sampling import RequestOutputKind, SamplingParams
 
@@ -68,6 +71,27 @@ def measure_device() -> tuple[float, float]:
     return bandwidth, flops
 
 
+def measure_fp8_matmul() -> float | None:
+    """FP8 (e4m3, per-tensor scales) FLOP/s of ten back-to-back 8192^3 products, or None where the GPU has no FP8
+    tensor cores (before sm_89)."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        return None
+    a = torch.randn(8192, 8192, device="cuda").to(torch.float8_e4m3fn)
+    b = a.t()  # column-major, as _scaled_mm takes its second operand
+    one = torch.ones((), device="cuda")
+    for _ in range(3):
+        torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    flops = 2 * 8192 ** 3 * 10 / (time.perf_counter() - t)
+    del a, b
+    torch.cuda.empty_cache()
+    return flops
+
+
 def measure_sustained_matmul(seconds: float = 3.0) -> float:
     """bf16 FLOP/s of 8192^3 products run back to back for `seconds`, over the last second: what a long prefill
     gets once the board's power cap has lowered its clock (H200: ~675 TFLOP/s at ~690 W, against ~790 for the
@@ -92,10 +116,11 @@ def measure_sustained_matmul(seconds: float = 3.0) -> float:
 class Limits:
     """Physical limits of one model on one device, from the model's own parameter sizes."""
 
-    def __init__(self, engine: LLMEngine, bandwidth: float, flops: float):
+    def __init__(self, engine: LLMEngine, bandwidth: float, flops: float, fp8_flops: float | None = None):
         model = engine.runner.model
         cfg = engine.model_config
         self.bandwidth, self.flops = bandwidth, flops
+        self.fp8_flops = fp8_flops or flops
         embed = model.model.embed_tokens.weight
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) - (
             0 if cfg.tie_word_embeddings else embed.numel() * embed.element_size())
@@ -103,9 +128,16 @@ class Limits:
         self.matmul_params = sum(p.numel() for n, p in model.named_parameters() if p.dim() >= 2
                                  and "embed_tokens" not in n and "experts" not in n)
         self.matmul_params += sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, QuantLinear))
+        # of matmul_params, those multiplied at the FP8 rate (W8A8 FP8 projections and experts)
+        self.fp8_params = sum(m.in_features * m.out_features for m in model.modules()
+                              if isinstance(m, QuantLinear) and isinstance(m.scheme, Fp8BlockScheme))
         if cfg.num_experts:  # only the routed experts a token uses count towards its FLOPs
             expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
-            self.matmul_params += sum(cfg.moe_layers) * cfg.num_experts_per_tok * expert
+            routed = sum(cfg.moe_layers) * cfg.num_experts_per_tok * expert
+            self.matmul_params += routed
+            if any(isinstance(m, QuantExperts) and isinstance(m.schemes["down_proj"], Fp8BlockScheme)
+                   for m in model.modules()):
+                self.fp8_params += routed
         kv_dtype_bytes = model.attention_layers[0].k_cache.element_size()
         self.kv_bytes_per_token = 2 * cfg.num_kv_heads * cfg.head_dim * kv_dtype_bytes * len(cfg.full_attention_layers)
         gdn = model.gdn_layers[0]
@@ -119,10 +151,12 @@ class Limits:
         return moved / self.bandwidth
 
     def prefill(self, tokens: int) -> float:
-        """Seconds: 2 x params x tokens + causal attention (4 x T^2/2 x heads x head_dim per layer)."""
+        """Seconds: 2 x params x tokens (FP8 products at the FP8 rate) + causal attention (4 x T^2/2 x heads x
+        head_dim per layer, bf16)."""
         cfg = self.cfg
         attention = 2 * tokens * tokens * cfg.num_heads * cfg.head_dim * len(cfg.full_attention_layers)
-        return (2 * self.matmul_params * tokens + attention) / self.flops
+        bf16 = 2 * (self.matmul_params - self.fp8_params) * tokens + attention
+        return bf16 / self.flops + 2 * self.fp8_params * tokens / self.fp8_flops
 
 
 def run_workload(engine: LLMEngine, input_len: int, output_len: int, num_prompts: int, concurrency: int,
@@ -493,8 +527,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # the engine's plan and warm-up
     bandwidth, flops = measure_device()
     sustained = measure_sustained_matmul()
+    fp8_flops = measure_fp8_matmul()
     print(f"device: {torch.cuda.get_device_name()}  copy bandwidth {bandwidth / 1e12:.2f} TB/s  "
-          f"bf16 matmul {flops / 1e12:.0f} TFLOP/s (limits use this), {sustained / 1e12:.0f} sustained", flush=True)
+          f"bf16 matmul {flops / 1e12:.0f} TFLOP/s (limits use this), {sustained / 1e12:.0f} sustained"
+          + (f"; fp8 {fp8_flops / 1e12:.0f} TFLOP/s" if fp8_flops else ""), flush=True)
     compiles = CompileLog()
     compiles.install()
     t = time.perf_counter()
@@ -509,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"engine ready in {time.perf_counter() - t:.1f} s; Triton kernel variants compiled: {compiles.take()}",
           flush=True)
     print(f"garbage collector: {collector_load()}", flush=True)
-    limits = Limits(engine, bandwidth, flops)
+    limits = Limits(engine, bandwidth, flops, fp8_flops)
     if args.profile:
         if args.profile_dir:
             os.makedirs(args.profile_dir, exist_ok=True)

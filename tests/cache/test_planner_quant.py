@@ -146,12 +146,13 @@ def test_users_32gb_card_configuration_is_refused_with_bf16_weights(capsys):
 
 
 def test_offline_bench_limits_count_quantized_weights(tmp_path):
-    """The benchmarks' bandwidth limit reads the bytes the quantized model holds; its FLOPs are the bf16 model's."""
+    """The benchmarks' bandwidth limit reads the bytes the quantized model holds; its FLOPs are the bf16 model's,
+    and an FP8 checkpoint's quantized products (projections and routed experts) count at the FP8 rate."""
     from benchmarks.offline import Limits
     from deltaserve.engine.llm_engine import LLMEngine
 
     limits = {}
-    for family in ("awq", None):
+    for family in ("awq", "fp8", None):
         folder = tmp_path / str(family)
         folder.mkdir()
         if family is None:
@@ -161,11 +162,22 @@ def test_offline_bench_limits_count_quantized_weights(tmp_path):
             tiny_quantized(folder, "qwen3_5_moe", family)
         engine = LLMEngine(EngineConfig(model=str(folder), load_format="dummy", skip_tokenizer_init=True,
                                         max_num_seqs=2))
-        limits[family] = (Limits(engine, 1e12, 1e15), engine.memory_plan)
-    (quantized, plan), (bf16, _) = limits["awq"], limits[None]
+        model = engine.runner.model
+        bf16_matrices = sum(p.numel() for n, p in model.named_parameters()
+                            if p.dim() >= 2 and "embed_tokens" not in n and "experts" not in n)
+        limits[family] = (Limits(engine, 1e12, 1e15), Limits(engine, 1e12, 1e15, 2e15), engine.memory_plan,
+                          bf16_matrices)
+    (quantized, _, plan, _), (bf16, bf16_fp8_rate, _, _) = limits["awq"], limits[None]
     embedding = 4 * TINY_CONFIGS["qwen3_5_moe"]["vocab_size"] * QUANT_SHAPES["hidden_size"]  # float32 on the CPU
     assert quantized.weight_bytes == plan.weight_bytes - embedding < bf16.weight_bytes
     assert quantized.matmul_params == bf16.matmul_params
+    assert quantized.fp8_params == bf16.fp8_params == 0  # weight-only int4 runs its products in bf16
+    assert bf16_fp8_rate.prefill(64) == bf16.prefill(64)
+    fp8, fp8_at_twice, _, fp8_bf16_matrices = limits["fp8"]
+    assert fp8.matmul_params == bf16.matmul_params
+    assert 0 < fp8.fp8_params == fp8.matmul_params - fp8_bf16_matrices  # all but the checkpoint's bf16 matrices
+    saved = 2 * fp8.fp8_params * 64 / 2e15  # half of the FP8 products' seconds at the bf16 rate
+    assert fp8_at_twice.prefill(64) == pytest.approx(fp8.prefill(64) - saved, rel=1e-12)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
