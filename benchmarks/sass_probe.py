@@ -320,8 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--norm", choices=sorted(NORM_VARIANTS), default="fp8-kept",
                         help="what the RMS norm writes: FP8 with the bf16 row kept (GDN's input), FP8, or bf16")
     parser.add_argument("--out-chunk", type=int, default=None,
-                        help="the RMS norm's quantized outputs written this many columns at a time (0: whole rows; "
-                             "default: the engine's)")
+                        help="the RMS norm's quantized outputs written this many columns at a time (0: whole rows "
+                             "at once, the form the engine replaced; default: the engine's)")
     parser.add_argument("--rows", type=int, default=64, help="the skinny GEMM's rows (1 to 64)")
     parser.add_argument("--split-k", type=int, default=None, help="the skinny GEMM's K splits (default: the table's)")
     parser.add_argument("--tma", type=int, choices=(0, 1), default=None,

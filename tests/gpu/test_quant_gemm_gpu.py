@@ -369,24 +369,24 @@ def test_one_row_norm_in_slices_writes_the_bits_of_one_program(output, monkeypat
 
 
 @pytest.mark.parametrize("keep", [False, True])
-def test_prompt_rows_normed_in_chunks_write_the_bits_of_whole_rows(keep, monkeypatch):
+def test_prompt_rows_normed_in_chunks_write_the_bits_of_each_row_alone(keep):
     """On the H200, 27B's hidden rows (5,120 columns, bf16, with the residual), 300 of them: the RMS norm written
-    quantized for an FP8 product (and kept) with its outputs 1,024 columns at a time after the sum of squares gives
-    every output bit of whole rows."""
+    quantized for an FP8 product (and kept), PROMPT_OUT_CHUNK columns at a time after the sum of squares, gives
+    every output bit that each row alone gets from its ROW_SLICE programs (a decode step's launch): the compiled
+    sums of squares agree, so a row's FP8 input does not depend on the rows beside it."""
     from deltaserve.ops.norm import cuda as norm_cuda
 
     k = ModelConfig.from_pretrained(str(shipped_config("Qwen/Qwen3.5-27B"))).hidden_size
     x, res, w = activations(300, k, seed=8), activations(300, k, seed=9), activations(1, k, seed=10)[0] * 0.1
+    assert k > norm_cuda.ROW_SLICE
 
-    def outputs():
-        act, h = norm_cuda.rms_norm(x, w, 1e-6, res, quant_block=128, keep_unquantized=keep)
-        return [act.xq.view(torch.uint8), act.sx, h] + ([act.unquantized] if keep else [])
+    def outputs(rows):
+        act, h = norm_cuda.rms_norm(x[rows], w, 1e-6, res[rows], quant_block=128, keep_unquantized=keep)
+        return [act.xq.view(torch.uint8), act.sx.t(), h] + ([act.unquantized] if keep else [])
 
-    monkeypatch.setattr(norm_cuda, "PROMPT_OUT_CHUNK", 0)
-    whole = outputs()
-    monkeypatch.setattr(norm_cuda, "PROMPT_OUT_CHUNK", 1024)
-    chunked = outputs()
-    assert all(torch.equal(a, b) for a, b in zip(whole, chunked))
+    together = outputs(slice(None))
+    alone = [torch.cat(parts) for parts in zip(*(outputs(slice(i, i + 1)) for i in range(x.shape[0])))]
+    assert all(torch.equal(a, b) for a, b in zip(together, alone))
 
 
 @pytest.mark.parametrize("fmt", ["int4", "nvfp4", "fp8"])

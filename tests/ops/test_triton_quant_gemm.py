@@ -518,27 +518,29 @@ def test_one_row_norm_in_slices_writes_the_bits_of_one_program(output, residual,
 
 @pytest.mark.parametrize("keep", [False, True])
 @pytest.mark.parametrize("residual", [False, True])
-def test_prompt_rows_normed_in_chunks_write_the_bits_of_whole_rows(keep, residual, monkeypatch):
+def test_prompt_rows_normed_in_chunks_write_the_bits_of_each_row_alone(keep, residual, monkeypatch):
     """Prompt rows normed for an FP8 product (quantized, and kept) with their outputs written PROMPT_OUT_CHUNK
     columns at a time after the sum of squares (256 here: 400 columns in 2 chunks, the last partial, as is FP8's
-    last block) write every output bit for bit as whole rows do, the residual sum too."""
+    last block) write every output bit for bit as each row alone does in its slices (ROW_SLICE 128), the residual
+    sum too: the chunks' offsets and the scales' [blocks, rows] layout against the one-row form."""
     from deltaserve.ops.norm import cuda as norm_cuda
 
     gen = torch.Generator().manual_seed(3 + 2 * keep + residual)
     dtype = torch.float16
     x, res = activations(5, 400, dtype, gen), activations(5, 400, dtype, gen) if residual else None
     w = (torch.randn(400, generator=gen) * 0.1).to(dtype)
-
-    def outputs():
-        got = norm_cuda.rms_norm(x, w, 1e-6, res, quant_block=128, keep_unquantized=keep)
-        act, h = got if residual else (got, None)
-        return ([act.xq.view(torch.uint8), act.sx] + ([act.unquantized] if keep else []) + ([h] if residual else []))
-
-    monkeypatch.setattr(norm_cuda, "PROMPT_OUT_CHUNK", 0)
-    whole = outputs()
     monkeypatch.setattr(norm_cuda, "PROMPT_OUT_CHUNK", 256)
-    chunked = outputs()
-    assert len(whole) == len(chunked) and all(torch.equal(a, b) for a, b in zip(whole, chunked))
+    monkeypatch.setattr(norm_cuda, "ROW_SLICE", 128)
+
+    def outputs(rows):
+        got = norm_cuda.rms_norm(x[rows], w, 1e-6, res[rows] if residual else None, quant_block=128,
+                                 keep_unquantized=keep)
+        act, h = got if residual else (got, None)
+        return [act.xq.view(torch.uint8), act.sx.t()] + ([act.unquantized] if keep else []) + ([h] if residual else [])
+
+    together = outputs(slice(None))
+    alone = [torch.cat(parts) for parts in zip(*(outputs(slice(i, i + 1)) for i in range(x.shape[0])))]
+    assert len(together) == len(alone) and all(torch.equal(a, b) for a, b in zip(together, alone))
 
 
 @pytest.mark.parametrize("fmt,group,low_high", DP4A_FORMATS)

@@ -25,10 +25,9 @@ from deltaserve.ops.quant_gemm.reference import Dp4aActivation, Fp8Activation
 # Columns a program of a one-row norm writes quantized or with its parts (a multiple of every FP8 block and
 # fixed-point group): 27B's 5,120 in 5 programs, 35B-A3B's 2,048 in 2.
 ROW_SLICE = 1024
-# Columns at a time in which a prompt step's rows are normed and written quantized after their sum of squares
-# (OUT_CHUNK; 0: each whole row at once, held in registers). benchmarks/norm_probe.py times 1,024 against 0, which
-# is what the served figures measured.
-PROMPT_OUT_CHUNK = 0
+# Columns at a time in which rows written quantized without slices (a prompt step's) are normed and written after
+# their sum of squares (OUT_CHUNK, a multiple of the FP8 block): the row is not held in registers past its sum.
+PROMPT_OUT_CHUNK = 1024
 # Elements per gated-norm program: 16 rows of 128, 16 per thread for 4 warps; rows of 2048 or more go one a
 # program, as rms_norm's do.
 _GATED_TILE = 2048
@@ -46,11 +45,12 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, res_out_ptr, sx_ptr, y_kept_p
     multiple of it): parts_ptr, x_scale_ptr, v_sum_ptr take the row's fixed-point parts for the dp4a GEMVs
     (cuda_gemv.store_x_parts) besides the row. SLICE > 0 (one row, a multiple of QUANT_BK and PARTS_GROUP): grid
     (cdiv(D, SLICE),), program p writing columns [p SLICE, (p + 1) SLICE) of every output; each program sums the
-    whole row's squares as the one-program launch does (the same bits), so that the quantization's work, the bulk of
-    such a row's, spreads over the SMs. OUT_CHUNK > 0 (QUANT_BK > 0, a multiple of it, no SLICE or PARTS_GROUP):
-    the outputs are computed and written OUT_CHUNK columns at a time from x (and the residual) read again, so that
-    the whole row is not held in registers past its sum of squares (the same bits: the sum and every output element
-    are computed as without it); benchmarks/norm_probe.py times it against the whole-row form."""
+    whole row's squares, so that the quantization's work, the bulk of such a row's, spreads over the SMs.
+    OUT_CHUNK > 0 (QUANT_BK > 0, a multiple of it, no SLICE or PARTS_GROUP): the outputs are computed and written
+    OUT_CHUNK columns at a time from x (and the residual) read again, so that the whole row is not held in registers
+    past its sum of squares. Quantized outputs take SLICE or OUT_CHUNK, never the whole row at once: either way the
+    row loaded for the sum feeds nothing else, so the compiler lays it out alike and a row's bits are the same in a
+    launch of one row or of many (a batch-invariant sum; the whole-row form's layout, and so its sum, differ)."""
     wait_for_previous_kernel(PDL)
     if SLICE:
         row = (tl.program_id(0) * 0).to(tl.int64)
@@ -183,8 +183,9 @@ def rms_norm(x, weight, eps, residual=None, quant_block: int = 0, keep_unquantiz
     # one row written quantized or with its parts: slices of ROW_SLICE columns, a program each
     row_slice = ROW_SLICE if x2.shape[0] == 1 and (quant_block or dp4a) and D > ROW_SLICE else 0
     grid = (triton.cdiv(D, row_slice),) if row_slice else (x2.shape[0],)
-    out_chunk = (PROMPT_OUT_CHUNK if quant_block and not row_slice and not dp4a and PROMPT_OUT_CHUNK % quant_block == 0
-                 else 0)
+    # rows written quantized without slices: OUT_CHUNK columns at a time, whole scale blocks, at most the block
+    out_chunk = min(block, max(quant_block, PROMPT_OUT_CHUNK // quant_block * quant_block)) if quant_block and not \
+        row_slice else 0
     launch = dict(BLOCK=block, QUANT_BK=quant_block, KEEP_Y=kept is not y, PARTS_GROUP=dp4a[0] if dp4a else 0,
                   PARTS_LOW_HIGH=bool(dp4a and dp4a[1]), SLICE=row_slice, OUT_CHUNK=out_chunk, num_warps=_warps(block),
                   **pdl.launch_args(x.device))
