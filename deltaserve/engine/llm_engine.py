@@ -128,9 +128,9 @@ class LLMEngine:
         """A few real steps of each kind before serving, so that no first request compiles a kernel
         (worker/warm_up.engine_steps); then the allocator's free cached blocks handed back (the warm-up's one-off
         shapes leave them; with expandable segments their pages are unmapped, docs/memory.md), the memory in
-        use logged against the budget, and the budget made the runner's memory ceiling (its eager steps hand
-        back cached blocks above it), and any kernel compiled from then on logged (warm_up.watch_compiles): by
-        each worker process for its GPU under -tp / -pp."""
+        use logged against the budget, the runner's memory ceiling set (its eager steps hand back cached blocks
+        above it: warm_up.eager_memory_ceiling), and any kernel compiled from then on logged
+        (warm_up.watch_compiles): by each worker process for its GPU under -tp / -pp."""
         warm_up.engine_steps(self)
         if getattr(self.runner, "workers_device_type", None) is not None:  # -tp / -pp: each worker, for its GPU
             self.runner.after_warm_up(self.memory_plan)
@@ -139,8 +139,8 @@ class LLMEngine:
         torch.cuda.empty_cache()
         in_use = warm_up.check_memory(self.memory_plan, torch.device(self.runner.device))
         if in_use is not None:
-            # eager steps keep to the budget, or to what start-up left in use where that is more (warned above)
-            self.runner.memory_ceiling = max(self.memory_plan.budget_bytes, in_use)
+            # eager steps keep to the budget, or to what start-up left in use and their planned activations
+            self.runner.memory_ceiling = warm_up.eager_memory_ceiling(self.memory_plan, in_use)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (KV blocks and GDN checkpoints) and zero the hit counters, as vLLM's

@@ -159,7 +159,7 @@ def _worker_main(rank: int, spec: WorkerSpec, conn) -> None:
 
 def _after_warm_up(runner, plan) -> None:
     """A rank on a GPU once the engine's warm-up steps ran: as LLMEngine.warm_up does in one process, its free
-    cached blocks handed back, its memory logged against the plan's budget, the budget made its memory ceiling, and
+    cached blocks handed back, its memory logged against the plan's budget, its memory ceiling set, and
     any kernel it compiles from then on logged."""
     from deltaserve.worker import warm_up
 
@@ -169,7 +169,7 @@ def _after_warm_up(runner, plan) -> None:
     torch.cuda.empty_cache()
     in_use = warm_up.check_memory(plan, runner.device)
     if in_use is not None:
-        runner.memory_ceiling = max(plan.budget_bytes, in_use)
+        runner.memory_ceiling = warm_up.eager_memory_ceiling(plan, in_use)
 
 
 class MultiprocExecutor:

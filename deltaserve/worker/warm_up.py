@@ -8,6 +8,7 @@ before the first request, so that no user's request pays for it (docs/architectu
                                          cuDNN's attention plans
     engine_steps(engine)                 a few real steps through the whole engine (LLMEngine.warm_up)
     check_memory(plan, device)           after them: the device memory in use against the plan's budget
+    eager_memory_ceiling(plan, in_use)   and the memory above which eager steps hand back torch's cached blocks
     watch_compiles()                     from then on, a warning for each kernel variant a served step compiles
 """
 
@@ -138,29 +139,43 @@ def watch_compiles() -> None:
 
 
 def check_memory(plan: MemoryPlan, device: torch.device) -> int | None:
-    """Log the device memory in use once start-up's steps have run, against the budget the caches were sized
-    from; a warning when it is over (see memory_report). Returns the bytes in use, None where no budget was
-    planned (a flag sized the cache, not a share of the device)."""
+    """Log the device memory in use once start-up's steps have run, with the activations the plan reserved for the
+    eager steps beside it, against the budget the caches were sized from; a warning when they are over (see
+    memory_report). Returns the bytes in use, None where no budget was planned (a flag sized the cache, not a share
+    of the device)."""
     if plan.budget_bytes is None:
         return None
     torch.cuda.synchronize(device)
     free, total = torch.cuda.mem_get_info(device)
-    over, message = memory_report(total - free, plan.budget_bytes, total, plan.gpu_memory_utilization)
+    over, message = memory_report(total - free, plan.budget_bytes, total, plan.gpu_memory_utilization,
+                                  plan.activation_bytes)
     (logger.warning if over else logger.info)("%s", message)
     return total - free
 
 
-def memory_report(in_use: int, budget: int, total: int, utilization: float) -> tuple[bool, str]:
+def eager_memory_ceiling(plan: MemoryPlan, in_use: int) -> int:
+    """The device memory above which an eager step hands back torch's free cached blocks (ModelRunner's
+    memory_ceiling): what start-up left in use, its steps' activations handed back, plus the activations the plan
+    reserved for such steps, or the budget where that is more. A step's planned working set is never handed back and
+    mapped again at the next step's start."""
+    return max(plan.budget_bytes, in_use + plan.activation_bytes)
+
+
+def memory_report(in_use: int, budget: int, total: int, utilization: float,
+                  activations: int = 0) -> tuple[bool, str]:
     """(over the budget, the line to log). in_use counts the whole device (other processes too, as the plan's
-    measured overhead did); an overshoot is what the plan's figures missed, measured before the warm-up steps ran
-    (their allocations' gaps, the libraries' workspaces), and the utilization named keeps the process in the
-    bytes that were asked for."""
+    measured overhead did), the eager steps' planned activations (handed back after start-up's steps) added to it;
+    an overshoot is what the plan's figures missed, measured before the warm-up steps ran (their allocations'
+    gaps, the libraries' workspaces), and the utilization named keeps the process in the bytes that were asked
+    for."""
     gib = 2**30
-    line = (f"device memory in use after start-up: {in_use / gib:.2f} GiB of the {budget / gib:.2f} GiB budget "
-            f"({utilization:g} x {total / gib:.2f} GiB)")
-    if in_use <= budget:
+    line = (f"device memory in use after start-up: {in_use / gib:.2f} GiB"
+            + (f" + {activations / gib:.2f} GiB of the steps' planned activations" if activations else "")
+            + f" of the {budget / gib:.2f} GiB budget ({utilization:g} x {total / gib:.2f} GiB)")
+    needed = in_use + activations
+    if needed <= budget:
         return False, line
-    fitting = (budget - (in_use - budget)) / total
-    return True, (f"{line}: {(in_use - budget) / gib:.2f} GiB over, which start-up's measured figures did not "
+    fitting = (budget - (needed - budget)) / total
+    return True, (f"{line}: {(needed - budget) / gib:.2f} GiB over, which start-up's measured figures did not "
                   f"foresee; --gpu-memory-utilization {math.floor(fitting * 1000) / 1000:g} would keep it within "
                   f"{budget / gib:.2f} GiB")

@@ -64,19 +64,34 @@ def test_an_overshoot_names_the_utilization_that_keeps_the_bytes_asked_for():
     assert line.endswith(f"--gpu-memory-utilization 0.916 would keep it within {budget / GIB:.2f} GiB")
 
 
+def test_the_steps_planned_activations_count_against_the_budget():
+    """Start-up's steps hand their activations back before the report: in use and the activations the plan
+    reserved for eager steps together are what serving takes, the utilization named keeping both in the budget."""
+    over, line = memory_report(29 * GIB, 30 * GIB, 32 * GIB, 0.9375, activations=GIB // 2)
+    assert not over
+    assert line == ("device memory in use after start-up: 29.00 GiB + 0.50 GiB of the steps' planned activations of "
+                    "the 30.00 GiB budget (0.9375 x 32.00 GiB)")
+    over, line = memory_report(29 * GIB + GIB // 2, 30 * GIB, 32 * GIB, 0.9375, activations=GIB)
+    assert over
+    assert line.endswith("0.50 GiB over, which start-up's measured figures did not foresee; "
+                         "--gpu-memory-utilization 0.921 would keep it within 30.00 GiB")  # (30 - 0.5) / 32 = 0.9218
+
+
 def test_start_up_hands_back_the_warm_ups_cached_blocks_before_reporting(monkeypatch):
     """LLMEngine.warm_up: the steps, then the compile watch installed, then torch's cache emptied (what their
     one-off shapes left reserved), then the memory in use reported: the report sees what serving starts from; the
-    runner's memory ceiling is then the budget, or what start-up left in use where that is more. Under -tp / -pp
-    the workers do all but the steps."""
+    runner's memory ceiling is then the budget, or what start-up left in use with the activations the plan
+    reserved for eager steps where that is more (so that a step's planned working set is not handed back after
+    every step). Under -tp / -pp the workers do all but the steps."""
     calls, in_use = [], [0]
     monkeypatch.setattr(warm_up, "engine_steps", lambda engine: calls.append("steps"))
     monkeypatch.setattr(warm_up, "watch_compiles", lambda: calls.append("watch_compiles"))
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
     monkeypatch.setattr(warm_up, "check_memory", lambda plan, device: calls.append("check_memory") or in_use[0])
     engine = LLMEngine.__new__(LLMEngine)
-    engine.memory_plan = SimpleNamespace(budget_bytes=10 * GIB)
-    for used, ceiling in ((9 * GIB, 10 * GIB), (11 * GIB, 11 * GIB)):
+    engine.memory_plan = SimpleNamespace(budget_bytes=10 * GIB, activation_bytes=GIB // 2)
+    for used, ceiling in ((9 * GIB, 10 * GIB), (9 * GIB + 3 * GIB // 4, 10 * GIB + GIB // 4),
+                          (11 * GIB, 11 * GIB + GIB // 2)):
         calls.clear()
         in_use[0], engine.runner = used, SimpleNamespace(device="cuda:0", memory_ceiling=None)
         engine.warm_up()
