@@ -88,23 +88,20 @@ def test_fp8_skinny_gemm_with_tma_copies_its_tiles_by_tma():
 
 @pytest.mark.skipif(not os.path.exists(sass_probe.nvdisasm()), reason="Triton ships no nvdisasm here")
 def test_prompt_rms_norm_reports_the_rows_its_registers_let_an_sm_hold():
-    """The prompt step's RMS norm (a 5,120-column row a program): writing FP8 with the bf16 row kept takes more
-    registers a thread than writing FP8 alone, so an SM holds fewer rows at once; it has no loop, so the whole
-    kernel's instructions are counted. Written 1,024 columns at a time after the sum, the kept row's outputs free
-    the registers: an SM holds more rows than either whole-row form."""
-    kept, fp8 = (run_probe("--kernel", "rms-norm", "--norm", norm, "--warps", "8", "--out-chunk", "0")
-                 for norm in ("fp8-kept", "fp8"))
-    chunked = run_probe("--kernel", "rms-norm", "--norm", "fp8-kept", "--warps", "8", "--out-chunk", "1024")
+    """The prompt step's RMS norm (a 5,120-column row a program) writing FP8 with the bf16 row kept: as the engine
+    launches it (outputs 1,024 columns at a time after the sum, a loop) it takes fewer registers a thread than the
+    whole-row form (no loop: the whole kernel's instructions are counted), so an SM holds more rows at once; the
+    rows reported are programs_per_sm's for the compiled registers and shared memory."""
+    chunked = run_probe("--kernel", "rms-norm", "--norm", "fp8-kept", "--warps", "8")
+    whole = run_probe("--kernel", "rms-norm", "--norm", "fp8-kept", "--warps", "8", "--out-chunk", "0")
     assert "outputs 1024 columns at a time" in chunked and "its largest loop has" in chunked, chunked
-    assert int(re.search(r"(\d+) programs an SM", chunked).group(1)) > int(re.search(r"(\d+) programs an SM",
-                                                                                      fp8).group(1)), chunked
-    regs = [int(re.search(r"(\d+) registers", out).group(1)) for out in (kept, fp8)]
-    held = [int(re.search(r"(\d+) programs an SM", out).group(1)) for out in (kept, fp8)]
-    assert regs[0] > regs[1] and held[0] < held[1], (kept, fp8)
-    for out, r, h in zip((kept, fp8), regs, held):
+    assert "no loop:" in whole and "columns at a time" not in whole, whole
+    regs = [int(re.search(r"(\d+) registers", out).group(1)) for out in (chunked, whole)]
+    held = [int(re.search(r"(\d+) programs an SM", out).group(1)) for out in (chunked, whole)]
+    assert regs[0] < regs[1] and held[0] > held[1], (chunked, whole)
+    for out, r, h in zip((chunked, whole), regs, held):
         shared = int(re.search(r"([\d,]+) B of shared memory", out).group(1).replace(",", ""))
         assert h == sass_probe.programs_per_sm(shared, r, 8) and f"{132 * h} rows in flight" in out
-        assert "no loop:" in out, out
 
 
 def test_programs_an_sm_holds_are_bounded_by_shared_memory_registers_and_threads():
