@@ -17,6 +17,12 @@ if not torch.cuda.is_available():
 
 from deltaserve.demo import TINY_CONFIGS, build_checkpoint, build_tokenizer
 
+# Under pytest-xdist each worker process takes its share of the cores: a worker per core each running torch's
+# default (every core) oversubscribes them, and idle threads spinning for their next op stall the busy ones.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
+
 
 @pytest.fixture(scope="session")
 def tokenizer():

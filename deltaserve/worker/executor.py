@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import multiprocessing.connection
+import os
 import pickle
 import queue
 import socket
@@ -99,6 +100,12 @@ def _parallel_context(rank: int, tp_size: int, pp_size: int) -> ParallelContext:
     return ParallelContext(tp_rank, tp_size, pp_rank, pp_size, group)
 
 
+def cpu_threads_per_rank(world_size: int) -> int:
+    """A CPU rank's intra-op threads: the ranks share the host's cores, each takes its share (the idle threads of
+    oversubscribed ranks spin and delay every collective)."""
+    return max(1, len(os.sched_getaffinity(0)) // world_size)
+
+
 def _drain(conn, inbox: queue.SimpleQueue) -> None:
     """Move the engine's messages into `inbox` as they arrive (None once the engine's end is closed): a step sent
     while this rank computes (or writes its output) waits in the queue, never in the pipe."""
@@ -121,6 +128,7 @@ def _worker_main(rank: int, spec: WorkerSpec, conn) -> None:
             torch.cuda.set_device(device)
         else:
             device = torch.device("cpu")
+            torch.set_num_threads(cpu_threads_per_rank(world))
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{spec.port}",
                                 rank=rank, world_size=world, timeout=timedelta(seconds=STEP_TIMEOUT_S))
         parallel = _parallel_context(rank, spec.tp_size, spec.pp_size)

@@ -14,7 +14,7 @@ from deltaserve.config import EngineConfig
 from deltaserve.demo import TINY_CONFIGS, build_checkpoint
 from deltaserve.engine.llm_engine import LLMEngine
 from deltaserve.sampling import SamplingParams
-from deltaserve.worker.executor import RankFailed
+from deltaserve.worker.executor import RankFailed, cpu_threads_per_rank
 from tests.model.quant_checkpoints import QUANT_SHAPES, quantize_checkpoint
 
 PROMPTS = [[(7 * i + 3 * j) % 200 + 1 for j in range(n)] for i, n in enumerate((5, 40, 13, 70))]
@@ -119,3 +119,9 @@ def test_tied_embedding_and_a_killed_rank(make_checkpoint):
             engine.step()
     finally:
         engine.runner.shutdown()
+
+
+def test_cpu_ranks_share_the_host_cores(monkeypatch):
+    # each CPU rank takes its share of the cores it may run on, at least one
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert [cpu_threads_per_rank(world) for world in (1, 2, 3, 4, 16)] == [8, 4, 2, 2, 1]

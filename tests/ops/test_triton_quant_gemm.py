@@ -436,15 +436,16 @@ def test_one_row_kernels_take_a_plain_tail_block(dtype, fmt, tma, monkeypatch):
     x = None
     if fmt == "int4":
         k, group, low_high = 1280, 32, False
-        w, config = int4_weight(24, k, group, False, False, gen), dict(GEMV, block_k=64, split_k=3, dp4a=1)
+        n, w, config = 16, int4_weight(16, k, group, False, False, gen), dict(GEMV, block_k=64, split_k=3, dp4a=1)
         op = quant_gemm.int4_linear
     elif fmt == "nvfp4":
         k, group, low_high = 1088, 16, True
-        w, config = nvfp4_weight(24, k, True, gen), dict(GEMV, block_k=64, split_k=2, dp4a=1)
+        n, w, config = 16, nvfp4_weight(16, k, True, gen), dict(GEMV, block_k=64, split_k=2, dp4a=1)
         op = quant_gemm.nvfp4_linear
     else:
         k = 1280
-        w, config = fp8_weight(24, k, (128, 128), gen), dict(SKINNY[1], kind="skinny", split_k=3, quant_x=0, tma=tma)
+        n, w = 24, fp8_weight(24, k, (128, 128), gen)
+        config = dict(SKINNY[1], kind="skinny", split_k=3, quant_x=0, tma=tma)
         op = quant_gemm.fp8_block_linear
     x = activations(1, k, dtype, gen)
     if fmt == "fp8":
@@ -469,7 +470,7 @@ def test_one_row_kernels_take_a_plain_tail_block(dtype, fmt, tma, monkeypatch):
     with pytest.raises(ValueError, match="tail block"):
         product(x, plain)
     monkeypatch.setattr(quant_gemm, "_kernels_serve", lambda t: True)
-    monkeypatch.setattr(configs, "tuned_table", lambda: {f"{fmt}:24:{k}:1": dict(config, kind=config.get("kind",
+    monkeypatch.setattr(configs, "tuned_table", lambda: {f"{fmt}:{n}:{k}:1": dict(config, kind=config.get("kind",
                                                                                                           "gemv"))})
     launches = []
     real_linear_with_tail = quant_gemm.linear_with_tail
