@@ -17,11 +17,11 @@ if not torch.cuda.is_available():
 
 from deltaserve.demo import TINY_CONFIGS, build_checkpoint, build_tokenizer
 
-# Under pytest-xdist each worker process takes its share of the cores: a worker per core each running torch's
-# default (every core) oversubscribes them, and idle threads spinning for their next op stall the busy ones.
+# Under pytest-xdist each worker process takes its share of torch's threads (a thread per core): a worker per core
+# each running them all oversubscribes the cores, and idle threads spinning for their next op stall the busy ones.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
+    torch.set_num_threads(max(1, torch.get_num_threads() // _WORKERS))
 
 
 @pytest.fixture(scope="session")

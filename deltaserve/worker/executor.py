@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import multiprocessing.connection
-import os
 import pickle
 import queue
 import socket
@@ -101,9 +100,10 @@ def _parallel_context(rank: int, tp_size: int, pp_size: int) -> ParallelContext:
 
 
 def cpu_threads_per_rank(world_size: int) -> int:
-    """A CPU rank's intra-op threads: the ranks share the host's cores, each takes its share (the idle threads of
-    oversubscribed ranks spin and delay every collective)."""
-    return max(1, len(os.sched_getaffinity(0)) // world_size)
+    """A CPU rank's intra-op threads: the ranks share the threads torch would give one process (the host's cores, or
+    OMP_NUM_THREADS), each takes its share (the idle threads of oversubscribed ranks spin and delay every
+    collective)."""
+    return max(1, torch.get_num_threads() // world_size)
 
 
 def _drain(conn, inbox: queue.SimpleQueue) -> None:

@@ -9,6 +9,7 @@ import os
 import signal
 
 import pytest
+import torch
 
 from deltaserve.config import EngineConfig
 from deltaserve.demo import TINY_CONFIGS, build_checkpoint
@@ -122,6 +123,6 @@ def test_tied_embedding_and_a_killed_rank(make_checkpoint):
 
 
 def test_cpu_ranks_share_the_host_cores(monkeypatch):
-    # each CPU rank takes its share of the cores it may run on, at least one
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    # each CPU rank takes its share of the threads torch gives one process, at least one
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
     assert [cpu_threads_per_rank(world) for world in (1, 2, 3, 4, 16)] == [8, 4, 2, 2, 1]
