@@ -58,6 +58,7 @@ from deltaserve.ops.moe import dequantized, quantized
 HBM_BYTES_PER_S = 4.8e12  # H200 nominal
 BF16_FLOPS_PER_S = BF16_TFLOPS * 1e12  # H200 dense bf16, as measured here (WORKLOADS.md)
 CALLS = 16  # calls per graph, each on its own inputs
+ROUTE_WARPS = (1, 2, 4)  # the routing kernel's program sizes timed (moe_cuda.ROUTE_WARPS ships one)
 # kernel tiles tried by --sweep: [BLOCK_N, BLOCK_K, warps, stages]
 TILE_SWEEP = [configs.Tile(bn, bk, warps, stages)
               for bn, bk, (warps, stages) in itertools.product((16, 32, 64, 128), (64, 128, 256), ((4, 3), (4, 4), (8, 4)))
@@ -201,6 +202,12 @@ def layer_bytes(block: SparseMoE, routings: list[torch.Tensor]) -> tuple[float, 
     return fixed + routed, routed
 
 
+def route_times(times: dict[int, float]) -> str:
+    """The routing kernel's time a call at each warp count, the shipped count marked: '1.9 us (1 warp), ...'."""
+    return ", ".join(f"{us:.1f} us ({warps} warp{'s' * (warps > 1)}{', shipped' * (warps == moe_cuda.ROUTE_WARPS)})"
+                     for warps, us in times.items())
+
+
 def time_layer(block: SparseMoE, tokens: int) -> dict:
     xs = [torch.randn(tokens, block.gate.in_features, device="cuda", dtype=torch.bfloat16) for _ in range(CALLS)]
     with torch.no_grad():
@@ -217,8 +224,9 @@ def time_layer(block: SparseMoE, tokens: int) -> dict:
                                                  experts.down_proj, tiles) for x, (ids, w) in zip(xs, routed)])
         align = graph_time_us([functools.partial(moe_cuda.align, ids, experts.gate_up_proj.shape[0], tiles.block_m)
                                for ids, _ in routed])
-        route = graph_time_us([functools.partial(moe_cuda.route, block.gate(x), block.top_k, block.norm_topk_prob)
-                               for x in xs])
+        route = {warps: graph_time_us([functools.partial(moe_cuda.route, block.gate(x), block.top_k,
+                                                         block.norm_topk_prob, warps) for x in xs])
+                 for warps in ROUTE_WARPS}
         result = {"old": old, "fused": fused, "experts": alone, "align": align, "route": route,
                   "limit": 1e6 * total / HBM_BYTES_PER_S, "experts_limit": 1e6 * routed_bytes / HBM_BYTES_PER_S,
                   "mb": total / 1e6, "old_launches": kernel_launches(functools.partial(torch_path, block, xs[0])),
@@ -402,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
               f"({r['old'] / r['fused']:.2f}x) | limit {r['limit']:6.1f} us (fused at {r['limit'] / r['fused']:.0%}) "
               f"| experts alone {r['experts']:6.1f} us, limit {r['experts_limit']:6.1f} us "
               f"({r['experts_limit'] / r['experts']:.0%}; of it align {r['align']:.1f} us) | routing kernel "
-              f"{r['route']:.1f} us | kernels: torch path {r['old_launches']}, fused {r['fused_launches']}",
+              f"{route_times(r['route'])} | kernels: torch path {r['old_launches']}, fused {r['fused_launches']}",
               flush=True)
         if "slot" in r:
             print(f"      shared slot: layer {r['slot']:7.1f} us ({r['fused'] / r['slot']:.2f}x the fused path above, "

@@ -135,10 +135,11 @@ def test_sparse_block_matches_reference_at_35b_shapes(block_35b, tokens):
     assert_within(got, want, bound, f"sparse block, {tokens} tokens")
 
 
+@pytest.mark.parametrize("route_warps", [1, 2, 4])
 @pytest.mark.parametrize("tokens", [1, 8, 64])
-def test_folded_routing_is_the_routing_kernels_bitwise(block_35b, tokens):
+def test_folded_routing_is_the_routing_kernels_bitwise(block_35b, tokens, route_warps):
     """Kernel A's routing (one token) and the align kernel's (more), on other tiles and warps than the routing
-    kernel's, give its ids and weights bit for bit."""
+    kernel's (whatever its warps), give its ids and weights bit for bit."""
     x, projected = inputs(tokens, 300 + tokens), distinct_logits(tokens, 300 + tokens)
     projected[:, :EXPERTS] += torch.randn(tokens, EXPERTS, device="cuda").to(torch.bfloat16)  # near-ties too
     logits, gate = projected[:, :EXPERTS], projected[:, EXPERTS:]
@@ -147,7 +148,7 @@ def test_folded_routing_is_the_routing_kernels_bitwise(block_35b, tokens):
     with torch.no_grad():
         tiles = configs.tiles_for(EXPERTS, TOP_K, HIDDEN, INTER, tokens)
         _, ids, weights = moe_cuda.fused_moe(x, logits, TOP_K, True, *operands, gate, tiles)
-        want_ids, want_weights = moe_cuda.route(logits, TOP_K, True)
+        want_ids, want_weights = moe_cuda.route(logits, TOP_K, True, route_warps)
     assert torch.equal(ids, want_ids) and torch.equal(weights, want_weights)
 
 

@@ -86,6 +86,7 @@ from deltaserve.ops.split_k import arrives_last, store_split_of, sum_partials, t
 ALIGN_CHUNK = 32  # pairs (and blocks) the align kernel compares at once: [ALIGN_CHUNK, BLOCK_E] one-hot tiles
 ALIGN_WARPS = 4  # a program of the align kernel
 COMBINE_BLOCK = 1024
+ROUTE_WARPS = 4  # a routing kernel's program (one token)
 FIXED_ONE = tl.constexpr(2.0**52)  # the routing softmax sums exp(x - max) <= 1 in this fixed point: exactly, in any order
 
 
@@ -145,9 +146,10 @@ def _route_kernel(logits, topk_ids, topk_weights, E, stride_t, TOP_K: tl.constex
                 True)
 
 
-def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, top_k: int, renormalize: bool, num_warps: int = ROUTE_WARPS
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits: [T, E] (unit last stride) -> (topk_ids [T, k] int32, topk_weights [T, k] float32), as
-    reference.route."""
+    reference.route; a program of num_warps a token (the same bits at any count)."""
     T, E = logits.shape
     _check_routing(logits, top_k)
     ids = torch.empty(T, top_k, dtype=torch.int32, device=logits.device)
@@ -155,7 +157,7 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     if T:
         _route_kernel[(T,)](logits, ids, weights, E, logits.stride(0), TOP_K=top_k,
                             BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(top_k),
-                            RENORMALIZE=renormalize, **pdl.launch_args(logits.device))
+                            RENORMALIZE=renormalize, num_warps=num_warps, **pdl.launch_args(logits.device))
     return ids, weights
 
 
@@ -707,7 +709,7 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         logits, topk_weights, renormalize = routing
         _route_kernel[(T,)](logits, topk_ids, topk_weights, num_experts, logits.stride(0), TOP_K=top_k,
                             BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_K=triton.next_power_of_2(top_k),
-                            RENORMALIZE=renormalize, **pdl.launch_args(logits.device))
+                            RENORMALIZE=renormalize, num_warps=ROUTE_WARPS, **pdl.launch_args(logits.device))
     ids = topk_ids.reshape(-1).to(torch.int32)  # the routing kernel's buffer itself where it routed
     grid = (triton.cdiv(pairs, chunk) + triton.cdiv(blocks, chunk),)
     _align_kernel[grid](ids, sorted_pairs, block_table[0], block_table[1], block_table[2], pairs, blocks,
