@@ -133,3 +133,8 @@ def test_every_swept_bucket_is_tabled_as_the_engine_reads_it(fmt, grouped_wins, 
         assert tabled == [fmt == "bf16" and not grouped_wins] * 2  # quantized chunks run fused whatever the table
     finally:
         configs.tuned_table.cache_clear()
+
+
+def test_routing_times_name_each_warp_count_and_the_shipped_one(monkeypatch):
+    monkeypatch.setattr(moe_probe.moe_cuda, "ROUTE_WARPS", 2)
+    assert moe_probe.route_times({1: 1.94, 2: 2.51, 4: 3.06}) == "1.9 us (1 warp), 2.5 us (2 warps, shipped), 3.1 us (4 warps)"
