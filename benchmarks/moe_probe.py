@@ -9,8 +9,8 @@ decode runs them, each call on other random inputs so that its experts are not t
 touches k of E experts; L2 holds about one call's): times the old path (the router, torch softmax + topk +
 renormalise, sort + grouped_mm, the shared expert and its gate), the fused path with the shared expert apart (one
 GEMM for the router, the shared gate and the shared gate/up; the shared SiLU + down; the routing kernel; the fused
-experts with the shared sum), the fused experts alone (and their align kernel alone), the routing kernel alone (at 1, 2 and 4 warps a token),
-and the limit: the bytes a layer must read (router, shared expert, and the distinct selected experts' weights,
+experts with the shared sum), the fused experts alone (and their align kernel alone), the routing kernel alone
+(at 1, 2 and 4 warps a token), and the limit: the bytes a layer must read (router, shared expert, and the distinct selected experts' weights,
 counted from the calls' routing) over 4.8 TB/s (the H200's nominal HBM bandwidth). Where the shared expert has
 the experts' intermediate size, a second line times the layer with the shared expert a slot of the fused kernels
 and the routing inside them (the router + shared gate GEMM, then cuda.fused_moe: SparseMoE's path up to
