@@ -10,10 +10,10 @@ touches k of E experts; L2 holds about one call's): times the old path (the rout
 renormalise, sort + grouped_mm, the shared expert and its gate), the fused path with the shared expert apart (one
 GEMM for the router, the shared gate and the shared gate/up; the shared SiLU + down; the routing kernel; the fused
 experts with the shared sum), the fused experts alone (and their align kernel alone), the routing kernel alone
-(at 1, 2 and 4 warps a token), and the limit: the bytes a layer must read (router, shared expert, and the distinct selected experts' weights,
-counted from the calls' routing) over 4.8 TB/s (the H200's nominal HBM bandwidth). Where the shared expert has
-the experts' intermediate size, a second line times the layer with the shared expert a slot of the fused kernels
-and the routing inside them (the router + shared gate GEMM, then cuda.fused_moe: SparseMoE's path up to
+(at 1, 2 and 4 warps a token), and the limit: the bytes a layer must read (router, shared expert, and the
+distinct selected experts' weights, counted from the calls' routing) over 4.8 TB/s (the H200's nominal HBM
+bandwidth). Where the shared expert has the experts' intermediate size, a second line times the layer with the
+shared expert a slot of the fused kernels and the routing inside them (the router + shared gate GEMM, then cuda.fused_moe: SparseMoE's path up to
 moe.SHARED_SLOT_MAX_TOKENS tokens), and fused_moe alone. Each path's CUDA kernels per layer call are counted (torch.profiler, eager).
 `--sweep` then tunes the fused kernels' tiles per token bucket of --tokens (prompt-chunk buckets such as 512 and
 8192 too, where torch's grouped matmul, on the dequantized experts for a quantized format, is timed beside the tiles
