@@ -14,7 +14,8 @@ experts with the shared sum), the fused experts alone (and their align kernel al
 distinct selected experts' weights, counted from the calls' routing) over 4.8 TB/s (the H200's nominal HBM
 bandwidth). Where the shared expert has the experts' intermediate size, a second line times the layer with the
 shared expert a slot of the fused kernels and the routing inside them (the router + shared gate GEMM, then
-cuda.fused_moe: SparseMoE's path up to moe.SHARED_SLOT_MAX_TOKENS tokens), and fused_moe alone. Each path's CUDA kernels per layer call are counted (torch.profiler, eager).
+cuda.fused_moe: SparseMoE's path up to moe.SHARED_SLOT_MAX_TOKENS tokens), and fused_moe alone. Each path's CUDA
+kernels per layer call are counted (torch.profiler, eager).
 `--sweep` then tunes the fused kernels' tiles per token bucket of --tokens (prompt-chunk buckets such as 512 and
 8192 too, where torch's grouped matmul, on the dequantized experts for a quantized format, is timed beside the tiles
 and the bf16 matmul rate's limit, and the table marks "grouped" where it wins: plain experts' prompt chunks take the
