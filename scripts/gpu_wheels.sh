@@ -3,7 +3,7 @@
 # tool's default set plus what the server and the GPU tests import beyond it (xgrammar and its FFI for structured
 # output, compressed-tensors for the quantized tests, jsonschema for the structured-output test). DIR is replaced
 # only once the download has finished: a wheel left from an earlier download beside a newer one of the same
-# package makes pip refuse the whole install on the device (loguru 0.7.3 beside 0.8.0, 2026-12-07).
+# package makes pip refuse the whole install on the device.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=${1:-.whl}
