@@ -1,4 +1,5 @@
-"""Text to token ids, as `tokenizer.encode` gives them, without the character offsets nobody here reads.
+"""Text to token ids, as `tokenizer.encode` gives them, without the character offsets nobody here reads, and a long
+text in pieces on all cores.
 
 A transformers fast tokenizer's `encode` runs the Rust tokenizer's `encode_batch`, which also computes every
 token's character offsets. `encode_batch_fast` skips them and returns the same ids in less time (an 8,192-token
@@ -6,9 +7,38 @@ prompt of the benchmark's word-level tokenizer: ~22 -> ~12 ms on the CPU; a byte
 time that a long prompt's first token waits for. The backend is called directly only while it is configured as
 transformers would configure it for that call (no truncation, no padding, special tokens matched as the
 tokenizer says); otherwise, and for tokenizers without a Rust backend, `tokenizer.encode` runs.
+
+A text of several pieces' length is cut where the backend's pre-tokenizer always ends a piece whatever follows, and
+the pieces go to the batch call, which encodes them in parallel: the ids are the same, because the model (BPE or
+word-level) only ever sees one pre-token at a time. The cuts are after a run of `cut_after(backend)` characters and
+before a printable ASCII character, and are made only for the configurations whose pre-tokenizer is known to start
+a new pre-token there:
+- Qwen's byte-level split (the Qwen2/3 and Qwen3.5 regexes, then ByteLevel without its own regex): no alternative
+  matches a newline followed by a non-space (a word's optional leading character excludes \\r and \\n, and every
+  alternative that takes a newline ends at the run's end), so a newline run followed by one always ends a pre-token;
+  after a space it does not (" word" is one pre-token).
+- Whitespace splitting (the benchmark's word-level tokenizer): every whitespace run ends a word.
+The normalizer may be none or NFC (nothing composes with a following ASCII character), no added token may hold
+whitespace or strip it, BPE may not drop merges at random, and a post-processor that adds special tokens keeps the
+text whole.
 """
 
 from __future__ import annotations
+
+import json
+import os
+import re
+
+from tokenizers import models
+
+# Qwen2/3's and Qwen3.5's pre-tokenizer regexes, as their tokenizer.json files write them
+QWEN_SPLIT_PATTERNS = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+",
+)
+MIN_PIECE_CHARS = 4096  # ~1K tokens: a piece this long already gains more than the batch call spends on it
+MAX_PIECES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
@@ -18,4 +48,55 @@ def encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
     if (encode_fast is None or backend.truncation is not None or backend.padding is not None
             or backend.encode_special_tokens != bool(getattr(tokenizer, "split_special_tokens", False))):
         return tokenizer.encode(text, add_special_tokens=add_special_tokens)
-    return encode_fast([text], add_special_tokens=add_special_tokens)[0].ids
+    pieces = _pieces(backend, text, add_special_tokens)
+    if len(pieces) == 1:
+        return encode_fast([text], add_special_tokens=add_special_tokens)[0].ids
+    return [token for encoding in encode_fast(pieces, add_special_tokens=False) for token in encoding.ids]
+
+
+def _pieces(backend, text: str, add_special_tokens: bool) -> list[str]:
+    """text cut into up to MAX_PIECES pieces of at least MIN_PIECE_CHARS whose ids, joined, are text's."""
+    count = min(MAX_PIECES, len(text) // MIN_PIECE_CHARS)
+    if count < 2:
+        return [text]
+    post = backend.post_processor
+    if add_special_tokens and post is not None and post.num_special_tokens_to_add(False) > 0:
+        return [text]
+    separators = cut_after(backend)
+    if separators is None:
+        return [text]
+    cut = re.compile(f"[{re.escape(separators)}]+(?=[!-~])")
+    starts = [0]
+    for i in range(1, count):
+        found = cut.search(text, max(i * len(text) // count, starts[-1] + MIN_PIECE_CHARS))
+        if found is None or len(text) - found.end() < MIN_PIECE_CHARS:
+            break
+        starts.append(found.end())
+    return [text[start:end] for start, end in zip(starts, starts[1:] + [len(text)])]
+
+
+def cut_after(backend) -> str | None:
+    """The characters after whose runs, before a printable ASCII character, this backend's pre-tokenizer always
+    ends a pre-token (see the module's docstring); None where cutting is not known to give the same ids."""
+    normalizer = backend.normalizer
+    if normalizer is not None and json.loads(normalizer.__getstate__()) != {"type": "NFC"}:
+        return None
+    model = backend.model
+    if not (isinstance(model, models.WordLevel) or (isinstance(model, models.BPE) and model.dropout is None)):
+        return None
+    if any(token.lstrip or token.rstrip or token.single_word or any(c.isspace() for c in token.content)
+           for token in backend.get_added_tokens_decoder().values()):
+        return None
+    if backend.pre_tokenizer is None:
+        return None
+    pre = json.loads(backend.pre_tokenizer.__getstate__())
+    if pre == {"type": "WhitespaceSplit"}:
+        return " \t\r\n"
+    if pre.get("type") == "Sequence" and len(pre["pretokenizers"]) == 2:
+        split, byte_level = pre["pretokenizers"]
+        if (split.get("type") == "Split" and split.get("pattern") in [{"Regex": p} for p in QWEN_SPLIT_PATTERNS]
+                and split.get("behavior") == "Isolated" and not split.get("invert")
+                and byte_level.get("type") == "ByteLevel" and not byte_level.get("add_prefix_space")
+                and not byte_level.get("use_regex")):
+            return "\r\n"
+    return None

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import transformers
-from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers, pre_tokenizers, processors
 
 from deltaserve import demo
 from deltaserve.bench import bpe_tokenizer, vocab_tokenizer
@@ -75,3 +77,104 @@ def test_text_the_tokenizer_cannot_take_raises_what_encode_raises():
         tokenizer.encode(text, add_special_tokens=False)
     with pytest.raises(type(raised.value)):
         tokenize.encode(tokenizer, text, False)
+
+
+def _qwen35_split(tokenizer):
+    """tokenizer with Qwen3.5's pre-tokenizer regex (letters joined by combining marks) in place of Qwen2's."""
+    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(tokenize.QWEN_SPLIT_PATTERNS[1]), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    return tokenizer
+
+
+CUT_TOKENIZERS = {
+    "demo byte-level BPE": demo.build_tokenizer,
+    "Qwen3.5's split": lambda: _qwen35_split(demo.build_tokenizer()),
+    "benchmark words": lambda: vocab_tokenizer.build(4096, 7),
+    "benchmark BPE": lambda: bpe_tokenizer.build(4096, 3000),
+    "BOS post-processor": _bos_tokenizer,
+}
+# lines and line ends that meet at the cuts: contractions, punctuation runs, special tokens and spaces after a
+# newline run, combining marks and CJK at a line's start, CRLF, blank lines, trailing spaces before a newline
+_LINES = ["def f(x):", "    return x", "'s a contraction", "'LL shout", "<|im_start|>user", "naïve café", "日本語",
+          "e\u0301 accent", "\u0301 lone mark", "x = [1, 2]  ", "--- dashes ---", "", "\t tab", "...", "12345",
+          "t1 t22 t333", "<|endoftext|>", "a b a c b", "(((", "Ünïcödé"]
+_ENDS = ["\n", "\n\n", "\r\n", " \n", ".\n", "\n\n\n", "  \n  ", "\r\n\r\n", "\n ", " "]
+
+
+def _long_text(seed: int, chars: int = 6000) -> str:
+    rng = random.Random(seed)
+    parts: list[str] = []
+    while sum(map(len, parts)) < chars:
+        parts += [rng.choice(_LINES), rng.choice(_ENDS)]
+    return "".join(parts)
+
+
+@pytest.mark.parametrize("name", CUT_TOKENIZERS)
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_a_long_text_in_pieces_has_the_ids_of_one_call(name, add_special_tokens, monkeypatch):
+    monkeypatch.setattr(tokenize, "MAX_PIECES", 40)
+    monkeypatch.setattr(tokenize, "MIN_PIECE_CHARS", 100)
+    tokenizer = CUT_TOKENIZERS[name]()
+    backend = tokenizer.backend_tokenizer
+    for seed in range(4):
+        text = _long_text(seed)
+        pieces = tokenize._pieces(backend, text, add_special_tokens)
+        assert "".join(pieces) == text
+        # the BOS tokenizer's post-processor adds a token: with special tokens its text stays whole
+        assert (len(pieces) == 1) == (name == "BOS post-processor" and add_special_tokens), len(pieces)
+        assert tokenize.encode(tokenizer, text, add_special_tokens) == tokenizer.encode(text, add_special_tokens=
+                                                                                      add_special_tokens)
+
+
+@pytest.mark.parametrize("name", ["demo byte-level BPE", "Qwen3.5's split", "benchmark BPE"])
+def test_cutting_byte_level_bpe_after_spaces_would_change_the_ids(name, monkeypatch):
+    """The texts above do tell a wrong cut: after a space (" word" is one pre-token) the ids differ."""
+    monkeypatch.setattr(tokenize, "MAX_PIECES", 40)
+    monkeypatch.setattr(tokenize, "MIN_PIECE_CHARS", 100)
+    monkeypatch.setattr(tokenize, "cut_after", lambda backend: " \r\n")
+    tokenizer = CUT_TOKENIZERS[name]()
+    text = _long_text(0)
+    assert tokenize.encode(tokenizer, text, False) != tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_only_long_texts_are_cut_and_only_at_printable_ascii(monkeypatch):
+    monkeypatch.setattr(tokenize, "MAX_PIECES", 4)
+    backend = demo.build_tokenizer().backend_tokenizer
+    short = "line\n" * (tokenize.MIN_PIECE_CHARS // 5)
+    assert tokenize._pieces(backend, short[:-5], False) == [short[:-5]]
+    assert tokenize._pieces(backend, "x" * 100_000, False) == ["x" * 100_000]  # one line: nowhere to cut
+    text = ("word " * 1000 + "\n\n    indented\n\u00e9t\u00e9\nnext") * 8
+    pieces = tokenize._pieces(backend, text, False)
+    assert "".join(pieces) == text
+    assert [piece[0] for piece in pieces] == ["w", "n", "n", "n"]  # after 'été\n', not before '    ' or 'é'
+
+
+def _with(tokenizer, **parts):
+    for key, value in parts.items():
+        setattr(tokenizer.backend_tokenizer, key, value)
+    return tokenizer
+
+
+@pytest.mark.parametrize("case, build", {
+    "GPT-2's byte-level regex (splits a newline run from the next word)": lambda: _with(
+        demo.build_tokenizer(), pre_tokenizer=pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)),
+    "a space put before each piece": lambda: _with(demo.build_tokenizer(), pre_tokenizer=pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(tokenize.QWEN_SPLIT_PATTERNS[0]), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=True, use_regex=False)])),
+    "a normalizer other than NFC": lambda: _with(demo.build_tokenizer(), normalizer=normalizers.Lowercase()),
+    "BPE dropout": lambda: _with(bpe_tokenizer.build(4096, 3000), model=models.BPE(
+        {"a": 0, "b": 1}, [], dropout=0.5)),
+    "no pre-tokenizer": lambda: _with(vocab_tokenizer.build(64, 7), pre_tokenizer=None),
+}.items())
+def test_configurations_not_known_to_cut_cleanly_stay_whole(case, build):
+    backend = build().backend_tokenizer
+    assert tokenize.cut_after(backend) is None, case
+
+
+@pytest.mark.parametrize("token", [AddedToken("<x>", lstrip=True), AddedToken("<x>", rstrip=True),
+                                   AddedToken("x", single_word=True), AddedToken("\n<tool>")])
+def test_an_added_token_that_takes_whitespace_keeps_the_text_whole(token):
+    tokenizer = demo.build_tokenizer()
+    tokenizer.backend_tokenizer.add_tokens([token])
+    assert tokenize.cut_after(tokenizer.backend_tokenizer) is None
