@@ -1,11 +1,11 @@
-"""What tokenizing a long prompt takes, in one call and in pieces on all cores (deltaserve/engine/tokenize.py).
+"""What tokenizing a long prompt takes, in one call and in pieces on the cores (deltaserve/engine/tokenize.py).
 
     python -m benchmarks.tokenize_probe [--tokens 8192,131072] [--repeats 5]
 
 Two tokenizers a served benchmark meets: the word-level one `deltaserve bench serve` sends random prompts in
 (bench/vocab_tokenizer.py, at Qwen3.5's vocabulary) and a byte-level BPE built like Qwen's (bench/bpe_tokenizer.py)
-on code-like lines. Each text is timed through `tokenize.encode` with this machine's cores and with pieces turned off
-(MAX_PIECES = 1), best of --repeats; the ids are checked equal.
+on code-like lines. Each text is timed through `tokenize.encode` in up to MAX_PIECES pieces (this machine's cores
+but one) and in one (MAX_PIECES = 1), best of --repeats; the ids are checked equal.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizers = {"words": vocab_tokenizer.build(QWEN35_VOCAB, QWEN35_EOS),
                   "code": bpe_tokenizer.build(QWEN35_VOCAB, QWEN35_EOS)}
     cores = tokenize.MAX_PIECES
-    print(f"{cores} cores (pieces of >= {tokenize.MIN_PIECE_CHARS} chars)")
+    print(f"up to {cores} pieces of >= {tokenize.MIN_PIECE_CHARS} chars")
     for tokens in (int(t) for t in args.tokens.split(",")):
         for name, text in texts(tokens).items():
             tokenizer = tokenizers[name]

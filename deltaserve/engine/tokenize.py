@@ -38,7 +38,8 @@ QWEN_SPLIT_PATTERNS = (
     r"|\s+(?!\S)|\s+",
 )
 MIN_PIECE_CHARS = 4096  # ~1K tokens: a piece this long already gains more than the batch call spends on it
-MAX_PIECES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+MAX_PIECES = max(1, _CORES - 1)  # a core stays with the engine thread, whose launches keep the GPU busy meanwhile
 
 
 def encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:

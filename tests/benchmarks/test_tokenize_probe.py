@@ -13,7 +13,7 @@ def test_the_probe_times_both_and_checks_the_ids(monkeypatch, capsys):
     monkeypatch.setattr(tokenize, "MIN_PIECE_CHARS", 512)
     assert tokenize_probe.main(["--tokens", "1000", "--repeats", "1"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "4 cores (pieces of >= 512 chars)"
+    assert lines[0] == "up to 4 pieces of >= 512 chars"
     assert [line.split()[0] for line in lines[1:]] == ["words", "code"]
     assert all("4 pieces" in line for line in lines[1:]), lines
     assert tokenize.MAX_PIECES == 4  # restored after the one-call timing
