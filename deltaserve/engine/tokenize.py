@@ -1,5 +1,5 @@
 """Text to token ids, as `tokenizer.encode` gives them, without the character offsets nobody here reads, and a long
-text in pieces on all cores.
+text in pieces on the cores.
 
 A transformers fast tokenizer's `encode` runs the Rust tokenizer's `encode_batch`, which also computes every
 token's character offsets. `encode_batch_fast` skips them and returns the same ids in less time (an 8,192-token
