@@ -11,10 +11,11 @@
 #          synthetic tokenizer (bench/vocab_tokenizer.py), driven by `deltaserve bench serve`; MODEL (default
 #          qwen3.5-27b), IN/OUT_LEN (1024/512), PROMPTS (256), CONCURRENCY (64), MAX_MODEL_LEN (4096) choose it;
 #          RUNS="1024:512:5:1 8192:1024:64:16:0.8" runs several (IN:OUT_LEN:PROMPTS:CONCURRENCY[:RANGE_RATIO])
-#          against one server start; SERVE_ARGS adds flags to `deltaserve serve` ("--quantization fp8");
+#          against one server start, IN as PREFIX+SUFFIX a shared prefix (W4: "36864+16:1:5:1"); SERVE_ARGS adds
+#          flags to `deltaserve serve` ("--quantization fp8");
 #          OUTDIR/step_summary.txt sums each run's steps by kind (benchmarks/step_trace_summary.py);
 #          BASE_TAR=.base.tar (`git archive REV -o .base.tar`, carried) runs them on that tree first, then on this
-#          one (OUTDIR/base, OUTDIR/new): a baseline on the same machine
+#          one (OUTDIR/base, OUTDIR/new), this tree's run.sh driving both: a baseline on the same machine
 #   bars   the open issues' bars served (benchmarks/bars.py): one serve-mode start a model with its bar workloads,
 #          in the order the bars need them, within BUDGET (540) s, skipping what the card cannot hold; ONLY="w7,w8-fp8"
 #          chooses starts; OUTDIR/bars.txt has each figure beside its bar and what was skipped
@@ -147,6 +148,7 @@ if [ "$MODE" = serve ] && [ -n "${BASE_TAR:-}" ]; then
   out=$(cd "$OUT" && pwd)
   rm -rf /tmp/deltaserve-base && mkdir -p /tmp/deltaserve-base || exit 1
   tar xf "$BASE_TAR" -C /tmp/deltaserve-base || exit 1
+  cp tests/gpu/run.sh /tmp/deltaserve-base/tests/gpu/run.sh  # one driver of the runs for both trees
   (cd /tmp/deltaserve-base && BASE_TAR= BUNDLE= bash tests/gpu/run.sh "$out/base" serve > /dev/null 2>&1) || status=1
   BASE_TAR= BUNDLE= bash tests/gpu/run.sh "$out/new" serve > /dev/null 2>&1 || status=1
   for tree in base new; do
@@ -184,10 +186,16 @@ WAIT
   for run in ${RUNS:-${IN:-1024}:${OUT_LEN:-512}:${PROMPTS:-256}:${CONCURRENCY:-64}}; do
     IFS=: read -r in_len out_len prompts concurrency range_ratio <<< "$run"
     began=$(python3 -c 'import time; print(time.monotonic_ns())')
+    if [[ $in_len == *+* ]]; then  # PREFIX+SUFFIX: W4's shared prefix (prefix_repetition, one prefix)
+      dataset=(--dataset-name prefix_repetition --prefix-repetition-prefix-len "${in_len%+*}"
+               --prefix-repetition-suffix-len "${in_len#*+}" --prefix-repetition-num-prefixes 1
+               --prefix-repetition-output-len "$out_len")
+    else
+      dataset=(--dataset-name random --random-input-len "$in_len" --random-output-len "$out_len"
+               --random-range-ratio "${range_ratio:-0}")
+    fi
     python3 -m deltaserve bench serve --base-url http://127.0.0.1:8000 --tokenizer /tmp/vocab_tokenizer \
-      --dataset-name random --random-input-len "$in_len" --random-output-len "$out_len" \
-      --num-prompts "$prompts" --max-concurrency "$concurrency" --random-range-ratio "${range_ratio:-0}" \
-      --ignore-eos --temperature 0 2>&1 \
+      "${dataset[@]}" --num-prompts "$prompts" --max-concurrency "$concurrency" --ignore-eos --temperature 0 2>&1 \
       | tee -a "$OUT/serve_bench.log"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
     windows+=(--window "$began:$(python3 -c 'import time; print(time.monotonic_ns())')")
