@@ -86,7 +86,7 @@ from deltaserve.ops.split_k import arrives_last, store_split_of, sum_partials, t
 ALIGN_CHUNK = 32  # pairs (and blocks) the align kernel compares at once: [ALIGN_CHUNK, BLOCK_E] one-hot tiles
 ALIGN_WARPS = 4  # a program of the align kernel
 COMBINE_BLOCK = 1024
-ROUTE_WARPS = 4  # a routing kernel's program (one token)
+ROUTE_WARPS = 1  # a routing kernel's program (one token)
 FIXED_ONE = tl.constexpr(2.0**52)  # the routing softmax sums exp(x - max) <= 1 in this fixed point: exactly, in any order
 
 
