@@ -122,8 +122,8 @@ class ServerState:
         if not ids:
             raise bad_request(f"{label} must not be empty", param)
         vocab = self.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:  # in C; the Python scan below only names the bad id
-            bad = next(t for t in ids if not 0 <= t < vocab)
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
             raise bad_request(f"{label}: token id {bad} is out of range [0, {vocab})", param)
 
     def token_text(self, token_id: int) -> str:
