@@ -10,17 +10,19 @@ tokenizer says); otherwise, and for tokenizers without a Rust backend, `tokenize
 
 A text of several pieces' length is cut where the backend's pre-tokenizer always ends a piece whatever follows, and
 the pieces go to the batch call, which encodes them in parallel: the ids are the same, because the model (BPE or
-word-level) only ever sees one pre-token at a time. The cuts are after a run of `cut_after(backend)` characters and
-before a printable ASCII character, and are made only for the configurations whose pre-tokenizer is known to start
-a new pre-token there:
+word-level) only ever sees one pre-token at a time. The cuts are where a whitespace run ends in one of
+`cut_after(backend)`'s characters (NOT_SPACE: the next character is not whitespace), and are made only for the
+configurations whose pre-tokenizer is known to start a new pre-token there:
 - Qwen's byte-level split (the Qwen2/3 and Qwen3.5 regexes, then ByteLevel without its own regex): no alternative
-  matches a newline followed by a non-space (a word's optional leading character excludes \\r and \\n, and every
-  alternative that takes a newline ends at the run's end), so a newline run followed by one always ends a pre-token;
-  after a space it does not (" word" is one pre-token).
+  takes a newline and the non-space after it (a word's optional leading character excludes \\r and \\n, and the
+  alternatives that take newlines end at the whitespace run's end), so a whitespace run ending in a newline always
+  ends a pre-token; one ending in a space does not (" word" is one pre-token).
 - Whitespace splitting (the benchmark's word-level tokenizer): every whitespace run ends a word.
-The normalizer may be none or NFC (nothing composes with a following ASCII character), no added token may hold
-whitespace or strip it, BPE may not drop merges at random, and a post-processor that adds special tokens keeps the
-text whole.
+Python's whitespace holds every character the Rust tokenizer's regex engine and splitter take as whitespace, and
+NOT_SPACE also refuses U+180E, U+200B and U+FEFF, whitespace in older Unicode versions. The normalizer may be none
+or NFC (no composition starts at a newline, space or tab, and canonical reordering stays within the marks after a
+starter), no added token may hold whitespace or strip it, BPE may not drop merges at random, and a post-processor
+that adds special tokens keeps the text whole.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ QWEN_SPLIT_PATTERNS = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+"
     r"|\s+(?!\S)|\s+",
 )
+NOT_SPACE = r"(?=[^\s\u180e\u200b\ufeff])"  # lookahead: a character no tokenizer takes as whitespace
 MIN_PIECE_CHARS = 4096  # ~1K tokens: a piece this long already gains more than the batch call spends on it
 _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 MAX_PIECES = max(1, _CORES - 1)  # a core stays with the engine thread, whose launches keep the GPU busy meanwhile
@@ -66,7 +69,7 @@ def _pieces(backend, text: str, add_special_tokens: bool) -> list[str]:
     separators = cut_after(backend)
     if separators is None:
         return [text]
-    cut = re.compile(f"[{re.escape(separators)}]+(?=[!-~])")
+    cut = re.compile(f"[{re.escape(separators)}]+{NOT_SPACE}")
     starts = [0]
     for i in range(1, count):
         found = cut.search(text, max(i * len(text) // count, starts[-1] + MIN_PIECE_CHARS))
@@ -77,8 +80,8 @@ def _pieces(backend, text: str, add_special_tokens: bool) -> list[str]:
 
 
 def cut_after(backend) -> str | None:
-    """The characters after whose runs, before a printable ASCII character, this backend's pre-tokenizer always
-    ends a pre-token (see the module's docstring); None where cutting is not known to give the same ids."""
+    """The characters after whose runs, before a character that is not whitespace, this backend's pre-tokenizer
+    always ends a pre-token (see the module's docstring); None where cutting is not known to give the same ids."""
     normalizer = backend.normalizer
     if normalizer is not None and json.loads(normalizer.__getstate__()) != {"type": "NFC"}:
         return None

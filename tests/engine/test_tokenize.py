@@ -87,18 +87,32 @@ def _qwen35_split(tokenizer):
     return tokenizer
 
 
+def _whitespace_merging_bpe():
+    """A byte-level BPE with Qwen3.5's split whose merges join "\\n \\n" into one token: a cut inside a whitespace
+    run (after its first newline) changes its ids."""
+    vocab = {symbol: i for i, symbol in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab.update({"ĊĠ": len(vocab), "ĊĠĊ": len(vocab) + 1})  # byte-level "\\n " and "\\n \\n"
+    bpe = Tokenizer(models.BPE(vocab, [("Ċ", "Ġ"), ("ĊĠ", "Ċ")]))
+    bpe.normalizer = normalizers.NFC()
+    return _qwen35_split(transformers.PreTrainedTokenizerFast(tokenizer_object=bpe))
+
+
 CUT_TOKENIZERS = {
     "demo byte-level BPE": demo.build_tokenizer,
     "Qwen3.5's split": lambda: _qwen35_split(demo.build_tokenizer()),
     "benchmark words": lambda: vocab_tokenizer.build(4096, 7),
     "benchmark BPE": lambda: bpe_tokenizer.build(4096, 3000),
     "BOS post-processor": _bos_tokenizer,
+    "whitespace-merging BPE": _whitespace_merging_bpe,
 }
 # lines and line ends that meet at the cuts: contractions, punctuation runs, special tokens and spaces after a
-# newline run, combining marks and CJK at a line's start, CRLF, blank lines, trailing spaces before a newline
+# newline run, combining marks, CJK and Cyrillic at a line's start, Unicode's other whitespace (and the characters
+# older Unicode versions took as whitespace) there, CRLF, blank lines, trailing spaces before a newline
 _LINES = ["def f(x):", "    return x", "'s a contraction", "'LL shout", "<|im_start|>user", "naïve café", "日本語",
-          "e\u0301 accent", "\u0301 lone mark", "x = [1, 2]  ", "--- dashes ---", "", "\t tab", "...", "12345",
-          "t1 t22 t333", "<|endoftext|>", "a b a c b", "(((", "Ünïcödé"]
+          "e\u0301 accent", "\u0301 lone mark", "\u0301\u0327 two marks", "x = [1, 2]  ", "--- dashes ---", "",
+          "\t tab", "...", "12345", "t1 t22 t333", "<|endoftext|>", "a b a c b", "(((", "Ünïcödé", "Привет мир",
+          "\u3000全角", "\u00a0nbsp", "\u0085nel", "\u2028line sep", "\u180emongolian", "\u200bzero width",
+          "\ufeffbom", "\x1cfile sep", "\u2003em space"]
 _ENDS = ["\n", "\n\n", "\r\n", " \n", ".\n", "\n\n\n", "  \n  ", "\r\n\r\n", "\n ", " "]
 
 
@@ -138,16 +152,31 @@ def test_cutting_byte_level_bpe_after_spaces_would_change_the_ids(name, monkeypa
     assert tokenize.encode(tokenizer, text, False) != tokenizer.encode(text, add_special_tokens=False)
 
 
-def test_only_long_texts_are_cut_and_only_at_printable_ascii(monkeypatch):
+def test_cutting_where_whitespace_follows_a_newline_would_change_the_ids(monkeypatch):
+    """A cut inside a whitespace run would be told: "\\n \\n" is one token of this BPE."""
+    monkeypatch.setattr(tokenize, "MAX_PIECES", 40)
+    monkeypatch.setattr(tokenize, "MIN_PIECE_CHARS", 100)
+    monkeypatch.setattr(tokenize, "NOT_SPACE", r"(?=[\s\S])")  # before any character
+    tokenizer = _whitespace_merging_bpe()
+    text = "word\n \nword " * 400
+    assert tokenize.encode(tokenizer, text, False) != tokenizer.encode(text, add_special_tokens=False)
+    monkeypatch.undo()
+    monkeypatch.setattr(tokenize, "MAX_PIECES", 40)
+    monkeypatch.setattr(tokenize, "MIN_PIECE_CHARS", 100)
+    assert len(tokenize._pieces(tokenizer.backend_tokenizer, text, False)) == 40
+    assert tokenize.encode(tokenizer, text, False) == tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_only_long_texts_are_cut_and_only_before_a_non_space(monkeypatch):
     monkeypatch.setattr(tokenize, "MAX_PIECES", 4)
     backend = demo.build_tokenizer().backend_tokenizer
     short = "line\n" * (tokenize.MIN_PIECE_CHARS // 5)
     assert tokenize._pieces(backend, short[:-5], False) == [short[:-5]]
     assert tokenize._pieces(backend, "x" * 100_000, False) == ["x" * 100_000]  # one line: nowhere to cut
-    text = ("word " * 1000 + "\n\n    indented\n\u00e9t\u00e9\nnext") * 8
+    text = ("word " * 1000 + "\n\n    indented\n\u3000wide\n\u00e9t\u00e9") * 8
     pieces = tokenize._pieces(backend, text, False)
     assert "".join(pieces) == text
-    assert [piece[0] for piece in pieces] == ["w", "n", "n", "n"]  # after 'été\n', not before '    ' or 'é'
+    assert [piece[0] for piece in pieces] == ["w", "é", "é", "é"]  # not before the spaces, nor U+3000
 
 
 def _with(tokenizer, **parts):
