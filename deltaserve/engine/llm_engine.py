@@ -207,6 +207,8 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer: pass token ids, not text")
             ids = tokenize.encode(self.tokenizer, prompt, add_special_tokens=False)
+        elif type(prompt) is tokenize.CheckedTokenIds and prompt:
+            return prompt
         else:
             ids = list(prompt)
         if not ids:

@@ -45,6 +45,12 @@ _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
 MAX_PIECES = max(1, _CORES - 1)  # a core stays with the engine thread, whose launches keep the GPU busy meanwhile
 
 
+class CheckedTokenIds(list):
+    """Prompt token ids their maker has checked are Python ints in [0, the model's vocab_size): the engine takes
+    them as they are instead of scanning them again (the server checks its requests' ids on its tokenizer thread,
+    and the engine thread's scan of a long prompt delays every other stream's next step)."""
+
+
 def encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
     """tokenizer.encode(text, add_special_tokens=add_special_tokens)'s ids."""
     backend = getattr(tokenizer, "backend_tokenizer", None)

@@ -64,8 +64,7 @@ async def create_chat_completion(state: ServerState, raw_request: Request) -> Re
         prompt_suffix, parser_prefix = tool_call_prefill(
             state.settings.tool_call_parser, tool_choice,
             rendered.thinking_open and state.settings.reasoning_parser is not None)
-    prompt_ids = await state.off_loop(state.encode, rendered.prompt + prompt_suffix, False, "messages")
-    state.check_token_ids(prompt_ids, "messages")
+    prompt_ids = await state.off_loop(state.encode_checked, rendered.prompt + prompt_suffix, False, "messages")
     requested, param = request.max_completion_tokens, "max_completion_tokens"
     if requested is None:
         requested, param = request.max_tokens, "max_tokens"

@@ -92,7 +92,7 @@ def _tokenize_prompts(state: ServerState, request: CompletionRequest) -> list[_P
         else:
             ids = list(item)
         # before echo decodes them: the tokenizer takes ids as C integers, and overflows on others
-        state.check_token_ids(ids, "prompt", f"prompt[{i}]" if len(items) > 1 else "prompt")
+        ids = state.check_token_ids(ids, "prompt", f"prompt[{i}]" if len(items) > 1 else "prompt")
         if not isinstance(item, str):
             text = state.tokenizer.decode(ids) if request.echo and state.tokenizer is not None else ""
         prompts.append(_Prompt(text, ids))

@@ -107,6 +107,10 @@ class ServerState:
         except (UnicodeError, TypeError, ValueError) as exc:  # e.g. lone surrogates from "\ud800"
             raise bad_request(f"{param} could not be tokenized: {exc}", param) from exc
 
+    def encode_checked(self, text: str, add_special_tokens: bool, param: str) -> tokenize.CheckedTokenIds:
+        """encode, then check_token_ids (the tokenizer's ids may reach past the model's vocabulary)."""
+        return self.check_token_ids(self.encode(text, add_special_tokens, param), param)
+
     def check_num_seqs(self, num_prompts: int, n: int) -> None:
         """400 for a request that asks for more sequences than one request may run."""
         total = num_prompts * n
@@ -116,8 +120,9 @@ class ServerState:
             raise bad_request(f"this request asks for {asked}; a request may run at most {limit} "
                               "(--max-num-seqs-per-request)", "n" if n > 1 else "prompt")
 
-    def check_token_ids(self, ids: list[int], param: str, label: str | None = None) -> None:
-        """400 naming `label` (the element, e.g. prompt[2]; default the field) for empty or out-of-vocab ids."""
+    def check_token_ids(self, ids: list[int], param: str, label: str | None = None) -> tokenize.CheckedTokenIds:
+        """ids (ints: the tokenizer's, or a request's as pydantic parsed them) as checked token ids; 400 naming
+        `label` (the element, e.g. prompt[2]; default the field) for empty or out-of-vocab ids."""
         label = label or param
         if not ids:
             raise bad_request(f"{label} must not be empty", param)
@@ -125,6 +130,7 @@ class ServerState:
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise bad_request(f"{label}: token id {bad} is out of range [0, {vocab})", param)
+        return tokenize.CheckedTokenIds(ids)
 
     def token_text(self, token_id: int) -> str:
         """The text of one token (cached), as logprobs report it."""

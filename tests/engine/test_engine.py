@@ -10,6 +10,7 @@ import transformers
 
 from deltaserve import LLM, RequestOutputKind, SamplingParams
 from deltaserve.config import ModelConfig
+from deltaserve.engine import tokenize
 from deltaserve.outputs import OutputAccumulator
 from deltaserve.ops.gdn.cuda import SPLIT_MIN_SHORT_SEQS
 from tests.model.helpers import model_bound
@@ -198,6 +199,8 @@ def test_too_long_prompt_is_rejected_and_others_finish(make_checkpoint):
         engine.add_request("long", list(range(65)), SamplingParams())
     with pytest.raises(ValueError, match="prompt token id 5000 is out of range"):
         engine.add_request("bad", [1, 5000], SamplingParams())
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        engine.add_request("empty", tokenize.CheckedTokenIds(), SamplingParams())
     done = []
     while engine.has_unfinished():
         done += [o for o in engine.step() if o.finished]
@@ -355,3 +358,13 @@ def test_startup_objects_are_frozen_out_of_the_collector_once(make_checkpoint, m
         assert gc.get_freeze_count() <= frozen  # not grown: frozen objects may still be freed by refcount
     finally:
         gc.unfreeze()
+
+
+def test_checked_token_ids_are_taken_as_they_are_and_give_the_same_tokens(make_checkpoint):
+    """The server's checked ids skip the engine's scan (the same object comes back) and decode as a plain list."""
+    llm = LLM(str(make_checkpoint("qwen3_5")), max_num_seqs=4, max_model_len=128)
+    prompt = prompts(1024)[3]
+    checked = tokenize.CheckedTokenIds(prompt)
+    assert llm.engine._encode(checked) is checked and llm.engine._encode(prompt) is not prompt
+    params = SamplingParams(temperature=0, max_tokens=8)
+    assert token_ids(llm.generate([checked], params)) == token_ids(llm.generate([prompt], params))

@@ -12,6 +12,7 @@ import pytest
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.config import EngineConfig
+from deltaserve.engine.tokenize import CheckedTokenIds
 from deltaserve.engine.llm_engine import LLMEngine
 from deltaserve.server.api_server import make_state
 from deltaserve.server.json_limits import MAX_JSON_DEPTH, nested_deeper_than
@@ -174,6 +175,18 @@ def test_batched_token_and_echo_prompts(server, client):
     assert next(c.text for c in texts.choices if c.index == 1) == by_text.choices[0].text
     echo = client.completions.create(model="tiny", prompt=PROMPT, temperature=0, max_tokens=8, echo=True)
     assert echo.choices[0].text == PROMPT + by_text.choices[0].text
+
+
+def test_the_servers_checked_ids_reach_the_engine(server, client, monkeypatch):
+    """Text, token-id and chat prompts reach the engine as the server checked them, which the engine does not
+    scan again."""
+    engine = server.state.engine.engine
+    seen, encode = [], engine._encode
+    monkeypatch.setattr(engine, "_encode", lambda prompt: seen.append(type(prompt)) or encode(prompt))
+    client.completions.create(model="tiny", prompt=PROMPT, max_tokens=1)
+    client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=1)
+    client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1)
+    assert seen == [CheckedTokenIds] * 3
 
 
 def test_tokenize_detokenize(server):
