@@ -12,7 +12,7 @@ checkpoint's first EOS id is the tokenizer's EOS token. No chat template: benchm
 
 from __future__ import annotations
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from deltaserve.bench.tokenizer_cli import write_for_model
 
@@ -27,7 +27,10 @@ def build(vocab_size: int, eos_token_id: int | None = None):
     words = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     words.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with single spaces
-    eos = f"t{eos_token_id}" if eos_token_id is not None and 0 <= eos_token_id < vocab_size else None
+    eos = None
+    if eos_token_id is not None and 0 <= eos_token_id < vocab_size:
+        # a special token matches inside words unless it is a single word ("t7" in "t7123" when the EOS is 7)
+        eos = AddedToken(f"t{eos_token_id}", single_word=True, special=True, normalized=False)
     return transformers.PreTrainedTokenizerFast(tokenizer_object=words, eos_token=eos,
                                                clean_up_tokenization_spaces=False)
 

@@ -21,8 +21,9 @@ configurations whose pre-tokenizer is known to start a new pre-token there:
 Python's whitespace holds every character the Rust tokenizer's regex engine and splitter take as whitespace, and
 NOT_SPACE also refuses U+180E, U+200B and U+FEFF, whitespace in older Unicode versions. The normalizer may be none
 or NFC (no composition starts at a newline, space or tab, and canonical reordering stays within the marks after a
-starter), no added token may hold whitespace or strip it, BPE may not drop merges at random, and a post-processor
-that adds special tokens keeps the text whole.
+starter), no added token may hold whitespace or strip it (so no match spans a cut; a single-word token sees a
+boundary on both sides of a cut, whitespace on its left and the piece's start on its right, as in the whole text),
+BPE may not drop merges at random, and a post-processor that adds special tokens keeps the text whole.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def cut_after(backend) -> str | None:
     model = backend.model
     if not (isinstance(model, models.WordLevel) or (isinstance(model, models.BPE) and model.dropout is None)):
         return None
-    if any(token.lstrip or token.rstrip or token.single_word or any(c.isspace() for c in token.content)
+    if any(token.lstrip or token.rstrip or any(c.isspace() for c in token.content)
            for token in backend.get_added_tokens_decoder().values()):
         return None
     if backend.pre_tokenizer is None:

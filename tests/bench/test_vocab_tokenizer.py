@@ -19,6 +19,11 @@ def test_every_id_is_a_word_that_encodes_back():
     assert len(tokenizer.encode(text, add_special_tokens=False)) == 50
 
 
+def test_the_eos_word_is_not_found_inside_longer_words():
+    tokenizer = build(10_000, eos_token_id=7)
+    assert tokenizer.encode("t7123 t7 t77", add_special_tokens=False) == [7123, 7, 77]
+
+
 def test_written_for_a_checkpoint_it_serves_it(make_checkpoint, tmp_path, capsys):
     checkpoint = make_checkpoint("qwen3_5")
     out = tmp_path / "tok"

@@ -98,8 +98,16 @@ def _whitespace_merging_bpe():
     return _qwen35_split(transformers.PreTrainedTokenizerFast(tokenizer_object=bpe))
 
 
+def _single_word_tokens():
+    """The demo tokenizer with added tokens that match only as whole words: "x" and "return" begin and end lines."""
+    tokenizer = demo.build_tokenizer()
+    tokenizer.backend_tokenizer.add_tokens([AddedToken("x", single_word=True), AddedToken("return", single_word=True)])
+    return tokenizer
+
+
 CUT_TOKENIZERS = {
     "demo byte-level BPE": demo.build_tokenizer,
+    "single-word added tokens": _single_word_tokens,
     "Qwen3.5's split": lambda: _qwen35_split(demo.build_tokenizer()),
     "benchmark words": lambda: vocab_tokenizer.build(4096, 7),
     "benchmark BPE": lambda: bpe_tokenizer.build(4096, 3000),
@@ -113,7 +121,7 @@ _LINES = ["def f(x):", "    return x", "'s a contraction", "'LL shout", "<|im_st
           "e\u0301 accent", "\u0301 lone mark", "\u0301\u0327 two marks", "x = [1, 2]  ", "--- dashes ---", "",
           "\t tab", "...", "12345", "t1 t22 t333", "<|endoftext|>", "a b a c b", "(((", "Ünïcödé", "Привет мир",
           "\u3000全角", "\u00a0nbsp", "\u0085nel", "\u2028line sep", "\u180emongolian", "\u200bzero width",
-          "\ufeffbom", "\x1cfile sep", "\u2003em space"]
+          "\ufeffbom", "\x1cfile sep", "\u2003em space", "t7", "t7123 t77 t7", "x", "return x", "xreturn"]
 _ENDS = ["\n", "\n\n", "\r\n", " \n", ".\n", "\n\n\n", "  \n  ", "\r\n\r\n", "\n ", " "]
 
 
@@ -223,7 +231,7 @@ def test_configurations_not_known_to_cut_cleanly_stay_whole(case, build):
 
 
 @pytest.mark.parametrize("token", [AddedToken("<x>", lstrip=True), AddedToken("<x>", rstrip=True),
-                                   AddedToken("x", single_word=True), AddedToken("\n<tool>")])
+                                   AddedToken("\n<tool>")])
 def test_an_added_token_that_takes_whitespace_keeps_the_text_whole(token):
     tokenizer = demo.build_tokenizer()
     tokenizer.backend_tokenizer.add_tokens([token])
