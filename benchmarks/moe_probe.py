@@ -126,6 +126,13 @@ def shared_apart_path(block: SparseMoE, x: torch.Tensor) -> torch.Tensor:
     return moe.experts(x, ids, weights, block.experts.gate_up_proj, block.experts.down_proj, shared)
 
 
+def served_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                   down: torch.Tensor) -> torch.Tensor:
+    """Plain experts' prompt chunk as served where the fused tiles do not take it (moe.experts): torch's grouped
+    matmul, then the combine kernel (reference.grouped_experts sums in torch, which no served path does)."""
+    return moe_cuda.combine(*reference.expert_outputs(x, ids, gate_up, down), weights)
+
+
 def slot_path(block: SparseMoE, operands: tuple, tiles: configs.MoeTiles, x: torch.Tensor) -> torch.Tensor:
     """The shared slot at any token count (SparseMoE takes it up to moe.SHARED_SLOT_MAX_TOKENS): the router + shared
     gate GEMM, then cuda.fused_moe."""
@@ -345,7 +352,7 @@ def sweep_bucket(block: SparseMoE, tokens: int, stacks: tuple | None = None
     # or torch's grouped matmul: quantized experts' eager chunks on dequantized groups, plain experts' every chunk
     # (no host sync: timed in a graph as the tiles, since chunks up to 1,024 tokens are captured)
     if configs.row_bucket(tokens) in (configs.GROUPED_BUCKETS if stacks is not None else configs.PREFILL_BUCKETS):
-        grouped = dequantized.grouped_experts if stacks is not None else reference.grouped_experts
+        grouped = dequantized.grouped_experts if stacks is not None else served_grouped
         grouped_time = (eager_time_us if stacks is not None else graph_time_us)(
             [functools.partial(grouped, x, ids, w, gate_up, down) for x, (ids, w) in zip(xs, routed)])
         E, two_i, H = gate_up.shape

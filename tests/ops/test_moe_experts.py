@@ -135,20 +135,22 @@ def test_combine_rejects_a_strided_output_or_short_pair_rows():
 
 
 @pytest.mark.parametrize("block_m", [16, 32])
-@pytest.mark.parametrize("tokens,experts,top_k", [(1, 7, 1), (33, 11, 8), (20, 5, 5), (40, 64, 8)])
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 7, 1), (33, 11, 8), (20, 5, 5), (40, 64, 8), (300, 37, 6)])
 def test_align_groups_pairs_by_expert(tokens, experts, top_k, block_m):
     """sorted_pairs is the permutation sorted by (expert, pair); the blocks cover each expert's pairs in order,
     <= BLOCK_M each, and the rest of the table has 0 rows. (33, 11, 8): 9 programs of pairs; (40, 64, 8): several
-    programs of blocks too (84 at BLOCK_M 16)."""
+    programs of blocks too (84 at BLOCK_M 16); (300, 37, 6): 1,800 pairs, 57 chunks of 32."""
     gen = torch.Generator().manual_seed(tokens + experts)
     ids, _ = random_routing(tokens, experts, top_k, gen)
     flat = ids.reshape(-1)
     pairs = flat.numel()
     sorted_pairs, table = moe_cuda.align(ids, experts, block_m)
-    # the kernel's shape (align_probe's sweep) changes nothing
-    for chunk, warps in ((16, 2), (64, 8)):
-        other = moe_cuda.align(ids, experts, block_m, chunk=chunk, num_warps=warps)
-        assert torch.equal(other[0], sorted_pairs) and torch.equal(other[1], table)
+    # the kernel's shape (align_probe's sweep) changes nothing: counted 64 pairs at a time across program starts
+    # that 64 does not divide, and programs that place several chunks each, the last one short
+    for chunk, warps, count, programs in ((16, 2, 1024, 64), (64, 8, 1024, 64), (16, 4, 64, 3), (32, 4, 128, 2)):
+        other = moe_cuda.align(ids, experts, block_m, chunk=chunk, num_warps=warps, count=count,
+                               pair_programs=programs)
+        assert torch.equal(other[0], sorted_pairs) and torch.equal(other[1], table), (chunk, count, programs)
     assert table.shape == (3, moe_cuda.num_blocks(experts, tokens, top_k, block_m))
     want = sorted(range(pairs), key=lambda p: (int(flat[p]), p))
     assert sorted_pairs.tolist() == want

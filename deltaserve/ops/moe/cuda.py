@@ -23,8 +23,9 @@ tensor-core tile costs nothing at these sizes (the MMA units idle for want of by
 property at 64 tokens, where 35B-A3B's 512 pairs fall on ~220 of 256 experts.
 
 The grouping runs on the device without a host sync, so a step captures into a CUDA graph: _align_kernel counts the
-pairs per expert (in every program: no program waits for another), lays the pairs out sorted by (expert, pair
-index), a chunk of them a program, and writes a block table (expert, first sorted pair, valid rows) for a grid
+pairs per expert (in every program, by histograms: no program waits for another), lays the pairs out sorted by
+(expert, pair index), a range of chunks a program (at most ALIGN_PAIR_PROGRAMS programs, so that the counting,
+which every program repeats, grows with the pairs and not with their square), and writes a block table (expert, first sorted pair, valid rows) for a grid
 sized by the worst case, min(E, T*k) blocks (plus T*k // BLOCK_M where BLOCK_M < T); blocks past the real count
 have 0 rows and exit. A single token (batch-1 decode) needs no grouping, its k experts being distinct: block j is
 its pair j, and the align launch is skipped.
@@ -83,7 +84,9 @@ from deltaserve.ops.quant_gemm.cuda_gemv import NVFP4 as CUDA_GEMV_NVFP4
 from deltaserve.ops.quant_gemm.cuda_weight_only import _CODES
 from deltaserve.ops.split_k import arrives_last, store_split_of, sum_partials, tile_counters
 
-ALIGN_CHUNK = 32  # pairs (and blocks) the align kernel compares at once: [ALIGN_CHUNK, BLOCK_E] one-hot tiles
+ALIGN_CHUNK = 32  # pairs (and blocks) the align kernel places at once: [ALIGN_CHUNK, BLOCK_E] one-hot tiles
+ALIGN_COUNT = 1024  # pairs the align kernel counts at once (a histogram of their experts)
+ALIGN_PAIR_PROGRAMS = 64  # at most: every program counts all the pairs, so more programs place more chunks each
 ALIGN_WARPS = 4  # a program of the align kernel
 COMBINE_BLOCK = 1024
 ROUTE_WARPS = 1  # a routing kernel's program (one token)
@@ -167,39 +170,44 @@ def _check_routing(logits: torch.Tensor, top_k: int) -> None:
                          f"1 <= top_k ({top_k}) <= E")
 
 
-@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks", "chunks_per_program"])
 def _align_kernel(topk_ids, sorted_pairs, block_expert, block_first, block_rows, num_pairs, num_blocks,
-                  BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False):
-    """Grid (cdiv(num_pairs, CHUNK) + cdiv(num_blocks, CHUNK),): topk_ids [P] (pair p = t*k + j) -> sorted_pairs [P]:
-    the pairs sorted by (expert, p); and per block b < num_blocks: block_expert [b], block_first [b] (its first
+                  chunks_per_program, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr,
+                  COUNT: tl.constexpr, PDL: tl.constexpr = False):
+    """Grid (pair_programs + cdiv(num_blocks, CHUNK),): topk_ids [P] (pair p = t*k + j) -> sorted_pairs [P]: the
+    pairs sorted by (expert, p); and per block b < num_blocks: block_expert [b], block_first [b] (its first
     position in sorted_pairs) and block_rows [b] (its pairs, <= BLOCK_M; 0 past the last block). Every program
-    counts the pairs of each expert (all of them, and those before its own chunk); program c < cdiv(P, CHUNK) then
-    places the pairs of chunk c, each later one writes CHUNK entries of the block table. Every output element is
-    written exactly once."""
+    counts the pairs of each expert (all of them, and those before its own, COUNT at a time); program
+    c < pair_programs = cdiv(P, CHUNK * chunks_per_program) then places its chunks_per_program chunks of CHUNK
+    pairs, each later one writes CHUNK entries of the block table. Every output element is written exactly once."""
     wait_for_previous_kernel(PDL)
     c = tl.program_id(0)
-    pair_programs = tl.cdiv(num_pairs, CHUNK)
-    own_start = c * CHUNK  # this program's pairs (block programs: past every pair, so `before` is unused)
+    pairs_per_program = CHUNK * chunks_per_program
+    pair_programs = tl.cdiv(num_pairs, pairs_per_program)
+    own_start = c * pairs_per_program  # this program's pairs (block programs: past every pair, so `before` is unused)
     es = tl.arange(0, BLOCK_E)
     cs = tl.arange(0, CHUNK)
+    ns = tl.arange(0, COUNT)
     counts = tl.zeros([BLOCK_E], dtype=tl.int32)  # pairs per expert
-    before = tl.zeros([BLOCK_E], dtype=tl.int32)  # pairs per expert in the chunks before this program's
-    for start in range(0, num_pairs, CHUNK):
-        ids = tl.load(topk_ids + start + cs, mask=start + cs < num_pairs, other=-1)  # [C]
-        hits = tl.sum((ids[:, None] == es[None, :]).to(tl.int32), axis=0)  # [BE]
-        counts += hits
-        before += tl.where(start < own_start, hits, 0)
+    before = tl.zeros([BLOCK_E], dtype=tl.int32)  # pairs per expert before this program's first
+    for start in range(0, num_pairs, COUNT):
+        ids = tl.load(topk_ids + start + ns, mask=start + ns < num_pairs, other=0)  # [COUNT]
+        counts += tl.histogram(ids, BLOCK_E, mask=start + ns < num_pairs)
+        if start < own_start:
+            before += tl.histogram(ids, BLOCK_E, mask=start + ns < own_start)
     pair_end = tl.cumsum(counts, axis=0)  # [BE] end of each expert's pairs in sorted_pairs
     pair_begin = pair_end - counts
     if c < pair_programs:
         # a pair's sorted position: its expert's first, the expert's pairs in earlier chunks, the earlier ones in its
-        ps = own_start + cs
-        ids = tl.load(topk_ids + ps, mask=ps < num_pairs, other=-1)  # [C]
-        hit = ids[:, None] == es[None, :]  # [C, BE]
-        base = tl.sum(tl.where(hit, (pair_begin + before)[None, :], 0), axis=1)  # [C]
-        earlier = (ids[:, None] == ids[None, :]) & (cs[None, :] < cs[:, None])  # [C, C]: q < p, same expert
-        rank = tl.sum(earlier.to(tl.int32), axis=1)
-        tl.store(sorted_pairs + base + rank, ps, mask=ps < num_pairs)
+        for chunk in range(0, chunks_per_program):
+            ps = own_start + chunk * CHUNK + cs
+            ids = tl.load(topk_ids + ps, mask=ps < num_pairs, other=-1)  # [C]
+            hit = ids[:, None] == es[None, :]  # [C, BE]
+            base = tl.sum(tl.where(hit, (pair_begin + before)[None, :], 0), axis=1)  # [C]
+            earlier = (ids[:, None] == ids[None, :]) & (cs[None, :] < cs[:, None])  # [C, C]: q < p, same expert
+            rank = tl.sum(earlier.to(tl.int32), axis=1)
+            tl.store(sorted_pairs + base + rank, ps, mask=ps < num_pairs)
+            before += tl.histogram(ids, BLOCK_E, mask=ps < num_pairs)
     else:
         blocks = (counts + BLOCK_M - 1) // BLOCK_M
         block_end = tl.cumsum(blocks, axis=0)  # [BE] end of each expert's blocks
@@ -695,12 +703,14 @@ def num_blocks(num_experts: int, tokens: int, top_k: int, block_m: int) -> int:
 
 def align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
           routing: tuple[torch.Tensor, torch.Tensor, bool] | None = None, chunk: int = ALIGN_CHUNK,
-          num_warps: int = ALIGN_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
+          num_warps: int = ALIGN_WARPS, count: int = ALIGN_COUNT, pair_programs: int = ALIGN_PAIR_PROGRAMS
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     """topk_ids [T, k] -> (sorted_pairs [T*k] int32: the pairs t*k + j sorted by (expert, pair); block_table
     [3, num_blocks] int32: per block its expert, its first position in sorted_pairs and its rows, 0 past the last
     block). One launch of _align_kernel, no host sync. routing: (logits [T, E], topk_weights [T, k] float32,
-    renormalize): the routing kernel first routes the tokens into topk_ids (int32) and topk_weights. chunk (a power
-    of two) and num_warps: the kernel's shape (benchmarks/align_probe.py times them)."""
+    renormalize): the routing kernel first routes the tokens into topk_ids (int32) and topk_weights. chunk and count
+    (powers of two), num_warps and pair_programs (the most programs placing pairs): the kernel's shape
+    (benchmarks/align_probe.py times them)."""
     T, top_k = topk_ids.shape
     pairs, blocks = T * top_k, num_blocks(num_experts, T, top_k, block_m)
     sorted_pairs = torch.empty(pairs, dtype=torch.int32, device=topk_ids.device)
@@ -711,10 +721,11 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
                             BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_K=triton.next_power_of_2(top_k),
                             RENORMALIZE=renormalize, num_warps=ROUTE_WARPS, **pdl.launch_args(logits.device))
     ids = topk_ids.reshape(-1).to(torch.int32)  # the routing kernel's buffer itself where it routed
-    grid = (triton.cdiv(pairs, chunk) + triton.cdiv(blocks, chunk),)
+    chunks_per_program = triton.cdiv(triton.cdiv(pairs, chunk), pair_programs)
+    grid = (triton.cdiv(pairs, chunk * chunks_per_program) + triton.cdiv(blocks, chunk),)
     _align_kernel[grid](ids, sorted_pairs, block_table[0], block_table[1], block_table[2], pairs, blocks,
-                        BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts), CHUNK=chunk,
-                        num_warps=num_warps, **pdl.launch_args(topk_ids.device))
+                        chunks_per_program, BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts), CHUNK=chunk,
+                        COUNT=count, num_warps=num_warps, **pdl.launch_args(topk_ids.device))
     return sorted_pairs, block_table
 
 
