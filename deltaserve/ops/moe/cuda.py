@@ -85,7 +85,7 @@ from deltaserve.ops.quant_gemm.cuda_weight_only import _CODES
 from deltaserve.ops.split_k import arrives_last, store_split_of, sum_partials, tile_counters
 
 ALIGN_CHUNK = 32  # pairs (and blocks) the align kernel places at once: [ALIGN_CHUNK, BLOCK_E] one-hot tiles
-ALIGN_COUNT = 1024  # pairs the align kernel counts at once (a histogram of their experts)
+ALIGN_COUNT = 1024  # pairs the align kernel counts at once (a histogram of their experts; fewer where there are)
 ALIGN_PAIR_PROGRAMS = 64  # at most: every program counts all the pairs, so more programs place more chunks each
 ALIGN_WARPS = 4  # a program of the align kernel
 COMBINE_BLOCK = 1024
@@ -184,7 +184,7 @@ def _align_kernel(topk_ids, sorted_pairs, block_expert, block_first, block_rows,
     c = tl.program_id(0)
     pairs_per_program = CHUNK * chunks_per_program
     pair_programs = tl.cdiv(num_pairs, pairs_per_program)
-    own_start = c * pairs_per_program  # this program's pairs (block programs: past every pair, so `before` is unused)
+    own_start = tl.where(c < pair_programs, c * pairs_per_program, 0)  # its pairs' first (block programs: unused)
     es = tl.arange(0, BLOCK_E)
     cs = tl.arange(0, CHUNK)
     ns = tl.arange(0, COUNT)
@@ -725,7 +725,8 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     grid = (triton.cdiv(pairs, chunk * chunks_per_program) + triton.cdiv(blocks, chunk),)
     _align_kernel[grid](ids, sorted_pairs, block_table[0], block_table[1], block_table[2], pairs, blocks,
                         chunks_per_program, BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts), CHUNK=chunk,
-                        COUNT=count, num_warps=num_warps, **pdl.launch_args(topk_ids.device))
+                        COUNT=min(count, triton.next_power_of_2(pairs)), num_warps=num_warps,
+                        **pdl.launch_args(topk_ids.device))
     return sorted_pairs, block_table
 
 
