@@ -87,6 +87,24 @@ def test_plain_prompt_chunks_on_the_tiles_match_grouped_matmul_at_35b_shapes(blo
             assert_within(got, want, bound, f"plain prompt chunk on {tiles}, {tokens} tokens")
 
 
+@pytest.mark.parametrize("experts,top_k", [(EXPERTS, TOP_K), (512, 10)])  # 35B-A3B's, 122B-A10B's
+@pytest.mark.parametrize("tokens", [16, 300, 8192])
+def test_align_sorts_the_pairs_of_a_prompt_chunk(experts, top_k, tokens):
+    """The align kernel's order (pairs by expert, then pair) is torch's stable sort by expert, and its blocks cover
+    it in order, at a decode batch and at prompt chunks whose programs place many chunks each."""
+    ids, _ = moe_cuda.route(torch.randn(tokens, experts, device="cuda", generator=torch.Generator("cuda").manual_seed(
+        tokens)), top_k, True)
+    sorted_pairs, table = moe_cuda.align(ids, experts, 64)
+    flat = ids.reshape(-1).long()
+    assert torch.equal(sorted_pairs.long(), torch.sort(flat, stable=True).indices)
+    used = int((table[2] > 0).sum())
+    assert table[2, used:].eq(0).all()
+    expert, first, rows = table[:, :used].long()
+    assert torch.equal(torch.bincount(expert, weights=rows, minlength=experts).long(),
+                       torch.bincount(flat, minlength=experts))
+    assert first[0] == 0 and torch.equal(first[1:], first[:-1] + rows[:-1])  # consecutive, in order
+
+
 @pytest.mark.parametrize("tokens", [65, 300])
 def test_prefill_experts_sum_the_grouped_outputs_at_35b_shapes(block_35b, tokens):
     """Above the fused kernels' sizes ops.moe.experts runs torch's grouped matmul, then cuda.combine: its output
