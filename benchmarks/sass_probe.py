@@ -3,9 +3,9 @@ their shared memory and their main loop's SASS, to see what a kernel change does
 spending device time on it.
 
     python -m benchmarks.sass_probe [--kernel decode|prefill|int4-row|int4-dp4a|nvfp4-gemv|nvfp4-dp4a|moe-gate-up|
-        moe-down|fp8-skinny|rms-norm] [--cache bf16|fp8] [--format bf16|fp8|int4|nvfp4] [--arch 90] [--rows 64]
+        moe-down|fp8-skinny|rms-norm|align] [--cache bf16|fp8] [--format bf16|fp8|int4|nvfp4] [--arch 90] [--rows 64]
         [--block-n N] [--block-k N] [--warps N] [--stages N] [--split-k N] [--tma 0|1] [--norm fp8-kept|fp8|bf16]
-        [--out-chunk N] [--top 12]
+        [--out-chunk N] [--count N] [--top 12]
 
 Compiles `_decode_split_kernel` or `_prefill_kernel` with 27B's attention heads (24 query / 4 KV heads, head_dim
 256, block 16), or `cuda_gemv._int4_row_kernel` / `_int4_dp4a_row_kernel` / NVFP4's `_weight_only_gemv_kernel` at
@@ -18,7 +18,9 @@ the cubin with the `nvdisasm` that Triton ships, and prints the registers a thre
 largest loop's instruction count (for a GEMV also per weight) and its commonest opcodes; for the skinny GEMM also
 how many of its programs an SM holds and the waves of its launch on an H100 / H200's 132 SMs. `--kernel rms-norm`
 compiles the prompt step's RMS norm (`ops/norm/cuda._rms_norm_kernel`, a row of 27B's 5,120 a program, --norm: what
-it writes) and prints the rows its registers let the SMs hold at once and its whole (loop-free) instruction count.
+it writes) and prints the rows its registers let the SMs hold at once and its whole (loop-free) instruction count;
+`--kernel align` the MoE grouping launch (`ops/moe/cuda._align_kernel`), whose counting loop takes --count pairs a
+step (at 512 and more its largest loop).
 The eleventh session found fp8 decode reading its V tiles one byte at a time this way (128 `LDS.U8` in a loop of
 1,234 instructions; docs/performance.md); the GEMVs' layout conversions through shared memory show as `BAR.SYNC`
 and `LDS` in the loop.
@@ -242,6 +244,18 @@ def compile_rms_norm(variant: str = "fp8-kept", num_warps: int | None = None, ar
     return _compile(norm._rms_norm_kernel, constants, types, ints, arch, num_warps or norm._warps(block), 1)
 
 
+def compile_align(count: int, num_experts: int = 256, arch: int = 90, num_warps: int | None = None):
+    """The compiled MoE align kernel (`ops/moe/cuda._align_kernel`) at 35B-A3B's 256 experts (BLOCK_M 64, the
+    shipped CHUNK), counting `count` pairs a loop step (the launch's: min(ALIGN_COUNT, the pairs rounded up to a
+    power of two))."""
+    from deltaserve.ops.moe import cuda as moe_cuda
+
+    constants = {"BLOCK_M": 64, "BLOCK_E": triton.next_power_of_2(num_experts), "CHUNK": moe_cuda.ALIGN_CHUNK,
+                 "COUNT": count, "PDL": False}
+    types = {name: "*i32" for name in ("topk_ids", "sorted_pairs", "block_expert", "block_first", "block_rows")}
+    return _compile(moe_cuda._align_kernel, constants, types, {}, arch, num_warps or moe_cuda.ALIGN_WARPS, 1)
+
+
 def programs_per_sm(shared_bytes: int, registers_per_thread: int, num_warps: int) -> int:
     """Programs an sm_90 SM holds at once: by shared memory (each also reserves 1 KB), by registers and by
     threads (2,048)."""
@@ -316,7 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.sass_probe", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kernel", choices=["decode", "prefill", *GEMV_TILES, *MOE_ROW_KERNELS, "fp8-skinny",
-                                             "rms-norm"], default="decode")
+                                             "rms-norm", "align"], default="decode")
+    parser.add_argument("--count", type=int, default=None,
+                        help="the align kernel's pairs counted a step (a power of two; default: ALIGN_COUNT)")
     parser.add_argument("--norm", choices=sorted(NORM_VARIANTS), default="fp8-kept",
                         help="what the RMS norm writes: FP8 with the bf16 row kept (GDN's input), FP8, or bf16")
     parser.add_argument("--out-chunk", type=int, default=None,
@@ -337,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stages", type=int, default=None)
     parser.add_argument("--top", type=int, default=12, help="how many opcodes to list")
     args = parser.parse_args(argv)
-    for name in ("arch", "block_n", "block_k", "warps", "stages", "top", "rows", "split_k"):
+    for name in ("arch", "block_n", "block_k", "warps", "stages", "top", "rows", "split_k", "count"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -370,6 +386,15 @@ def main(argv: list[str] | None = None) -> int:
         what = (f"rms-norm writing {args.norm} (a row of {NORM_D:,} a program, {warps} warps"
                 f"{f', outputs {chunk} columns at a time' if chunk else ''}; {held} programs an SM: "
                 f"{SMS * held} rows in flight on {SMS} SMs)")
+    elif args.kernel == "align":
+        from deltaserve.ops.moe import cuda as moe_cuda
+
+        count = args.count or moe_cuda.ALIGN_COUNT
+        if count & (count - 1):
+            parser.error(f"--count must be a power of two, got {count}")
+        compiled = compile_align(count, arch=args.arch, num_warps=args.warps)
+        weights = None
+        what = f"align counting {count} pairs a step (256 experts, {compiled.metadata.num_warps} warps)"
     elif args.kernel in MOE_ROW_KERNELS:
         block_n, block_k = args.block_n or 8, args.block_k or 256
         compiled = compile_moe_row(args.kernel, args.format, args.arch, block_n, block_k, args.warps or 4)

@@ -62,6 +62,21 @@ def test_moe_one_token_kernels_multiply_on_the_cuda_cores(kernel, fmt):
 
 
 @pytest.mark.skipif(not os.path.exists(sass_probe.nvdisasm()), reason="Triton ships no nvdisasm here")
+def test_moe_align_kernel_counts_by_warp_ballots():
+    """The align kernel compiles for sm_90 and counts a step's pairs by a histogram (ballots and population counts),
+    not by one-hot [pairs, experts] tiles: 1,097 instructions for 1,024 pairs, where one-hot tiles took 344 for 32."""
+    out = run_probe("--kernel", "align", "--top", "200")
+    assert "align counting 1024 pairs a step" in out and "VOTE.ANY" in out and "POPC" in out, out
+    assert int(re.search(r"largest loop has (\d+) SASS", out).group(1)) < 2 * 1024, out
+
+
+def test_align_count_must_be_a_power_of_two(capsys):
+    with pytest.raises(SystemExit):
+        sass_probe.main(["--kernel", "align", "--count", "48"])
+    assert "--count must be a power of two, got 48" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not os.path.exists(sass_probe.nvdisasm()), reason="Triton ships no nvdisasm here")
 def test_fp8_skinny_gemm_multiplies_on_fp8_tensor_cores_and_reports_its_waves():
     """The FP8 skinny decode GEMM at 27B's gate/up: Hopper's FP8 warpgroup MMA in its loop, and how many programs
     an SM holds: at 64 rows a tile of 64 columns (4 stages, pointer loads) takes 64 KB of shared memory, 3 programs
