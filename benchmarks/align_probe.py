@@ -1,14 +1,16 @@
-"""The fused MoE path's grouping launch (ops/moe/cuda.align) by its shape: pairs compared at once (CHUNK) and warps.
+"""The fused MoE path's grouping launch (ops/moe/cuda.align) by its shape: pairs placed at once (CHUNK), warps,
+pairs counted at once (COUNT) and the most programs placing pairs.
 
     python -m benchmarks.align_probe [CONFIG_DIR] [--tokens 2,4,8,16,32,64] [--chunks 16,32,64,128]
         [--warps 1,2,4,8,16] [--counts 1024] [--pair-programs 64]
 
 For the MoE shape of the model in CONFIG_DIR (default Qwen3.5-35B-A3B), at each token count: the align kernel
 grouping given ids ("ids", as fused_experts after the routing kernel) and with the routing kernel before it from
-the router's logits ("routed", as fused_moe), each CHUNK x warps x COUNT x pair programs, inside CUDA graphs (benchmarks/timing.py); the
-routing kernel alone beside them. When the kernel was one program it took 20-22 us at 16 tokens and 51-64 us at 64
-on an H100, ~0.8 and ~2.5 ms of a 35B-A3B decode step (docs/performance.md): this times it and finds its shape.
-Prompt chunks (512-8,192 tokens) group on it too where the experts are quantized or the table names the bucket.
+the router's logits ("routed", as fused_moe), each CHUNK x warps x COUNT x pair programs, inside CUDA graphs
+(benchmarks/timing.py); the routing kernel alone beside them. When the kernel was one program it took 20-22 us at
+16 tokens and 51-64 us at 64 on an H100, ~0.8 and ~2.5 ms of a 35B-A3B decode step (docs/performance.md): this
+times it and finds its shape. Prompt chunks (512-8,192 tokens) group on it too where the experts are quantized or
+the table names the bucket.
 """
 
 from __future__ import annotations

@@ -25,10 +25,10 @@ property at 64 tokens, where 35B-A3B's 512 pairs fall on ~220 of 256 experts.
 The grouping runs on the device without a host sync, so a step captures into a CUDA graph: _align_kernel counts the
 pairs per expert (in every program, by histograms: no program waits for another), lays the pairs out sorted by
 (expert, pair index), a range of chunks a program (at most ALIGN_PAIR_PROGRAMS programs, so that the counting,
-which every program repeats, grows with the pairs and not with their square), and writes a block table (expert, first sorted pair, valid rows) for a grid
-sized by the worst case, min(E, T*k) blocks (plus T*k // BLOCK_M where BLOCK_M < T); blocks past the real count
-have 0 rows and exit. A single token (batch-1 decode) needs no grouping, its k experts being distinct: block j is
-its pair j, and the align launch is skipped.
+which every program repeats, grows with the pairs and not with their square), and writes a block table (expert,
+first sorted pair, valid rows) for a grid sized by the worst case, min(E, T*k) blocks (plus T*k // BLOCK_M where
+BLOCK_M < T); blocks past the real count have 0 rows and exit. A single token (batch-1 decode) needs no grouping,
+its k experts being distinct: block j is its pair j, and the align launch is skipped.
 
 Kernel A: act[pair] = silu(x_t @ Wg^T) * (x_t @ Wu^T), gate_up stacked [E, 2I, H] with the gate rows first,
 float32 accumulators, act rounded once to x's dtype: [T*k, I]. FP8 experts (W8A8) read x and act quantized per 128
@@ -86,7 +86,7 @@ from deltaserve.ops.split_k import arrives_last, store_split_of, sum_partials, t
 
 ALIGN_CHUNK = 32  # pairs (and blocks) the align kernel places at once: [ALIGN_CHUNK, BLOCK_E] one-hot tiles
 ALIGN_COUNT = 1024  # pairs the align kernel counts at once (a histogram of their experts; fewer where there are)
-ALIGN_PAIR_PROGRAMS = 64  # at most: every program counts all the pairs, so more programs place more chunks each
+ALIGN_PAIR_PROGRAMS = 64  # the most programs placing pairs (each counts all of them; beyond, each places more)
 ALIGN_WARPS = 4  # a program of the align kernel
 COMBINE_BLOCK = 1024
 ROUTE_WARPS = 1  # a routing kernel's program (one token)
@@ -184,7 +184,7 @@ def _align_kernel(topk_ids, sorted_pairs, block_expert, block_first, block_rows,
     c = tl.program_id(0)
     pairs_per_program = CHUNK * chunks_per_program
     pair_programs = tl.cdiv(num_pairs, pairs_per_program)
-    own_start = tl.where(c < pair_programs, c * pairs_per_program, 0)  # its pairs' first (block programs: unused)
+    own_start = tl.where(c < pair_programs, c * pairs_per_program, 0)  # its first pair (block programs: 0, no `before`)
     es = tl.arange(0, BLOCK_E)
     cs = tl.arange(0, CHUNK)
     ns = tl.arange(0, COUNT)
