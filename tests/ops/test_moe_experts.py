@@ -145,9 +145,10 @@ def test_align_groups_pairs_by_expert(tokens, experts, top_k, block_m):
     flat = ids.reshape(-1)
     pairs = flat.numel()
     sorted_pairs, table = moe_cuda.align(ids, experts, block_m)
-    # the kernel's shape (align_probe's sweep) changes nothing: counted 64 pairs at a time across program starts
-    # that 64 does not divide, and programs that place several chunks each, the last one short
-    for chunk, warps, count, programs in ((16, 2, 1024, 64), (64, 8, 1024, 64), (16, 4, 64, 3), (32, 4, 128, 2)):
+    # the kernel's shape (align_probe's sweep) changes nothing: counted 64 or 128 pairs at a time (at least a pair a
+    # thread) across program starts that the count does not divide, and programs placing several chunks each, the
+    # last one short
+    for chunk, warps, count, programs in ((16, 2, 1024, 64), (64, 8, 1024, 64), (16, 2, 64, 3), (32, 4, 128, 2)):
         other = moe_cuda.align(ids, experts, block_m, chunk=chunk, num_warps=warps, count=count,
                                pair_programs=programs)
         assert torch.equal(other[0], sorted_pairs) and torch.equal(other[1], table), (chunk, count, programs)

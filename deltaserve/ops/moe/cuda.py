@@ -85,7 +85,9 @@ from deltaserve.ops.quant_gemm.cuda_weight_only import _CODES
 from deltaserve.ops.split_k import arrives_last, store_split_of, sum_partials, tile_counters
 
 ALIGN_CHUNK = 32  # pairs (and blocks) the align kernel places at once: [ALIGN_CHUNK, BLOCK_E] one-hot tiles
-ALIGN_COUNT = 1024  # pairs the align kernel counts at once (a histogram of their experts; fewer where there are)
+# pairs the align kernel counts at once, a histogram of their experts: fewer where there are, but a pair a thread at
+# least, so that no pair is held by several threads (a case of the histogram's GPU lowering this code does not need)
+ALIGN_COUNT = 1024
 ALIGN_PAIR_PROGRAMS = 64  # the most programs placing pairs (each counts all of them; beyond, each places more)
 ALIGN_WARPS = 4  # a program of the align kernel
 COMBINE_BLOCK = 1024
@@ -207,7 +209,7 @@ def _align_kernel(topk_ids, sorted_pairs, block_expert, block_first, block_rows,
             earlier = (ids[:, None] == ids[None, :]) & (cs[None, :] < cs[:, None])  # [C, C]: q < p, same expert
             rank = tl.sum(earlier.to(tl.int32), axis=1)
             tl.store(sorted_pairs + base + rank, ps, mask=ps < num_pairs)
-            before += tl.histogram(ids, BLOCK_E, mask=ps < num_pairs)
+            before += tl.sum(hit.to(tl.int32), axis=0)  # ids are laid out for the [C, BE] tiles here: no histogram
     else:
         blocks = (counts + BLOCK_M - 1) // BLOCK_M
         block_end = tl.cumsum(blocks, axis=0)  # [BE] end of each expert's blocks
@@ -725,7 +727,7 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     grid = (triton.cdiv(pairs, chunk * chunks_per_program) + triton.cdiv(blocks, chunk),)
     _align_kernel[grid](ids, sorted_pairs, block_table[0], block_table[1], block_table[2], pairs, blocks,
                         chunks_per_program, BLOCK_M=block_m, BLOCK_E=triton.next_power_of_2(num_experts), CHUNK=chunk,
-                        COUNT=min(count, triton.next_power_of_2(pairs)), num_warps=num_warps,
+                        COUNT=max(min(count, triton.next_power_of_2(pairs)), 32 * num_warps), num_warps=num_warps,
                         **pdl.launch_args(topk_ids.device))
     return sorted_pairs, block_table
 
