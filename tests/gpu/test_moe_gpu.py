@@ -100,7 +100,7 @@ def test_align_sorts_the_pairs_of_a_prompt_chunk(experts, top_k, tokens):
     used = int((table[2] > 0).sum())
     assert table[2, used:].eq(0).all()
     expert, first, rows = table[:, :used].long()
-    assert torch.equal(torch.bincount(expert, weights=rows, minlength=experts).long(),
+    assert torch.equal(torch.bincount(expert, weights=rows.double(), minlength=experts).long(),
                        torch.bincount(flat, minlength=experts))
     assert first[0] == 0 and torch.equal(first[1:], first[:-1] + rows[:-1])  # consecutive, in order
 
